@@ -1,0 +1,103 @@
+"""The harness interface and the sealed scorer shared by every harness."""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.errors import UnknownTaskError
+
+
+class PredictionsError(Exception):
+    """predictions.csv is missing, malformed, incomplete or not finite: a method failure of the run."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prepared dataset. `public` is what stages see as {data}; `sealed` only the scorer reads."""
+
+    dataset_id: str
+    public: Path
+    sealed: Path
+
+
+class Harness:
+    name: str = ""
+    suites: dict[str, list[str]] = {}
+    metrics: set[str] = {"auc"}
+
+    def tasks(self, suite: str, subset: list[str] | None = None) -> list[str]:
+        known = self.suites[suite]
+        if subset is None:
+            return list(known)
+        for t in subset:
+            if t not in known:
+                raise UnknownTaskError(f"unknown task {t!r} in suite {suite!r}; expected one of {known}")
+        return list(subset)
+
+    def prepare(self, state_dir: Path, suite: str, data_seed: int) -> Prepared:  # pragma: no cover
+        raise NotImplementedError
+
+    def test_ids(self, prepared: Prepared) -> np.ndarray:  # pragma: no cover
+        raise NotImplementedError
+
+    def test_labels(self, prepared: Prepared, task: str) -> np.ndarray:  # pragma: no cover
+        raise NotImplementedError
+
+    def score(self, prepared: Prepared, task: str, predictions: Path, metric: str = "auc") -> float:
+        """Score a run's predictions.csv (columns id,score) against the sealed test labels."""
+        ids = self.test_ids(prepared)
+        labels = self.test_labels(prepared, task)
+        scores = read_predictions(predictions, ids)
+        if metric != "auc":
+            raise ValueError(f"unknown metric {metric!r}")
+        return auc(labels, scores)
+
+
+def read_predictions(path: Path, ids: np.ndarray) -> np.ndarray:
+    """Return scores aligned with `ids`; raise PredictionsError for anything but one finite score per id."""
+    path = Path(path)
+    if not path.is_file():
+        raise PredictionsError(f"{path.name} not found")
+    try:
+        with path.open(newline="") as fh:
+            rows = list(csv.reader(fh))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise PredictionsError(f"{path.name} unreadable: {e}") from None
+    if not rows or [c.strip().lower() for c in rows[0]] != ["id", "score"]:
+        raise PredictionsError(f"{path.name}: expected header 'id,score'")
+    got: dict[int, float] = {}
+    for n, row in enumerate(rows[1:], start=2):
+        if len(row) != 2:
+            raise PredictionsError(f"{path.name}:{n}: expected 2 columns, got {len(row)}")
+        try:
+            i, s = int(row[0]), float(row[1])
+        except ValueError:
+            raise PredictionsError(f"{path.name}:{n}: expected an integer id and a number") from None
+        if not math.isfinite(s):
+            raise PredictionsError(f"{path.name}:{n}: score is not finite ({row[1]})")
+        if i in got:
+            raise PredictionsError(f"{path.name}:{n}: duplicate id {i}")
+        got[i] = s
+    missing = [int(i) for i in ids if int(i) not in got]
+    if missing:
+        raise PredictionsError(f"{path.name}: {len(missing)} test ids missing (first {missing[0]})")
+    if len(got) != len(ids):
+        raise PredictionsError(f"{path.name}: {len(got) - len(ids)} ids that are not test ids")
+    return np.array([got[int(i)] for i in ids], dtype=np.float64)
+
+
+def auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """ROC AUC by the rank statistic (Mann-Whitney U), ties counted as one half."""
+    from scipy.stats import rankdata
+
+    labels = np.asarray(labels).astype(bool)
+    n_pos, n_neg = int(labels.sum()), int((~labels).sum())
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("AUC needs both classes in the labels")
+    ranks = rankdata(scores)
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))

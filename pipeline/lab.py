@@ -1,0 +1,285 @@
+"""The lab contract: `research.toml` loaded into typed models, checked before anything runs.
+
+Every mistake becomes a `LabConfigError` naming the file, the key and what was expected, so the
+CLI can print one line and exit 2 instead of failing halfway through a night of runs.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.errors import LabConfigError, LabNotFoundError
+
+CONFIG_NAME = "research.toml"
+BASELINE_BRANCH = "autoresearch/baseline"
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_-]*)\}")
+BUILTIN_PLACEHOLDERS = {"data", "task", "seed", "out"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LabSection(_Strict):
+    name: str = Field(min_length=1)
+    program: str = "program.md"
+    editable: list[str] = Field(min_length=1)
+
+
+class BenchmarkSection(_Strict):
+    harness: str = "transactions"
+    suite: str = "small"
+    metric: str = "auc"
+    higher_is_better: bool = True
+    data_seed: int = Field(default=0, ge=0)
+    tasks: list[str] | None = None  # a subset of the suite; None = every task
+    customers: int | None = Field(default=None, ge=200)  # dataset size override (tests, smoke runs)
+
+
+class StageSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
+    run: str = Field(min_length=1)
+    scope: Literal["seed", "run"] = "run"
+    needs: list[str] = Field(default_factory=list)
+    inputs: list[str] = Field(default_factory=list)
+
+
+class RunSection(_Strict):
+    timeout_s: float = Field(default=900, gt=0)
+    cpus: int = Field(default=1, ge=1)
+    gpus: int = Field(default=0, ge=0)
+    retries: int = Field(default=2, ge=0)
+    memory_mb: int | None = Field(default=None, gt=0)
+
+
+class GateSection(_Strict):
+    protocol: Literal["sequential", "fixed"] = "sequential"
+    baseline_runs: int = Field(default=5, ge=2)
+    looks: list[int] = Field(default_factory=lambda: [2, 5, 10], min_length=1)
+    alpha: float = Field(default=0.025, gt=0, lt=0.5)
+    futility_p: float = Field(default=0.30, gt=0, lt=1)
+    harm_q: float = Field(default=0.10, gt=0, lt=1)
+
+    @field_validator("looks")
+    @classmethod
+    def _increasing(cls, looks: list[int]) -> list[int]:
+        if looks[0] < 2 or any(b <= a for a, b in zip(looks, looks[1:])):
+            raise ValueError("expected strictly increasing run counts, the first at least 2")
+        return looks
+
+
+class AgentSection(_Strict):
+    model: str = "gpt-4.1-mini"
+    max_in_flight: int = Field(default=1, ge=1)
+    max_usd_per_day: float = Field(default=20.0, ge=0)
+    repair_rounds: int = Field(default=2, ge=0)
+
+
+class ResearchConfig(_Strict):
+    lab: LabSection
+    benchmark: BenchmarkSection = BenchmarkSection()
+    stage: list[StageSpec] = Field(min_length=1)
+    run: RunSection = RunSection()
+    gate: GateSection = GateSection()
+    agent: AgentSection = AgentSection()
+    search_space: dict[str, list[Any]] = Field(default_factory=dict)
+
+    @field_validator("search_space")
+    @classmethod
+    def _space(cls, space: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for key, values in space.items():
+            if not re.fullmatch(r"[A-Za-z_][\w-]*\.[A-Za-z_][\w-]*", key):
+                raise ValueError(f"key {key!r}: expected 'section.key' of config.toml")
+            if not values:
+                raise ValueError(f"key {key!r}: expected a non-empty list of values")
+        return space
+
+    @model_validator(mode="after")
+    def _dag(self) -> "ResearchConfig":
+        check_stage_graph(self.stage)
+        return self
+
+
+class StageGraphError(ValueError):
+    def __init__(self, key: str, expected: str):
+        self.key = key
+        super().__init__(expected)
+
+
+def check_stage_graph(stages: list[StageSpec]) -> list[StageSpec]:
+    """Unique names, known needs, placeholders that exist, no cycles, exactly one final stage.
+
+    Returns the stages in a topological order.
+    """
+    names = [s.name for s in stages]
+    by_name = {s.name: s for s in stages}
+    for i, s in enumerate(stages):
+        key = f"stage[{i}]"
+        if names.count(s.name) > 1:
+            raise StageGraphError(f"{key}.name", f"duplicate stage name {s.name!r}")
+        if s.name in BUILTIN_PLACEHOLDERS:
+            raise StageGraphError(f"{key}.name", f"{s.name!r} is reserved; expected another name")
+        for need in s.needs:
+            if need not in by_name:
+                raise StageGraphError(f"{key}.needs", f"unknown stage {need!r}; expected one of {names}")
+            if s.scope == "seed" and by_name[need].scope == "run":
+                raise StageGraphError(
+                    f"{key}.needs", f"seed-scoped stage {s.name!r} cannot need run-scoped {need!r}"
+                )
+        for ph in PLACEHOLDER.findall(s.run):
+            if ph in BUILTIN_PLACEHOLDERS:
+                if ph == "task" and s.scope == "seed":
+                    raise StageGraphError(
+                        f"{key}.run", "{task} in a seed-scoped stage; expected scope = \"run\""
+                    )
+                continue
+            if ph not in s.needs:
+                raise StageGraphError(
+                    f"{key}.run",
+                    f"placeholder {{{ph}}} is not a built-in ({', '.join(sorted(BUILTIN_PLACEHOLDERS))}) "
+                    f"or a stage listed in needs",
+                )
+    order: list[StageSpec] = []
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        if state.get(name) == 2:
+            return
+        if state.get(name) == 1:
+            cycle = " -> ".join(path[path.index(name):] + [name])
+            raise StageGraphError("stage.needs", f"stage cycle {cycle}; expected a DAG")
+        state[name] = 1
+        for need in by_name[name].needs:
+            visit(need, path + [name])
+        state[name] = 2
+        order.append(by_name[name])
+
+    for name in names:
+        visit(name, [])
+    needed = {n for s in stages for n in s.needs}
+    finals = [s.name for s in stages if s.name not in needed]
+    if len(finals) != 1:
+        raise StageGraphError("stage", f"expected exactly one final stage (writing predictions.csv), found {finals}")
+    if by_name[finals[0]].scope != "run":
+        raise StageGraphError("stage", f"final stage {finals[0]!r} must have scope = \"run\"")
+    return order
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.startswith("function-") or part in {"literal_error"}:
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _explain(err: dict[str, Any]) -> str:
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        return "unknown key; expected one of the documented keys (see DESIGN §3)"
+    if err["type"] == "missing":
+        return "missing; this key is required"
+    msg = msg.removeprefix("Value error, ")
+    got = err.get("input")
+    if err["type"] not in {"value_error"} and not isinstance(got, (dict, list)):
+        msg += f", got {got!r}"
+    return "expected " + msg[0].lower() + msg[1:] if not msg.startswith("expected") else msg
+
+
+def parse_config(text: str, path: str | Path = CONFIG_NAME) -> ResearchConfig:
+    """Parse and validate research.toml text; raise `LabConfigError` on any problem."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise LabConfigError(path, "", f"not valid TOML ({e})") from None
+    try:
+        return ResearchConfig.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        ctx = err.get("ctx", {}).get("error")
+        if isinstance(ctx, StageGraphError):
+            raise LabConfigError(path, ctx.key, str(ctx)) from None
+        raise LabConfigError(path, _loc(err["loc"]), _explain(err)) from None
+
+
+class Lab:
+    """A lab on disk: its root, its parsed config and the paths of its state folder (`runs/`)."""
+
+    def __init__(self, root: Path, config: ResearchConfig):
+        self.root = root
+        self.config = config
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / CONFIG_NAME
+
+    @property
+    def state(self) -> Path:
+        return self.root / "runs"
+
+    def stages_in_order(self) -> list[StageSpec]:
+        return check_stage_graph(list(self.config.stage))
+
+    def tasks(self) -> list[str]:
+        from pipeline.harness import get_harness
+
+        harness = get_harness(self.config.benchmark.harness)
+        return harness.tasks(self.config.benchmark.suite, self.config.benchmark.tasks)
+
+
+def load_lab(root: str | Path, check_files: bool = True) -> Lab:
+    """Load and fully validate the lab at `root`: config, harness, suite, tasks, editable files."""
+    root = Path(root).resolve()
+    path = root / CONFIG_NAME
+    if not path.is_file():
+        raise LabNotFoundError(f"{root}: no {CONFIG_NAME} here; create a lab with `autoresearch init DIR`")
+    config = parse_config(path.read_text(encoding="utf-8"), path)
+    validate_against_harness(config, path)
+    if check_files:
+        _check_files(root, config, path)
+    return Lab(root, config)
+
+
+def validate_against_harness(config: ResearchConfig, path: str | Path) -> None:
+    from pipeline.harness import HARNESSES, get_harness
+
+    bench = config.benchmark
+    if bench.harness not in HARNESSES:
+        raise LabConfigError(path, "benchmark.harness", f"unknown harness {bench.harness!r}; expected one of {sorted(HARNESSES)}")
+    harness = get_harness(bench.harness)
+    if bench.suite not in harness.suites:
+        raise LabConfigError(path, "benchmark.suite", f"unknown suite {bench.suite!r}; expected one of {sorted(harness.suites)}")
+    if bench.metric not in harness.metrics:
+        raise LabConfigError(path, "benchmark.metric", f"unknown metric {bench.metric!r}; expected one of {sorted(harness.metrics)}")
+    if bench.tasks is not None:
+        known = harness.tasks(bench.suite)
+        for t in bench.tasks:
+            if t not in known:
+                raise LabConfigError(path, "benchmark.tasks", f"unknown task {t!r} in suite {bench.suite!r}; expected one of {known}")
+
+
+def _check_files(root: Path, config: ResearchConfig, path: Path) -> None:
+    if not (root / config.lab.program).is_file():
+        raise LabConfigError(path, "lab.program", f"file {config.lab.program!r} not found in the lab")
+    for pattern in config.lab.editable:
+        _check_glob(root, pattern, path, "lab.editable")
+    for i, stage in enumerate(config.stage):
+        for pattern in stage.inputs:
+            _check_glob(root, pattern, path, f"stage[{i}].inputs")
+
+
+def _check_glob(root: Path, pattern: str, path: Path, key: str) -> None:
+    if Path(pattern).is_absolute() or ".." in Path(pattern).parts:
+        raise LabConfigError(path, key, f"{pattern!r} leaves the lab; expected a path relative to the lab root")
+    if not glob.glob(str(root / pattern), recursive=True):
+        raise LabConfigError(path, key, f"{pattern!r} matches no file in the lab; expected an existing file")
