@@ -61,27 +61,41 @@ def init(
     typer.echo(f"lab created at {root} (suite {suite}); baseline branch autoresearch/baseline", err=True)
 
 
+@app.command()
+def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Validate the lab (research.toml, harness, tasks, editable files) and summarise it."""
+    from pipeline.lab import load_lab
+
+    lab = load_lab(Ctx.repo)
+    cfg = lab.config
+    summary = {
+        "lab": cfg.lab.name,
+        "root": str(lab.root),
+        "harness": cfg.benchmark.harness,
+        "suite": cfg.benchmark.suite,
+        "tasks": lab.tasks(),
+        "stages": [s.name for s in lab.stages_in_order()],
+        "editable": cfg.lab.editable,
+        "protocol": cfg.gate.protocol,
+        "looks": cfg.gate.looks,
+    }
+    if as_json:
+        emit_json(summary)
+    else:
+        for key, value in summary.items():
+            typer.echo(f"{key:10s} {', '.join(map(str, value)) if isinstance(value, list) else value}")
+
+
 def main() -> None:
-    """Console-script entry point: user errors become one line and exit code 2."""
+    """Console-script entry point: user errors become one line and exit code 2.
+
+    Usage errors (unknown command or option) are typer's own, also exit code 2.
+    """
     try:
-        app(standalone_mode=False)
+        app()
     except UserError as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except typer.Abort:
-        typer.echo("aborted", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as e:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(2 if isinstance(e, click.UsageError) else 1)
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
-        raise
 
 
 if __name__ == "__main__":

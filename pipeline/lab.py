@@ -121,7 +121,7 @@ def check_stage_graph(stages: list[StageSpec]) -> list[StageSpec]:
     by_name = {s.name: s for s in stages}
     for i, s in enumerate(stages):
         key = f"stage[{i}]"
-        if names.count(s.name) > 1:
+        if s.name in names[:i]:
             raise StageGraphError(f"{key}.name", f"duplicate stage name {s.name!r}")
         if s.name in BUILTIN_PLACEHOLDERS:
             raise StageGraphError(f"{key}.name", f"{s.name!r} is reserved; expected another name")

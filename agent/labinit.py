@@ -1,0 +1,60 @@
+"""`autoresearch init`: a new lab from the bundled template, as a git repo with a baseline branch."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from pipeline.errors import InitError
+from pipeline.lab import BASELINE_BRANCH, CONFIG_NAME, load_lab
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "pipeline" / "templates"
+AUTHOR = ("autoresearch", "autoresearch@localhost")
+
+
+def template_dir(harness: str = "transactions") -> Path:
+    return TEMPLATES / harness
+
+
+def init_lab(directory: str | Path, suite: str = "small", force: bool = False, harness: str = "transactions") -> Path:
+    """Copy the template, commit it, and point `autoresearch/baseline` at that commit.
+
+    The working tree stays on `main`: the loop measures commits in worktrees of its own, and
+    promotions move the baseline branch without touching what a researcher has checked out.
+    """
+    import git
+
+    from pipeline.harness import get_harness
+
+    root = Path(directory).resolve()
+    if suite not in get_harness(harness).suites:
+        raise InitError(f"unknown suite {suite!r}; expected one of {sorted(get_harness(harness).suites)}")
+    if root.exists() and not root.is_dir():
+        raise InitError(f"{root} exists and is not a directory")
+    if root.exists() and any(root.iterdir()) and not force:
+        raise InitError(f"{root} is not empty; pass --force to create the lab there anyway")
+    root.mkdir(parents=True, exist_ok=True)
+    src = template_dir(harness)
+    for item in src.iterdir():
+        if item.name in {"__pycache__"} or item.suffix == ".pyc":
+            continue
+        target = root / (".gitignore" if item.name == "gitignore" else item.name)
+        shutil.copy2(item, target)
+    config = root / CONFIG_NAME
+    config.write_text(re.sub(r'(?m)^suite = "\w+"', f'suite = "{suite}"', config.read_text()))
+    load_lab(root)  # the template must itself satisfy the contract
+
+    repo = git.Repo.init(root, initial_branch="main") if not (root / ".git").exists() else git.Repo(root)
+    with repo.config_writer() as cw:
+        if not repo.config_reader().has_option("user", "name"):
+            cw.set_value("user", "name", AUTHOR[0])
+            cw.set_value("user", "email", AUTHOR[1])
+    repo.git.add(A=True)
+    repo.index.commit(f"Lab from the {harness} template (suite {suite})")
+    if BASELINE_BRANCH in repo.heads:
+        repo.heads[BASELINE_BRANCH].commit = repo.head.commit
+    else:
+        repo.create_head(BASELINE_BRANCH, repo.head.commit)
+    (root / "runs").mkdir(exist_ok=True)
+    return root

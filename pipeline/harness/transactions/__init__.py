@@ -1,0 +1,96 @@
+"""Harness "transactions": a CPU-sized miniature of a bank's multi-task transaction benchmark.
+
+`prepare` writes the public data a stage sees as `{data}` (train/val labels, test features only)
+and, in a separate folder that no stage argument reaches, the sealed test labels that only
+`score` reads.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.harness.base import Harness, Prepared
+from pipeline.harness.transactions import data as gen
+
+GENERATOR_VERSION = 1
+
+
+class TransactionsHarness(Harness):
+    name = "transactions"
+    suites = gen.SUITES
+    metrics = {"auc"}
+
+    def dataset_id(self, suite: str, data_seed: int, customers: int | None = None) -> str:
+        n = customers or gen.DEFAULT_CUSTOMERS[suite]
+        return f"transactions-v{GENERATOR_VERSION}-{suite}-d{data_seed}-n{n}"
+
+    def prepare(self, state_dir: Path, suite: str, data_seed: int, customers: int | None = None) -> Prepared:
+        """Generate once per (suite, data seed, size); later calls, from any process, reuse it."""
+        state_dir = Path(state_dir)
+        did = self.dataset_id(suite, data_seed, customers)
+        prepared = Prepared(did, state_dir / "data" / did, state_dir / "sealed" / did)
+        if (prepared.public / "meta.json").is_file() and (prepared.sealed / "test_labels.npz").is_file():
+            return prepared
+        (state_dir / "data").mkdir(parents=True, exist_ok=True)
+        with open(state_dir / "data" / f".{did}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (prepared.public / "meta.json").is_file():
+                self._write(prepared, suite, data_seed, customers)
+        return prepared
+
+    def _write(self, prepared: Prepared, suite: str, data_seed: int, customers: int | None) -> None:
+        ds = gen.generate(suite, data_seed, customers)
+        test = ds.split == 2
+        sealed_tmp = Path(tempfile.mkdtemp(dir=_mk(prepared.sealed.parent)))  # mkdtemp makes it 0700
+        np.savez(sealed_tmp / "test_labels.npz", ids=ds.ids[test], **{t: y[test] for t, y in ds.labels.items()})
+        shutil.rmtree(prepared.sealed, ignore_errors=True)
+        os.replace(sealed_tmp, prepared.sealed)
+
+        tmp = Path(tempfile.mkdtemp(dir=prepared.public.parent))
+        np.savez(tmp / "customers.npz", id=ds.ids, split=ds.split, tabular=ds.tabular)
+        np.savez(tmp / "events.npz", **ds.events)
+        # Test rows carry -1: the labels a stage can read stop at train and val.
+        np.savez(tmp / "labels.npz", **{t: np.where(test, -1, y).astype(np.int8) for t, y in ds.labels.items()})
+        meta = {
+            "dataset_id": prepared.dataset_id,
+            "suite": suite,
+            "data_seed": data_seed,
+            "customers": int(len(ds.ids)),
+            "tasks": list(ds.labels),
+            "sources": gen.SOURCES,
+            "categories": gen.N_CATEGORIES,
+            "amount_buckets": gen.N_AMOUNT_BUCKETS,
+            "window_days": gen.WINDOW_DAYS,
+            "tabular": gen.TABULAR,
+            "tabular_groups": {"basic": gen.BASIC_TABULAR, "bureau": gen.BUREAU_TABULAR},
+            "splits": {"train": int((ds.split == 0).sum()), "val": int((ds.split == 1).sum()), "test": int(test.sum())},
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        os.chmod(tmp, 0o755)
+        shutil.rmtree(prepared.public, ignore_errors=True)
+        os.replace(tmp, prepared.public)
+
+    def test_ids(self, prepared: Prepared) -> np.ndarray:
+        with np.load(prepared.sealed / "test_labels.npz") as z:
+            return z["ids"]
+
+    def test_labels(self, prepared: Prepared, task: str) -> np.ndarray:
+        with np.load(prepared.sealed / "test_labels.npz") as z:
+            if task not in z.files:
+                from pipeline.errors import UnknownTaskError
+
+                raise UnknownTaskError(f"unknown task {task!r} for dataset {prepared.dataset_id}")
+            return z[task]
+
+
+def _mk(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path

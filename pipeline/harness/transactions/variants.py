@@ -1,0 +1,53 @@
+"""Known edits of the transactions template, for benchmarks and end-to-end tests.
+
+`PLANTED` are real gains the template baseline leaves on the table (proved by
+`benchmarks/headroom.py`); `NOOPS` are behaviour-preserving edits that a sound gate must never
+promote. Each edit is a search/replace on one template file, the same shape the agent produces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: str
+    search: str
+    replace: str
+
+
+PLANTED: dict[str, list[Edit]] = {
+    # PIX transfers reveal risk, gambling and family: the baseline does not read them.
+    "add_pix_source": [Edit("config.toml", 'sources = ["card"]', 'sources = ["card", "pix"]')],
+    # The fine-tuning learning rate of the LoRA adapters was never tuned and is far too low.
+    "finetune_lr": [Edit("config.toml", "lr = 3e-4", "lr = 3e-3")],
+    # The credit-bureau columns are in the data but the baseline only reads the demographic ones.
+    "bureau_features": [Edit("config.toml", 'tabular = "basic"', 'tabular = "all"')],
+}
+
+NOOPS: dict[str, list[Edit]] = {
+    "config_comment": [
+        Edit("config.toml", "[model]\n", "[model]\n# width and depth of the event transformer; LoRA settings below\n"),
+    ],
+    "cross_network_rename": [
+        Edit(
+            "model.py",
+            "        x = x0\n        for layer in self.layers:\n            x = x0 * layer(x) + x\n        return x\n",
+            "        x_l = x0\n        for cross in self.layers:\n            x_l = x0 * cross(x_l) + x_l\n        return x_l\n",
+        ),
+    ],
+}
+
+
+class EditError(Exception):
+    """The search text is not in the file exactly once."""
+
+
+def apply_edit(root: Path, edit: Edit) -> None:
+    path = Path(root) / edit.path
+    text = path.read_text()
+    if text.count(edit.search) != 1:
+        raise EditError(f"{edit.path}: search text found {text.count(edit.search)} times, expected once")
+    path.write_text(text.replace(edit.search, edit.replace))

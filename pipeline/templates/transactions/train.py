@@ -1,0 +1,199 @@
+"""Pretraining and fine-tuning. The pipeline runs these as stages (see research.toml):
+
+    python train.py pretrain --data DIR --seed S --out DIR
+    python train.py finetune --data DIR --task T --seed S --pretrained DIR --out DIR
+
+`finetune` writes {out}/predictions.csv (id,score) for the test customers; the harness scores it.
+Hyperparameters live in config.toml next to this file.
+"""
+
+import argparse
+import json
+import math
+import time
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from model import Classifier, EventTransformer
+
+HERE = Path(__file__).resolve().parent
+N_TIME_BUCKETS = 8  # log2 buckets of days before the reference date
+
+
+def load_config():
+    with open(HERE / "config.toml", "rb") as fh:
+        return tomllib.load(fh)
+
+
+# ---------------------------------------------------------------------------- data
+
+def load_sequences(data_dir, sources, max_events):
+    """Left-padded token, recency and hour arrays [customers, max_events + 1], BOS before the events."""
+    meta = json.loads((data_dir / "meta.json").read_text())
+    ev = np.load(data_dir / "events.npz")
+    n_customers = len(ev["offsets"]) - 1
+    n_amount = meta["amount_buckets"]
+    offset, vocab_size = {}, 2  # 0 = padding, 1 = BOS
+    for i, source in enumerate(meta["sources"]):
+        offset[i] = vocab_size
+        vocab_size += meta["categories"][source] * n_amount
+
+    keep = np.isin(ev["source"], [meta["sources"].index(s) for s in sources])
+    cust, source = ev["customer"][keep], ev["source"][keep]
+    token = np.array([offset[s] for s in range(len(meta["sources"]))])[source]
+    token = token + ev["category"][keep].astype(np.int64) * n_amount + ev["amount_bucket"][keep]
+    recency = np.minimum(np.log2(1 + ev["day"][keep]).astype(np.int64), N_TIME_BUCKETS - 1)
+    hour = ev["hour"][keep].astype(np.int64) // 6
+
+    counts = np.bincount(cust, minlength=n_customers)
+    from_end = np.cumsum(counts)[cust] - 1 - np.arange(len(cust))  # 0 = most recent event
+    sel = from_end < max_events
+    length = max_events + 1
+    col = length - 1 - from_end[sel]
+    tokens = np.zeros((n_customers, length), dtype=np.int64)
+    times = np.zeros((n_customers, length), dtype=np.int64)
+    hours = np.full((n_customers, length), 4, dtype=np.int64)
+    tokens[cust[sel], col], times[cust[sel], col], hours[cust[sel], col] = token[sel], recency[sel], hour[sel]
+    tokens[np.arange(n_customers), length - 1 - np.minimum(counts, max_events)] = 1
+    return torch.from_numpy(tokens), torch.from_numpy(times), torch.from_numpy(hours), vocab_size
+
+
+def load_tabular(data_dir, which):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    customers = np.load(data_dir / "customers.npz")
+    columns = meta["tabular_groups"]["basic"] if which == "basic" else meta["tabular"]
+    idx = [meta["tabular"].index(c) for c in columns]
+    return customers["id"], customers["split"], torch.from_numpy(customers["tabular"][:, idx])
+
+
+def auc(labels, scores):
+    """Rank AUC, enough for model selection on the validation split."""
+    order = np.argsort(scores, kind="stable")
+    ranks = np.empty(len(scores))
+    ranks[order] = np.arange(1, len(scores) + 1)
+    pos = labels == 1
+    n_pos, n_neg = pos.sum(), (~pos).sum()
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def batches(n, batch_size, generator):
+    perm = torch.randperm(n, generator=generator)
+    return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
+
+
+# ---------------------------------------------------------------------------- pretrain
+
+def pretrain(args):
+    cfg = load_config()
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens, times, hours, vocab_size = load_sequences(Path(args.data), cfg["data"]["sources"], cfg["data"]["max_events"])
+    m = cfg["model"]
+    arch = dict(vocab_size=vocab_size, n_time_buckets=N_TIME_BUCKETS, max_len=tokens.shape[1],
+                d_model=m["d_model"], n_layers=m["n_layers"], n_heads=m["n_heads"], dropout=m["dropout"])
+    model = EventTransformer(**arch)
+    p = cfg["pretrain"]
+    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
+    steps = p["epochs"] * math.ceil(len(tokens) / p["batch_size"])
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=p["lr"], total_steps=steps, pct_start=0.1)
+    start, n_tokens = time.time(), 0
+    model.train()
+    for epoch in range(p["epochs"]):
+        for idx in batches(len(tokens), p["batch_size"], gen):
+            loss = model.next_event_loss(tokens[idx], times[idx], hours[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            n_tokens += int((tokens[idx] != 0).sum())
+        print(f"pretrain epoch {epoch} loss {loss.item():.4f}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"arch": arch, "state": model.state_dict()}, out / "model.pt")
+    seconds = time.time() - start
+    (out / "metrics.json").write_text(json.dumps({"loss": loss.item(), "seconds": seconds, "tokens": n_tokens,
+                                                  "tokens_per_s": n_tokens / seconds}))
+
+
+# ---------------------------------------------------------------------------- finetune
+
+def finetune(args):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = load_config()
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    data = Path(args.data)
+    tokens, times, hours, _ = load_sequences(data, cfg["data"]["sources"], cfg["data"]["max_events"])
+    ids, split, tabular = load_tabular(data, cfg["data"]["tabular"])
+    labels = np.load(data / "labels.npz")[args.task]
+
+    ckpt = torch.load(Path(args.pretrained) / "model.pt", weights_only=True)
+    backbone = EventTransformer(**ckpt["arch"])
+    backbone.load_state_dict(ckpt["state"])
+    m, f = cfg["model"], cfg["finetune"]
+    lora = LoraConfig(r=m["lora_rank"], lora_alpha=m["lora_alpha"], target_modules=["qkv", "proj", "fc", "out"],
+                      lora_dropout=0.0, bias="none")
+    backbone = get_peft_model(backbone, lora)  # freezes the pretrained weights, adds trainable adapters
+    model = Classifier(backbone, m["d_model"], tabular.shape[1], m["cross_layers"], m["dropout"])
+    adapter = [p for n, p in model.named_parameters() if p.requires_grad and n.startswith("backbone.")]
+    head = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("backbone.")]
+    opt = torch.optim.AdamW([{"params": adapter, "lr": f["lr"]}, {"params": head, "lr": f["head_lr"]}],
+                            weight_decay=f["weight_decay"])
+
+    train, val, test = (torch.from_numpy(np.flatnonzero(split == k)) for k in (0, 1, 2))
+    y = torch.from_numpy(labels.astype(np.float32))
+
+    def predict(rows):
+        model.eval()
+        with torch.no_grad():
+            out = [model(tokens[i], times[i], hours[i], tabular[i]) for i in rows.split(512)]
+        return torch.cat(out).numpy()
+
+    best_auc, best_state = -1.0, None
+    for epoch in range(f["epochs"]):
+        model.train()
+        for b in batches(len(train), f["batch_size"], gen):
+            i = train[b]
+            loss = F.binary_cross_entropy_with_logits(model(tokens[i], times[i], hours[i], tabular[i]), y[i])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        val_auc = auc(labels[val.numpy()], predict(val))
+        print(f"finetune {args.task} epoch {epoch} loss {loss.item():.4f} val_auc {val_auc:.4f}", flush=True)
+        if val_auc > best_auc:
+            best_auc, best_state = val_auc, {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(best_state)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    scores = predict(test)
+    with open(out / "predictions.csv", "w") as fh:
+        fh.write("id,score\n")
+        fh.writelines(f"{i},{s:.6f}\n" for i, s in zip(ids[test.numpy()], scores))
+    (out / "metrics.json").write_text(json.dumps({"val_auc": best_auc}))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pretrain")
+    p.add_argument("--data", required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--out", required=True)
+    f = sub.add_parser("finetune")
+    f.add_argument("--data", required=True)
+    f.add_argument("--task", required=True)
+    f.add_argument("--seed", type=int, required=True)
+    f.add_argument("--pretrained", required=True)
+    f.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    {"pretrain": pretrain, "finetune": finetune}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
