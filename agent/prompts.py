@@ -1,0 +1,111 @@
+"""Prompt templates: every word the LLM is sent lives in `prompts/<name>.md`; code only fills them.
+
+Why templates and not f-strings in code: a researcher tunes the agent by editing Markdown, reviews
+prompts as text, and a diff of a prompt reads like a diff of prose. Each template starts with an HTML
+comment listing its placeholders; the comment is documentation and is stripped before sending.
+
+Filling is strict, like `str.format_map` but stricter: a placeholder without a value is an error
+naming it, and so is a value the template does not use — code and templates drift apart silently
+otherwise. Literal braces are written `{{` and `}}`.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+
+_LEADING_COMMENT = re.compile(r"\A\s*<!--.*?-->\s*", re.DOTALL)
+_IDENTIFIER = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+class PromptError(Exception):
+    """A prompt template is missing, malformed, or was filled with the wrong values."""
+
+
+class PromptNotFound(PromptError):
+    """No `prompts/<name>.md`."""
+
+
+class MissingPlaceholder(PromptError):
+    """A template placeholder was given no value."""
+
+    def __init__(self, template: str, missing: list[str]):
+        self.template, self.missing = template, missing
+        super().__init__(f"prompt {template!r}: no value for placeholder(s) {', '.join(missing)}")
+
+
+class UnusedValue(PromptError):
+    """A value was given for a placeholder the template does not have."""
+
+    def __init__(self, template: str, unused: list[str]):
+        self.template, self.unused = template, unused
+        super().__init__(f"prompt {template!r}: template has no placeholder(s) {', '.join(unused)}")
+
+
+@dataclass(frozen=True)
+class Template:
+    """A loaded template: its body (header comment removed) and the placeholders the body uses."""
+
+    name: str
+    body: str
+    placeholders: frozenset[str]
+    documented: frozenset[str]  # the `{name}`s listed in the header comment
+
+    def render(self, **values: Any) -> str:
+        """The body with every placeholder replaced by `str(value)`; strict about missing/unused keys."""
+        missing = sorted(self.placeholders - values.keys())
+        if missing:
+            raise MissingPlaceholder(self.name, missing)
+        unused = sorted(values.keys() - self.placeholders)
+        if unused:
+            raise UnusedValue(self.name, unused)
+        return self.body.format_map(values)
+
+
+def _parse(name: str, text: str) -> Template:
+    header = _LEADING_COMMENT.match(text)
+    body = text[header.end():] if header else text
+    documented = frozenset(re.findall(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", header.group(0))) if header else frozenset()
+    fields: set[str] = set()
+    try:
+        parsed = list(string.Formatter().parse(body))
+    except ValueError as e:  # a lone brace
+        raise PromptError(f"prompt {name!r}: {e} (write literal braces as {{{{ and }}}})") from None
+    for _literal, field, spec, conversion in parsed:
+        if field is None:
+            continue
+        if not _IDENTIFIER.match(field) or spec or conversion:
+            raise PromptError(f"prompt {name!r}: placeholder {{{field}}} must be a plain name like {{program}}")
+        fields.add(field)
+    return Template(name, body.strip() + "\n", frozenset(fields), documented)
+
+
+@lru_cache(maxsize=64)
+def _load_cached(path: Path, mtime_ns: int) -> Template:
+    return _parse(path.stem, path.read_text(encoding="utf-8"))
+
+
+def load(name: str, directory: Path | None = None) -> Template:
+    """Load `prompts/<name>.md` (or `<directory>/<name>.md`); re-read when the file changes."""
+    path = (directory or PROMPTS_DIR) / f"{name}.md"
+    try:
+        mtime = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        raise PromptNotFound(f"no prompt template {path}") from None
+    return _load_cached(path, mtime)
+
+
+def render(name: str, directory: Path | None = None, /, **values: Any) -> str:
+    """Load and fill a template in one step: `render("propose", program=..., history=...)`."""
+    return load(name, directory).render(**values)
+
+
+def names(directory: Path | None = None) -> list[str]:
+    """The templates available, by name."""
+    return sorted(p.stem for p in (directory or PROMPTS_DIR).glob("*.md"))
