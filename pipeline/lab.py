@@ -6,6 +6,7 @@ CLI can print one line and exit 2 instead of failing halfway through a night of 
 
 from __future__ import annotations
 
+import functools
 import glob
 import re
 import tomllib
@@ -266,6 +267,25 @@ def validate_against_harness(config: ResearchConfig, path: str | Path) -> None:
         for t in bench.tasks:
             if t not in known:
                 raise LabConfigError(path, "benchmark.tasks", f"unknown task {t!r} in suite {bench.suite!r}; expected one of {known}")
+
+
+def glob_match(path: str, pattern: str) -> bool:
+    """Match a POSIX lab-relative path against a glob: `*` and `?` stay within one folder, `**/`
+    spans folders. The one definition used for `editable` and stage `inputs`."""
+    return _glob_regex(pattern).match(path) is not None
+
+
+@functools.lru_cache(maxsize=256)
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        else:
+            out, i = out + {"*": "[^/]*", "?": "[^/]"}.get(pattern[i], re.escape(pattern[i])), i + 1
+    return re.compile(out + r"\Z")
 
 
 def _check_files(root: Path, config: ResearchConfig, path: Path) -> None:

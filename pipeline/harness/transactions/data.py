@@ -3,11 +3,11 @@
 The generative story, kept deliberately simple so a reader can predict what should help where:
 
 * every customer has latent traits (income, risk, life stage, engagement, digital affinity, travel,
-  gambling, family) plus two behavioural latents that only show in *how* events happen
+  gambling, family, informal cash flow) plus two behavioural latents that only show in *how* events happen
   (`night`: share of late-night activity; `trend`: activity rising or fading over the window);
 * four sources emit events whose categories load on different traits: card transactions show
-  income/life stage/travel/engagement (and a little risk), PIX transfers show risk, gambling, family
-  and income strongly, app events show digital affinity and engagement, bill payments show life
+  income/life stage/travel/engagement (and a little risk and family), PIX transfers show informal
+  cash flow (nowhere else to be seen), gambling and risk strongly, app events show digital affinity and engagement, bill payments show life
   stage and family;
 * tabular bureau-like columns are noisy views of some traits (the "basic" ones are demographic, the
   others come from the credit bureau);
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-TRAITS = ["income", "risk", "life_stage", "engagement", "digital", "travel", "gambling", "family", "night", "trend"]
+TRAITS = ["income", "risk", "life_stage", "engagement", "digital", "travel", "gambling", "family", "cashflow",
+          "night", "trend"]
 T = {name: i for i, name in enumerate(TRAITS)}
 
 SOURCES = ["card", "pix", "app", "bill"]
@@ -39,8 +40,8 @@ RATE = {
 # Which traits each source's categories reveal, and how strongly.
 REVEALS = {
     "card": {"income": 0.8, "life_stage": 0.7, "travel": 0.9, "engagement": 0.5, "risk": 0.45, "family": 0.5,
-             "gambling": 0.4},
-    "pix": {"risk": 1.2, "gambling": 1.3, "family": 0.8, "income": 0.6},
+             "gambling": 0.3},
+    "pix": {"cashflow": 1.6, "gambling": 1.3, "risk": 0.8, "family": 0.5},
     "app": {"digital": 1.2, "engagement": 0.9},
     "bill": {"life_stage": 1.0, "family": 1.0, "risk": 0.4},
 }
@@ -64,14 +65,14 @@ TABULAR_SPEC = {
 
 # The small suite's tasks: weights on latent traits. The full suite adds 16 generated mixes.
 SMALL_TASKS: dict[str, dict[str, float]] = {
-    "default_90d": {"risk": 1.3, "gambling": 0.6, "income": -0.6},
+    "default_90d": {"risk": 1.0, "cashflow": -0.9, "income": -0.5, "gambling": 0.4},
     "churn_60d": {"engagement": -0.8, "trend": -1.3, "digital": -0.6},
     "fraud_alert": {"night": 1.3, "travel": 0.8, "gambling": 0.5},
     "card_upgrade": {"income": 1.2, "engagement": 0.6, "travel": 0.6},
-    "investment_uptake": {"income": 0.8, "digital": 0.9, "risk": -0.7},
-    "personal_loan": {"family": 0.9, "risk": 0.6, "life_stage": -0.6, "income": -0.3},
+    "investment_uptake": {"income": 0.8, "digital": 0.9, "cashflow": 0.7},
+    "personal_loan": {"family": 0.8, "cashflow": -0.9, "life_stage": -0.6, "risk": 0.4},
     "insurance_uptake": {"family": 1.0, "life_stage": 0.9, "income": 0.4},
-    "betting_limit": {"gambling": 1.4, "night": 0.8, "risk": 0.3},
+    "betting_limit": {"gambling": 1.4, "night": 0.8, "cashflow": -0.5},
 }
 _EXTRA_NAMES = [
     "mortgage_interest", "cashback_optin", "travel_insurance", "overdraft_use", "salary_portability",

@@ -32,33 +32,43 @@ def load_config():
 # ---------------------------------------------------------------------------- data
 
 def load_sequences(data_dir, sources, max_events):
-    """Left-padded token, recency and hour arrays [customers, max_events + 1], BOS before the events."""
+    """Left-padded token, recency and hour arrays [customers, L], BOS before the events.
+
+    Each source keeps its `max_events` most recent events, so adding a source lengthens the
+    sequence (L = max_events * len(sources) + 1) instead of crowding out the others.
+    """
     meta = json.loads((data_dir / "meta.json").read_text())
     ev = np.load(data_dir / "events.npz")
     n_customers = len(ev["offsets"]) - 1
     n_amount = meta["amount_buckets"]
-    offset, vocab_size = {}, 2  # 0 = padding, 1 = BOS
-    for i, source in enumerate(meta["sources"]):
-        offset[i] = vocab_size
+    offset, vocab_size = [], 2  # 0 = padding, 1 = BOS
+    for source in meta["sources"]:
+        offset.append(vocab_size)
         vocab_size += meta["categories"][source] * n_amount
 
-    keep = np.isin(ev["source"], [meta["sources"].index(s) for s in sources])
+    keep = np.flatnonzero(np.isin(ev["source"], [meta["sources"].index(s) for s in sources]))
     cust, source = ev["customer"][keep], ev["source"][keep]
-    token = np.array([offset[s] for s in range(len(meta["sources"]))])[source]
-    token = token + ev["category"][keep].astype(np.int64) * n_amount + ev["amount_bucket"][keep]
-    recency = np.minimum(np.log2(1 + ev["day"][keep]).astype(np.int64), N_TIME_BUCKETS - 1)
-    hour = ev["hour"][keep].astype(np.int64) // 6
+    # newest `max_events` per (customer, source): rank events from the end within each group
+    by_group = np.lexsort((keep, source, cust))
+    group = cust[by_group].astype(np.int64) * len(offset) + source[by_group]
+    _, first, size = np.unique(group, return_index=True, return_counts=True)
+    from_group_end = np.repeat(first + size, size) - 1 - np.arange(len(group))
+    recent = np.sort(keep[by_group][from_group_end < max_events])
+
+    cust, source = ev["customer"][recent], ev["source"][recent]
+    token = np.array(offset)[source] + ev["category"][recent].astype(np.int64) * n_amount + ev["amount_bucket"][recent]
+    recency = np.minimum(np.log2(1 + ev["day"][recent]).astype(np.int64), N_TIME_BUCKETS - 1)
+    hour = ev["hour"][recent].astype(np.int64) // 6
 
     counts = np.bincount(cust, minlength=n_customers)
-    from_end = np.cumsum(counts)[cust] - 1 - np.arange(len(cust))  # 0 = most recent event
-    sel = from_end < max_events
-    length = max_events + 1
-    col = length - 1 - from_end[sel]
+    from_end = np.cumsum(counts)[cust] - 1 - np.arange(len(cust))  # 0 = most recent kept event
+    length = max_events * len(sources) + 1
+    col = length - 1 - from_end
     tokens = np.zeros((n_customers, length), dtype=np.int64)
     times = np.zeros((n_customers, length), dtype=np.int64)
     hours = np.full((n_customers, length), 4, dtype=np.int64)
-    tokens[cust[sel], col], times[cust[sel], col], hours[cust[sel], col] = token[sel], recency[sel], hour[sel]
-    tokens[np.arange(n_customers), length - 1 - np.minimum(counts, max_events)] = 1
+    tokens[cust, col], times[cust, col], hours[cust, col] = token, recency, hour
+    tokens[np.arange(n_customers), length - 1 - counts] = 1
     return torch.from_numpy(tokens), torch.from_numpy(times), torch.from_numpy(hours), vocab_size
 
 

@@ -1,0 +1,246 @@
+"""Hypotheses as git history: branches off the baseline, one commit and tag per experiment, promotion.
+
+Everything here writes git objects through a private index file (plumbing), never through the
+lab's checkout: a researcher's working tree is left alone, and an interrupted write leaves at
+most an unreferenced object behind. Branch and tag updates are idempotent, so a node that crashed
+half-way can simply run again.
+
+Edits come from the agent (LLM or offline policy) and are untrusted: every path is checked
+against the lab's `editable` globs before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import git
+
+from pipeline.lab import BASELINE_BRANCH, CONFIG_NAME, Lab, glob_match
+
+PROTECTED = {CONFIG_NAME, ".gitignore"}
+
+
+@dataclass(frozen=True)
+class FileEdit:
+    """A search/replace block on one file, or (search is None) the file's whole new content."""
+
+    path: str
+    replace: str
+    search: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FileEdit":
+        if not isinstance(d, dict) or not isinstance(d.get("path"), str):
+            raise EditRejected("malformed", "an edit needs a string 'path'")
+        if "content" in d:
+            if not isinstance(d["content"], str):
+                raise EditRejected("malformed", f"{d['path']}: 'content' must be a string")
+            return cls(d["path"], d["content"])
+        if not isinstance(d.get("search"), str) or not isinstance(d.get("replace"), str):
+            raise EditRejected("malformed", f"{d['path']}: expected 'search' and 'replace' strings, or 'content'")
+        return cls(d["path"], d["replace"], d["search"])
+
+
+class EditRejected(Exception):
+    """An edit the loop refuses; `kind` is recorded so `status` can count rejections by cause."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        super().__init__(message)
+
+
+class PromotionConflict(Exception):
+    """The baseline moved and the hypothesis no longer merges cleanly into it."""
+
+
+def slugify(title: str, limit: int = 40) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+    return slug[:limit].rstrip("-") or "idea"
+
+
+def check_path(lab: Lab, path: str) -> str:
+    """The normalised lab-relative path if the agent may edit it; `EditRejected` otherwise."""
+    if not path or "\x00" in path:
+        raise EditRejected("escapes_lab", f"{path!r}: not a path")
+    p = PurePosixPath(path.replace("\\", "/"))
+    if p.is_absolute() or ".." in p.parts:
+        raise EditRejected("escapes_lab", f"{path}: leaves the lab; expected a path relative to the lab root")
+    norm = str(PurePosixPath(*[part for part in p.parts if part not in ("", ".")]))
+    program = lab.config.lab.program
+    if norm in PROTECTED or norm == program or norm.split("/")[0] in {"runs", ".git"}:
+        raise EditRejected("harness", f"{norm}: part of the harness or the lab contract; never editable")
+    if not any(glob_match(norm, g) for g in lab.config.lab.editable):
+        raise EditRejected("outside_editable", f"{norm}: not editable; editable files are {lab.config.lab.editable}")
+    return norm
+
+
+def check_syntax(path: str, text: str) -> None:
+    """Reject code that cannot even be parsed: cheaper than a failed run, and fed back for repair."""
+    try:
+        if path.endswith(".py"):
+            compile(text, path, "exec")
+        elif path.endswith(".toml"):
+            tomllib.loads(text)
+        elif path.endswith(".json"):
+            json.loads(text)
+    except (SyntaxError, ValueError) as e:
+        raise EditRejected("compile_error", f"{path}: {type(e).__name__}: {e}") from None
+
+
+class Workspace:
+    """The lab's repository seen as hypotheses: branches `hyp/<id>-<slug>`, tags, the baseline."""
+
+    def __init__(self, lab: Lab):
+        self.lab = lab
+        self.repo = git.Repo(lab.root)
+        self._ensure_identity()
+
+    def _ensure_identity(self) -> None:
+        reader = self.repo.config_reader()
+        if not reader.has_option("user", "name"):
+            with self.repo.config_writer() as cw:
+                cw.set_value("user", "name", "autoresearch")
+                cw.set_value("user", "email", "autoresearch@localhost")
+
+    # -------------------------------------------------------------- reading
+
+    def baseline_head(self) -> str:
+        return self.repo.commit(BASELINE_BRANCH).hexsha
+
+    def resolve(self, rev: str) -> str:
+        try:
+            return self.repo.commit(rev).hexsha
+        except (git.BadName, ValueError, git.GitCommandError):
+            from pipeline.errors import UserError
+
+            raise UserError(f"unknown branch or commit {rev!r} in {self.lab.root}") from None
+
+    def read(self, commit: str, path: str) -> str | None:
+        try:
+            return self.repo.git.show(f"{commit}:{path}")
+        except git.GitCommandError:
+            return None
+
+    def changed_paths(self, base: str, commit: str) -> list[str]:
+        out = self.repo.git.diff("--name-only", "--no-renames", base, commit)
+        return [line for line in out.splitlines() if line]
+
+    def diff(self, base: str, commit: str) -> str:
+        return self.repo.git.diff(base, commit)
+
+    def diff_stat(self, base: str, commit: str) -> str:
+        return self.repo.git.diff("--stat", base, commit)
+
+    # -------------------------------------------------------------- writing
+
+    def apply(self, base: str, edits: list[FileEdit]) -> dict[str, str]:
+        """The new content of every touched file, after all checks; nothing is written yet."""
+        if not edits:
+            raise EditRejected("empty", "no edits")
+        files: dict[str, str] = {}
+        for e in edits:
+            path = check_path(self.lab, e.path)
+            current = files.get(path, self.read(base, path))
+            if e.search is None:
+                files[path] = e.replace
+                continue
+            if current is None:
+                raise EditRejected("not_applying", f"{path}: file does not exist; send its whole content instead")
+            count = current.count(e.search)
+            if count != 1:
+                where = "not found" if count == 0 else f"found {count} times"
+                raise EditRejected("not_applying", f"{path}: search text {where}; it must match exactly once")
+            files[path] = current.replace(e.search, e.replace, 1)
+        for path, text in files.items():
+            check_syntax(path, text)
+        if all(self.read(base, p) == t for p, t in files.items()):
+            raise EditRejected("empty", "the edits change nothing")
+        return files
+
+    def commit_files(self, branch: str, base: str, files: dict[str, str], message: str) -> str:
+        """Commit `files` on top of `base` and point `branch` at it, through a private index."""
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
+            g = self.repo.git
+            g.read_tree(base, env=env)
+            for path, text in files.items():
+                blob = self._blob(text)
+                mode = "100755" if self._is_exec(base, path) else "100644"
+                g.update_index("--add", "--cacheinfo", f"{mode},{blob},{path}", env=env)
+            tree = g.write_tree(env=env)
+        commit = self.repo.git.commit_tree(tree, "-p", base, "-m", message)
+        self.repo.git.update_ref(f"refs/heads/{branch}", commit)
+        return commit
+
+    def _blob(self, text: str) -> str:
+        with tempfile.NamedTemporaryFile("w", delete=False, encoding="utf-8") as fh:
+            fh.write(text)
+            name = fh.name
+        try:
+            return self.repo.git.hash_object("-w", name)
+        finally:
+            os.unlink(name)
+
+    def _is_exec(self, base: str, path: str) -> bool:
+        try:
+            return self.repo.git.ls_tree(base, "--", path).startswith("100755")
+        except git.GitCommandError:
+            return False
+
+    def point_branch(self, branch: str, commit: str) -> None:
+        self.repo.git.update_ref(f"refs/heads/{branch}", commit)
+
+    def tag(self, name: str, commit: str, message: str | None = None) -> None:
+        """Create tag `name` at `commit`; re-tagging the same commit is a no-op."""
+        existing = self.repo.tags[name].commit.hexsha if name in self.repo.tags else None
+        if existing == commit:
+            return
+        if existing is not None:
+            raise ValueError(f"tag {name} already points at {existing[:10]}")
+        if message:
+            self.repo.create_tag(name, ref=commit, message=message)
+        else:
+            self.repo.create_tag(name, ref=commit)
+
+    def promote(self, commit: str, message: str) -> tuple[str, str]:
+        """Merge `commit` into the baseline branch and tag it `baseline/vN`. Idempotent.
+
+        A fast-forward when the baseline has not moved since the hypothesis branched; otherwise a
+        merge commit computed without a working tree (`git merge-tree`), refused on conflict.
+        """
+        head = self.baseline_head()
+        if self.repo.is_ancestor(commit, head):  # already promoted (a re-run of this node)
+            return head, self._baseline_tag(head) or self._next_baseline_tag(head, message)
+        if self.repo.is_ancestor(head, commit):
+            new = commit
+        else:
+            try:
+                tree = self.repo.git.merge_tree("--write-tree", head, commit).splitlines()[0]
+            except git.GitCommandError as e:
+                conflicts = [line for line in str(e.stdout).splitlines() if line.startswith("CONFLICT")]
+                raise PromotionConflict(f"{commit[:10]} does not merge into the baseline: {'; '.join(conflicts) or e}") from None
+            new = self.repo.git.commit_tree(tree, "-p", head, "-p", commit, "-m", message)
+        self.repo.git.update_ref(f"refs/heads/{BASELINE_BRANCH}", new, head)
+        return new, self._next_baseline_tag(new, message)
+
+    def _baseline_tag(self, commit: str) -> str | None:
+        for t in self.repo.tags:
+            if t.name.startswith("baseline/v") and t.commit.hexsha == commit:
+                return t.name
+        return None
+
+    def _next_baseline_tag(self, commit: str, message: str) -> str:
+        existing = self._baseline_tag(commit)
+        if existing:
+            return existing
+        numbers = [int(t.name.removeprefix("baseline/v")) for t in self.repo.tags
+                   if re.fullmatch(r"baseline/v\d+", t.name)]
+        name = f"baseline/v{max(numbers, default=0) + 1}"
+        self.tag(name, commit, message)
+        return name
