@@ -61,6 +61,80 @@ def init(
     typer.echo(f"lab created at {root} (suite {suite}); baseline branch autoresearch/baseline", err=True)
 
 
+@app.command("power")
+def power_cmd(
+    sigma: float = typer.Option(..., "--sigma", help="Per-run standard deviation of the metric (e.g. 0.02 AUC)."),
+    baseline: int = typer.Option(..., "--baseline", help="Baseline runs."),
+    challenger: list[int] = typer.Option(..., "--challenger", help="Challenger runs; repeat for several counts."),
+    alpha: Optional[float] = typer.Option(None, "--alpha", help="Level (default 0.05 two-sided, 0.025 one-sided)."),
+    two_sided: bool = typer.Option(False, "--two-sided", help="Two-sided test (the reference post's)."),
+    effect: Optional[float] = typer.Option(None, "--effect", help="True difference to compute the power at."),
+    target_power: float = typer.Option(0.95, "--power", help="Power at which the MDE is reported."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Power / minimum detectable effect of the pooled Student t (non-central t).
+
+    JSON: {"mde", "power", "challenger"} for the first --challenger, and "rows" with one
+    {"challenger", "df", "se", "mde", "power_at", "power"} per count; "power" is at --effect,
+    or at the MDE when no effect is given.
+    """
+    from pipeline.gate.power import plan
+
+    result = plan(sigma, baseline, challenger, alpha, two_sided, effect, target_power)
+    if as_json:
+        emit_json(result)
+    else:
+        from rich.console import Console
+
+        from pipeline.gate.cli_views import power_table
+
+        Console().print(power_table(result))
+
+
+@app.command("gate-sim")
+def gate_sim_cmd(
+    protocol: str = typer.Option("sequential", "--protocol", help="fixed or sequential."),
+    effect: float = typer.Option(0.0, "--effect", help="True improvement in σ units (0: false-positive rate)."),
+    tasks: int = typer.Option(8, "--tasks", help="Tasks per hypothesis."),
+    rho: float = typer.Option(0.0, "--rho", help="Cross-task correlation of a seed's runs (shared pretraining)."),
+    trials: int = typer.Option(20_000, "--trials", help="Simulated hypotheses."),
+    baseline_runs: int = typer.Option(5, "--baseline-runs", help="Baseline runs per task."),
+    looks: str = typer.Option("2,5,10", "--looks", help="Planned challenger run counts, comma-separated."),
+    alpha: float = typer.Option(0.025, "--alpha", help="One-sided level."),
+    futility_p: float = typer.Option(0.30, "--futility-p", help="Escalate only while the one-sided p is below this."),
+    harm_q: float = typer.Option(0.10, "--harm-q", help="Benjamini-Hochberg q for per-task wins and harms."),
+    history: int = typer.Option(0, "--history", help="Extra baseline-commit runs per task (variance prior)."),
+    affected: Optional[int] = typer.Option(None, "--affected", help="Tasks carrying the effect (default: all)."),
+    seed: int = typer.Option(0, "--seed", help="RNG seed."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Simulate a protocol: false-positive rate (effect 0) or power, and mean challenger runs.
+
+    JSON: "false_positive_rate" (effect 0) or "power" (the rate of `improvement` verdicts) with its
+    "_se", "mean_challenger_runs", horizontal and per-task crossing rates, "verdict_rates".
+    """
+    from pipeline.gate.sim import SimInputError, simulate
+
+    try:
+        planned = tuple(int(x) for x in looks.split(",") if x.strip())
+    except ValueError:
+        raise SimInputError(f"--looks: expected comma-separated integers, got {looks!r}") from None
+    typer.echo(f"simulating {trials} trials ({protocol})...", err=True)
+    result = simulate(
+        protocol=protocol, effect=effect, tasks=tasks, rho=rho, trials=trials, baseline_runs=baseline_runs,
+        looks=planned, alpha=alpha, futility_p=futility_p, harm_q=harm_q, history=history, affected=affected,
+        seed=seed,
+    )
+    if as_json:
+        emit_json(result.to_json())
+    else:
+        from rich.console import Console
+
+        from pipeline.gate.cli_views import sim_table
+
+        Console().print(sim_table(result))
+
+
 @app.command()
 def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Validate the lab (research.toml, harness, tasks, editable files) and summarise it."""

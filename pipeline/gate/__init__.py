@@ -1,0 +1,81 @@
+"""The statistical gate (DESIGN §6): challenger runs vs baseline runs → a verdict per look.
+
+Pure functions over numpy/scipy; no I/O, no torch. The execution layer calls `evaluate` and stores
+the `GateResult` (`result.model_dump(mode="json")` is JSON-safe).
+
+Input (`GateInput`, a pydantic model; a plain dict of the same shape is accepted)::
+
+    {
+      "config": {"protocol": "sequential", "baseline_runs": 5, "looks": [2, 5, 10],
+                 "alpha": 0.025, "futility_p": 0.30, "harm_q": 0.10, "higher_is_better": true},
+      "tasks": [
+        {"task": "default_90d",
+         "baseline":   [0.781, 0.779, 0.802, 0.790, 0.785],   # by seed: position k = seed k
+         "challenger": [0.801, null],                         # null/NaN = method failure
+         "history":    [0.781, 0.779, 0.802, 0.790, 0.785, 0.77, 0.80]},  # all runs of the baseline commit
+        ...
+      ],
+      "looks_done": null,   # challenger counts of earlier looks (default: planned looks below now)
+      "at_look": null       # force (True) or suppress (False) a look; default: a look iff every task
+                            # has the same count and it is a planned look (or past the plan)
+    }
+
+Seeds pair up across tasks (seed k of an arm is one run on every task): the horizontal test uses
+that pairing. A run still pending is absent (a shorter list): the record is then "between looks".
+`history` may include the comparison's baseline runs; they are matched by value and not counted
+twice. `GateConfig.from_lab(research_config)` builds the config from research.toml.
+
+Output (`GateResult`): per task the arms' means, Δ, interval, p, BH q, flags (win / harm /
+unstable, with Welch beside), the MDE at the next look; the horizontal statistic, its boundary
+and the breadth check; failed runs with a worst-case sensitivity line; the verdict — one of
+`improvement`, `single_task`, `harm`, `escalate`, `futile`, `inconclusive` — and its reasons.
+Render with `render_table` (rich), `render_markdown`, or `to_json`.
+
+Planning and validation: `power` / `mde` (pooled Student t via the non-central t) and
+`simulate` (a protocol's false-positive rate, power and cost, vectorised).
+"""
+
+from pipeline.gate.boundaries import Boundaries, fixed_boundaries, obf_spending, sequential_boundaries
+from pipeline.gate.inputs import GateConfig, GateInput, GateInputError, TaskRuns, parse_input
+from pipeline.gate.power import PowerInputError, mde, power
+from pipeline.gate.protocols import evaluate
+from pipeline.gate.report import (
+    FailureReport,
+    GateResult,
+    HorizontalResult,
+    TaskResult,
+    WelchResult,
+    render_markdown,
+    render_table,
+    render_text,
+)
+from pipeline.gate.sim import SimInputError, SimResult, simulate
+from pipeline.gate.verdict import Verdict
+
+__all__ = [
+    "Boundaries",
+    "FailureReport",
+    "GateConfig",
+    "GateInput",
+    "GateInputError",
+    "GateResult",
+    "HorizontalResult",
+    "PowerInputError",
+    "SimInputError",
+    "SimResult",
+    "TaskResult",
+    "TaskRuns",
+    "Verdict",
+    "WelchResult",
+    "evaluate",
+    "fixed_boundaries",
+    "mde",
+    "obf_spending",
+    "parse_input",
+    "power",
+    "render_markdown",
+    "render_table",
+    "render_text",
+    "sequential_boundaries",
+    "simulate",
+]

@@ -1,0 +1,137 @@
+"""What the gate is given: the runs of one hypothesis at one look, and the gate's configuration.
+
+The execution layer builds a `GateInput` from its run records and calls `evaluate`. Shape:
+
+- one `TaskRuns` per task: `baseline` and `challenger` metric values **by seed** (position k is
+  seed k; seed k of an arm is one run on every task, so positions pair up across tasks), and
+  `history`, every run of the current baseline commit on that task (the variance prior);
+- a failed challenger run (method failure: NaN, divergence, crash in branch code) is `None` or NaN
+  at its seed's position; a run not finished yet is simply absent (a shorter list);
+- `config`: the `[gate]` section plus the benchmark's `higher_is_better`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.errors import UserError
+
+
+class GateInputError(UserError):
+    """The gate was given runs or settings it cannot judge (names the field and what is expected)."""
+
+
+class GateConfig(BaseModel):
+    """The `[gate]` section of research.toml (DESIGN §3) plus the metric's direction."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    protocol: Literal["sequential", "fixed"] = "sequential"
+    baseline_runs: int = Field(default=5, ge=2)
+    looks: tuple[int, ...] = (2, 5, 10)
+    alpha: float = Field(default=0.025, gt=0, lt=0.5)  # one-sided, improvement side
+    futility_p: float = Field(default=0.30, gt=0, le=1)
+    harm_q: float = Field(default=0.10, gt=0, lt=1)
+    higher_is_better: bool = True
+
+    @field_validator("looks")
+    @classmethod
+    def _increasing(cls, looks: tuple[int, ...]) -> tuple[int, ...]:
+        if not looks or looks[0] < 1 or any(b <= a for a, b in zip(looks, looks[1:])):
+            raise ValueError("expected strictly increasing positive challenger run counts")
+        return tuple(looks)
+
+    @classmethod
+    def from_lab(cls, lab: Any) -> "GateConfig":
+        """Build from a loaded `pipeline.lab.ResearchConfig` (its `gate` and `benchmark` sections)."""
+        return cls(**lab.gate.model_dump(), higher_is_better=lab.benchmark.higher_is_better)
+
+
+def _value(v: float | None) -> float:
+    return math.nan if v is None else float(v)
+
+
+class TaskRuns(BaseModel):
+    """One task's runs. Lists are by seed; None or NaN marks a failed (or lost) run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = Field(min_length=1)
+    baseline: list[float | None]
+    challenger: list[float | None] = Field(default_factory=list)
+    history: list[float | None] = Field(default_factory=list)
+
+    @field_validator("baseline", "challenger", "history")
+    @classmethod
+    def _no_infinity(cls, values: list[float | None]) -> list[float | None]:
+        if any(v is not None and math.isinf(v) for v in values):
+            raise ValueError("expected finite metric values (None or NaN for a failed run)")
+        return values
+
+    @field_validator("baseline")
+    @classmethod
+    def _two_baseline_runs(cls, values: list[float | None]) -> list[float | None]:
+        if sum(1 for v in values if v is not None and not math.isnan(v)) < 2:
+            raise ValueError("expected at least 2 successful baseline runs")
+        return values
+
+    def baseline_values(self) -> list[float]:
+        return [_value(v) for v in self.baseline]
+
+    def challenger_values(self) -> list[float]:
+        return [_value(v) for v in self.challenger]
+
+    def failed(self) -> int:
+        """Method failures among this task's challenger runs."""
+        return sum(1 for v in self.challenger_values() if math.isnan(v))
+
+    def extra_history(self) -> list[float]:
+        """History runs that are not among the baseline runs, so none is counted twice.
+
+        The history is "all runs of the baseline commit", which includes the comparison's own
+        baseline runs; they are matched by value (the same run gives the same float) and removed.
+        """
+        pool = [_value(v) for v in self.history if v is not None and not math.isnan(_value(v))]
+        for v in self.baseline_values():
+            if not math.isnan(v) and v in pool:
+                pool.remove(v)
+        return pool
+
+
+class GateInput(BaseModel):
+    """Everything `evaluate` needs for one look of one hypothesis."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: GateConfig = GateConfig()
+    tasks: list[TaskRuns] = Field(min_length=1)
+    looks_done: list[int] | None = None  # earlier looks' challenger counts; default: planned looks below now
+    at_look: bool | None = None  # None: a look iff all tasks have the same count and it is planned
+
+    @model_validator(mode="after")
+    def _unique_tasks(self) -> "GateInput":
+        names = [t.task for t in self.tasks]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"expected unique task names, got duplicates {dupes}")
+        if max(len(t.challenger) for t in self.tasks) < 1:
+            raise ValueError("expected at least one challenger run")
+        return self
+
+    @property
+    def challenger_count(self) -> int:
+        """The look's challenger run count: the longest task's seed count (failed runs included)."""
+        return max(len(t.challenger) for t in self.tasks)
+
+
+def parse_input(data: Any) -> GateInput:
+    """Validate a dict (e.g. from JSON) into a `GateInput`; errors become one-line `GateInputError`s."""
+    try:
+        return data if isinstance(data, GateInput) else GateInput.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "input"
+        raise GateInputError(f"gate input: {where}: {err['msg'].removeprefix('Value error, ')}") from None

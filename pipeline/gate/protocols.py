@@ -1,0 +1,525 @@
+"""The two protocols and `evaluate`: runs in, one look's `GateResult` out.
+
+Both protocols share every statistic and the verdict table; they differ where DESIGN §6 says:
+
+- `fixed` (the reference post): plain pooled t per task, nominal one-sided α at every look
+  (= two-sided 2α), a task is a win or a harm on its own nominal p, no variance prior.
+- `sequential`: the pooled t's variance is moderated by the baseline history (≤ 30 prior df),
+  every test uses Lan-DeMets O'Brien-Fleming boundaries calibrated on the t scale, and per-task
+  wins and harms come from Benjamini-Hochberg (q = harm_q) on boundary-scaled p-values.
+
+Everything is oriented internally so that "+" means better (lower-is-better metrics are negated);
+records report raw Δ = challenger - baseline in metric units.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy import stats as sps
+
+from pipeline.gate.boundaries import (
+    Boundaries,
+    degrees_of_freedom,
+    fixed_boundaries,
+    normalize_schedule,
+    sequential_boundaries,
+)
+from pipeline.gate.inputs import GateConfig, GateInput, TaskRuns, parse_input
+from pipeline.gate.power import DEFAULT_POWER, mde_at
+from pipeline.gate.report import (
+    FailureReport,
+    GateResult,
+    HorizontalResult,
+    TaskResult,
+    WelchResult,
+)
+from pipeline.gate.stats import (
+    Arm,
+    Prior,
+    TwoSample,
+    bh_qvalues,
+    history_prior,
+    horizontal_values,
+    one_sided_p,
+    pooled_t,
+    sequential_p,
+    summarize,
+    variance_ratio_p,
+    welch_t,
+    without_task,
+)
+from pipeline.gate.verdict import ORDER, Verdict, decide
+
+UNSTABLE_P = 0.05  # F-test level for "challenger variance ≫ baseline variance"
+
+
+# ---------------------------------------------------------------- vectorised look statistics
+
+
+@dataclass(frozen=True)
+class TaskLook:
+    """Per-task tests at one look, arrays of shape (..., tasks)."""
+
+    test: TwoSample
+    p_up: np.ndarray
+    p_nominal: np.ndarray
+    p: np.ndarray
+    q: np.ndarray
+    wins: np.ndarray
+    harms: np.ndarray
+
+
+def task_look(
+    test: TwoSample, nominal: np.ndarray, protocol: str, alpha: float, harm_q: float
+) -> TaskLook:
+    """p-values, BH q-values and win/harm flags from per-task t statistics and boundary levels.
+
+    `nominal` is each boundary's one-sided nominal level (α itself for `fixed`), so the scaled
+    p is ≤ α exactly when the boundary is crossed.
+    """
+    p_up = one_sided_p(test.t, test.df)
+    p_down = one_sided_p(-test.t, test.df)
+    p_nominal = np.minimum(1.0, 2.0 * np.minimum(p_up, p_down))
+    p = np.minimum(1.0, 2.0 * np.minimum(sequential_p(p_up, nominal, alpha), sequential_p(p_down, nominal, alpha)))
+    q = bh_qvalues(p, axis=-1)
+    with np.errstate(invalid="ignore"):
+        if protocol == "fixed":
+            wins, harms = p_up < alpha, p_down < alpha
+        else:
+            wins = (q <= harm_q) & (test.t > 0)
+            harms = (q <= harm_q) & (test.t < 0)
+    return TaskLook(test=test, p_up=p_up, p_nominal=p_nominal, p=p, q=q, wins=wins, harms=harms)
+
+
+@dataclass(frozen=True)
+class HorizontalLook:
+    """The horizontal test at one look, arrays of shape (...)."""
+
+    test: TwoSample
+    p_up: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+    breadth: TwoSample | None
+    breadth_up: np.ndarray
+
+
+def horizontal_look(
+    hb: np.ndarray,
+    hc: np.ndarray,
+    upper: np.ndarray | float,
+    breadth_values: tuple[np.ndarray, np.ndarray] | None,
+    breadth_required: np.ndarray | bool = True,
+) -> HorizontalLook:
+    """Pooled t on per-seed horizontal values, boundary crossing both ways, and the breadth check.
+
+    The breadth check repeats the test with the most-improved task left out; it must pass only
+    where that task stands out (`breadth_required`); with one task there is nothing to leave out.
+    """
+    test = pooled_t(summarize(hb), summarize(hc))
+    with np.errstate(invalid="ignore"):
+        up, down = test.t >= upper, test.t <= -np.asarray(upper)
+        if breadth_values is None:
+            breadth, breadth_up = None, up
+        else:
+            breadth = pooled_t(summarize(breadth_values[0]), summarize(breadth_values[1]))
+            breadth_up = (breadth.t >= upper) | ~np.asarray(breadth_required, dtype=bool)
+    return HorizontalLook(
+        test=test, p_up=one_sided_p(test.t, test.df), up=up, down=down, breadth=breadth, breadth_up=breadth_up
+    )
+
+
+def most_improved(delta: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The task with the largest Δ/σ_task, and whether it stands out from the others.
+
+    It stands out when it lies beyond the upper Tukey fence (Q3 + 1.5·IQR) of all tasks' Δ/σ_task
+    (with 2 or 3 tasks there are no quartiles to speak of, so the top task always stands out).
+    Only then must the horizontal test also cross without it: one task moving far more than the
+    rest is exactly the case where a per-seed IQM is pulled up (asymmetric trimming of the other
+    tasks), while leaving out the top task when nothing stands out would throw away power, since
+    removing the largest of several similar effects biases the rest downward.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = np.where(np.isfinite(delta / scale), delta / scale, np.nan)
+    filled = np.where(np.isfinite(z), z, -np.inf)
+    top = np.argmax(filled, axis=-1)
+    count = np.isfinite(z).sum(axis=-1)
+    if z.shape[-1] < 4:
+        return top, count >= 2
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: no task to leave out
+        quartiles = np.percentile if np.isfinite(z).all() else np.nanpercentile  # the former is much faster
+        q1, q3 = quartiles(z, [25, 75], axis=-1)
+        outlier = np.take_along_axis(filled, top[..., None], axis=-1)[..., 0] > q3 + 1.5 * (q3 - q1)
+    return top, np.where(count >= 4, outlier, count >= 2)
+
+
+def task_scale(base: Arm, hist: Arm | None) -> tuple[np.ndarray, np.ndarray]:
+    """σ_task and its df from the baseline commit's runs only (comparison baseline + history).
+
+    Baseline-only, so per-seed horizontal values do not move when challenger runs arrive.
+    """
+    ss, df = base.ss, base.count - 1.0
+    if hist is not None:
+        ss = ss + hist.ss
+        df = df + np.maximum(hist.count - 1.0, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(df > 0, np.sqrt(ss / np.maximum(df, 1.0)), np.nan), df
+
+
+# ---------------------------------------------------------------- evaluate: one hypothesis
+
+
+def _pad(rows: list[list[float]], width: int) -> np.ndarray:
+    out = np.full((len(rows), max(width, 1)), np.nan)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    planned: tuple[int, ...]
+    seeds: tuple[int, ...]  # challenger seed counts of the looks taken, this one last
+    is_look: bool
+    last: bool
+    next_look: int | None
+
+
+def _schedule(inp: GateInput) -> _Schedule:
+    cfg, m = inp.config, inp.challenger_count
+    complete = all(len(t.challenger) == m for t in inp.tasks)
+    planned = cfg.looks
+    is_look = inp.at_look if inp.at_look is not None else complete and (m in planned or m >= planned[-1])
+    done = sorted({l for l in (inp.looks_done if inp.looks_done is not None else planned) if 0 < l < m})
+    later = [l for l in planned if l > m]
+    return _Schedule(
+        planned=planned,
+        seeds=tuple(done) + (m,),
+        is_look=bool(is_look),
+        last=m >= planned[-1],
+        next_look=later[0] if later else None,
+    )
+
+
+def _counts_at(values: np.ndarray, seeds: tuple[int, ...]) -> tuple[int, ...]:
+    """Successful runs among the first k seeds, for each look's seed count k."""
+    ok = np.isfinite(values)
+    return tuple(int(ok[:k].sum()) for k in seeds)
+
+
+def _boundaries(
+    cfg: GateConfig, n: int, counts: tuple[int, ...], planned_max: int, prior_df: int, weight: float
+) -> Boundaries | None:
+    counts = tuple(c for c in counts if c >= 1)
+    if n < 1 or not counts or degrees_of_freedom(n, counts[-1], weight) < 1:
+        return None
+    sched = normalize_schedule(counts)
+    if cfg.protocol == "fixed":
+        return fixed_boundaries(n, sched, cfg.alpha, weight)
+    return sequential_boundaries(n, sched, max(planned_max, sched[-1]), cfg.alpha, int(prior_df), float(weight))
+
+
+def evaluate(inp: GateInput | dict[str, Any]) -> GateResult:
+    """Judge one look of one hypothesis (see `pipeline.gate` for the input shape)."""
+    return _evaluate(parse_input(inp), with_sensitivity=True)
+
+
+def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
+    cfg = inp.config
+    sign = 1.0 if cfg.higher_is_better else -1.0
+    names = [t.task for t in inp.tasks]
+    sched = _schedule(inp)
+    m = inp.challenger_count
+
+    base = sign * _pad([t.baseline_values() for t in inp.tasks], max(len(t.baseline) for t in inp.tasks))
+    chal = sign * _pad([t.challenger_values() for t in inp.tasks], m)
+    extra = [t.extra_history() for t in inp.tasks]
+    hist = sign * _pad(extra, max(len(h) for h in extra)) if any(extra) else None
+    failed = np.array([t.failed() for t in inp.tasks])
+
+    base_arm, chal_arm = summarize(base), summarize(chal)
+    hist_arm = summarize(hist) if hist is not None else None
+    prior: Prior | None = history_prior(hist, base_arm.mean.shape) if cfg.protocol == "sequential" else None
+    test = pooled_t(base_arm, chal_arm, prior)
+    weight = prior.weight if prior is not None else np.zeros(len(names))
+    prior_df = prior.df if prior is not None else np.zeros(len(names), dtype=int)
+
+    # per-task boundaries: each task's own schedule (failed runs add no information)
+    bounds = [
+        _boundaries(cfg, int(base_arm.count[j]), _counts_at(chal[j], sched.seeds), sched.planned[-1] - int(failed[j]),
+                    int(prior_df[j]), float(weight[j]))
+        for j in range(len(names))
+    ]
+    upper = np.array([b.upper[-1] if b else np.inf for b in bounds])
+    nominal = np.array([b.nominal[-1] if b else np.nan for b in bounds])
+    tl = task_look(test, nominal, cfg.protocol, cfg.alpha, cfg.harm_q)
+
+    # horizontal
+    scale, scale_df = task_scale(base_arm, hist_arm)
+    hb, hc = horizontal_values(base, chal, base_arm.mean, scale)
+    top_arr, stands_out = most_improved(test.delta, scale)
+    top = int(top_arr)
+    breadth_vals = (
+        horizontal_values(without_task(base, top), without_task(chal, top), base_arm.mean, scale)
+        if len(names) > 1
+        else None
+    )
+    hbounds = _boundaries(cfg, int(np.isfinite(hb).sum()), _counts_at(hc, sched.seeds), sched.planned[-1], 0, 0.0)
+    h_upper = hbounds.upper[-1] if hbounds else np.inf
+    hl = horizontal_look(hb, hc, h_upper, breadth_vals, bool(stands_out))
+
+    total_failed = int(failed.sum())
+    code = decide(
+        wins=tl.wins[None, :],
+        harms=tl.harms[None, :],
+        horizontal_up=np.atleast_1d(hl.up),
+        horizontal_breadth=np.atleast_1d(hl.breadth_up),
+        horizontal_down=np.atleast_1d(hl.down),
+        horizontal_p=np.atleast_1d(hl.p_up),
+        failures=np.array([total_failed]),
+        last=sched.last,
+        futility_p=cfg.futility_p,
+    )[0]
+    verdict = ORDER[int(code)] if sched.is_look else None
+
+    # unstable challengers: F-test against the baseline commit's variance, Welch beside
+    f_p = variance_ratio_p(scale**2, scale_df, chal_arm)
+    welch = welch_t(base_arm, chal_arm)
+
+    tasks = [
+        _task_record(
+            j, name, sign, cfg, sched, m, test, tl, base_arm, chal_arm, failed, upper, bounds, prior_df, weight, f_p,
+            welch,
+        )
+        for j, name in enumerate(names)
+    ]
+    horizontal = HorizontalResult(
+        baseline_seeds=int(np.isfinite(hb).sum()),
+        challenger_seeds=int(np.isfinite(hc).sum()),
+        baseline_mean=float(np.nanmean(hb)) if np.isfinite(hb).any() else None,
+        challenger_mean=float(np.nanmean(hc)) if np.isfinite(hc).any() else None,
+        delta=hl.test.delta,
+        ci_low=_interval(float(hl.test.delta), h_upper * float(hl.test.se), 1.0)[0],
+        ci_high=_interval(float(hl.test.delta), h_upper * float(hl.test.se), 1.0)[1],
+        df=hl.test.df,
+        t=hl.test.t,
+        boundary=h_upper,
+        p_one_sided=hl.p_up,
+        breadth_t=hl.breadth.t if hl.breadth is not None else None,
+        breadth_task=names[top] if hl.breadth is not None else None,
+        breadth_required=bool(stands_out) if hl.breadth is not None else False,
+        mde_next=_horizontal_mde(cfg, sched, hb, hc, hl.test),
+    )
+
+    sensitivity, sens_verdict = None, None
+    if with_sensitivity and total_failed:
+        worst = _worst_case(inp)
+        sens_verdict = worst.verdict
+        sensitivity = (
+            f"worst case: {total_failed} failed run(s) scored as their task's worst observed value → "
+            f"{worst.verdict.value if worst.verdict else 'no verdict (between looks)'}, horizontal Δ "
+            f"{_fmt(worst.horizontal.delta)}σ, t {_fmt(worst.horizontal.t)}"
+        )
+
+    return GateResult(
+        protocol=cfg.protocol,
+        alpha=cfg.alpha,
+        higher_is_better=cfg.higher_is_better,
+        look=m,
+        looks_done=list(sched.seeds),
+        planned_looks=list(sched.planned),
+        is_look=sched.is_look,
+        last_look=sched.last,
+        next_look=sched.next_look,
+        verdict=verdict,
+        reasons=_reasons(verdict, tl, hl, h_upper, names, total_failed, cfg, sched, top),
+        tasks=tasks,
+        horizontal=horizontal,
+        failures=FailureReport(
+            failed_runs=total_failed,
+            not_promising=total_failed >= 2,
+            sensitivity=sensitivity,
+            sensitivity_verdict=sens_verdict,
+        ),
+        baseline_runs_used=int(base_arm.count.sum()),
+        challenger_runs_used=int(sum(len(t.challenger) for t in inp.tasks)),
+        mde_power=DEFAULT_POWER,
+    )
+
+
+def _interval(delta: float, half: float, sign: float) -> tuple[float | None, float | None]:
+    """delta ± half in raw metric units (None when undefined, e.g. no boundary can be crossed)."""
+    if not (math.isfinite(delta) and math.isfinite(half)):
+        return None, None
+    a, b = sign * (delta - half), sign * (delta + half)
+    return min(a, b), max(a, b)
+
+
+def _task_record(
+    j: int,
+    name: str,
+    sign: float,
+    cfg: GateConfig,
+    sched: _Schedule,
+    m: int,
+    test: TwoSample,
+    tl: TaskLook,
+    base: Arm,
+    chal: Arm,
+    failed: np.ndarray,
+    upper: np.ndarray,
+    bounds: list[Boundaries | None],
+    prior_df: np.ndarray,
+    weight: np.ndarray,
+    f_p: np.ndarray,
+    welch: TwoSample,
+) -> TaskResult:
+    """One task's row: arm means, Δ with its (repeated) interval, p, q, flags, Welch, next-look MDE."""
+    ci = _interval(float(test.delta[j]), float(upper[j] * test.se[j]), sign)
+    flags = []
+    if sched.is_look and tl.wins[j]:
+        flags.append("win")
+    if sched.is_look and tl.harms[j]:
+        flags.append("harm")
+    unstable = bool(np.isfinite(f_p[j]) and f_p[j] < UNSTABLE_P)
+    if unstable:
+        flags.append("unstable")
+    n, c = int(base.count[j]), int(chal.count[j])
+    return TaskResult(
+        task=name,
+        baseline_runs=n,
+        challenger_runs=c,
+        failed_runs=int(failed[j]),
+        baseline_mean=sign * base.mean[j],
+        challenger_mean=sign * chal.mean[j],
+        delta=sign * test.delta[j],
+        ci_low=ci[0],
+        ci_high=ci[1],
+        sigma=test.se[j] / math.sqrt(1 / n + 1 / c) if n and c else None,
+        prior_df=int(prior_df[j]),
+        df=test.df[j],
+        t=test.t[j],
+        boundary=upper[j],
+        p_nominal=tl.p_nominal[j],
+        p=tl.p[j],
+        q=tl.q[j],
+        flags=flags,
+        variance_ratio_p=f_p[j],
+        welch=_welch_record(welch, j, sign, cfg.alpha) if unstable else None,
+        mde_next=_task_mde(cfg, sched, bounds[j], test, base, chal, weight[j], prior_df[j], j, m),
+    )
+
+
+def _fmt(v: float | None) -> str:
+    return "—" if v is None else f"{v:+.3f}"
+
+
+def _welch_record(w: TwoSample, j: int, sign: float, alpha: float) -> WelchResult:
+    crit = float(sps.t.isf(alpha, w.df[j])) if np.isfinite(w.df[j]) else math.nan
+    lo, hi = w.delta[j] - crit * w.se[j], w.delta[j] + crit * w.se[j]
+    p = float(2 * sps.t.sf(abs(w.t[j]), w.df[j])) if np.isfinite(w.t[j]) else math.nan
+    return WelchResult(
+        delta=sign * w.delta[j], ci_low=min(sign * lo, sign * hi), ci_high=max(sign * lo, sign * hi), df=w.df[j], p=p
+    )
+
+
+def _next_crit(cfg: GateConfig, n: int, counts: tuple[int, ...], planned_max: int, prior_df: int, weight: float) -> float | None:
+    b = _boundaries(cfg, n, counts, planned_max, prior_df, weight)
+    return b.upper[-1] if b else None
+
+
+def _task_mde(
+    cfg: GateConfig,
+    sched: _Schedule,
+    bounds: Boundaries | None,
+    test: TwoSample,
+    base: Arm,
+    chal: Arm,
+    weight: float,
+    prior_df: int,
+    j: int,
+    m: int,
+) -> float | None:
+    """Smallest improvement (metric units) the task's test would detect at the next planned look."""
+    if sched.next_look is None or bounds is None or not np.isfinite(test.se[j]) or chal.count[j] < 1:
+        return None
+    n, c = int(base.count[j]), int(chal.count[j])
+    m_next = c + (sched.next_look - m)
+    sigma = test.se[j] / math.sqrt(1 / n + 1 / c)
+    crit = _next_crit(cfg, n, bounds.looks + (m_next,), sched.planned[-1] - (m - c), prior_df, weight)
+    if crit is None or not np.isfinite(crit) or sigma <= 0:
+        return None
+    df = degrees_of_freedom(n, m_next, weight)
+    return mde_at(sigma * math.sqrt(1 / n + 1 / m_next), df, crit, False, DEFAULT_POWER)
+
+
+def _horizontal_mde(cfg: GateConfig, sched: _Schedule, hb: np.ndarray, hc: np.ndarray, test: TwoSample) -> float | None:
+    """Smallest horizontal improvement (σ units) detectable at the next planned look."""
+    n, c = int(np.isfinite(hb).sum()), int(np.isfinite(hc).sum())
+    if sched.next_look is None or c < 1 or not np.isfinite(test.se) or test.se <= 0:
+        return None
+    m_next = c + (sched.next_look - int(hc.shape[-1]))
+    sigma = float(test.se) / math.sqrt(1 / n + 1 / c)
+    counts = _counts_at(hc, sched.seeds) + (m_next,)
+    crit = _next_crit(cfg, n, counts, sched.planned[-1], 0, 0.0)
+    if crit is None or not np.isfinite(crit):
+        return None
+    return mde_at(sigma * math.sqrt(1 / n + 1 / m_next), degrees_of_freedom(n, m_next, 0.0), crit, False, DEFAULT_POWER)
+
+
+def _worst_case(inp: GateInput) -> GateResult:
+    """The same look with every failed challenger run replaced by its task's worst observed value."""
+    hib = inp.config.higher_is_better
+    tasks = []
+    for t in inp.tasks:
+        seen = [v for v in t.baseline_values() + t.challenger_values() + t.extra_history() if not math.isnan(v)]
+        worst = (min(seen) if hib else max(seen)) if seen else math.nan
+        chal = [worst if math.isnan(v) else v for v in t.challenger_values()]
+        tasks.append(TaskRuns(task=t.task, baseline=t.baseline, challenger=chal, history=t.history))
+    return _evaluate(inp.model_copy(update={"tasks": tasks}), with_sensitivity=False)
+
+
+def _reasons(
+    verdict: Verdict | None,
+    tl: TaskLook,
+    hl: HorizontalLook,
+    h_upper: float,
+    names: list[str],
+    failed: int,
+    cfg: GateConfig,
+    sched: _Schedule,
+    top: int,
+) -> list[str]:
+    """Plain-language grounds for the verdict (empty between looks: no verdict, no labels)."""
+    if verdict is None:
+        return []
+    t, out = float(hl.test.t), []
+    harms = [names[j] for j in np.flatnonzero(tl.harms)]
+    wins = [names[j] for j in np.flatnonzero(tl.wins)]
+    if harms:
+        out.append(f"harm on {', '.join(harms)} ({'nominal p' if cfg.protocol == 'fixed' else f'BH q ≤ {cfg.harm_q}'})")
+    if hl.down:
+        out.append(f"horizontal t {t:.2f} ≤ -{h_upper:.2f}: the tasks got worse together")
+    if failed >= 2:
+        out.append(f"{failed} failed challenger runs: not promising")
+    if hl.up and not hl.breadth_up:
+        out.append(
+            f"horizontal t {t:.2f} crossed {h_upper:.2f} but not without {names[top]}, which stands out "
+            f"(t {float(hl.breadth.t):.2f}): driven by one task"
+        )
+    elif hl.up:
+        out.append(f"horizontal t {t:.2f} ≥ boundary {h_upper:.2f}")
+    else:
+        out.append(f"horizontal t {t:.2f} < boundary {h_upper:.2f}")
+    if verdict is Verdict.escalate:
+        out.append(f"horizontal one-sided p {float(hl.p_up):.3f} < futility_p {cfg.futility_p}: run to {sched.next_look}")
+    elif verdict is Verdict.futile and failed < 2:
+        out.append(f"horizontal one-sided p {float(hl.p_up):.3f} ≥ futility_p {cfg.futility_p}")
+    if wins:
+        out.append(f"per-task wins: {', '.join(wins)}")
+    return out

@@ -1,0 +1,194 @@
+"""Vectorised statistics shared by `evaluate` (one hypothesis) and `sim` (hundreds of thousands).
+
+Every function works on arrays with any leading batch shape and NaN for a missing run (a failed
+or not-yet-run seed), so the simulator exercises exactly the code that judges real hypotheses.
+Conventions: the last axis is seeds; for per-task arrays the axis before it is tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+PRIOR_DF_CAP = 30  # the baseline history can weigh at most as much as 30 df (DESIGN §6)
+IQM_LOW, IQM_HIGH = 0.25, 0.75
+
+
+@dataclass(frozen=True)
+class Arm:
+    """Sufficient statistics of one arm along the seed axis: run count, mean, sum of squares."""
+
+    count: np.ndarray
+    mean: np.ndarray
+    ss: np.ndarray
+
+    @property
+    def var(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.count > 1, self.ss / np.maximum(self.count - 1, 1), np.nan)
+
+
+def summarize(x: np.ndarray) -> Arm:
+    """Count, mean and sum of squares over the last axis, ignoring NaN (failed or missing runs)."""
+    ok = np.isfinite(x)
+    count = ok.sum(axis=-1)
+    filled = np.where(ok, x, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = filled.sum(axis=-1) / count
+    dev = np.where(ok, x - mean[..., None], 0.0)
+    return Arm(count=count, mean=mean, ss=(dev * dev).sum(axis=-1))
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The moderated variance's prior from the baseline history: its variance, raw df and weight."""
+
+    var: np.ndarray
+    df: np.ndarray
+    weight: np.ndarray
+
+
+def history_prior(history: np.ndarray | None, shape: tuple[int, ...]) -> Prior:
+    """Prior variance from extra runs of the baseline commit (NaN-padded), weight capped at 30 df.
+
+    Capping the weight of a variance estimated with more df than 30 is conservative: the real
+    estimate is less variable than the χ²_30/30 the test assumes.
+    """
+    if history is None or history.shape[-1] == 0:
+        zero = np.zeros(shape)
+        return Prior(var=zero, df=zero.astype(int), weight=zero)
+    arm = summarize(history)
+    df = np.maximum(arm.count - 1, 0)
+    var = np.where(df > 0, arm.ss / np.maximum(df, 1), 0.0)
+    return Prior(var=var, df=df, weight=np.minimum(df, PRIOR_DF_CAP).astype(float))
+
+
+@dataclass(frozen=True)
+class TwoSample:
+    """A two-sample comparison: Δ = challenger - baseline, its SE, df and t = Δ / SE."""
+
+    delta: np.ndarray
+    se: np.ndarray
+    df: np.ndarray
+    t: np.ndarray
+
+
+def pooled_t(base: Arm, chal: Arm, prior: Prior | None = None) -> TwoSample:
+    """Student pooled t with a moderated variance: prior weight·prior var + both arms' sums of squares.
+
+    With no prior this is the textbook pooled two-sample t of the reference post.
+    """
+    ss = base.ss + chal.ss
+    df = np.maximum(base.count - 1.0, 0.0) + np.maximum(chal.count - 1.0, 0.0)
+    if prior is not None:
+        ss = ss + prior.weight * prior.var
+        df = df + prior.weight
+    df = np.where((base.count > 0) & (chal.count > 0), df, np.nan)  # an empty arm: no test
+    with np.errstate(invalid="ignore", divide="ignore"):
+        var = np.where(df > 0, ss / np.where(df > 0, df, 1.0), np.nan)
+        se = np.sqrt(var * (1.0 / base.count + 1.0 / chal.count))
+        delta = chal.mean - base.mean
+        t = np.where(se > 0, delta / np.where(se > 0, se, 1.0), np.where(delta == 0, 0.0, np.sign(delta) * np.inf))
+    return TwoSample(delta=delta, se=se, df=df, t=t)
+
+
+def welch_t(base: Arm, chal: Arm) -> TwoSample:
+    """Welch's unequal-variance t (Satterthwaite df): shown beside the pooled t for unstable challengers."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        vb, vc = base.var / base.count, chal.var / chal.count
+        se = np.sqrt(vb + vc)
+        df = (vb + vc) ** 2 / (vb**2 / (base.count - 1) + vc**2 / (chal.count - 1))
+        delta = chal.mean - base.mean
+        t = delta / se
+    return TwoSample(delta=delta, se=se, df=df, t=t)
+
+
+def variance_ratio_p(base_var: np.ndarray, base_df: np.ndarray, chal: Arm) -> np.ndarray:
+    """One-sided F-test p-value for challenger variance > baseline variance (NaN when undefined)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        f = chal.var / base_var
+        p = stats.f.sf(f, chal.count - 1, base_df)
+    return np.where((chal.count > 1) & (base_df > 0) & (base_var > 0), p, np.nan)
+
+
+def iqm(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Interquartile mean along `axis`, ignoring NaN, with fractional weights at the quartiles.
+
+    Each of the c sorted values owns the slice [i/c, (i+1)/c] of the distribution and gets weight
+    equal to its overlap with [0.25, 0.75] (normalised). For c ≥ 4 the largest and smallest values
+    get zero weight, so one task that moves hugely cannot move the horizontal statistic much.
+    """
+    x = np.moveaxis(np.asarray(x, dtype=float), axis, -1)
+    srt = np.sort(x, axis=-1)  # NaN sorts last
+    count = np.isfinite(srt).sum(axis=-1, keepdims=True)
+    i = np.arange(srt.shape[-1])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lo = np.maximum(i / count, IQM_LOW)
+        hi = np.minimum((i + 1) / count, IQM_HIGH)
+        w = np.clip(hi - lo, 0.0, None) / (IQM_HIGH - IQM_LOW)
+        w = np.where(i < count, w, 0.0)
+        out = (np.where(w > 0, srt, 0.0) * w).sum(axis=-1)
+    return np.where(count[..., 0] > 0, out, np.nan)
+
+
+def horizontal_values(
+    base: np.ndarray, chal: np.ndarray, center: np.ndarray, scale: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-seed horizontal values: IQM over tasks of (metric - task's baseline level) / σ_task.
+
+    `base` is (..., tasks, n), `chal` (..., tasks, m), `center` and `scale` (..., tasks) come from
+    the baseline only, so a seed's value never changes as the challenger adds runs: the sequential
+    test then sees one fixed number per seed. Centering removes the tasks' different levels (AUC
+    0.6 vs 0.9), which otherwise decide who gets trimmed; a task with no usable scale is NaN.
+    Returns the (..., n) baseline and (..., m) challenger per-seed values; the caller passes data
+    oriented so that higher is better.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        good = np.isfinite(scale) & (scale > 0)
+        s = np.where(good, scale, np.nan)[..., None]
+        c = center[..., None]
+        hb = iqm((base - c) / s, axis=-2)
+        hc = iqm((chal - c) / s, axis=-2)
+    return hb, hc
+
+
+def without_task(x: np.ndarray, task: np.ndarray) -> np.ndarray:
+    """Copy of a (..., tasks, seeds) array with one task per batch element set to NaN."""
+    out = np.array(x, dtype=float, copy=True)
+    mask = np.arange(x.shape[-2]) == np.asarray(task)[..., None]
+    out[mask] = np.nan
+    return out
+
+
+def bh_qvalues(p: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Benjamini-Hochberg adjusted p-values (q-values) along `axis`; NaN p-values are left out."""
+    p = np.moveaxis(np.asarray(p, dtype=float), axis, -1)
+    order = np.argsort(p, axis=-1)  # NaN last
+    srt = np.take_along_axis(p, order, axis=-1)
+    count = np.isfinite(srt).sum(axis=-1, keepdims=True)
+    rank = np.arange(1, p.shape[-1] + 1)
+    with np.errstate(invalid="ignore"):
+        scaled = np.where(rank <= count, srt * count / rank, np.inf)
+    q = np.minimum.accumulate(scaled[..., ::-1], axis=-1)[..., ::-1]
+    q = np.where(rank <= count, np.minimum(q, 1.0), np.nan)
+    out = np.empty_like(q)
+    np.put_along_axis(out, order, q, axis=-1)
+    return np.moveaxis(out, -1, axis)
+
+
+def one_sided_p(t: np.ndarray, df: np.ndarray) -> np.ndarray:
+    """P(T ≥ t) under the null: the improvement-side p-value (t oriented so that + is better)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isfinite(df) & (df > 0), stats.t.sf(t, np.where(df > 0, df, 1)), np.nan)
+
+
+def sequential_p(p_one: np.ndarray, nominal: np.ndarray, alpha: float) -> np.ndarray:
+    """Boundary-scaled p-value: p·α / (the boundary's nominal level), capped at 1.
+
+    It is ≤ α exactly when the boundary is crossed, so per-task BH works on the same evidence
+    scale as the sequential test; at a fixed-sample look (nominal = α) it is the ordinary p.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.minimum(1.0, p_one * alpha / nominal)

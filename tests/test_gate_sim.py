@@ -1,0 +1,66 @@
+"""Modest-trial checks of the simulator; the 200 000-trial numbers live in benchmarks/gate_sim.py.
+
+Tolerances: a rate estimated from N trials has SE = sqrt(p(1-p)/N); bounds are the target plus
+4 SE (a false alarm about once in 30 000 runs of this test, and the simulation is seeded anyway).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pipeline.errors import UserError
+from pipeline.gate.sim import SimInputError, simulate
+
+N = 20_000
+ALPHA = 0.025
+
+
+def limit(p: float, n: int = N) -> float:
+    return p + 4 * math.sqrt(p * (1 - p) / n)
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.6])
+def test_sequential_false_positive_rates_stay_within_alpha(rho):
+    r = simulate(protocol="sequential", rho=rho, trials=N, seed=101)
+    assert r.improvement_rate <= limit(ALPHA)
+    assert r.horizontal_rate_all_looks <= limit(ALPHA)
+    # per task: 8 tasks per trial, so at least N independent-enough draws; keep the conservative SE
+    assert r.per_task_rate_all_looks <= limit(ALPHA)
+    assert r.mean_challenger_runs <= 4.0
+    assert r.to_json()["false_positive_rate"] == r.improvement_rate
+
+
+def test_fixed_protocol_inflates_the_per_task_rate():
+    r = simulate(protocol="fixed", trials=N, seed=102)
+    assert r.per_task_rate_all_looks > limit(ALPHA)
+
+
+def test_one_huge_task_is_not_a_horizontal_improvement():
+    r = simulate(protocol="sequential", effect=10.0, affected=1, trials=N, seed=103)
+    assert r.improvement_rate <= limit(ALPHA)
+    assert r.per_task_rate > 0.95  # the task itself is found
+    assert r.verdict_rates["single_task"] > 0.8
+
+
+def test_power_at_two_sigma_with_up_to_ten_runs():
+    r = simulate(protocol="sequential", effect=2.0, tasks=1, trials=N, seed=104)
+    assert r.improvement_rate >= 0.88 - 4 * math.sqrt(0.88 * 0.12 / N)
+    assert "power" in r.to_json()
+
+
+def test_seeded_simulation_is_reproducible():
+    a = simulate(trials=3000, seed=5, chunk=1000)
+    b = simulate(trials=3000, seed=5, chunk=1000)
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(rho=1.0), dict(protocol="bayes"), dict(tasks=0), dict(alpha=0.7), dict(looks=(5, 2)), dict(affected=9)],
+)
+def test_bad_settings_are_user_errors(kwargs):
+    with pytest.raises(SimInputError) as e:
+        simulate(trials=10, **kwargs)
+    assert isinstance(e.value, UserError)
