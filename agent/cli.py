@@ -160,6 +160,135 @@ def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
             typer.echo(f"{key:10s} {', '.join(map(str, value)) if isinstance(value, list) else value}")
 
 
+@app.command("seed")
+def seed_cmd(
+    text: Optional[str] = typer.Argument(None, help="The idea, in words."),
+    title: Optional[str] = typer.Option(None, "--title", help="A short title (default: the first line)."),
+    priority: int = typer.Option(10, "--priority", help="Higher goes first; agent proposals have 0."),
+    branch: Optional[str] = typer.Option(None, "--branch", help="Evaluate this existing branch as-is."),
+    file: Optional[Path] = typer.Option(None, "--file", help="The idea from a file (.md text, or .json with edits)."),
+) -> None:
+    """Queue a human hypothesis; prints its id."""
+    from agent.commands import seed
+
+    h = seed(Ctx.repo, Ctx.db, text, title, priority, branch, file)
+    typer.echo(str(h.id))
+    typer.echo(f"queued hypothesis {h.id}: {h.title}", err=True)
+
+
+@app.command("run")
+def run_cmd(
+    max_hypotheses: int = typer.Option(3, "--max-hypotheses", min=1, help="Hypotheses to start in this run."),
+    hours: Optional[float] = typer.Option(None, "--hours", min=0.0, help="Stop after this many hours."),
+    forever: bool = typer.Option(False, "--forever", help="Never stop on a count; wait for seeds when idle."),
+    executor: str = typer.Option("local", "--executor", help="local or ray."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Run slots (default: cores / run.cpus)."),
+    ray_address: Optional[str] = typer.Option(os.environ.get("RAY_ADDRESS"), "--ray-address", help="Ray cluster (env RAY_ADDRESS)."),
+    offline: bool = typer.Option(False, "--offline", help="Use the offline policy even if an LLM is configured."),
+    supervised: bool = typer.Option(False, "--supervised", help="Hold promotions until a human approves them."),
+) -> None:
+    """The autonomous loop: propose, implement, measure, decide, summarize."""
+    import logging
+
+    from agent.loop import Loop, LoopOptions
+    from pipeline.errors import UserError as _UserError
+    from pipeline.lab import load_lab
+
+    if executor not in ("local", "ray"):
+        raise _UserError(f"unknown executor {executor!r}; expected local or ray")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    lab = load_lab(Ctx.repo)
+    opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever, executor=executor,
+                       workers=workers, ray_address=ray_address, offline=offline, supervised=supervised, db=Ctx.db)
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    loop = Loop(lab, opts, progress=lambda msg: console.log(msg))
+    loop.install_signals()
+    out = loop.run()
+    emit_json(out)
+
+
+@app.command("status")
+def status_cmd(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Queue, in-flight runs, hypotheses with verdicts, compute, goodput, LLM spend."""
+    from agent.commands import status
+
+    st = status(Ctx.repo, Ctx.db)
+    if as_json:
+        emit_json(st)
+        return
+    from agent.views import print_status
+
+    print_status(st)
+
+
+@app.command("report")
+def report_cmd(
+    hypothesis: int = typer.Argument(..., help="Hypothesis id."),
+    as_json: bool = typer.Option(False, "--json"),
+    as_md: bool = typer.Option(False, "--md"),
+) -> None:
+    """The gate's table for one hypothesis (latest look)."""
+    from agent.commands import report
+
+    h, result = report(Ctx.repo, Ctx.db, hypothesis)
+    if as_json:
+        emit_json({"hypothesis": {"id": h.id, "title": h.title, "status": h.status, "verdict": h.verdict,
+                                  "decision": h.decision}, "gate": result.to_json() if result else None})
+        return
+    if result is None:
+        typer.echo(f"hypothesis {h.id} ({h.status}) has no gate result yet")
+        return
+    from pipeline.gate import render_markdown, render_table
+
+    if as_md:
+        from agent.views import report_markdown
+
+        typer.echo(report_markdown(Ctx.repo, h, render_markdown(result)))
+    else:
+        from rich.console import Console
+
+        Console().print(render_table(result))
+
+
+@app.command("review")
+def review_cmd(
+    hypothesis: Optional[int] = typer.Argument(None, help="Hypothesis id (omit to list what awaits review)."),
+    approve: bool = typer.Option(False, "--approve"),
+    reject: bool = typer.Option(False, "--reject"),
+    comment: Optional[str] = typer.Option(None, "--comment", help="A comment; it joins the agent's context."),
+) -> None:
+    """Human review: list pending summaries, approve, reject, comment."""
+    from agent.commands import review
+
+    out = review(Ctx.repo, Ctx.db, hypothesis, approve, reject, comment)
+    if "pending" in out:
+        for p in out["pending"]:
+            typer.echo(f"{p['id']:>4}  {p['decision'] or p['status']:<9} {p['verdict'] or '-':<12} {p['title']}  ({p['summary']})")
+        if not out["pending"]:
+            typer.echo("nothing awaits review", err=True)
+    else:
+        emit_json(out)
+
+
+@app.command("digest")
+def digest_cmd(
+    since: str = typer.Option("24h", "--since", help="How far back: 24h, 90m, 7d."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """What was tried, promoted and abandoned; compute, goodput and LLM spend."""
+    from agent.commands import digest
+
+    d = digest(Ctx.repo, Ctx.db, since)
+    if as_json:
+        emit_json(d)
+        return
+    from agent.views import digest_markdown
+
+    typer.echo(digest_markdown(d))
+
+
 def main() -> None:
     """Console-script entry point: user errors become one line and exit code 2.
 

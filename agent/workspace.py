@@ -46,6 +46,11 @@ class FileEdit:
             raise EditRejected("malformed", f"{d['path']}: expected 'search' and 'replace' strings, or 'content'")
         return cls(d["path"], d["replace"], d["search"])
 
+    def to_dict(self) -> dict:
+        if self.search is None:
+            return {"path": self.path, "content": self.replace}
+        return {"path": self.path, "search": self.search, "replace": self.replace}
+
 
 class EditRejected(Exception):
     """An edit the loop refuses; `kind` is recorded so `status` can count rejections by cause."""
@@ -122,10 +127,12 @@ class Workspace:
             raise UserError(f"unknown branch or commit {rev!r} in {self.lab.root}") from None
 
     def read(self, commit: str, path: str) -> str | None:
+        """A file's exact text at a commit (GitPython's `git show` would strip the final newline)."""
         try:
-            return self.repo.git.show(f"{commit}:{path}")
-        except git.GitCommandError:
+            blob = self.repo.commit(commit).tree / path
+        except KeyError:
             return None
+        return blob.data_stream.read().decode("utf-8")
 
     def changed_paths(self, base: str, commit: str) -> list[str]:
         out = self.repo.git.diff("--name-only", "--no-renames", base, commit)

@@ -5,7 +5,7 @@ import pytest
 
 from agent.labinit import init_lab
 from agent.workspace import EditRejected, FileEdit, PromotionConflict, Workspace, check_path, slugify
-from pipeline.harness.transactions.variants import NOOPS, PLANTED
+from pipeline.harness.transactions.variants import CONDITIONAL, NOOPS, PLANTED
 from pipeline.lab import BASELINE_BRANCH, load_lab
 
 
@@ -22,7 +22,7 @@ def edits_of(variant):
 def test_commit_on_a_branch_leaves_the_checkout_alone(ws):
     base = ws.baseline_head()
     before = (ws.lab.root / "config.toml").read_text()
-    files = ws.apply(base, edits_of(PLANTED["add_pix_source"]))
+    files = ws.apply(base, edits_of(CONDITIONAL["add_pix_source"]))
     sha = ws.commit_files("hyp/1-pix", base, files, "hyp 1: add pix")
     assert ws.repo.commit(sha).parents[0].hexsha == base
     assert 'sources = ["card", "pix"]' in ws.read(sha, "config.toml")
@@ -83,7 +83,7 @@ def test_check_path_normalises():
 
 def test_promotion_fast_forward_then_merge_then_conflict(ws):
     base = ws.baseline_head()
-    a = ws.commit_files("hyp/1-a", base, ws.apply(base, edits_of(PLANTED["add_pix_source"])), "a")
+    a = ws.commit_files("hyp/1-a", base, ws.apply(base, edits_of(CONDITIONAL["add_pix_source"])), "a")
     b = ws.commit_files("hyp/2-b", base, ws.apply(base, edits_of(PLANTED["finetune_lr"])), "b")
     c = ws.commit_files("hyp/3-c", base, ws.apply(base, [FileEdit("config.toml", 'sources = ["card", "app"]', 'sources = ["card"]')]), "c")
     head, tag = ws.promote(a, "promote a")

@@ -1,0 +1,190 @@
+"""What the CLI's lab commands do, as plain functions returning data (the CLI only prints it).
+
+Kept apart from `agent/cli.py` so the CLI module stays thin and starts fast: everything here is
+imported inside the command that needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.records import ACTIVE, Hypothesis, Records
+from pipeline import runner
+from pipeline.errors import UserError
+from pipeline.lab import Lab, load_lab
+
+HUMAN_PRIORITY = 10
+
+
+class ReviewError(UserError):
+    """A review action that does not fit the hypothesis (unknown id, nothing to approve)."""
+
+
+def open_lab_store(repo: Path, db: str | None) -> tuple[Lab, Any, Records]:
+    lab = load_lab(repo)
+    store = runner.open_store(lab, db)
+    return lab, store, Records(store)
+
+
+def parse_duration(text: str) -> float:
+    """'24h', '90m', '2d', '30s' → seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", text or "")
+    if not m:
+        raise UserError(f"bad duration {text!r}; expected a number and a unit, like 24h, 90m, 2d")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+# ----------------------------------------------------------------------------- seed
+
+def seed(repo: Path, db: str | None, text: str | None, title: str | None, priority: int, branch: str | None,
+         file: Path | None) -> Hypothesis:
+    lab, store, rec = open_lab_store(repo, db)
+    h = Hypothesis(origin="human", priority=priority, status="queued")
+    if file is not None:
+        if not file.is_file():
+            raise UserError(f"{file}: no such file")
+        body = file.read_text(encoding="utf-8")
+        if file.suffix == ".json":
+            try:
+                data = json.loads(body)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{file}: not valid JSON ({e})") from None
+            if not isinstance(data, dict) or not isinstance(data.get("title"), str):
+                raise UserError(f"{file}: expected an object with a 'title' (and 'rationale', 'edits')")
+            from agent.workspace import EditRejected, FileEdit
+
+            try:
+                edits = [FileEdit.from_dict(e) for e in data.get("edits", [])]
+            except EditRejected as e:
+                raise UserError(f"{file}: {e}") from None
+            h.title = data["title"]
+            h.rationale = str(data.get("rationale", ""))
+            h.expected_effect = str(data.get("expected_effect", ""))
+            h.expected_tasks = list(data.get("expected_tasks", [])) or lab.tasks()
+            h.plan = [e.to_dict() for e in edits] or None
+        else:
+            text = (text + "\n\n" if text else "") + body
+    if branch is not None:
+        from agent.workspace import Workspace
+
+        Workspace(lab).resolve(branch)  # unknown branch: bad input now, not a failure later
+        h.seed_branch = branch
+        h.title = h.title or title or f"Branch {branch}"
+        h.rationale = h.rationale or text or f"Evaluate the researcher's branch {branch} as-is."
+        h.expected_effect = h.expected_effect or "as the researcher expects"
+        h.expected_tasks = h.expected_tasks or lab.tasks()
+    if not h.title:
+        if not text or not text.strip():
+            raise UserError("nothing to seed: give TEXT, --file or --branch")
+        first = text.strip().splitlines()[0].lstrip("# ").strip()
+        h.title = (title or first)[:120]
+        h.rationale = text.strip()
+        h.seed_text = text.strip()
+        h.expected_effect = "to be pre-registered by the implementer"
+        h.expected_tasks = lab.tasks()
+    elif title:
+        h.title = title
+    return rec.add(h)
+
+
+# ----------------------------------------------------------------------------- status
+
+def status(repo: Path, db: str | None) -> dict[str, Any]:
+    lab, store, rec = open_lab_store(repo, db)
+    from agent.ledger import Ledger
+
+    hyps = rec.all()
+    queue = store.queue_counts()
+    running = [{"id": r.id, "commit": r.commit[:10], "task": r.task, "seed": r.seed}
+               for r in store.runs() if r.status == "running"]
+    import git
+
+    try:
+        repo_ = git.Repo(lab.root)
+        base = repo_.commit("autoresearch/baseline").hexsha
+        tags = [t.name for t in repo_.tags if t.name.startswith("baseline/") and t.commit.hexsha == base]
+    except Exception:
+        base, tags = None, []
+    ledger = Ledger(store.engine)
+    return {
+        "lab": lab.config.lab.name,
+        "baseline": {"commit": base, "tag": tags[-1] if tags else None},
+        "queue": queue,
+        "running": running,
+        "hypotheses": [
+            {"id": h.id, "title": h.title, "origin": h.origin, "status": h.status, "look": h.look,
+             "verdict": h.verdict, "decision": h.decision, "promoted_tag": h.promoted_tag, "review": h.review,
+             "reject_kind": h.reject_kind}
+            for h in hyps
+        ],
+        "in_flight": [h.id for h in hyps if h.status in ACTIVE],
+        "compute": runner.goodput(store).as_dict(),
+        "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day},
+        "events": [{"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(5)],
+    }
+
+
+# ----------------------------------------------------------------------------- report
+
+def report(repo: Path, db: str | None, hid: int) -> tuple[Hypothesis, Any]:
+    lab, store, rec = open_lab_store(repo, db)
+    h = rec.get(hid)
+    recs = store.gate_records(str(hid), kind="verdict")
+    if not recs:
+        return h, None
+    from pipeline.gate import GateResult
+
+    return h, GateResult.model_validate(recs[-1].payload)
+
+
+# ----------------------------------------------------------------------------- review
+
+def review(repo: Path, db: str | None, hid: int | None, approve: bool, reject: bool, comment: str | None) -> dict:
+    lab, store, rec = open_lab_store(repo, db)
+    if approve and reject:
+        raise ReviewError("--approve and --reject exclude each other")
+    if hid is None:
+        if approve or reject or comment:
+            raise ReviewError("give the hypothesis ID to approve, reject or comment on")
+        pending = [h for h in rec.all() if h.review == "pending"]
+        return {"pending": [{"id": h.id, "title": h.title, "status": h.status, "decision": h.decision,
+                             "verdict": h.verdict, "summary": str(lab.state / "summaries" / f"{h.id}.md")}
+                            for h in pending]}
+    h = rec.get(hid)
+    if comment:
+        rec.comment(hid, "comment", comment)
+    if approve or reject:
+        if h.review not in ("pending", "none"):
+            raise ReviewError(f"hypothesis {hid} was already {h.review}")
+        action = "approve" if approve else "reject"
+        rec.comment(hid, action, comment or "")
+        h = rec.update(hid, review="approved" if approve else "rejected")
+    return {"id": hid, "review": h.review, "status": h.status,
+            "note": ("the running loop promotes it at its next pass" if h.status == "held" and h.review == "approved"
+                     else "")}
+
+
+# ----------------------------------------------------------------------------- digest
+
+def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
+    lab, store, rec = open_lab_store(repo, db)
+    from agent.ledger import Ledger
+
+    t0 = time.time() - parse_duration(since)
+    hyps = [h for h in rec.all() if (h.finished_at or h.updated_at) >= t0]
+    done = [h for h in hyps if h.status == "done"]
+    return {
+        "since": since,
+        "tried": len(hyps),
+        "promoted": [{"id": h.id, "title": h.title, "tag": h.promoted_tag} for h in done if h.decision == "promote"],
+        "abandoned": [{"id": h.id, "title": h.title, "verdict": h.verdict} for h in done if h.decision in ("abandon", "refine")],
+        "rejected": [{"id": h.id, "title": h.title, "why": h.reject_kind} for h in done if h.decision == "reject"],
+        "in_flight": [{"id": h.id, "title": h.title, "status": h.status} for h in hyps if h.status in ACTIVE],
+        "awaiting_review": [h.id for h in rec.all() if h.review == "pending"],
+        "compute": runner.goodput(store, since=t0).as_dict(),
+        "llm_usd": round(Ledger(store.engine).spent_usd(t0), 4),
+    }

@@ -1,0 +1,379 @@
+"""One LangGraph graph per hypothesis: propose → implement → evaluate → decide → summarize.
+
+The graph's state is only the hypothesis id (the thread id) and a routing flag; every fact lives
+in the store (`agent.records`, `pipeline.store`). Each node first looks at what the store already
+says and skips work already done (keyed side effects: branch names, tags, run keys, gate records
+per look), so a node that crashed half-way is simply run again.
+
+`evaluate` does not block on the benchmark: it queues the look's runs and, while they are not all
+finished, ends this pass of the graph with `waiting`. The driver loop (`agent.loop`) executes runs
+for every hypothesis in flight and invokes the graph again; earlier nodes see their work done and
+pass straight through.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from agent.policy import Context, Policy
+from agent.records import Hypothesis, Records
+from agent.workspace import EditRejected, Workspace, slugify
+from pipeline import runner
+from pipeline.lab import Lab
+
+log = logging.getLogger("autoresearch.agent")
+
+
+class State(TypedDict, total=False):
+    hypothesis_id: int
+    route: str  # "waiting" | "rejected" | "measure" | "done" | ""
+
+
+@dataclass
+class Services:
+    lab: Lab
+    store: Any  # pipeline.store.Store
+    records: Records
+    workspace: Workspace
+    policy: Policy
+    supervised: bool = False
+    smoke: bool = True
+
+
+# ----------------------------------------------------------------------------- context
+
+def build_context(svc: Services) -> Context:
+    lab, ws = svc.lab, svc.workspace
+    base = ws.baseline_head()
+    files = {}
+    for path in ws.repo.git.ls_tree("-r", "--name-only", base).splitlines():
+        from pipeline.lab import glob_match
+
+        if any(glob_match(path, g) for g in lab.config.lab.editable):
+            files[path] = ws.read(base, path) or ""
+    history = []
+    tried_states = []
+    for h in svc.records.all():
+        if h.change:
+            tried_states.append(h.change)
+        if h.status in ("done", "held"):
+            history.append({"id": h.id, "title": h.title, "status": h.status, "verdict": h.verdict,
+                            "decision": h.decision, **_effect_summary(svc, h)})
+    comments = [f"on #{c.hypothesis_id} ({c.action}): {c.text}" for c in svc.records.comments() if c.text]
+    cfg = lab.config
+    tag = _baseline_tag(ws, base)
+    return Context(
+        lab_name=cfg.lab.name,
+        program=(lab.root / cfg.lab.program).read_text() if (lab.root / cfg.lab.program).is_file() else "",
+        metric=f"{cfg.benchmark.metric}, {'higher' if cfg.benchmark.higher_is_better else 'lower'} is better",
+        tasks=lab.tasks(),
+        editable=list(cfg.lab.editable),
+        baseline=f"{tag or 'autoresearch/baseline'} at {base[:10]}",
+        files=files,
+        history=history,
+        comments=comments,
+        search_space=dict(cfg.search_space),
+        tried_states=tried_states,
+    )
+
+
+def _baseline_tag(ws: Workspace, commit: str) -> str | None:
+    tags = [t.name for t in ws.repo.tags if t.name.startswith("baseline/") and t.commit.hexsha == commit]
+    return tags[-1] if tags else None
+
+
+def _effect_summary(svc: Services, h: Hypothesis) -> dict[str, Any]:
+    recs = svc.store.gate_records(str(h.id), kind="verdict")
+    if not recs:
+        return {}
+    tasks = recs[-1].payload.get("tasks", [])
+    deltas = [t.get("delta") for t in tasks if t.get("delta") is not None]
+    if not deltas:
+        return {}
+    return {"mean_delta": f"{sum(deltas) / len(deltas):+.4f}", "improved": f"{sum(d > 0 for d in deltas)}/{len(deltas)}"}
+
+
+# ----------------------------------------------------------------------------- nodes
+
+def allowed_decisions(verdict: str | None, look: int, looks: list[int], supervised: bool) -> list[str]:
+    """The gate bounds the agent: no promotion without `improvement`, escalation only to a planned look."""
+    later = [n for n in looks if n > look]
+    if verdict == "improvement":
+        return ["hold" if supervised else "promote", "abandon"]
+    if verdict == "escalate" and later:
+        return ["escalate", "abandon"]
+    return ["abandon", "refine"]
+
+
+class Nodes:
+    def __init__(self, svc: Services):
+        self.svc = svc
+
+    # propose ----------------------------------------------------------------
+    def propose(self, state: State) -> State:
+        rec = self.svc.records
+        h = rec.get(state["hypothesis_id"])
+        if h.title:
+            if h.status == "proposing":
+                rec.update(h.id, status="implementing")
+            return {"route": ""}
+        ctx = build_context(self.svc)
+        try:
+            p = self.svc.policy.propose(ctx)
+        except Exception as e:  # LLMOutputError, BudgetExceeded, LLMUnavailable: recorded, loop goes on
+            rec.update(h.id, title="(no proposal)", status="summarizing", decision="reject", reject_kind="propose",
+                       reject_reason=f"{type(e).__name__}: {e}")
+            return {"route": "rejected"}
+        if p is None:
+            rec.update(h.id, title="(search space exhausted)", status="summarizing", decision="reject",
+                       reject_kind="exhausted", reject_reason="the policy has no untried idea left")
+            return {"route": "rejected"}
+        rec.update(h.id, title=p.title, rationale=p.rationale, expected_effect=p.expected_effect,
+                   expected_tasks=p.expected_tasks, change=p.change, plan=p.plan, seed_text=p.notes or None,
+                   origin=self.svc.policy.name, status="implementing")
+        return {"route": ""}
+
+    # implement --------------------------------------------------------------
+    def implement(self, state: State) -> State:
+        svc, rec, ws = self.svc, self.svc.records, self.svc.workspace
+        h = rec.get(state["hypothesis_id"])
+        if h.status == "summarizing" or h.decision == "reject":
+            return {"route": "rejected"}
+        if h.commit:
+            return {"route": "measure"}
+        base = ws.baseline_head()
+        if h.seed_branch:
+            return self._adopt_branch(h, base)
+        branch = h.branch or f"hyp/{h.id}-{slugify(h.title)}"
+        ctx = build_context(svc)
+        rounds = svc.lab.config.agent.repair_rounds
+        feedback = None
+        for attempt in range(rounds + 1):
+            try:
+                h._max_rounds = rounds  # read by the repair prompt
+                edits = svc.policy.implement(ctx, h, feedback)
+                files = ws.apply(base, edits)
+                if svc.smoke:
+                    from agent.smoke import SmokeFailed, smoke_run
+
+                    try:
+                        smoke_run(svc.lab, ws.repo.git, base, files)
+                    except SmokeFailed as e:
+                        raise EditRejected("smoke_failed", str(e)) from None
+                break
+            except EditRejected as e:
+                stage = {"compile_error": "compile", "smoke_failed": "smoke", "not_applying": "apply"}.get(e.kind, "paths")
+                feedback = (stage, str(e), attempt + 1)
+                log.info("hypothesis %s: implementation rejected (%s): %s", h.id, e.kind, e)
+                last = e
+            except Exception as e:  # the LLM failed to answer usefully: skip with a reason
+                rec.update(h.id, status="summarizing", decision="reject", reject_kind="llm",
+                           reject_reason=f"{type(e).__name__}: {e}")
+                return {"route": "rejected"}
+        else:
+            rec.update(h.id, status="summarizing", decision="reject", reject_kind=last.kind,
+                       reject_reason=f"after {rounds + 1} attempts: {last}")
+            return {"route": "rejected"}
+        message = f"hyp {h.id}: {h.title}\n\n{h.rationale}\n\nExpected: {h.expected_effect}"
+        commit = ws.commit_files(branch, base, files, message)
+        ws.tag(f"exp/{h.id}", commit, f"experiment {h.id}: {h.title}")
+        rec.update(h.id, branch=branch, base_commit=base, commit=commit, status="measuring",
+                   look=svc.lab.config.gate.looks[0])
+        return {"route": "measure"}
+
+    def _adopt_branch(self, h: Hypothesis, base: str) -> State:
+        """A researcher's branch is measured as-is, after the same editable-path check."""
+        from agent.workspace import check_path
+
+        ws, rec = self.svc.workspace, self.svc.records
+        commit = ws.resolve(h.seed_branch)
+        fork = ws.repo.merge_base(base, commit)[0].hexsha
+        try:
+            changed = ws.changed_paths(fork, commit)
+            if not changed:
+                raise EditRejected("empty", f"branch {h.seed_branch} changes nothing relative to the baseline")
+            for path in changed:
+                check_path(self.svc.lab, path)
+        except EditRejected as e:
+            rec.update(h.id, status="summarizing", decision="reject", reject_kind=e.kind, reject_reason=str(e),
+                       branch=h.seed_branch, commit=None)
+            return {"route": "rejected"}
+        ws.tag(f"exp/{h.id}", commit, f"experiment {h.id}: {h.title}")
+        rec.update(h.id, branch=h.seed_branch, base_commit=base, commit=commit, status="measuring",
+                   look=self.svc.lab.config.gate.looks[0])
+        return {"route": "measure"}
+
+    # evaluate ---------------------------------------------------------------
+    def evaluate(self, state: State) -> State:
+        svc, rec = self.svc, self.svc.records
+        h = rec.get(state["hypothesis_id"])
+        if h.status != "measuring":
+            return {"route": "measure" if h.status == "deciding" else ""}
+        ids = queue_look(svc, h)
+        runs = svc.store.runs(ids)
+        if any(r.status not in ("done", "failed") for r in runs):
+            return {"route": "waiting"}
+        result = gate_look(svc, h)
+        svc.store.put_gate_record(str(h.id), h.look, result)
+        rec.update(h.id, verdict=result.verdict or "inconclusive", status="deciding")
+        return {"route": "measure"}
+
+    # decide -----------------------------------------------------------------
+    def decide(self, state: State) -> State:
+        svc, rec, ws = self.svc, self.svc.records, self.svc.workspace
+        h = rec.get(state["hypothesis_id"])
+        if h.status == "measuring":
+            return {"route": "measure"}
+        if h.status != "deciding":
+            return {"route": "done"}
+        looks = svc.lab.config.gate.looks
+        allowed = allowed_decisions(h.verdict, h.look, looks, svc.supervised)
+        from pipeline.gate import GateResult, render_markdown
+
+        payload = svc.store.gate_records(str(h.id), kind="verdict")[-1].payload
+        evidence = render_markdown(GateResult.model_validate(payload))
+        look_text = f"look {looks.index(h.look) + 1 if h.look in looks else '?'} of {len(looks)}: {h.look} challenger runs"
+        try:
+            choice = svc.policy.decide(build_context(svc), h, h.verdict, evidence, allowed, look_text)
+        except Exception as e:  # no answer: the most conservative allowed choice
+            from agent.policy import Choice
+
+            choice = Choice("abandon" if "abandon" in allowed else allowed[-1], f"no decision from the policy ({e})")
+        if choice.decision not in allowed:
+            choice.decision = "abandon"
+        if choice.decision == "escalate":
+            nxt = min(n for n in looks if n > h.look)
+            rec.update(h.id, look=nxt, status="measuring", decision="escalate", rationale_decision=choice.rationale)
+            return {"route": "measure"}
+        fields: dict[str, Any] = {"decision": choice.decision, "rationale_decision": choice.rationale,
+                                  "follow_up": choice.follow_up or None, "status": "summarizing"}
+        if choice.decision == "promote":
+            fields |= promote(svc, h)
+        elif choice.decision == "hold":
+            fields |= {"status": "held", "review": "pending"}
+        elif choice.decision == "refine" and choice.follow_up:
+            rec.add(Hypothesis(title="", seed_text=choice.follow_up, parent_id=h.id, origin=svc.policy.name,
+                               priority=h.priority, status="queued"))
+        rec.update(h.id, **fields)
+        return {"route": "done"}
+
+    # summarize --------------------------------------------------------------
+    def summarize(self, state: State) -> State:
+        from agent.summary import write_summary
+
+        svc, rec = self.svc, self.svc.records
+        h = rec.get(state["hypothesis_id"])
+        if h.status == "held":
+            write_summary(svc, h)
+            return {"route": "done"}
+        if h.status != "summarizing":
+            return {"route": "done"}
+        # every summary waits for a human read; approvals and comments steer the agent
+        h = rec.update(h.id, review="pending" if h.review == "none" else h.review)
+        write_summary(svc, h)
+        rec.update(h.id, status="done", finished_at=time.time())
+        return {"route": "done"}
+
+
+def promote(svc: Services, h: Hypothesis) -> dict[str, Any]:
+    """Merge into the baseline, tag `baseline/vN`, and queue the new champion's own runs."""
+    from agent.workspace import PromotionConflict
+
+    try:
+        new, tag = svc.workspace.promote(h.commit, f"promote hyp {h.id}: {h.title}")
+    except PromotionConflict as e:
+        return {"decision": "abandon", "rationale_decision": f"promotion refused: {e}"}
+    cfg = svc.lab.config
+    runner.ensure_runs(svc.store, svc.lab, new, svc.lab.tasks(), range(cfg.gate.baseline_runs), label=tag)
+    return {"promoted_tag": tag}
+
+
+def look_seeds(h: Hypothesis) -> range:
+    return range(h.look or 0)
+
+
+def queue_look(svc: Services, h: Hypothesis) -> list[int]:
+    """Queue (idempotently) the baseline's runs and the challenger's runs for the current look."""
+    lab, cfg = svc.lab, svc.lab.config
+    tasks = lab.tasks()
+    ids = runner.ensure_runs(svc.store, lab, h.base_commit, tasks, range(cfg.gate.baseline_runs), label="baseline")
+    ids += runner.ensure_runs(svc.store, lab, h.commit, tasks, look_seeds(h), label=h.branch, priority=1)
+    return ids
+
+
+def gate_look(svc: Services, h: Hypothesis):
+    """The gate's result at the current look, from the store's results (never from the policy)."""
+    from pipeline.gate import GateConfig, evaluate
+
+    lab, cfg = svc.lab, svc.lab.config
+    tasks = lab.tasks()
+    base = runner.results(svc.store, lab, h.base_commit, tasks)
+    chal = runner.results(svc.store, lab, h.commit, tasks)
+    n_base = cfg.gate.baseline_runs
+    looks_done = [n for n in cfg.gate.looks if n < h.look]
+    inp = {
+        "config": GateConfig.from_lab(cfg).model_dump(),
+        "tasks": [
+            {
+                "task": t,
+                "baseline": [base.get(t, {}).get(s) for s in range(n_base)],
+                # an infrastructure failure that exhausted its retries has no result: count it as failed
+                "challenger": [chal.get(t, {}).get(s) for s in look_seeds(h)],
+                "history": [v for _, v in sorted(base.get(t, {}).items())],
+            }
+            for t in tasks
+        ],
+        "looks_done": looks_done,
+        "at_look": True,
+    }
+    return evaluate(inp)
+
+
+# ----------------------------------------------------------------------------- graph
+
+def build_graph(svc: Services, checkpointer: Any):
+    from langgraph.graph import END, START, StateGraph
+
+    nodes = Nodes(svc)
+    g = StateGraph(State)
+    g.add_node("propose", nodes.propose)
+    g.add_node("implement", nodes.implement)
+    g.add_node("evaluate", nodes.evaluate)
+    g.add_node("decide", nodes.decide)
+    g.add_node("summarize", nodes.summarize)
+    g.add_edge(START, "propose")
+    g.add_conditional_edges("propose", lambda s: "summarize" if s.get("route") == "rejected" else "implement",
+                            ["summarize", "implement"])
+    g.add_conditional_edges("implement", lambda s: "summarize" if s.get("route") == "rejected" else "evaluate",
+                            ["summarize", "evaluate"])
+    g.add_conditional_edges("evaluate", lambda s: END if s.get("route") == "waiting" else "decide", ["decide", END])
+    g.add_conditional_edges("decide", lambda s: "evaluate" if s.get("route") == "measure" else "summarize",
+                            ["evaluate", "summarize"])
+    g.add_edge("summarize", END)
+    return g.compile(checkpointer=checkpointer)
+
+
+def open_checkpointer(svc: Services):
+    """SQLite beside the store by default; the Postgres saver when the store is PostgreSQL."""
+    url = svc.store.url
+    if url.startswith("postgresql"):
+        import psycopg
+        from langgraph.checkpoint.postgres import PostgresSaver
+
+        conn = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True,
+                               prepare_threshold=0)
+        saver = PostgresSaver(conn)
+        saver.setup()
+        return saver
+    import sqlite3
+
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    path = svc.lab.state / "checkpoints.sqlite"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    return SqliteSaver(conn)

@@ -1,0 +1,226 @@
+"""The driver loop behind `autoresearch run`: keeps hypotheses in flight, executes their runs,
+enforces budgets and guards, and stops gracefully.
+
+It is deliberately plain: pick or propose hypotheses up to `max_in_flight`, invoke each one's
+graph (which queues its runs or moves it on), then let the execution layer work the queue until
+one in-flight hypothesis has all the runs of its current look. After a crash or `kill -9`, a
+restart finds the hypotheses still active in the store and invokes their graphs again; the runs
+they queued are reconciled by the execution layer under the same keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from agent.records import ACTIVE, Hypothesis, Records
+from pipeline import runner
+from pipeline.lab import Lab
+
+log = logging.getLogger("autoresearch.loop")
+
+GUARD_STREAK = 3  # hypotheses in a row rejected or failing before the loop backs off
+GUARD_BACKOFF_S = 600.0
+
+
+@dataclass
+class LoopOptions:
+    max_hypotheses: int | None = 3
+    hours: float | None = None
+    forever: bool = False
+    executor: str = "local"
+    workers: int | None = None
+    ray_address: str | None = None
+    offline: bool = False
+    supervised: bool = False
+    smoke: bool = True
+    db: str | None = None
+    idle_poll_s: float = 10.0
+
+
+def choose_policy(lab: Lab, store: Any, offline: bool):
+    from agent.policy import OfflinePolicy
+
+    if offline:
+        return OfflinePolicy()
+    from agent.llm import LLMClient
+
+    if not LLMClient.configured():
+        return OfflinePolicy()
+    from agent.ledger import Ledger
+    from agent.policy import LLMPolicy
+
+    client = LLMClient.from_env(lab.config.agent.model, Ledger(store.engine),
+                                max_usd_per_day=lab.config.agent.max_usd_per_day)
+    return LLMPolicy(client)
+
+
+class Loop:
+    def __init__(self, lab: Lab, opts: LoopOptions, progress: Callable[[str], None] | None = None):
+        from agent.graph import Services, build_graph, open_checkpointer
+        from agent.workspace import Workspace
+
+        self.lab, self.opts = lab, opts
+        self.say = progress or (lambda msg: log.info(msg))
+        self.store = runner.open_store(lab, opts.db)
+        self.records = Records(self.store)
+        self.policy = choose_policy(lab, self.store, opts.offline)
+        self.svc = Services(lab, self.store, self.records, Workspace(lab), self.policy, opts.supervised, opts.smoke)
+        self.checkpointer = open_checkpointer(self.svc)
+        self.graph = build_graph(self.svc, self.checkpointer)
+        self.stop = threading.Event()
+        self.started = 0
+        self.t0 = time.monotonic()
+        self.backoff_until = 0.0
+
+    # -------------------------------------------------------------- signals
+
+    def install_signals(self) -> None:
+        def handler(signum: int, _frame: Any) -> None:
+            if self.stop.is_set():
+                return
+            self.say(f"received {signal.Signals(signum).name}: finishing what can finish, re-queueing the rest")
+            self.stop.set()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    # -------------------------------------------------------------- budget
+
+    def out_of_time(self) -> bool:
+        return self.opts.hours is not None and time.monotonic() - self.t0 > self.opts.hours * 3600
+
+    def may_start(self) -> bool:
+        if self.stop.is_set() or self.out_of_time():
+            return False
+        if time.time() < self.backoff_until:
+            return False
+        return self.opts.forever or self.opts.max_hypotheses is None or self.started < self.opts.max_hypotheses
+
+    def guard(self) -> None:
+        """Back off after GUARD_STREAK hypotheses in a row that never produced evidence."""
+        done = [h for h in self.records.all(("done",)) if h.finished_at]
+        done.sort(key=lambda h: h.finished_at or 0)
+        streak = 0
+        for h in reversed(done):
+            failed = h.decision == "reject" and h.reject_kind not in ("exhausted",)
+            if not failed and h.verdict is not None:
+                fr = self._failure_report(h)
+                failed = bool(fr and fr.get("not_promising"))
+            if not failed:
+                break
+            streak += 1
+        if streak >= GUARD_STREAK and time.time() >= self.backoff_until:
+            last = done[-1].finished_at or 0
+            if time.time() - last < GUARD_BACKOFF_S:
+                self.backoff_until = last + GUARD_BACKOFF_S
+                msg = (f"guard: {streak} hypotheses in a row were rejected or failed their runs; "
+                       f"no new hypothesis until {time.strftime('%H:%M:%S', time.localtime(self.backoff_until))}")
+                self.records.event("guard", msg)
+                self.say(msg)
+
+    def _failure_report(self, h: Hypothesis) -> dict | None:
+        recs = self.store.gate_records(str(h.id), kind="verdict")
+        return recs[-1].payload.get("failures") if recs else None
+
+    # -------------------------------------------------------------- hypotheses
+
+    def next_hypothesis(self) -> Hypothesis | None:
+        h = self.records.next_queued()
+        if h is not None:
+            return self.records.update(h.id, status="proposing" if not h.title else "implementing")
+        if any(x.reject_kind == "exhausted" and x.origin == self.policy.name for x in self.records.all(("done",))):
+            return None  # the search space is exhausted; wait for human seeds
+        return self.records.add(Hypothesis(status="proposing", origin=self.policy.name))
+
+    def advance(self, h: Hypothesis) -> Hypothesis:
+        config = {"configurable": {"thread_id": str(h.id)}}
+        before = (h.status, h.look, h.verdict)
+        self.graph.invoke({"hypothesis_id": h.id}, config)
+        h = self.records.get(h.id)
+        if (h.status, h.look, h.verdict) != before:
+            self.report(h)
+        return h
+
+    def report(self, h: Hypothesis) -> None:
+        if h.status == "measuring":
+            self.say(f"#{h.id} {h.title!r}: measuring, look of {h.look} challenger runs on {len(self.lab.tasks())} tasks")
+        elif h.status == "done" and h.decision == "reject":
+            self.say(f"#{h.id} {h.title!r}: rejected ({h.reject_kind}): {h.reject_reason}")
+        elif h.status in ("done", "held"):
+            extra = f" → {h.promoted_tag}" if h.promoted_tag else ""
+            self.say(f"#{h.id} {h.title!r}: verdict {h.verdict}, decision {h.decision}{extra}")
+
+    def release_holds(self) -> None:
+        """Promote held hypotheses that a human approved; close the ones rejected."""
+        from agent.graph import promote
+        from agent.summary import write_summary
+
+        for h in self.records.all(("held",)):
+            if h.review == "approved":
+                fields = promote(self.svc, h)
+                h = self.records.update(h.id, decision=fields.get("decision", "promote"),
+                                        promoted_tag=fields.get("promoted_tag"), status="done", finished_at=time.time(),
+                                        rationale_decision=fields.get("rationale_decision", h.rationale_decision))
+                write_summary(self.svc, h)
+                self.report(h)
+            elif h.review == "rejected":
+                h = self.records.update(h.id, decision="abandon", status="done", finished_at=time.time())
+                write_summary(self.svc, h)
+                self.report(h)
+
+    # -------------------------------------------------------------- main loop
+
+    def pending_runs(self, h: Hypothesis) -> list[int]:
+        from agent.graph import queue_look
+
+        if h.status != "measuring" or not h.commit:
+            return []
+        return queue_look(self.svc, h)
+
+    def run(self) -> dict[str, Any]:
+        executor = runner.make_executor(self.opts.executor, self.lab, workers=self.opts.workers,
+                                        ray_address=self.opts.ray_address)
+        driver = runner.Driver(self.lab, self.store, executor)
+        self.say(f"loop started: policy {self.policy.name}, executor {self.opts.executor} "
+                 f"({executor.slots} slots), lab {self.lab.root}")
+        try:
+            driver.start()
+            while not self.stop.is_set() and not self.out_of_time():
+                self.release_holds()
+                self.guard()
+                in_flight = self.records.all(ACTIVE)
+                while len(in_flight) < self.lab.config.agent.max_in_flight and self.may_start():
+                    h = self.next_hypothesis()
+                    if h is None:
+                        break
+                    self.started += 1
+                    in_flight.append(h)
+                if not in_flight:
+                    if self.opts.forever and not self.stop.is_set():
+                        self.stop.wait(self.opts.idle_poll_s)
+                        continue
+                    break
+                waiting: dict[int, list[int]] = {}
+                for h in in_flight:
+                    if self.stop.is_set():
+                        break
+                    h = self.advance(h)
+                    if h.status == "measuring":
+                        waiting[h.id] = self.pending_runs(h)
+                if not waiting:
+                    continue
+
+                def one_look_complete() -> bool:
+                    return any(all(r.status in ("done", "failed") for r in self.store.runs(ids))
+                               for ids in waiting.values())
+
+                driver.drive(until=one_look_complete, stop=self.stop)
+        finally:
+            driver.close()
+            self.say("loop stopped" + (" (signal)" if self.stop.is_set() else ""))
+        return {"started": self.started, "hypotheses": [h.id for h in self.records.all()]}

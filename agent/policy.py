@@ -1,0 +1,304 @@
+"""Who has the ideas: an LLM over prompts/ templates, or the offline policy over `[search_space]`.
+
+A policy proposes, implements, decides within the choices the gate allows, and (optionally)
+words the summary. It never computes a number that reaches a human: those come from the gate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agent.workspace import EditRejected, FileEdit
+
+CONFIG_FILE = "config.toml"
+
+
+@dataclass
+class Proposal:
+    title: str
+    rationale: str
+    expected_effect: str
+    expected_tasks: list[str]
+    change: dict[str, Any] | None = None  # search-space values (offline policy)
+    plan: list[dict[str, Any]] | None = None  # ready edits (offline policy)
+    notes: str = ""
+
+
+@dataclass
+class Choice:
+    decision: str
+    rationale: str
+    follow_up: str = ""
+
+
+@dataclass
+class Context:
+    """What a policy may read: filled by the graph from the store and the baseline commit."""
+
+    lab_name: str
+    program: str
+    metric: str
+    tasks: list[str]
+    editable: list[str]
+    baseline: str  # tag, commit, score line
+    files: dict[str, str]  # the baseline's editable files
+    history: list[dict[str, Any]] = field(default_factory=list)
+    comments: list[str] = field(default_factory=list)
+    search_space: dict[str, list[Any]] = field(default_factory=dict)
+    tried_states: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Policy(Protocol):
+    name: str
+
+    def propose(self, ctx: Context) -> Proposal | None: ...
+
+    def implement(self, ctx: Context, hyp: Any, feedback: tuple[str, str, int] | None) -> list[FileEdit]: ...
+
+    def decide(self, ctx: Context, hyp: Any, verdict: str, evidence: str, allowed: list[str], look: str) -> Choice: ...
+
+
+# ----------------------------------------------------------------------------- config.toml edits
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    raise ValueError(f"unsupported value {v!r}")
+
+
+def config_values(text: str, keys: list[str]) -> dict[str, Any]:
+    data = tomllib.loads(text)
+    out = {}
+    for key in keys:
+        section, name = key.split(".", 1)
+        out[key] = data.get(section, {}).get(name)
+    return out
+
+
+def config_edit(text: str, key: str, value: Any) -> FileEdit:
+    """A search/replace that sets `section.name = value` in config.toml, keeping its comments.
+
+    The search block runs from the section header to the key's line, so it is unique even when
+    two sections hold the same `name = value` line.
+    """
+    section, name = key.split(".", 1)
+    header = re.search(rf"(?m)^\[{re.escape(section)}\][ \t]*$", text)
+    if header is None:
+        raise EditRejected("not_applying", f"{CONFIG_FILE}: no [{section}] section")
+    rest = text[header.end():]
+    nxt = re.search(r"(?m)^\[", rest)
+    body = rest[: nxt.start()] if nxt else rest
+    line = re.search(rf"(?m)^(?P<lhs>{re.escape(name)}\s*=\s*)(?P<value>[^#\n]*?)(?P<tail>\s*(#.*)?)$", body)
+    if line is None:
+        raise EditRejected("not_applying", f"{CONFIG_FILE}: no key {name!r} in [{section}]")
+    search = text[header.start(): header.end() + line.end()]
+    new_line = line.group("lhs") + toml_value(value) + line.group("tail")
+    replace = search[: len(search) - len(line.group(0))] + new_line
+    return FileEdit(CONFIG_FILE, replace, search)
+
+
+# ----------------------------------------------------------------------------- offline policy
+
+class OfflinePolicy:
+    """Untried combinations of `[search_space]`, applied as config.toml edits; decisions by verdict.
+
+    Candidates change one key at a time, round-robin across keys (diverse evidence early), then two
+    keys at once. A candidate is skipped when the whole resulting configuration was measured before.
+    """
+
+    name = "offline"
+
+    def propose(self, ctx: Context) -> Proposal | None:
+        space = ctx.search_space
+        if not space:
+            return None
+        base_text = ctx.files.get(CONFIG_FILE)
+        if base_text is None:
+            return None
+        keys = list(space)
+        current = config_values(base_text, keys)
+        tried = [tuple(json.dumps(s.get(k)) for k in keys) for s in ctx.tried_states]
+        tried.append(tuple(json.dumps(current[k]) for k in keys))
+
+        per_key = [[[(k, v)] for v in space[k] if v != current[k]] for k in keys]
+        candidates = [c for group in itertools.zip_longest(*per_key) for c in group if c]  # round-robin
+        for (k1, v1s), (k2, v2s) in itertools.combinations([(k, space[k]) for k in keys], 2):
+            candidates += [[(k1, a), (k2, b)] for a in v1s for b in v2s if a != current[k1] and b != current[k2]]
+        for cand in candidates:
+            state = dict(current) | dict(cand)
+            if tuple(json.dumps(state[k]) for k in keys) in tried:
+                continue
+            edits = [config_edit(base_text, k, v) for k, v in cand]
+            if len(cand) == 2:  # the second search block must be cut from the text after the first edit
+                first = base_text.replace(edits[0].search, edits[0].replace, 1)
+                edits[1] = config_edit(first, cand[1][0], cand[1][1])
+            what = " and ".join(f"{k} = {toml_value(v)}" for k, v in cand)
+            was = " and ".join(f"{k} = {toml_value(current[k])}" for k, _ in cand)
+            return Proposal(
+                title=f"Set {what}"[:70],
+                rationale=(f"Offline search over [search_space]: the baseline has {was}; this configuration "
+                           f"has not been measured yet."),
+                expected_effect="unknown sign; any gain expected to be horizontal",
+                expected_tasks=list(ctx.tasks),
+                change=state,
+                plan=[e.to_dict() for e in edits],
+            )
+        return None
+
+    def implement(self, ctx: Context, hyp: Any, feedback: tuple[str, str, int] | None) -> list[FileEdit]:
+        if feedback is not None or not hyp.plan:
+            raise EditRejected("not_applying", "the offline policy has no other implementation to offer")
+        return [FileEdit.from_dict(d) for d in hyp.plan]
+
+    def decide(self, ctx: Context, hyp: Any, verdict: str, evidence: str, allowed: list[str], look: str) -> Choice:
+        for preferred in ("promote", "escalate"):
+            if preferred in allowed:
+                return Choice(preferred, f"The gate's verdict is {verdict}; the offline policy follows it.")
+        return Choice("abandon", f"The gate's verdict is {verdict}: no promotion is allowed and no further look "
+                                 "is warranted.")
+
+
+# ----------------------------------------------------------------------------- LLM policy
+
+PROPOSAL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "minLength": 3, "maxLength": 120},
+        "rationale": {"type": "string", "minLength": 1},
+        "expected_effect": {"type": "string", "minLength": 1},
+        "tasks_expected": {"type": "array", "items": {"type": "string"}},
+        "change": {"type": "string"},
+    },
+    "required": ["title", "rationale", "expected_effect", "tasks_expected", "change"],
+    "additionalProperties": False,
+}
+EDITS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "edits": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "search": {"type": ["string", "null"]},
+                    "replace": {"type": ["string", "null"]},
+                    "content": {"type": ["string", "null"]},
+                },
+                "required": ["path", "search", "replace", "content"],
+                "additionalProperties": False,
+            },
+        },
+        "notes": {"type": "string"},
+    },
+    "required": ["edits", "notes"],
+    "additionalProperties": False,
+}
+
+
+def decision_schema(allowed: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "decision": {"type": "string", "enum": allowed},
+            "rationale": {"type": "string", "minLength": 1},
+            "follow_up": {"type": "string"},
+        },
+        "required": ["decision", "rationale", "follow_up"],
+        "additionalProperties": False,
+    }
+
+
+CHOICE_TEXT = {
+    "promote": "`promote`: merge into the baseline and tag it; fresh baseline runs re-verify it",
+    "hold": "`hold`: keep it for a human's approval before promotion",
+    "escalate": "`escalate`: add challenger runs up to the next planned look",
+    "abandon": "`abandon`: stop here; the branch and its tags are kept",
+    "refine": "`refine`: stop here and queue a child hypothesis that changes the idea (say how in follow_up)",
+}
+
+
+def _md_files(files: dict[str, str]) -> str:
+    return "\n\n".join(f"### {p}\n\n```\n{t}\n```" for p, t in sorted(files.items()))
+
+
+def _md_list(items: list[str]) -> str:
+    return "\n".join(f"- {x}" for x in items) or "- (none)"
+
+
+def history_table(history: list[dict[str, Any]]) -> str:
+    if not history:
+        return "none yet"
+    rows = ["| id | title | status | verdict | decision | mean Δ | tasks improved |", "|---|---|---|---|---|---|---|"]
+    for h in history:
+        rows.append(f"| {h['id']} | {h['title']} | {h['status']} | {h.get('verdict') or '-'} | "
+                    f"{h.get('decision') or '-'} | {h.get('mean_delta', '-')} | {h.get('improved', '-')} |")
+    return "\n".join(rows)
+
+
+class LLMPolicy:
+    """Every word through `prompts/`, every call through the audited, budgeted `LLMClient`."""
+
+    name = "llm"
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    def _messages(self, ctx: Context, name: str, **values: Any) -> list[dict[str, str]]:
+        from agent import prompts
+
+        system = prompts.render("system", lab_name=ctx.lab_name, editable=_md_list(ctx.editable), metric=ctx.metric)
+        return [{"role": "system", "content": system}, {"role": "user", "content": prompts.render(name, **values)}]
+
+    def propose(self, ctx: Context) -> Proposal | None:
+        msgs = self._messages(
+            ctx, "propose", program=ctx.program, metric=ctx.metric, tasks=_md_list(ctx.tasks), baseline=ctx.baseline,
+            files=_md_files(ctx.files), history=history_table(ctx.history), comments=_md_list(ctx.comments) if ctx.comments else "none",
+        )
+        out = self.client.complete_json("propose", msgs, PROPOSAL_SCHEMA, "hypothesis")
+        tasks = [t for t in out["tasks_expected"] if t in ctx.tasks] or list(ctx.tasks)
+        return Proposal(out["title"].strip()[:120], out["rationale"].strip(), out["expected_effect"].strip(), tasks,
+                        notes=out["change"].strip())
+
+    def implement(self, ctx: Context, hyp: Any, feedback: tuple[str, str, int] | None) -> list[FileEdit]:
+        from agent import prompts
+
+        msgs = self._messages(
+            ctx, "implement", title=hyp.title, rationale=hyp.rationale, expected_effect=hyp.expected_effect,
+            change=hyp.seed_text or hyp.rationale, editable=_md_list(ctx.editable), files=_md_files(ctx.files),
+        )
+        if feedback is not None:
+            stage, error, rnd = feedback
+            msgs.append({"role": "user", "content": prompts.render("repair", stage=stage, error=error[-4000:], round=rnd,
+                                                                    max_rounds=getattr(hyp, "_max_rounds", rnd))})
+        out = self.client.complete_json("implement", msgs, EDITS_SCHEMA, "edits", hypothesis_id=str(hyp.id))
+        edits = []
+        for d in out["edits"]:
+            d = {k: v for k, v in d.items() if v is not None}
+            edits.append(FileEdit.from_dict(d))
+        if not edits:
+            raise EditRejected("empty", f"the model returned no edits: {out.get('notes', '')}")
+        return edits
+
+    def decide(self, ctx: Context, hyp: Any, verdict: str, evidence: str, allowed: list[str], look: str) -> Choice:
+        msgs = self._messages(
+            ctx, "decide", title=hyp.title, rationale=hyp.rationale,
+            expected_effect=f"{hyp.expected_effect} (tasks: {', '.join(hyp.expected_tasks or [])})", look=look,
+            verdict=verdict, evidence=evidence, choices="\n".join(f"  - {CHOICE_TEXT[a]}" for a in allowed),
+            comments=_md_list(ctx.comments) if ctx.comments else "none",
+        )
+        out = self.client.complete_json("decide", msgs, decision_schema(allowed), "decision", hypothesis_id=str(hyp.id))
+        if out["decision"] not in allowed:  # the schema's enum should prevent it; the gate's bounds win anyway
+            return Choice(allowed[-1], f"the model chose {out['decision']!r}, which the verdict does not allow")
+        return Choice(out["decision"], out["rationale"].strip(), out.get("follow_up", "").strip())

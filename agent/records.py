@@ -1,0 +1,161 @@
+"""The agent's durable facts, in the same store as the runs: hypotheses, reviews, loop events.
+
+Graph state holds only a hypothesis id; everything a node needs to resume after a crash is here.
+The tables are also what `status --json` and `report --json` print.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from sqlalchemy import JSON, Column, Text
+from sqlmodel import Field, SQLModel, select
+
+from pipeline.store import Store
+
+Origin = Literal["human", "llm", "offline"]
+# queued → proposing → implementing → measuring → deciding → summarizing → done
+# (rejected: implementation refused; held: promotion waits for a human approval)
+Status = Literal["queued", "proposing", "implementing", "measuring", "deciding", "summarizing", "held", "done"]
+Decision = Literal["promote", "abandon", "escalate", "refine", "reject", "hold"]
+ACTIVE = ("proposing", "implementing", "measuring", "deciding", "summarizing")
+
+
+def now() -> float:
+    return time.time()
+
+
+class Hypothesis(SQLModel, table=True):
+    """One idea, pre-registered before any run: what it changes and what it expects to move."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    title: str = ""
+    rationale: str = Field(default="", sa_column=Column(Text))
+    expected_effect: str = Field(default="", sa_column=Column(Text))
+    expected_tasks: list[str] = Field(default_factory=list, sa_column=Column(JSON))
+    origin: str = "offline"
+    priority: int = 0
+    seed_text: str | None = Field(default=None, sa_column=Column(Text))
+    seed_branch: str | None = None
+    parent_id: int | None = None
+    # what to apply: a list of edit dicts (offline policy, --file seeds) or None (the LLM implements)
+    plan: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON))
+    change: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))  # search-space values
+    status: str = Field(default="queued", index=True)
+    branch: str | None = None
+    base_commit: str | None = None
+    commit: str | None = None
+    look: int | None = None  # challenger runs wanted at the current look
+    verdict: str | None = None
+    decision: str | None = None
+    rationale_decision: str | None = Field(default=None, sa_column=Column(Text))
+    follow_up: str | None = Field(default=None, sa_column=Column(Text))
+    reject_kind: str | None = None
+    reject_reason: str | None = Field(default=None, sa_column=Column(Text))
+    promoted_tag: str | None = None
+    review: str = "none"  # none | pending | approved | rejected
+    summary_md: str | None = Field(default=None, sa_column=Column(Text))
+    summary_author: str | None = None
+    created_at: float = Field(default_factory=now)
+    updated_at: float = Field(default_factory=now)
+    finished_at: float | None = None
+
+
+class ReviewComment(SQLModel, table=True):
+    """A human's review action on a hypothesis's summary; comments steer the next proposals."""
+
+    __tablename__ = "review_comment"
+    id: int | None = Field(default=None, primary_key=True)
+    hypothesis_id: int = Field(index=True)
+    action: str  # approve | reject | comment
+    text: str = Field(default="", sa_column=Column(Text))
+    created_at: float = Field(default_factory=now)
+
+
+class LoopEvent(SQLModel, table=True):
+    """Things the loop wants a human to see in `status`: guards, budget stops, crashes survived."""
+
+    __tablename__ = "loop_event"
+    id: int | None = Field(default=None, primary_key=True)
+    kind: str = Field(index=True)
+    message: str = Field(default="", sa_column=Column(Text))
+    created_at: float = Field(default_factory=now)
+
+
+class Records:
+    """Typed access to the agent's tables on a `Store`."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        SQLModel.metadata.create_all(store.engine)
+
+    def get(self, hid: int) -> Hypothesis:
+        with self.store.session() as s:
+            h = s.get(Hypothesis, hid)
+        if h is None:
+            from pipeline.errors import UserError
+
+            raise UserError(f"no hypothesis {hid}")
+        return h
+
+    def add(self, h: Hypothesis) -> Hypothesis:
+        with self.store.session() as s:
+            s.add(h)
+            s.commit()
+            s.refresh(h)
+            return h
+
+    def update(self, hid: int, **fields: Any) -> Hypothesis:
+        with self.store.session() as s:
+            h = s.get(Hypothesis, hid)
+            for k, v in fields.items():
+                setattr(h, k, v)
+            h.updated_at = now()
+            s.add(h)
+            s.commit()
+            s.refresh(h)
+            return h
+
+    def all(self, statuses: tuple[str, ...] | None = None, since: float | None = None) -> list[Hypothesis]:
+        with self.store.session() as s:
+            q = select(Hypothesis).order_by(Hypothesis.id)
+            if statuses:
+                q = q.where(Hypothesis.status.in_(statuses))
+            if since is not None:
+                q = q.where(Hypothesis.updated_at >= since)
+            return list(s.exec(q))
+
+    def next_queued(self) -> Hypothesis | None:
+        """Human seeds first, by priority, then oldest."""
+        with self.store.session() as s:
+            q = (select(Hypothesis).where(Hypothesis.status == "queued")
+                 .order_by(Hypothesis.priority.desc(), Hypothesis.id))
+            return s.exec(q).first()
+
+    def comment(self, hid: int, action: str, text: str = "") -> ReviewComment:
+        with self.store.session() as s:
+            c = ReviewComment(hypothesis_id=hid, action=action, text=text)
+            s.add(c)
+            s.commit()
+            s.refresh(c)
+            return c
+
+    def comments(self, hid: int | None = None, limit: int = 20) -> list[ReviewComment]:
+        with self.store.session() as s:
+            q = select(ReviewComment).order_by(ReviewComment.id.desc()).limit(limit)
+            if hid is not None:
+                q = q.where(ReviewComment.hypothesis_id == hid)
+            return list(s.exec(q))
+
+    def event(self, kind: str, message: str) -> None:
+        with self.store.session() as s:
+            s.add(LoopEvent(kind=kind, message=message))
+            s.commit()
+
+    def events(self, limit: int = 10, since: float | None = None) -> list[LoopEvent]:
+        with self.store.session() as s:
+            q = select(LoopEvent).order_by(LoopEvent.id.desc()).limit(limit)
+            if since is not None:
+                q = q.where(LoopEvent.created_at >= since)
+            return list(s.exec(q))

@@ -1,0 +1,71 @@
+"""Human renderings of the CLI's data (rich tables on the terminal, Markdown for files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _secs(s: float) -> str:
+    return f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.0f} s"
+
+
+def print_status(st: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    base = st["baseline"]
+    con.print(f"[bold]{st['lab']}[/bold]  baseline {base['tag'] or 'autoresearch/baseline'} "
+              f"({(base['commit'] or '?')[:10]})")
+    q = st["queue"]
+    con.print(f"runs: {q['queued']} queued, {q['running']} running, {q['done']} done, {q['failed']} failed")
+    for r in st["running"][:10]:
+        con.print(f"  running #{r['id']} {r['commit']} {r['task']} seed {r['seed']}")
+    t = Table(title="hypotheses")
+    for col in ("id", "title", "origin", "status", "look", "verdict", "decision", "review"):
+        t.add_column(col)
+    for h in st["hypotheses"][-25:]:
+        decision = (h["decision"] or "-") + (f" → {h['promoted_tag']}" if h["promoted_tag"] else "")
+        if h["decision"] == "reject":
+            decision += f" ({h['reject_kind']})"
+        t.add_row(str(h["id"]), h["title"][:50], h["origin"], h["status"], str(h["look"] or "-"),
+                  h["verdict"] or "-", decision, h["review"])
+    con.print(t)
+    c = st["compute"]
+    con.print(f"compute: useful {_secs(c['useful_cpu_s'])}, failed methods {_secs(c['method_failed_cpu_s'])}, "
+              f"lost to infrastructure {_secs(c['infra_lost_cpu_s'])}, saved by cache {_secs(c['saved_by_cache_cpu_s'])}; "
+              f"goodput {c['goodput']:.1%}; {c['cache_hits']} cache hits, {c['infra_retries']} retries")
+    con.print(f"LLM spend today: ${st['llm']['spent_today_usd']:.2f} of ${st['llm']['cap_usd']:.2f}")
+    for e in st["events"]:
+        con.print(f"[yellow]{e['kind']}[/yellow]: {e['message']}")
+
+
+def report_markdown(repo: Path, h: Any, gate_md: str) -> str:
+    from pipeline.lab import load_lab
+
+    lab = load_lab(repo)
+    out = [f"# Hypothesis {h.id}: {h.title}", "", f"Status {h.status}; verdict {h.verdict}; decision {h.decision}.", "",
+           gate_md]
+    forest = lab.state / "summaries" / f"{h.id}.forest.png"
+    if forest.is_file():
+        out += ["", f"![task deltas]({forest})"]
+    return "\n".join(out)
+
+
+def digest_markdown(d: dict[str, Any]) -> str:
+    lines = [f"# Digest (last {d['since']})", "", f"- hypotheses touched: {d['tried']}"]
+    for key, label in (("promoted", "promoted"), ("abandoned", "abandoned"), ("rejected", "rejected before runs")):
+        items = d[key]
+        lines.append(f"- {label}: {len(items)}")
+        for it in items:
+            extra = it.get("tag") or it.get("verdict") or it.get("why") or ""
+            lines.append(f"  - #{it['id']} {it['title']} ({extra})")
+    if d["in_flight"]:
+        lines.append("- in flight: " + ", ".join(f"#{h['id']} ({h['status']})" for h in d["in_flight"]))
+    c = d["compute"]
+    lines.append(f"- compute: useful {_secs(c['useful_cpu_s'])}, goodput {c['goodput']:.1%}, "
+                 f"saved by cache {_secs(c['saved_by_cache_cpu_s'])}")
+    lines.append(f"- LLM spend: ${d['llm_usd']:.2f}")
+    lines.append("- awaiting review: " + (", ".join(f"#{i}" for i in d["awaiting_review"]) or "nothing"))
+    return "\n".join(lines)
