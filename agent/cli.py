@@ -289,6 +289,35 @@ def digest_cmd(
     typer.echo(digest_markdown(d))
 
 
+@app.command("variance")
+def variance_cmd(
+    runs: int = typer.Option(10, "--runs", min=2, help="Identical baseline runs per task."),
+    executor: str = typer.Option("local", "--executor", help="local or ray."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1),
+    ray_address: Optional[str] = typer.Option(os.environ.get("RAY_ADDRESS"), "--ray-address"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """The variance study: N identical baseline runs per task, per-task σ, correlation, MDE table."""
+    from pipeline import runner
+    from pipeline.lab import load_lab
+    from pipeline.variance import study
+
+    lab = load_lab(Ctx.repo)
+    store = runner.open_store(lab, Ctx.db)
+    ex = runner.make_executor(executor, lab, workers=workers, ray_address=ray_address)
+    out = study(lab, store, ex, runs)
+    if as_json:
+        emit_json(out)
+        return
+    looks = lab.config.gate.looks
+    typer.echo(f"{'task':22s} {'mean':>7s} {'sd':>7s} " + " ".join(f"{'MDE@' + str(m):>8s}" for m in looks))
+    for task, t in out["tasks"].items():
+        mdes = " ".join(f"{t['mde'][str(m)]:8.4f}" if t["mde"][str(m)] else f"{'-':>8s}" for m in looks)
+        typer.echo(f"{task:22s} {t['mean'] or 0:7.4f} {t['sd'] or 0:7.4f} {mdes}")
+    corr = out["mean_cross_task_correlation"]
+    typer.echo(f"mean cross-task correlation across seeds: {corr:.2f}" if corr is not None else "correlation: n/a")
+
+
 def main() -> None:
     """Console-script entry point: user errors become one line and exit code 2.
 
