@@ -5,6 +5,7 @@ with SEEDS seeds and print, per variant, the mean AUC change per task and how ma
 The issue's bar: with 5 seeds, each planted gain raises the mean AUC on at least half the tasks.
 
     .venv/bin/python benchmarks/headroom.py --seeds 5 --workers 2 [--noops] [--json out.json]
+    .venv/bin/python benchmarks/headroom.py --on finetune_lr --only add_pix_source   # a conditional gain
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.harness.transactions.variants import NOOPS, PLANTED, apply_edit  # noqa: E402
+from pipeline.harness.transactions.variants import CONDITIONAL, NOOPS, PLANTED, apply_edit  # noqa: E402
 
 TEMPLATE = ROOT / "pipeline" / "templates" / "transactions"
 
@@ -55,14 +56,19 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--noops", action="store_true", help="also run the behaviour-preserving variants")
-    ap.add_argument("--only", nargs="*", help="variant names to run (default: all planted)")
+    ap.add_argument("--only", nargs="*", help="variant names to run (default: planted and conditional)")
+    ap.add_argument("--on", help="apply this planted variant to every lab first (measure gains on that base)")
     ap.add_argument("--customers", type=int, default=None)
     ap.add_argument("--json", type=Path, help="write every AUC here")
     args = ap.parse_args()
 
-    variants = {"baseline": []} | {k: v for k, v in PLANTED.items() if not args.only or k in args.only}
-    if args.noops:
-        variants |= NOOPS
+    known = PLANTED | CONDITIONAL | NOOPS
+    chosen = args.only or [*PLANTED, *CONDITIONAL, *(NOOPS if args.noops else [])]
+    unknown = [n for n in chosen + ([args.on] if args.on else []) if n not in known]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; expected some of {sorted(known)}")
+    base_edits = known[args.on] if args.on else []
+    variants = {"baseline": base_edits} | {k: base_edits + known[k] for k in chosen if k != args.on}
     tmp = Path(tempfile.mkdtemp(prefix="headroom-"))
     state = tmp / "state"
     from pipeline.harness import get_harness
@@ -79,7 +85,7 @@ def main() -> None:
     tasks = list(results[("baseline", 0)]["auc"])
     auc = {name: np.array([[results[(name, s)]["auc"][t] for s in range(args.seeds)] for t in tasks]) for name in variants}
     base = auc["baseline"]
-    print(f"baseline over {args.seeds} seeds (test AUC mean ± seed sd):")
+    print(f"baseline{' + ' + args.on if args.on else ''} over {args.seeds} seeds (test AUC mean ± seed sd):")
     for i, t in enumerate(tasks):
         print(f"  {t:20s} {base[i].mean():.4f} ± {base[i].std(ddof=1):.4f}")
     print()

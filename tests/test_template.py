@@ -54,29 +54,36 @@ def test_tiny_pretrain_finetune_and_score(prepared, tmp_path):
     assert math.isfinite(value) and 0.0 <= value <= 1.0
 
 
-def test_same_seed_same_predictions_in_process(prepared, tmp_path):
-    """Seeds make runs reproducible: this is what lets a no-op change measure exactly zero."""
+def run_in_process(lab: Path, prepared, work: Path, seed: int = 1, task: str = "default_90d") -> str:
+    """Pretrain and fine-tune the lab's own code in this process; return predictions.csv's text."""
     import argparse
     import importlib
 
-    lab = tiny_lab(tmp_path / "lab")
     sys.path.insert(0, str(lab))
     try:
         for mod in ("train", "model"):
             sys.modules.pop(mod, None)
         train = importlib.import_module("train")
-        outs = []
-        for k in range(2):
-            pre, ft = tmp_path / f"pre{k}", tmp_path / f"ft{k}"
-            train.pretrain(argparse.Namespace(data=str(prepared.public), seed=1, out=str(pre)))
-            train.finetune(argparse.Namespace(data=str(prepared.public), task="default_90d", seed=1,
-                                              pretrained=str(pre), out=str(ft)))
-            outs.append((ft / "predictions.csv").read_text())
-        assert outs[0] == outs[1]
+        pre, ft = work / "pre", work / "ft"
+        train.pretrain(argparse.Namespace(data=str(prepared.public), seed=seed, out=str(pre)))
+        train.finetune(argparse.Namespace(data=str(prepared.public), task=task, seed=seed, pretrained=str(pre), out=str(ft)))
+        return (ft / "predictions.csv").read_text()
     finally:
         sys.path.remove(str(lab))
         for mod in ("train", "model"):
             sys.modules.pop(mod, None)
+
+
+def test_same_seed_same_predictions_and_noops_change_nothing(prepared, tmp_path):
+    """Seeds make runs reproducible, and the known no-op edits really are behaviour-preserving:
+    a sound gate can then never promote them."""
+    base = run_in_process(tiny_lab(tmp_path / "lab"), prepared, tmp_path / "w0")
+    assert run_in_process(tiny_lab(tmp_path / "again"), prepared, tmp_path / "w1") == base
+    for name, edits in NOOPS.items():
+        lab = tiny_lab(tmp_path / name)
+        for edit in edits:
+            apply_edit(lab, edit)
+        assert run_in_process(lab, prepared, tmp_path / f"w-{name}") == base, name
 
 
 @pytest.mark.parametrize("name", sorted(NOOPS))

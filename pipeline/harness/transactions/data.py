@@ -70,7 +70,7 @@ SMALL_TASKS: dict[str, dict[str, float]] = {
     "fraud_alert": {"night": 1.3, "travel": 0.8, "gambling": 0.5},
     "card_upgrade": {"income": 1.2, "engagement": 0.6, "travel": 0.6},
     "investment_uptake": {"income": 0.8, "digital": 0.9, "cashflow": 0.7},
-    "personal_loan": {"family": 0.8, "cashflow": -0.9, "life_stage": -0.6, "risk": 0.4},
+    "personal_loan": {"family": 0.8, "cashflow": -0.6, "life_stage": -0.9, "risk": 0.4},
     "insurance_uptake": {"family": 1.0, "life_stage": 0.9, "income": 0.4},
     "betting_limit": {"gambling": 1.4, "night": 0.8, "cashflow": -0.5},
 }

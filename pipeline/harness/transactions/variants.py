@@ -19,12 +19,19 @@ class Edit:
 
 
 PLANTED: dict[str, list[Edit]] = {
-    # PIX transfers reveal risk, gambling and family: the baseline does not read them.
-    "add_pix_source": [Edit("config.toml", 'sources = ["card"]', 'sources = ["card", "pix"]')],
     # The fine-tuning learning rate of the LoRA adapters was never tuned and is far too low.
     "finetune_lr": [Edit("config.toml", "lr = 3e-4", "lr = 3e-3")],
     # The credit-bureau columns are in the data but the baseline only reads the demographic ones.
     "bureau_features": [Edit("config.toml", 'tabular = "basic"', 'tabular = "all"')],
+    # Rank-4 adapters are too narrow to adapt the backbone to each task.
+    "lora_rank_16": [Edit("config.toml", "lora_rank = 4 ", "lora_rank = 16 ")],
+}
+
+# Gains that depend on another: PIX transfers carry information nothing else has (informal cash
+# flow, gambling), but the untuned fine-tuning recipe cannot exploit them; after `finetune_lr`
+# they help most tasks. Measured by `benchmarks/headroom.py --only add_pix_source` on both bases.
+CONDITIONAL: dict[str, list[Edit]] = {
+    "add_pix_source": [Edit("config.toml", 'sources = ["card"]', 'sources = ["card", "pix"]')],
 }
 
 NOOPS: dict[str, list[Edit]] = {

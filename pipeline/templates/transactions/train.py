@@ -146,7 +146,7 @@ def finetune(args):
     backbone = EventTransformer(**ckpt["arch"])
     backbone.load_state_dict(ckpt["state"])
     m, f = cfg["model"], cfg["finetune"]
-    lora = LoraConfig(r=m["lora_rank"], lora_alpha=m["lora_alpha"], target_modules=["qkv", "proj", "fc", "out"],
+    lora = LoraConfig(r=m["lora_rank"], lora_alpha=2 * m["lora_rank"], target_modules=["qkv", "proj", "fc", "out"],
                       lora_dropout=0.0, bias="none")
     backbone = get_peft_model(backbone, lora)  # freezes the pretrained weights, adds trainable adapters
     model = Classifier(backbone, m["d_model"], tabular.shape[1], m["cross_layers"], m["dropout"])
