@@ -1,0 +1,134 @@
+"""The executor interface: submit a stage, poll for finished stages, cancel one. Nothing more.
+
+An executor knows nothing about runs, caches or stores; the driver (`pipeline.runner`) does. That
+keeps a new executor (Slurm, Kubernetes...) to one small class: turn a `StageJob` into a
+`JobResult`, reporting *what happened to the process*. Whether that is the method's fault or the
+machinery's is decided in one place, `classify`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+from pipeline.errors import UserError
+
+JobStatus = Literal["ok", "exit", "signal", "timeout", "cancelled", "infra"]
+
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+SECRET_VALUE = re.compile(r"://[^/\s:@]+:[^/\s@]+@")  # user:password@ inside a URL
+SECRET_EXTRA = {"AUTORESEARCH_DB", "DATABASE_URL"}  # store URLs may carry a password
+# signals the machinery sends (OOM killer, node shutdown, a human's kill): not the method's fault
+INFRA_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
+
+
+def scrub_env(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """A copy of `env` without anything that looks like a secret.
+
+    Names containing KEY, TOKEN, SECRET, PASSWORD (any case), store URLs, and values holding a
+    `user:password@` URL. Branch code is written by an LLM: it gets nothing it could leak.
+    """
+    return {
+        k: v
+        for k, v in env.items()
+        if not SECRET_NAME.search(k) and k not in SECRET_EXTRA and not SECRET_VALUE.search(v)
+    }
+
+
+def thread_env(cpus: int) -> dict[str, str]:
+    from pipeline.executors.child import THREAD_VARS
+
+    return {name: str(cpus) for name in THREAD_VARS}
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """One stage process to run.
+
+    `argv` is already rendered with this machine's paths; `inputs` lists the folders it reads
+    (the dataset, upstream outputs) so that an executor on other machines can ship them, and `out`
+    is where its output must end up (an empty private folder).
+    """
+
+    job_id: str
+    argv: list[str]
+    cwd: Path
+    commit: str
+    out: Path
+    log_path: Path
+    timeout_s: float
+    cpus: int = 1
+    gpus: int = 0
+    memory_mb: int | None = None
+    inputs: tuple[Path, ...] = ()
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What happened to a stage process. `cpu_s` counts the stage and the children it waited for."""
+
+    job_id: str
+    status: JobStatus
+    exit_code: int | None = None
+    signal: int | None = None
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    detail: str | None = None
+    host: str | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+Classified = tuple[Literal["ok", "method", "timeout", "infra", "cancelled"], str | None]
+
+
+def classify(result: JobResult) -> Classified:
+    """Method failure or infrastructure failure? (outcome for the store, kind for the result).
+
+    Non-zero exit, a crash signal (segfault, abort) and a timeout are the branch's code: recorded
+    as results the gate sees. A killed worker or a signal from outside is the machinery: retried
+    with the same seed.
+    """
+    if result.status == "ok":
+        return "ok", None
+    if result.status == "exit":
+        return "method", "crash"
+    if result.status == "timeout":
+        return "timeout", "timeout"
+    if result.status == "cancelled":
+        return "cancelled", None
+    if result.status == "signal":
+        if result.signal in INFRA_SIGNALS:
+            return "infra", "signal"
+        return "method", "signal"
+    return "infra", "infra"
+
+
+class Executor(Protocol):
+    """Runs stage jobs. `slots` is how many it runs at once; the driver never submits more."""
+
+    name: str
+
+    @property
+    def slots(self) -> int: ...
+
+    def submit(self, job: StageJob) -> None: ...
+
+    def poll(self, timeout: float = 0.0) -> list[JobResult]:
+        """Results of jobs finished since the last call; waits up to `timeout` for the first."""
+        ...
+
+    def cancel(self, job_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ExecutorError(RuntimeError):
+    """The executor itself cannot work (worker cannot start, cluster unreachable)."""
+
+
+class UnknownExecutorError(UserError):
+    """`--executor` names no executor."""

@@ -1,0 +1,155 @@
+"""Set up and run one stage in the current process. Standard library only, on purpose.
+
+Both executors start a stage through this file: the local executor calls `run()` in a child
+forked from its warm worker (torch and peft already imported), and the Ray executor runs this
+file's source with `python -c` on whatever node Ray picked, where our package may not be installed.
+One code path means one set of guarantees: own process group, scrubbed environment, thread
+count, memory limit, logs to a file, and `python SCRIPT args` run in-process through runpy.
+
+The spec is a JSON-able dict: argv, cwd, env (the complete environment), log (a file path),
+cpus, memory_mb (None for no limit), strip_sys_path (entries to drop from sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, NoReturn
+
+PR_SET_PDEATHSIG = 1
+PYTHON_NAMES = {"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+               "VECLIB_MAXIMUM_THREADS", "TORCH_NUM_THREADS")
+
+
+def python_target(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """("path", script, args) for `python SCRIPT args`, ("module", name, args) for `python -m`."""
+    if not argv or (os.path.basename(argv[0]) not in PYTHON_NAMES and argv[0] != sys.executable):
+        return None
+    rest = argv[1:]
+    if len(rest) >= 2 and rest[0] == "-m":
+        return ("module", rest[1], rest[2:])
+    if rest and not rest[0].startswith("-"):
+        return ("path", rest[0], rest[1:])
+    return None
+
+
+def _die_with_parent(sig: int = 9) -> None:
+    """Ask the kernel to send `sig` (default SIGKILL) when the process that started us dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    except (OSError, AttributeError):
+        pass
+
+
+def _vm_size_bytes() -> int:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _limit_memory(memory_mb: int | None, in_process: bool) -> None:
+    """RLIMIT_AS: a stage run in-process may grow its address space by memory_mb beyond what the
+    warm worker already maps (torch reserves a lot of virtual memory it never touches)."""
+    if not memory_mb:
+        return
+    import resource
+
+    limit = memory_mb * 2**20 + (_vm_size_bytes() if in_process else 0)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _set_threads(cpus: int) -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(cpus)
+        try:
+            torch.set_num_interop_threads(cpus)
+        except RuntimeError:  # already set in this process: harmless
+            pass
+
+
+def run(spec: dict[str, Any], *, new_session: bool) -> NoReturn:
+    """Become the stage: never returns; the exit status is the stage's."""
+    code = 1
+    try:
+        if new_session:
+            os.setsid()
+        _die_with_parent()
+        log_fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null_fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null_fd, 0)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        os.close(null_fd)
+        os.chdir(spec["cwd"])
+        os.environ.clear()
+        os.environ.update(spec["env"])
+        argv: list[str] = list(spec["argv"])
+        target = python_target(argv)
+        _limit_memory(spec.get("memory_mb"), in_process=target is not None)
+        if target is None:
+            if os.path.basename(argv[0]) in PYTHON_NAMES:
+                argv[0] = sys.executable
+            import signal
+
+            for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores these; a program expects defaults
+                if hasattr(signal, name):
+                    signal.signal(getattr(signal, name), signal.SIG_DFL)
+            try:
+                os.execvpe(argv[0], argv, spec["env"])
+            except OSError as e:
+                print(f"cannot execute {argv[0]!r}: {e}", file=sys.stderr)
+                os._exit(127)
+        import runpy
+
+        _set_threads(int(spec.get("cpus", 1)))
+        kind, name, args = target
+        strip = set(spec.get("strip_sys_path", []))
+        if strip:  # the warm worker's own package: invisible, so a lab module of that name wins
+            sys.path[:] = [p for p in sys.path if p not in strip and p != ""]
+            for mod in [m for m in sys.modules if m == "pipeline" or m.startswith("pipeline.")]:
+                del sys.modules[mod]
+        if kind == "path":
+            script = os.path.abspath(name)
+            sys.argv = [script, *args]
+            sys.path.insert(0, os.path.dirname(script))
+            runpy.run_path(script, run_name="__main__")
+        else:
+            sys.argv = [name, *args]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:
+            pass
+    os._exit(code & 0xFF)
+
+
+if __name__ == "__main__":  # `python -c SOURCE SPEC_JSON` (the Ray executor)
+    run(json.loads(sys.argv[1]), new_session=False)

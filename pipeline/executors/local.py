@@ -1,0 +1,238 @@
+"""The local executor: N slots on this machine, stages forked from a warm worker.
+
+slots = cores ÷ run.cpus (overridable). One warm worker (`zygote.py`) holds torch and peft in
+memory and forks per stage; it enforces timeouts with a process-group kill and reports each
+stage's CPU seconds from `wait4`. If the worker dies, every stage it was running is reported as an
+infrastructure failure and a fresh worker starts on the next submit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pipeline
+from pipeline.executors.base import ExecutorError, JobResult, StageJob, scrub_env, thread_env
+
+DEFAULT_PRELOAD = ("numpy", "torch", "peft")
+READY_TIMEOUT_S = 180.0
+
+
+def _package_root() -> str:
+    return str(Path(pipeline.__file__).resolve().parent.parent)
+
+
+def visible_gpus() -> list[str]:
+    """GPU ids this process may use: CUDA_VISIBLE_DEVICES if set, else what nvidia-smi lists."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+class LocalExecutor:
+    """Run stages on this machine. Create once per driver; `close()` stops the warm worker."""
+
+    name = "local"
+
+    def __init__(self, *, cpus: int = 1, gpus: int = 0, slots: int | None = None,
+                 preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD, worker_log: Path | None = None):
+        self.cpus = cpus
+        self.gpus = gpus
+        self.gpu_ids = visible_gpus() if gpus else []
+        by_cpu = max(1, (os.cpu_count() or 1) // cpus)
+        if gpus:
+            if len(self.gpu_ids) < gpus:
+                raise ExecutorError(f"run.gpus = {gpus} but {len(self.gpu_ids)} GPU(s) are visible")
+            by_cpu = min(by_cpu, len(self.gpu_ids) // gpus)
+        self._slots = slots if slots is not None else by_cpu
+        if self._slots < 1:
+            raise ExecutorError(f"slots must be at least 1, got {self._slots}")
+        self.preload = list(preload)
+        self.worker_log = worker_log
+        self.host = socket.gethostname()
+        # the stages' environment: decided once, from a scrubbed copy of ours
+        self.base_env = scrub_env(os.environ) | thread_env(cpus)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buf = b""
+        self._running: dict[str, StageJob] = {}
+        self._gpu_of: dict[str, list[str]] = {}
+        self._done: list[JobResult] = []
+
+    @property
+    def slots(self) -> int:
+        return self._slots
+
+    # --- warm worker --------------------------------------------------------------------------
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        env = dict(self.base_env)
+        root = _package_root()
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        stderr = open(self.worker_log, "ab") if self.worker_log else None
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.executors.zygote", json.dumps({"preload": self.preload})],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=root,
+            )
+        finally:
+            if stderr is not None:
+                stderr.close()
+        self._proc, self._buf = proc, b""
+        assert proc.stdout is not None
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            msgs = self._read(max(0.0, deadline - time.monotonic()))
+            if any(m.get("event") == "ready" for m in msgs):
+                return proc
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                self._proc = None
+                raise ExecutorError(
+                    f"warm worker did not start (exit {proc.returncode}); preload {self.preload}"
+                    + (f", see {self.worker_log}" if self.worker_log else "")
+                )
+
+    def _read(self, timeout: float) -> list[dict[str, object]]:
+        """Read whatever protocol lines are available, waiting up to `timeout` for the first."""
+        proc = self._proc
+        if proc is None or proc.stdout is None:
+            return []
+        fd = proc.stdout.fileno()
+        ready, _, _ = select.select([fd], [], [], timeout)
+        msgs: list[dict[str, object]] = []
+        while ready:
+            data = os.read(fd, 1 << 16)
+            if not data:
+                self._worker_died()
+                break
+            self._buf += data
+            ready, _, _ = select.select([fd], [], [], 0)
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            if line.strip():
+                msgs.append(json.loads(line))
+        return msgs
+
+    def _worker_died(self) -> None:
+        proc = self._proc
+        self._proc = None
+        if proc is not None:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for job_id in list(self._running):
+            self._finish(JobResult(job_id, "infra", detail=f"warm worker died (exit {proc.returncode if proc else '?'})",
+                                   host=self.host))
+
+    def _finish(self, result: JobResult) -> None:
+        self._running.pop(result.job_id, None)
+        self._gpu_of.pop(result.job_id, None)
+        self._done.append(result)
+
+    def warm(self) -> None:
+        """Start the warm worker now (it imports torch and peft: seconds) rather than on first submit."""
+        self._start()
+
+    # --- Executor interface -------------------------------------------------------------------
+
+    def submit(self, job: StageJob) -> None:
+        if job.job_id in self._running:
+            raise ExecutorError(f"job {job.job_id} already submitted")
+        proc = self._start()
+        env = dict(self.base_env)
+        if job.cpus != self.cpus:
+            env |= thread_env(job.cpus)
+        if job.gpus:
+            busy = {g for gs in self._gpu_of.values() for g in gs}
+            free = [g for g in self.gpu_ids if g not in busy]
+            if len(free) < job.gpus:
+                raise ExecutorError(f"no free GPU for job {job.job_id}; submit at most `slots` jobs")
+            self._gpu_of[job.job_id] = free[: job.gpus]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(free[: job.gpus])
+        elif self.gpu_ids or "CUDA_VISIBLE_DEVICES" in env:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        job.log_path.parent.mkdir(parents=True, exist_ok=True)
+        spec = {
+            "argv": job.argv, "cwd": str(job.cwd), "env": env, "log": str(job.log_path),
+            "cpus": job.cpus, "memory_mb": job.memory_mb, "strip_sys_path": [_package_root()],
+        }
+        msg = json.dumps({"op": "run", "id": job.job_id, "spec": spec, "timeout_s": job.timeout_s}) + "\n"
+        self._running[job.job_id] = job
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(msg.encode())
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._worker_died()
+
+    def poll(self, timeout: float = 0.0) -> list[JobResult]:
+        deadline = time.monotonic() + timeout
+        while not self._done and self._running and self._proc is not None:
+            for msg in self._read(max(0.0, deadline - time.monotonic())):
+                if msg.get("event") != "exit":
+                    continue
+                job_id = str(msg["id"])
+                if job_id not in self._running:
+                    continue
+                self._finish(JobResult(
+                    job_id, msg["status"],  # type: ignore[arg-type]
+                    exit_code=msg.get("exit_code"), signal=msg.get("signal"),  # type: ignore[arg-type]
+                    cpu_s=float(msg["cpu_s"]), wall_s=float(msg["wall_s"]), host=self.host,  # type: ignore[arg-type]
+                ))
+            if time.monotonic() >= deadline:
+                break
+        if not self._done and timeout > 0 and not self._running:
+            time.sleep(min(timeout, 0.05))
+        done, self._done = self._done, []
+        return done
+
+    def cancel(self, job_id: str) -> None:
+        proc = self._proc
+        if job_id not in self._running or proc is None or proc.stdin is None:
+            return
+        try:
+            proc.stdin.write((json.dumps({"op": "cancel", "id": job_id}) + "\n").encode())
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._worker_died()
+
+    def running(self) -> list[str]:
+        return list(self._running)
+
+    def close(self) -> None:
+        """Stop the warm worker; it kills the process groups of stages still running."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=10)
+        except (subprocess.TimeoutExpired, OSError):
+            proc.kill()
+            proc.wait()
+        finally:
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for job_id in list(self._running):
+            self._finish(JobResult(job_id, "cancelled", detail="executor closed", host=self.host))
+
+    def __enter__(self) -> "LocalExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

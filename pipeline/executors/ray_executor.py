@@ -1,0 +1,167 @@
+"""The Ray executor: the same stage jobs on a Ray cluster (`--executor ray --ray-address ...`).
+
+The worktree's content travels as a `git archive` of the commit (put in the object store once per
+commit), and each input folder (dataset, upstream outputs) as a tar put once per folder; a node
+unpacks each at most once. The stage's output comes back as a tar and is unpacked into the
+driver's private output folder, so publishing to the cache is the same as for local runs.
+
+Failures Ray reports (worker crashed, node died, object lost) are infrastructure failures; the
+stage's own exit status is classified exactly as locally. Ray's own retries are off: the driver
+retries with the same seed and counts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import os
+import tarfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.executors import child, ray_task
+from pipeline.executors.base import (
+    SECRET_EXTRA,
+    SECRET_NAME,
+    SECRET_VALUE,
+    ExecutorError,
+    JobResult,
+    StageJob,
+    thread_env,
+)
+
+if TYPE_CHECKING:
+    from pipeline.worktrees import Worktrees
+
+
+class RayExecutor:
+    """Run stages as Ray tasks. Connects to `address` (or RAY_ADDRESS), or starts a local Ray."""
+
+    name = "ray"
+
+    def __init__(self, worktrees: "Worktrees", *, address: str | None = None, cpus: int = 1, gpus: int = 0,
+                 slots: int | None = None, init_kwargs: dict[str, Any] | None = None):
+        try:
+            import ray
+        except ImportError:
+            raise ExecutorError("the ray executor needs Ray: pip install 'ray[default]'") from None
+        self.ray = ray
+        self.worktrees = worktrees
+        self.cpus, self.gpus = cpus, gpus
+        self._owns_ray = False
+        if not ray.is_initialized():
+            address = address or os.environ.get("RAY_ADDRESS") or None
+            kwargs = {"include_dashboard": False, "log_to_driver": False, **(init_kwargs or {})}
+            try:
+                ray.init(address=address, **kwargs)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise ExecutorError(f"cannot connect to Ray at {address or 'a new local instance'}: {e}") from None
+            self._owns_ray = True
+        ray.cloudpickle.register_pickle_by_value(ray_task)  # nodes need Ray, not our package
+        resources = ray.cluster_resources()
+        by_cpu = int(resources.get("CPU", 1)) // cpus
+        if gpus:
+            by_cpu = min(by_cpu, int(resources.get("GPU", 0)) // gpus)
+        self._slots = slots if slots is not None else max(1, by_cpu)
+        self._remote = ray.remote(ray_task.run_stage)
+        self._child_src = inspect.getsource(child)
+        self._trees: dict[str, Any] = {}
+        self._inputs: dict[str, tuple[str, Any]] = {}
+        self._refs: dict[str, tuple[Any, StageJob]] = {}
+
+    @property
+    def slots(self) -> int:
+        return self._slots
+
+    def _tree(self, commit: str) -> Any:
+        if commit not in self._trees:
+            self._trees[commit] = self.ray.put(self.worktrees.archive(commit))
+        return self._trees[commit]
+
+    def _input(self, folder: Path) -> tuple[str, Any]:
+        """(id, ref) for an input folder. Folders the driver hands out (dataset by id, cache entries
+        by key) never change once written; the id still hashes names, sizes and mtimes, so a node's
+        unpacked copy can never stand for different content at a reused path."""
+        key = str(folder.resolve())
+        if key not in self._inputs:
+            h = hashlib.sha256(key.encode())
+            for p in sorted(folder.rglob("*")):
+                st = p.stat()
+                h.update(f"{p.relative_to(folder)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            self._inputs[key] = (h.hexdigest()[:24], self.ray.put(ray_task.pack(key)))
+        return self._inputs[key]
+
+    def submit(self, job: StageJob) -> None:
+        if job.job_id in self._refs:
+            raise ExecutorError(f"job {job.job_id} already submitted")
+        mounts = []
+        for folder in job.inputs:
+            ident, ref = self._input(folder)
+            mounts.append((str(folder), ident, [ref]))
+        spec = {
+            "job_id": job.job_id, "commit": job.commit, "argv": job.argv, "cwd": str(job.cwd),
+            "out": str(job.out), "timeout_s": job.timeout_s, "cpus": job.cpus, "memory_mb": job.memory_mb,
+            "env": thread_env(job.cpus), "child_src": self._child_src,
+            "secret_names": [SECRET_NAME.pattern], "secret_extra": sorted(SECRET_EXTRA),
+            "secret_value": SECRET_VALUE.pattern,
+        }
+        options: dict[str, Any] = {"num_cpus": job.cpus, "num_gpus": job.gpus, "max_retries": 0,
+                                   "name": f"stage-{job.job_id[:12]}"}
+        if job.memory_mb:
+            options["memory"] = job.memory_mb * 2**20
+        ref = self._remote.options(**options).remote(spec, [self._tree(job.commit)], mounts)
+        self._refs[job.job_id] = (ref, job)
+
+    def poll(self, timeout: float = 0.0) -> list[JobResult]:
+        if not self._refs:
+            return []
+        ray = self.ray
+        by_ref = {ref: job_id for job_id, (ref, _) in self._refs.items()}
+        ready, rest = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
+        if ready and rest:
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
+        return [self._collect(by_ref[ref]) for ref in ready]
+
+    def _collect(self, job_id: str) -> JobResult:
+        ref, job = self._refs.pop(job_id)
+        ray = self.ray
+        try:
+            res: dict[str, Any] = ray.get(ref)
+        except ray.exceptions.TaskCancelledError:
+            return JobResult(job_id, "cancelled", detail="cancelled")
+        except ray.exceptions.RayError as e:  # worker crashed, node died, object lost, our task failed
+            return JobResult(job_id, "infra", detail=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        job.log_path.parent.mkdir(parents=True, exist_ok=True)
+        job.log_path.write_bytes(res["log"])
+        if res["status"] == "ok":
+            job.out.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(fileobj=io.BytesIO(res["out"])) as tar:
+                tar.extractall(job.out, filter="data")
+        return JobResult(job_id, res["status"], exit_code=res["exit_code"], signal=res["signal"],
+                         cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]), host=res["host"])
+
+    def cancel(self, job_id: str) -> None:
+        entry = self._refs.get(job_id)
+        if entry is not None:
+            self.ray.cancel(entry[0])
+
+    def running(self) -> list[str]:
+        return list(self._refs)
+
+    def close(self) -> None:
+        for job_id in list(self._refs):
+            self.cancel(job_id)
+        self._refs.clear()
+        self._trees.clear()
+        self._inputs.clear()
+        if self._owns_ray:
+            self.ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> "RayExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,187 @@
+"""The warm worker: imports the heavy libraries once, then forks one child per stage.
+
+Why: a fresh interpreter importing torch and peft costs seconds; a fork of a process that already
+has them costs milliseconds, and the branch's `python train.py ...` then runs in the child
+through runpy. The worker stays single-threaded (forking a threaded process is unsafe) and imports
+nothing that starts threads before forking (thread counts are pinned by environment first).
+
+Protocol: JSON lines. stdin receives {"op": "run", "id", "spec", "timeout_s"} and
+{"op": "cancel", "id"}; stdout (a private copy of fd 1; stray prints go to stderr) sends
+{"event": "ready"}, {"event": "started", "id", "pid"} and
+{"event": "exit", "id", "status", "exit_code", "signal", "cpu_s", "wall_s"}.
+EOF on stdin, SIGTERM, or the death of the driver (PDEATHSIG) kill every stage's process group.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import select
+import signal
+import sys
+import time
+from typing import Any
+
+from pipeline.executors import child
+
+KILL_GRACE_S = 2.0
+
+
+class _Job:
+    def __init__(self, job_id: str, pid: int, timeout_s: float):
+        self.id = job_id
+        self.pid = pid
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_s
+        self.reason: str | None = None  # "timeout" | "cancelled" once we kill it
+        self.kill_at: float | None = None
+
+
+class Zygote:
+    def __init__(self, out_fd: int):
+        self.out = os.fdopen(out_fd, "w", buffering=1)
+        self.jobs: dict[int, _Job] = {}
+        self.by_id: dict[str, _Job] = {}
+        self.buf = b""
+        self.private_fds: list[int] = [out_fd]
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.out.write(json.dumps(msg) + "\n")
+
+    def start(self, msg: dict[str, Any]) -> None:
+        spec = msg["spec"]
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            for fd in self.private_fds:
+                os.close(fd)
+            child.run(spec, new_session=True)
+        job = _Job(msg["id"], pid, float(msg["timeout_s"]))
+        self.jobs[pid] = job
+        self.by_id[job.id] = job
+        self.send({"event": "started", "id": job.id, "pid": pid})
+
+    def kill(self, job: _Job, reason: str, sig: int = signal.SIGTERM) -> None:
+        job.reason = job.reason or reason
+        job.kill_at = job.kill_at or time.monotonic() + KILL_GRACE_S
+        for target in (lambda: os.killpg(job.pid, sig), lambda: os.kill(job.pid, sig)):
+            try:
+                target()
+                return
+            except ProcessLookupError:
+                continue
+
+    def reap(self) -> None:
+        while self.jobs:
+            try:
+                pid, status, ru = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            job = self.jobs.pop(pid, None)
+            if job is None:
+                continue
+            self.by_id.pop(job.id, None)
+            try:  # stragglers the stage left in its group
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            msg: dict[str, Any] = {
+                "event": "exit", "id": job.id, "cpu_s": ru.ru_utime + ru.ru_stime,
+                "wall_s": time.monotonic() - job.started, "exit_code": None, "signal": None,
+            }
+            if os.WIFEXITED(status):
+                msg["exit_code"] = os.WEXITSTATUS(status)
+                msg["status"] = "ok" if msg["exit_code"] == 0 else "exit"
+            else:
+                msg["signal"] = os.WTERMSIG(status)
+                msg["status"] = "signal"
+            if job.reason:
+                msg["status"] = job.reason
+            self.send(msg)
+
+    def enforce(self) -> float:
+        """Kill overdue jobs; return seconds until the next deadline (for select)."""
+        t = time.monotonic()
+        wait = 1.0
+        for job in list(self.jobs.values()):
+            if job.reason is None and t >= job.deadline:
+                self.kill(job, "timeout")
+            if job.kill_at is not None and t >= job.kill_at:
+                self.kill(job, job.reason or "timeout", signal.SIGKILL)
+                job.kill_at = t + KILL_GRACE_S
+            nxt = job.kill_at if job.reason else job.deadline
+            wait = min(wait, max(0.0, (nxt or t + 1) - t))
+        return wait
+
+    def kill_all(self) -> None:
+        for job in list(self.jobs.values()):
+            self.kill(job, "cancelled", signal.SIGKILL)
+
+    def handle(self, line: bytes) -> None:
+        msg = json.loads(line)
+        if msg["op"] == "run":
+            self.start(msg)
+        elif msg["op"] == "cancel":
+            job = self.by_id.get(msg["id"])
+            if job is not None:
+                self.kill(job, "cancelled", signal.SIGKILL)
+
+    def loop(self) -> None:
+        rpipe, wpipe = os.pipe()
+        os.set_blocking(wpipe, False)
+        self.private_fds += [rpipe, wpipe]
+        signal.set_wakeup_fd(wpipe)  # SIGCHLD wakes select at once: no polling latency
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        stdin = sys.stdin.fileno()
+        self.send({"event": "ready", "pid": os.getpid()})
+        while True:
+            timeout = self.enforce()
+            ready, _, _ = select.select([stdin, rpipe], [], [], timeout)
+            if rpipe in ready:
+                os.read(rpipe, 4096)
+            if stdin in ready:
+                data = os.read(stdin, 1 << 16)
+                if not data:
+                    self.kill_all()
+                    deadline = time.monotonic() + 5
+                    while self.jobs and time.monotonic() < deadline:
+                        self.reap()
+                        time.sleep(0.01)
+                    return
+                self.buf += data
+                while b"\n" in self.buf:
+                    line, self.buf = self.buf.split(b"\n", 1)
+                    if line.strip():
+                        self.handle(line)
+            self.reap()
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    out_fd = os.dup(1)
+    os.dup2(2, 1)
+    child._die_with_parent(signal.SIGTERM)  # so that on_term cleans up the stages' groups
+    zygote = Zygote(out_fd)
+
+    def on_term(*_: object) -> None:
+        zygote.kill_all()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    for name in config.get("preload", []):
+        importlib.import_module(name)
+    # Objects imported so far live for ever: keep the children's garbage collector from walking
+    # them, which would touch (and so copy) every page shared with this process.
+    gc.collect()
+    gc.freeze()
+    zygote.loop()
+
+
+if __name__ == "__main__":
+    main()

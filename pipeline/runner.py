@@ -1,0 +1,599 @@
+"""The execution layer's public API: queue runs, drive them to results, read results and goodput.
+
+The agent uses only this module (and the store's records):
+
+    from pipeline import runner
+    store = runner.open_store(lab)                        # SQLite in runs/, or any SQLAlchemy URL
+    ids = runner.ensure_runs(store, lab, "hyp/3-lr", tasks, seeds=[0, 1])   # idempotent
+    with runner.Driver(lab, store, runner.make_executor("local", lab)) as driver:
+        driver.drive(until=ids)                           # returns when those runs are terminal
+    runner.results(store, lab, "hyp/3-lr", tasks)         # {task: {seed: value | None}}
+    runner.goodput(store)                                 # useful / lost / saved compute
+
+- `ensure_runs` records the arm and queues the (task, seed) runs that do not exist yet; a run is
+  unique per (commit, task, seed), so calling it again after a crash creates nothing new.
+- `Driver` claims queued runs atomically, expands each into its stage DAG (`pipeline.dag`),
+  serves stages from the cache or submits them to the executor, and scores the final stage's
+  `predictions.csv` with the harness's sealed scorer, in this process, never in branch code.
+  A `Driver` is long-lived: `drive()` returns when its condition holds and leaves other claimed
+  runs in flight for the next call; `close()` cancels and re-queues what is left. At start it
+  reconciles the queue (runs of dead drivers go back to the queue under the same key), repairs
+  worktrees and removes half-written cache entries.
+- Method failures (non-zero exit, crash signal, timeout in branch code; missing, malformed or
+  non-finite predictions) are results with `value = None`. Infrastructure failures (killed worker,
+  lost node) are retried with the same seed up to `run.retries`, then recorded as
+  `infra_failure` results, which `results()` leaves out: they say nothing about the method.
+- Stage definitions, `[run]` and `[benchmark]` come from the lab's `research.toml` as the driver
+  loaded it (not from the commit under test): the agent may not edit it, so a challenger cannot
+  change how it is measured. The commit decides only the code the stages run.
+- `python -m pipeline.runner LAB` drives a lab's queue from the command line (ops and tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.dag import Cache, StageNode, check_not_sealed, input_digests, plan_run, render
+from pipeline.executors import Executor, StageJob, classify, make_executor
+from pipeline.harness import Harness, Prepared, PredictionsError
+from pipeline.lab import Lab, load_lab
+from pipeline.store import Claim, Goodput, Owner, Result, Store
+from pipeline.worktrees import WorktreeError, Worktrees
+
+log = logging.getLogger("autoresearch.runner")
+
+__all__ = [
+    "open_store", "ensure_runs", "Driver", "drive", "results", "run_results", "goodput", "queue_status",
+    "make_executor", "open_lab", "resolve_commit",
+]
+
+
+def open_store(lab: Lab, url: str | None = None) -> Store:
+    """The lab's store: `url` (any SQLAlchemy URL) or SQLite at `runs/autoresearch.db`."""
+    return Store.for_lab(lab, url)
+
+
+def open_lab(root: str | Path, harness: str | None = None) -> Lab:
+    """Load a lab; with `harness` ("module:Class"), one not registered in `pipeline.harness`."""
+    if harness is None:
+        return load_lab(root)
+    from pipeline.lab import CONFIG_NAME, parse_config
+
+    root = Path(root).resolve()
+    return Lab(root, parse_config((root / CONFIG_NAME).read_text(encoding="utf-8"), root / CONFIG_NAME))
+
+
+def load_harness(lab: Lab, spec: str | None = None) -> Harness:
+    """The lab's harness, or the class named by `spec` ("module:Class")."""
+    if spec is None:
+        from pipeline.harness import get_harness
+
+        return get_harness(lab.config.benchmark.harness)
+    import importlib
+
+    module, _, cls = spec.partition(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def resolve_commit(lab: Lab, rev: str) -> str:
+    return Worktrees(lab.root, lab.state).resolve(rev)
+
+
+def ensure_runs(store: Store, lab: Lab, commit: str, tasks: Iterable[str], seeds: Iterable[int], *,
+                priority: int = 0, label: str | None = None, harness: Harness | None = None) -> list[int]:
+    """Queue runs of `commit` (sha, branch or tag) for every (task, seed) not queued yet.
+
+    Returns the ids of all the requested runs, in task-major order (the order they are claimed,
+    which interleaves seeds so that seed-scoped stages of different seeds start together).
+    """
+    sha = resolve_commit(lab, commit)
+    tasks = list(tasks)
+    (harness or load_harness(lab)).tasks(lab.config.benchmark.suite, tasks)  # raises UnknownTaskError
+    store.ensure_arm(sha, label or (commit if commit != sha else None))
+    return store.enqueue(sha, [(t, int(s)) for t in tasks for s in seeds], priority=priority)
+
+
+def results(store: Store, lab: Lab | None, commit: str, tasks: Iterable[str] | None = None) -> dict[str, dict[int, float | None]]:
+    """{task: {seed: metric, or None for a method failure}} of the finished runs of a commit.
+
+    Infrastructure failures are left out; unfinished runs are absent.
+    """
+    sha = resolve_commit(lab, commit) if lab is not None else commit
+    out: dict[str, dict[int, float | None]] = {t: {} for t in (tasks or [])}
+    for r in store.results_for(sha, tasks):
+        if r.outcome == "infra_failure":
+            continue
+        out.setdefault(r.task, {})[r.seed] = r.value
+    return out
+
+
+def run_results(store: Store, commit: str, tasks: Iterable[str] | None = None) -> list[Result]:
+    """Every result row of a commit, failures with their kind and detail (for reports)."""
+    return store.results_for(commit, tasks)
+
+
+def goodput(store: Store, since: float | None = None) -> Goodput:
+    return store.goodput(since)
+
+
+def queue_status(store: Store) -> dict[str, int]:
+    return store.queue_counts()
+
+
+@dataclass
+class _Active:
+    """A claimed run being worked on by this driver."""
+
+    claim: Claim
+    worktree: Path
+    nodes: list[StageNode]
+    final: StageNode
+    done: dict[str, Path] = field(default_factory=dict)
+    pending: set[str] = field(default_factory=set)  # stages queued, in flight or awaited
+    cpu_s: float = 0.0
+    infra_failures: int = 0
+
+
+@dataclass
+class _Flight:
+    """A stage job in the executor, and every run waiting for its key."""
+
+    node: StageNode
+    job: StageJob
+    exec_id: int
+    lead: int
+    waiters: list[int]
+    tmp: Path
+
+
+class Driver:
+    """Drives the queue of one lab through one executor. See the module docstring."""
+
+    def __init__(self, lab: Lab, store: Store, executor: Executor, *, harness: Harness | None = None,
+                 heartbeat_s: float = 5.0, stale_s: float = 120.0, max_active: int | None = None,
+                 close_executor: bool = True):
+        self.lab = lab
+        self.store = store
+        self.executor = executor
+        self.harness = harness if harness is not None else load_harness(lab)
+        self.owner = Owner.current()
+        self.heartbeat_s = heartbeat_s
+        self.stale_s = stale_s
+        self.max_active = max_active if max_active is not None else 4 * executor.slots + 4
+        self.close_executor = close_executor
+        self.worktrees = Worktrees(lab.root, lab.state)
+        self.cache = Cache(lab.state / "cache")
+        self.logs = lab.state / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.stages = lab.stages_in_order()
+        self.active: dict[int, _Active] = {}
+        self.flights: dict[str, _Flight] = {}  # by key
+        self.by_job: dict[str, str] = {}  # job id → key
+        self.ready: deque[tuple[int, StageNode]] = deque()
+        self.failed_keys: dict[str, tuple[str, str, str]] = {}  # key → (outcome, kind, detail)
+        self.finished: list[int] = []
+        self.to_score: list[int] = []
+        self._prepared: Prepared | None = None
+        self._digests: dict[tuple[str, tuple[str, ...]], dict[str, str]] = {}
+        self._worktree_of: dict[str, Path] = {}
+        self._started = False
+        self._last_reconcile = 0.0
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+
+    # --- life cycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Reconcile the queue, repair worktrees and the cache, start the heartbeat. Idempotent."""
+        if self._started:
+            return
+        self._started = True
+        requeued = self.store.reconcile(self.stale_s, reclaim=self.owner)
+        if requeued:
+            log.warning("re-queued %d run(s) left running by a dead driver: %s", len(requeued), requeued)
+        self._last_reconcile = time.monotonic()
+        for line in self.worktrees.repair():
+            log.info("worktrees: %s", line)
+        self.cache.clear_tmp()
+        self._hb_thread = threading.Thread(target=self._heartbeat, name="autoresearch-heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    def _heartbeat(self) -> None:
+        while not self._hb_stop.wait(self.heartbeat_s):
+            try:
+                self.store.heartbeat(self.owner)
+            except Exception as e:  # a database hiccup must not kill the driver; the next beat retries
+                log.warning("heartbeat failed: %s", e)
+
+    def close(self, *, requeue: bool = True) -> None:
+        """Cancel stages in flight and give claimed runs back to the queue (not counted as a retry)."""
+        for fl in list(self.flights.values()):
+            self.executor.cancel(fl.job.job_id)
+        deadline = time.monotonic() + 15
+        while self.flights and time.monotonic() < deadline:
+            for res in self.executor.poll(0.2):
+                self._on_result(res)
+        self._score_pending()  # runs whose outputs are complete are finished, not re-queued
+        for fl in list(self.flights.values()):
+            self.store.stage_finished(fl.exec_id, "cancelled", detail="driver stopped")
+            self.cache.discard(fl.tmp)
+        self.flights.clear()
+        self.by_job.clear()
+        self.ready.clear()
+        if requeue:
+            for a in list(self.active.values()):
+                self.store.release(a.claim, count_requeue=False)
+        self.active.clear()
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+        if self.close_executor:
+            self.executor.close()
+
+    def __enter__(self) -> "Driver":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def drive(self, until: Iterable[int] | Callable[[], bool] | None = None, *, stop: threading.Event | None = None,
+              timeout_s: float | None = None, poll_s: float = 0.5) -> list[int]:
+        """Work the queue until `until` holds; return the ids of runs finished meanwhile.
+
+        until: run ids (returns when all are done or failed, whoever ran them), a predicate, or
+        None (returns when the queue is empty and nothing is in flight). `stop` ends early
+        (graceful stop); `timeout_s` bounds the wall time.
+        """
+        self.start()
+        ids = None if until is None or callable(until) else set(until)
+        t_end = None if timeout_s is None else time.monotonic() + timeout_s
+        finished: list[int] = []
+        while True:
+            finished += self.step(poll_s)
+            if stop is not None and stop.is_set():
+                break
+            if t_end is not None and time.monotonic() > t_end:
+                break
+            if ids is not None:
+                if self.store.count_unfinished(ids) == 0:
+                    break
+            elif callable(until):
+                if until():
+                    break
+            elif not self.active and not self.flights and self.store.count_queued() == 0:
+                break
+        return finished
+
+    def step(self, timeout: float = 0.5) -> list[int]:
+        """One turn: fill free slots, wait up to `timeout` for stage results, handle them."""
+        self.start()
+        if time.monotonic() - self._last_reconcile > self.stale_s / 2:
+            self._last_reconcile = time.monotonic()
+            self.store.reconcile(self.stale_s)
+        self._fill()
+        if self.flights:
+            for res in self.executor.poll(timeout):
+                self._on_result(res)
+            self._fill()
+        elif timeout > 0 and not self.to_score:
+            time.sleep(min(timeout, 0.2))
+        # slots are full again before the driver scores and claims ahead: neither delays a stage
+        self._score_pending()
+        self._prefetch()
+        done, self.finished = self.finished, []
+        return done
+
+    def _score_pending(self) -> None:
+        while self.to_score:
+            run_id = self.to_score.pop(0)
+            if run_id in self.active:
+                self._score(run_id)
+
+    def _prefetch(self) -> None:
+        """Claim and plan runs ahead, so a freed slot gets its next stage at once."""
+        while len(self.ready) < self.executor.slots and len(self.active) < self.max_active:
+            claims = self.store.claim(self.owner, 1)
+            if not claims:
+                return
+            self._activate(claims[0])
+        self._score_pending()  # runs served entirely from the cache
+
+    def _fill(self) -> None:
+        while len(self.flights) < self.executor.slots:
+            if self.ready:
+                run_id, node = self.ready.popleft()
+                if run_id in self.active:
+                    self._launch_or_attach(run_id, node)
+                continue
+            if len(self.active) >= self.max_active:
+                return
+            claims = self.store.claim(self.owner, 1)
+            if not claims:
+                return
+            self._activate(claims[0])
+
+    # --- runs ------------------------------------------------------------------------------------
+
+    def prepared(self) -> Prepared:
+        """The benchmark's dataset, prepared once per driver (the harness makes it idempotent)."""
+        if self._prepared is None:
+            b = self.lab.config.benchmark
+            kwargs: dict[str, Any] = {"customers": b.customers} if b.customers is not None else {}
+            self._prepared = self.harness.prepare(self.lab.state, b.suite, b.data_seed, **kwargs)
+        return self._prepared
+
+    def _digest(self, commit: str, patterns: list[str]) -> dict[str, str]:
+        k = (commit, tuple(patterns))
+        if k not in self._digests:
+            self._digests[k] = input_digests(self.worktrees, commit, patterns)
+        return self._digests[k]
+
+    def _activate(self, claim: Claim) -> None:
+        try:
+            self._activate_unguarded(claim)
+        except BaseException:
+            # never leave a claim nobody works on: our pid is alive, so reconcile would not free it
+            self.active.pop(claim.run.id, None)  # type: ignore[arg-type]
+            self.store.release(claim, count_requeue=False)
+            raise
+
+    def _activate_unguarded(self, claim: Claim) -> None:
+        run = claim.run
+        assert run.id is not None
+        prepared = self.prepared()
+        try:
+            worktree = self._worktree_of.get(run.commit)
+            if worktree is None or not (worktree / ".git").exists():
+                worktree = self._worktree_of[run.commit] = self.worktrees.ensure(run.commit)
+        except WorktreeError as e:
+            self._record(claim, "infra_failure", None, "worktree", str(e), cpu_s=0.0)
+            return
+        nodes = plan_run(self.stages, run.commit, run.task, run.seed, prepared.dataset_id, self._digest)
+        needed = {n for node in nodes for n in node.spec.needs}
+        final = next(node for node in nodes if node.name not in needed)
+        self.store.set_dataset(run.id, claim.token, prepared.dataset_id)
+        self.active[run.id] = _Active(claim, worktree, nodes, final, infra_failures=run.infra_failures)
+        self._advance(run.id)
+
+    def _advance(self, run_id: int) -> None:
+        """Move a run forward: serve what the cache has, queue what is ready, score when complete."""
+        a = self.active.get(run_id)
+        if a is None:
+            return
+        for node in a.nodes:
+            if node.name in a.done or node.name in a.pending:
+                continue
+            if any(n not in a.done for n in node.spec.needs):
+                continue
+            failure = self._known_failure(node.key)
+            if failure is not None:
+                outcome, kind, detail = failure
+                self.store.stage_served(run_id, node.name, node.key, "upstream_failed",
+                                        executor=self.executor.name, detail=f"{node.name}: {detail}")
+                self._finish(run_id, "method_failure", None, kind, f"{node.name}: {detail}")
+                return
+            if self.cache.has(node.key):
+                self.store.stage_served(run_id, node.name, node.key, "cache_hit", executor=self.executor.name,
+                                        saved_cpu_s=self.store.cache_cost(node.key))
+                a.done[node.name] = self.cache.path(node.key)
+                continue
+            a.pending.add(node.name)
+            if node.key in self.flights:
+                self.flights[node.key].waiters.append(run_id)
+            else:
+                self.ready.append((run_id, node))
+        if a.final.name in a.done and run_id not in self.to_score:
+            self.to_score.append(run_id)
+
+    def _known_failure(self, key: str) -> tuple[str, str, str] | None:
+        if key not in self.failed_keys:
+            ex = self.store.method_failure_of(key)
+            if ex is None:
+                return None
+            self.failed_keys[key] = (ex.outcome, "timeout" if ex.outcome == "timeout" else "crash",
+                                     ex.detail or ex.outcome)
+        return self.failed_keys[key]
+
+    def _launch_or_attach(self, run_id: int, node: StageNode) -> None:
+        if node.key in self.flights:
+            self.flights[node.key].waiters.append(run_id)
+            return
+        if self.cache.has(node.key):  # published by another driver meanwhile
+            self.active[run_id].pending.discard(node.name)
+            self._advance(run_id)
+            return
+        self._launch(run_id, node, [run_id])
+
+    def _launch(self, run_id: int, node: StageNode, waiters: list[int]) -> None:
+        a = self.active[run_id]
+        run = a.claim.run
+        prepared = self.prepared()
+        cfg = self.lab.config.run
+        tmp = self.cache.new_tmp(node.key)
+        values = {"task": run.task, "seed": str(run.seed), "data": str(prepared.public), "out": str(tmp),
+                  **{n: str(a.done[n]) for n in node.spec.needs}}
+        try:
+            argv = render(node.spec.run, values)
+            check_not_sealed(argv, a.worktree, [prepared.sealed, self.lab.state / "sealed"])
+        except Exception:
+            self.cache.discard(tmp)
+            raise
+        job_id = uuid.uuid4().hex
+        log_path = self.logs / f"{node.name}-{node.key[:12]}-{job_id[:8]}.log"
+        job = StageJob(job_id=job_id, argv=argv, cwd=a.worktree, commit=run.commit, out=tmp, log_path=log_path,
+                       timeout_s=cfg.timeout_s, cpus=cfg.cpus, gpus=cfg.gpus, memory_mb=cfg.memory_mb,
+                       inputs=(prepared.public, *(a.done[n] for n in node.spec.needs)))
+        exec_id = self.store.stage_started(run_id, node.name, node.key, executor=self.executor.name,
+                                           log_path=str(log_path))
+        self.flights[node.key] = _Flight(node, job, exec_id, run_id, waiters, tmp)
+        self.by_job[job_id] = node.key
+        try:
+            self.executor.submit(job)
+        except Exception:
+            self.flights.pop(node.key, None)
+            self.by_job.pop(job_id, None)
+            self.store.stage_finished(exec_id, "infra", detail="submit failed")
+            raise
+
+    def _on_result(self, res: Any) -> None:
+        key = self.by_job.pop(res.job_id, None)
+        if key is None:
+            return
+        fl = self.flights.pop(key)
+        outcome, kind = classify(res)
+        gpus = self.lab.config.run.gpus
+        common = dict(cpu_s=res.cpu_s, wall_s=res.wall_s, gpu_s=res.wall_s * gpus, exit_code=res.exit_code,
+                      signal=res.signal, host=res.host)
+        name = fl.node.name
+        live = [r for r in dict.fromkeys(fl.waiters) if r in self.active]
+        if outcome == "ok":
+            final = self.cache.publish(fl.tmp, key)
+            self.store.stage_finished(fl.exec_id, "ok", **common)
+            self.store.cache_published(key, name, fl.job.commit, res.cpu_s, res.wall_s)
+            for rid in live:
+                a = self.active[rid]
+                a.pending.discard(name)
+                a.done[name] = final
+                if rid == fl.lead:
+                    a.cpu_s += res.cpu_s
+                else:
+                    self.store.stage_served(rid, name, key, "shared", executor=self.executor.name,
+                                            saved_cpu_s=res.cpu_s)
+            for rid in live:
+                self._advance(rid)
+            return
+        self.cache.discard(fl.tmp)
+        how = f"exit code {res.exit_code}" if res.exit_code is not None else (
+            f"signal {res.signal}" if res.signal is not None else (res.detail or outcome))
+        detail = f"{kind or outcome} ({how}); log {fl.job.log_path}"
+        if outcome in ("method", "timeout"):
+            self.store.stage_finished(fl.exec_id, outcome, detail=detail, **common)
+            self.failed_keys[key] = (outcome, kind or outcome, detail)
+            for rid in live:
+                if rid != fl.lead:
+                    self.store.stage_served(rid, name, key, "upstream_failed", executor=self.executor.name,
+                                            detail=detail)
+                self._finish(rid, "method_failure", None, kind or outcome, f"{name}: {detail}")
+            return
+        if outcome == "cancelled":
+            self.store.stage_finished(fl.exec_id, "cancelled", detail=res.detail or "cancelled", **common)
+            return
+        self.store.stage_finished(fl.exec_id, "infra", detail=detail, **common)
+        for rid in live:
+            self.store.note_infra_failure(rid)
+            self.active[rid].infra_failures += 1
+        retries = self.lab.config.run.retries
+        lead = fl.lead if fl.lead in self.active else (live[0] if live else None)
+        if lead is None:
+            return
+        if self.active[lead].infra_failures <= retries:
+            log.warning("stage %s (%s) lost to infrastructure, retrying with the same seed: %s", name, key[:12], detail)
+            self._launch(lead, fl.node, live)
+        else:
+            for rid in live:
+                self._finish(rid, "infra_failure", None, "infra", f"{name}: {detail}; {retries} retries exhausted")
+
+    def _score(self, run_id: int) -> None:
+        """The sealed scorer, in the driver: branch code never sees the test labels or the metric."""
+        a = self.active[run_id]
+        run = a.claim.run
+        predictions = a.done[a.final.name] / "predictions.csv"
+        try:
+            value = self.harness.score(self.prepared(), run.task, predictions, self.lab.config.benchmark.metric)
+        except PredictionsError as e:
+            kind = "nan" if _has_nonfinite(predictions) else "predictions"
+            self._finish(run_id, "method_failure", None, kind, str(e))
+            return
+        except Exception as e:  # a scorer bug is not the method's failure; retrying would not help
+            log.exception("scorer failed for run %s", run_id)
+            self._finish(run_id, "infra_failure", None, "scorer", f"{type(e).__name__}: {e}")
+            return
+        if not math.isfinite(value):
+            self._finish(run_id, "method_failure", None, "nan", f"metric is {value}")
+            return
+        self._finish(run_id, "ok", float(value), None, None)
+
+    def _finish(self, run_id: int, outcome: str, value: float | None, kind: str | None, detail: str | None) -> None:
+        a = self.active.pop(run_id, None)
+        if a is None:
+            return
+        for fl in self.flights.values():
+            if run_id in fl.waiters:
+                fl.waiters = [r for r in fl.waiters if r != run_id]
+        self._record(a.claim, outcome, value, kind, detail, cpu_s=a.cpu_s)
+
+    def _record(self, claim: Claim, outcome: str, value: float | None, kind: str | None, detail: str | None,
+                *, cpu_s: float) -> None:
+        run = claim.run
+        assert run.id is not None
+        result = Result(run_id=run.id, commit=run.commit, task=run.task, seed=run.seed, value=value,
+                        outcome=outcome, kind=kind, detail=detail,
+                        dataset_id=self._prepared.dataset_id if self._prepared else None, cpu_s=cpu_s)
+        status = "failed" if outcome == "infra_failure" else "done"
+        if self.store.finish(claim, result, status):  # type: ignore[arg-type]
+            self.finished.append(run.id)
+        else:
+            log.warning("run %s was taken back from this driver; its result is not recorded twice", run.id)
+
+
+def _has_nonfinite(path: Path) -> bool:
+    try:
+        text = path.read_text(errors="replace").lower()
+    except OSError:
+        return False
+    for line in text.splitlines()[1:]:
+        cell = line.rsplit(",", 1)[-1].strip()
+        if cell in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
+            return True
+    return False
+
+
+def drive(lab: Lab, store: Store, executor: Executor, until: Iterable[int] | Callable[[], bool] | None = None,
+          **kwargs: Any) -> list[int]:
+    """One-shot: start a driver, work until `until` holds, close it (re-queuing leftovers)."""
+    harness = kwargs.pop("harness", None)
+    with Driver(lab, store, executor, harness=harness) as d:
+        return d.drive(until, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.runner LAB`: drive the lab's queue until it is empty."""
+    p = argparse.ArgumentParser(prog="python -m pipeline.runner", description=main.__doc__)
+    p.add_argument("lab", type=Path)
+    p.add_argument("--db", default=None, help="store URL (default SQLite in runs/)")
+    p.add_argument("--executor", default="local", choices=["local", "ray"])
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--ray-address", default=None)
+    p.add_argument("--preload", default=None, help="comma-separated modules the warm worker imports")
+    p.add_argument("--harness", default=None, help="module:Class of a harness not registered (tests)")
+    p.add_argument("--heartbeat-s", type=float, default=5.0)
+    p.add_argument("--stale-s", type=float, default=120.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    lab = open_lab(args.lab, args.harness)
+    store = open_store(lab, args.db)
+    preload = tuple(filter(None, args.preload.split(","))) if args.preload is not None else None
+    executor = make_executor(args.executor, lab, workers=args.workers, ray_address=args.ray_address, preload=preload)
+    with Driver(lab, store, executor, harness=load_harness(lab, args.harness), heartbeat_s=args.heartbeat_s,
+                stale_s=args.stale_s) as d:
+        d.drive()
+    counts = store.queue_counts()
+    print(" ".join(f"{k}={v}" for k, v in counts.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

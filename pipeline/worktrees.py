@@ -1,0 +1,196 @@
+"""Branch deployments: one git worktree per commit under test, in `runs/worktrees/<sha>`.
+
+Why worktrees: stages run the branch's code exactly as committed, while the lab's own checkout
+stays wherever the human or the agent left it, and many commits can be measured at once. This module
+is the only one that creates, reuses, repairs and removes them, and the one that reads files *at a
+commit* (from git blobs, never from a working directory a stage could have touched).
+
+All mutations hold an exclusive file lock (`runs/worktrees/.lock`), so concurrent drivers on one
+lab do not race `git worktree add`; the kernel drops the lock if its holder is killed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import re
+import shutil
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import git
+
+from pipeline.lab import glob_match
+
+SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
+class WorktreeError(RuntimeError):
+    """A commit cannot be resolved or checked out."""
+
+
+class UnknownCommitError(WorktreeError):
+    """The revision names no commit in the lab's repository."""
+
+
+class Worktrees:
+    """Worktrees of the lab repository at `repo_root`, kept under `<state>/worktrees`."""
+
+    def __init__(self, repo_root: Path, state: Path):
+        self.repo_root = Path(repo_root).resolve()
+        self.root = Path(state).resolve() / "worktrees"
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.repo = git.Repo(self.repo_root)
+        except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+            raise WorktreeError(f"{self.repo_root}: not a git repository") from None
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self.root / ".lock", "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    # --- reading commits --------------------------------------------------------------------
+
+    def resolve(self, rev: str) -> str:
+        """The full sha of a revision (sha, branch, tag)."""
+        try:
+            return self.repo.commit(rev).hexsha
+        except (git.BadName, ValueError, git.GitCommandError):
+            raise UnknownCommitError(f"{rev!r} is not a commit of {self.repo_root}") from None
+
+    def files_at(self, commit: str) -> dict[str, git.Blob]:
+        """Every file of the commit's tree, by POSIX path."""
+        tree = self.repo.commit(commit).tree
+        return {b.path: b for b in tree.traverse() if isinstance(b, git.Blob)}
+
+    def match(self, commit: str, patterns: Iterable[str]) -> dict[str, git.Blob]:
+        """Files of the commit that match any glob, sorted by path."""
+        files = self.files_at(commit)
+        out: dict[str, git.Blob] = {}
+        for pattern in patterns:
+            out.update({p: b for p, b in files.items() if glob_match(p, pattern)})
+        return dict(sorted(out.items()))
+
+    def read(self, commit: str, path: str) -> bytes:
+        blob = self.files_at(commit).get(path)
+        if blob is None:
+            raise FileNotFoundError(f"{path} not in commit {commit[:12]}")
+        return blob.data_stream.read()
+
+    # --- worktrees --------------------------------------------------------------------------
+
+    def path(self, commit: str) -> Path:
+        return self.root / commit
+
+    def _registered(self) -> dict[Path, str]:
+        """Worktrees git knows about: path → HEAD sha."""
+        out: dict[Path, str] = {}
+        cur: Path | None = None
+        for line in self.repo.git.worktree("list", "--porcelain").splitlines():
+            if line.startswith("worktree "):
+                cur = Path(line[len("worktree "):]).resolve()
+            elif line.startswith("HEAD ") and cur is not None:
+                out[cur] = line[len("HEAD "):].strip()
+        return out
+
+    def ensure(self, rev: str) -> Path:
+        """The worktree for `rev`'s commit: reused if it exists and is sound, else (re)created."""
+        commit = self.resolve(rev)
+        path = self.path(commit)
+        if self._sound(path, commit):
+            return path
+        with self._locked():
+            if self._sound(path, commit):
+                return path
+            self._remove_unlocked(path)
+            try:
+                self.repo.git.worktree("add", "--detach", "--force", str(path), commit)
+            except git.GitCommandError as e:
+                raise WorktreeError(f"cannot create worktree for {commit[:12]}: {e.stderr.strip()}") from None
+        return path
+
+    def _sound(self, path: Path, commit: str) -> bool:
+        if not (path / ".git").is_file():
+            return False
+        try:
+            return git.Repo(path).head.commit.hexsha == commit
+        except (git.InvalidGitRepositoryError, git.NoSuchPathError, ValueError, git.GitCommandError):
+            return False
+
+    def _remove_unlocked(self, path: Path) -> None:
+        if path.exists():
+            try:
+                self.repo.git.worktree("remove", "--force", "--force", str(path))
+            except git.GitCommandError:
+                shutil.rmtree(path, ignore_errors=True)
+        self.repo.git.worktree("prune")
+
+    def remove(self, rev: str) -> None:
+        with self._locked():
+            self._remove_unlocked(self.path(self.resolve(rev)))
+
+    def clean(self, keep: Iterable[str]) -> list[str]:
+        """Remove every worktree whose commit is not in `keep`; return the removed commits."""
+        keep_set = {self.resolve(k) for k in keep}
+        removed: list[str] = []
+        with self._locked():
+            for path in sorted(self.root.iterdir()):
+                if path.is_dir() and SHA.match(path.name) and path.name not in keep_set:
+                    self._remove_unlocked(path)
+                    removed.append(path.name)
+        return removed
+
+    def repair(self) -> list[str]:
+        """Start-up repair after a killed process; returns what was fixed, for the log.
+
+        - git's records of worktrees whose folder is gone are pruned;
+        - `locked` markers and `index.lock` files left in our worktrees' git dirs are removed
+          (only our own: no other process mutates worktrees under runs/worktrees without our lock);
+        - folders that are not sound worktrees of their commit (a half-made `worktree add`) are removed;
+        - sound worktrees are reset to their commit, so a stage that wrote into its working
+          directory cannot leak into later runs.
+        """
+        fixed: list[str] = []
+        with self._locked():
+            self.repo.git.worktree("prune")
+            gitdir = Path(self.repo.git_dir) / "worktrees"
+            for meta in gitdir.iterdir() if gitdir.is_dir() else []:
+                target = meta / "gitdir"
+                try:
+                    wt = Path(target.read_text().strip()).parent.resolve()
+                except OSError:
+                    continue
+                if self.root not in wt.parents:
+                    continue
+                for stale in ("locked", "index.lock"):
+                    if (meta / stale).exists():
+                        (meta / stale).unlink()
+                        fixed.append(f"removed {stale} of {wt.name[:12]}")
+            for path in sorted(self.root.iterdir()):
+                if not path.is_dir():
+                    continue
+                if not SHA.match(path.name) or not self._sound(path, path.name):
+                    self._remove_unlocked(path)
+                    shutil.rmtree(path, ignore_errors=True)
+                    fixed.append(f"removed broken worktree {path.name[:12]}")
+                    continue
+                wt = git.Repo(path)
+                if wt.is_dirty(untracked_files=True):
+                    wt.git.reset("--hard", path.name)
+                    wt.git.clean("-fdx")
+                    fixed.append(f"reset worktree {path.name[:12]}")
+            self.repo.git.worktree("prune")
+        return fixed
+
+    def archive(self, commit: str) -> bytes:
+        """The commit's tree as a tar archive: how a worktree travels to a remote worker."""
+        import io
+
+        buf = io.BytesIO()
+        self.repo.archive(buf, treeish=commit, format="tar")
+        return buf.getvalue()

@@ -1,0 +1,85 @@
+"""kill -9 of the process driving a batch, then a restart: every run completes exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from exec_fixtures import HARNESS_SPEC, TASKS, TinyHarness, git, make_lab, open_tiny_lab
+from pipeline import runner
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = "autoresearch/baseline"
+SEEDS = [0, 1, 2]
+
+
+def start_driver(lab_root: Path, ledger: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), EXEC_LEDGER=str(ledger))
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.runner", str(lab_root), "--harness", HARNESS_SPEC, "--preload", "numpy",
+         "--workers", "2", "--heartbeat-s", "0.5"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+
+
+def test_kill_9_mid_batch_then_restart_completes_every_run_exactly_once(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path / "lab", pretrain_sleep=0.4, finetune_sleep=0.6)
+    store = runner.open_store(lab)
+    ids = runner.ensure_runs(store, lab, BASE, TASKS, SEEDS, harness=TinyHarness())
+    ledger = tmp_path / "ledger.txt"
+
+    first = start_driver(lab.root, ledger)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # kill once some runs are done and others are mid-stage
+        counts = store.queue_counts()
+        if counts["done"] >= 2 and counts["running"] >= 1:
+            break
+        assert first.poll() is None, first.stdout.read().decode()  # type: ignore[union-attr]
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"batch never got going: {store.queue_counts()}")
+    workers = psutil.Process(first.pid).children(recursive=True)
+    assert workers, "the driver has a warm worker"
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert first.returncode == -signal.SIGKILL
+    # the warm worker and its stages die with the driver: nothing keeps writing after the kill
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
+    orphaned = [r for r in store.runs(ids) if r.status == "running"]
+    assert orphaned and all(r.owner_pid == first.pid for r in orphaned)
+    done_before = {r.id for r in store.runs(ids) if r.status == "done"}
+
+    second = start_driver(lab.root, ledger)
+    out, _ = second.communicate(timeout=120)
+    assert second.returncode == 0, out.decode()
+    assert "re-queued" in out.decode()
+
+    runs = store.runs(ids)
+    assert all(r.status == "done" for r in runs)
+    assert {r.id for r in runs if r.requeues == 1} == {r.id for r in orphaned}
+    assert {r.id for r in runs if r.requeues == 0} >= done_before
+    results = store.results_for(runner.resolve_commit(lab, BASE))
+    keys = [(r.task, r.seed) for r in results]
+    assert sorted(keys) == sorted((t, s) for t in TASKS for s in SEEDS)  # each run once, none twice
+    assert all(r.outcome == "ok" for r in results)
+    lost = [e for e in store.stage_execs(ids) if e.outcome == "lost"]
+    assert lost and {e.run_id for e in lost} <= {r.id for r in orphaned}
+    assert runner.goodput(store).requeues == len(orphaned)
+
+    # the same batch, never interrupted, in a clone of the lab: identical metrics
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", "-b", BASE, str(lab.root), str(clone))
+    ref_lab = open_tiny_lab(clone)
+    ref_store = runner.open_store(ref_lab)
+    ref_ids = runner.ensure_runs(ref_store, ref_lab, BASE, TASKS, SEEDS, harness=TinyHarness())
+    with runner.Driver(ref_lab, ref_store, runner.make_executor("local", ref_lab, preload=("numpy",)),
+                       harness=TinyHarness()) as d:
+        d.drive(until=ref_ids, timeout_s=120)
+    assert runner.results(ref_store, ref_lab, BASE, TASKS) == runner.results(store, lab, BASE, TASKS)

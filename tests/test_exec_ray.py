@@ -1,0 +1,81 @@
+"""The Ray executor on a real local Ray (`ray.init(num_cpus=2)`): same batch, same metrics as local.
+
+Skipped only where Ray cannot be imported, and never in CI (CI=1 turns a missing Ray into a failure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from exec_fixtures import TinyHarness, git, make_lab, open_tiny_lab
+from pipeline import runner
+from pipeline.executors.local import LocalExecutor
+
+try:
+    import ray
+except ImportError:  # pragma: no cover - depends on the machine
+    if os.environ.get("CI"):
+        raise RuntimeError("Ray is required in CI: pip install -e '.[dev]'") from None
+    pytest.skip("Ray is not installed", allow_module_level=True)
+
+BASE = "autoresearch/baseline"
+SECRET = "EXEC_TEST_API_KEY"
+CANARY = "EXEC_TEST_CANARY"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray for the module. A secret-looking variable is in the environment Ray's workers
+    inherit, so the test can check that stages never see it."""
+    os.environ[SECRET] = "sk-should-never-reach-a-stage"
+    os.environ[CANARY] = "visible"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        os.environ.pop(SECRET, None)
+        os.environ.pop(CANARY, None)
+
+
+def test_the_same_batch_gives_the_same_metrics_on_local_and_ray(local_ray, tmp_path: Path) -> None:
+    from pipeline.executors.ray_executor import RayExecutor
+    from pipeline.worktrees import Worktrees
+
+    tasks, seeds = ["a", "b", "crash", "hang", "env"], [0, 1]
+    lab = make_lab(tmp_path / "local", timeout_s=3)
+    git(tmp_path, "clone", "-q", "-b", BASE, str(lab.root), str(tmp_path / "ray"))
+    ray_lab = open_tiny_lab(tmp_path / "ray")
+    out: dict[str, dict[str, dict[int, float | None]]] = {}
+    kinds: dict[str, dict[tuple[str, int], str | None]] = {}
+    for name, the_lab in (("local", lab), ("ray", ray_lab)):
+        store = runner.open_store(the_lab)
+        ids = runner.ensure_runs(store, the_lab, BASE, tasks, seeds, harness=TinyHarness())
+        if name == "local":
+            executor = LocalExecutor(preload=("numpy",), slots=2)
+        else:
+            executor = RayExecutor(Worktrees(the_lab.root, the_lab.state), cpus=1)
+            assert executor.slots == 2
+        with runner.Driver(the_lab, store, executor, harness=TinyHarness()) as d:
+            d.drive(until=ids, timeout_s=120)
+        out[name] = runner.results(store, the_lab, BASE, tasks)
+        kinds[name] = {(r.task, r.seed): r.kind for r in store.results_for(runner.resolve_commit(the_lab, BASE))}
+        assert all(e.executor == name for e in store.stage_execs(ids))
+    assert out["local"] == out["ray"]
+    assert all(isinstance(v, float) for t in ("a", "b", "env") for v in out["ray"][t].values())
+    assert kinds["ray"] == kinds["local"]
+    assert kinds["ray"][("crash", 0)] == "crash" and kinds["ray"][("hang", 1)] == "timeout"
+
+    # the commit's content travelled: Ray stages ran in an unpacked archive, not in the lab's worktree
+    cwds = {p.read_text() for p in (ray_lab.state / "cache").glob("*/cwd.txt")}
+    assert cwds and all("autoresearch-ray" in c and str(ray_lab.state) not in c for c in cwds)
+    # and no secret-looking variable reached a stage, while ordinary ones did
+    envs = [json.loads(p.read_text()) for p in (ray_lab.state / "cache").glob("*/env.json")]
+    assert len(envs) == 2
+    for env in envs:
+        assert SECRET not in env and env[CANARY] == "visible" and env["OMP_NUM_THREADS"] == "1"
+        assert not [k for k in env if any(w in k.upper() for w in ("KEY", "TOKEN", "SECRET", "PASSWORD"))]

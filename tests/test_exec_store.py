@@ -1,0 +1,198 @@
+"""The store on a real SQLite file and on the real PostgreSQL server (a private schema per test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+from sqlalchemy import create_engine, text
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from pipeline.store import Owner, Result, Run, Store
+
+PG_URL = os.environ.get("AUTORESEARCH_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path):
+    """(url, schema) of an empty database; PostgreSQL gets a schema of its own, dropped after."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'store.db'}", None
+        return
+    try:
+        admin = create_engine(PG_URL)
+        with admin.connect() as c:
+            c.execute(text("select 1"))
+    except OperationalError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL at {PG_URL} is required in CI: {e}")
+        pytest.skip(f"no PostgreSQL at {PG_URL}")
+    schema = "t_" + uuid.uuid4().hex[:12]
+    with admin.begin() as c:
+        c.execute(text(f"create schema {schema}"))
+    yield PG_URL, schema
+    with admin.begin() as c:
+        c.execute(text(f"drop schema {schema} cascade"))
+    admin.dispose()
+
+
+@pytest.fixture
+def store(db):
+    url, schema = db
+    s = Store(url, schema=schema)
+    yield s
+    s.dispose()
+
+
+def dead_owner() -> Owner:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return Owner(socket.gethostname(), proc.pid, 1.0)
+
+
+def test_enqueue_is_idempotent_and_runs_are_unique(store: Store) -> None:
+    store.ensure_arm("c" * 40, "baseline")
+    first = store.enqueue("c" * 40, [("a", 0), ("a", 1), ("b", 0)])
+    again = store.enqueue("c" * 40, [("b", 0), ("a", 0), ("a", 2)])
+    assert again[:2] == [first[2], first[0]]
+    assert len(store.runs()) == 4
+    with store.session() as s:
+        s.add(Run(commit="c" * 40, task="a", seed=0))
+        with pytest.raises(IntegrityError):
+            s.commit()
+
+
+def test_concurrent_claims_take_each_run_exactly_once(db, store: Store, tmp_path: Path) -> None:
+    url, schema = db
+    store.ensure_arm("d" * 40)
+    ids = store.enqueue("d" * 40, [(f"t{i}", s) for i in range(10) for s in range(3)])
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(REPO)!r})
+        from pipeline.store import Owner, Store
+        store = Store({url!r}, schema={schema!r}, create=False)
+        owner = Owner.current()
+        got = []
+        while True:
+            claims = store.claim(owner, 2)
+            if not claims:
+                break
+            got += [c.run.id for c in claims]
+        print(json.dumps(got))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    claimed = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    flat = [i for got in claimed for i in got]
+    assert sorted(flat) == sorted(ids)  # every run claimed, none twice
+    assert store.queue_counts()["running"] == len(ids)
+    owners = {r.id: r.owner_pid for r in store.runs()}
+    for proc, got in zip(procs, claimed):
+        assert all(owners[i] == proc.pid for i in got)
+
+
+def test_result_is_written_once_and_only_by_the_claim_holder(store: Store) -> None:
+    store.ensure_arm("e" * 40)
+    store.enqueue("e" * 40, [("a", 0), ("b", 0)])
+    me = Owner.current()
+    c1, c2 = store.claim(me, 2)
+    res = Result(run_id=c1.run.id, commit=c1.run.commit, task="a", seed=0, value=0.7)
+    assert store.finish(c1, res)
+    assert not store.finish(c1, Result(run_id=c1.run.id, commit=c1.run.commit, task="a", seed=0, value=0.9))
+    # c2's owner is declared dead by a forged owner row: reconcile takes it back, its token goes stale
+    dead = dead_owner()
+    with store.session() as s:
+        run = s.get(Run, c2.run.id)
+        run.owner_host, run.owner_pid, run.owner_started = dead.host, dead.pid, dead.started
+        s.add(run)
+        s.commit()
+    assert store.reconcile() == [c2.run.id]
+    assert not store.finish(c2, Result(run_id=c2.run.id, commit=c2.run.commit, task="b", seed=0, value=0.5))
+    (again,) = store.claim(me, 1)
+    assert again.run.id == c2.run.id and again.run.requeues == 1
+    assert store.finish(again, Result(run_id=c2.run.id, commit=c2.run.commit, task="b", seed=0, value=0.6))
+    values = {(r.task, r.value) for r in store.results_for("e" * 40)}
+    assert values == {("a", 0.7), ("b", 0.6)}
+
+
+def test_reconcile_spares_live_owners_and_fresh_heartbeats(store: Store) -> None:
+    store.ensure_arm("f" * 40)
+    ids = store.enqueue("f" * 40, [("live", 0), ("remote_fresh", 0), ("remote_stale", 0), ("dead", 0)])
+    claims = {c.run.task: c for c in store.claim(Owner.current(), 4)}
+    dead = dead_owner()
+    exec_id = store.stage_started(claims["dead"].run.id, "pretrain", "k" * 64, executor="local", log_path=None)
+    with store.session() as s:
+        for task, host, pid, beat in [("remote_fresh", "elsewhere", 1, 0), ("remote_stale", "elsewhere", 1, 600),
+                                      ("dead", dead.host, dead.pid, 0)]:
+            run = s.get(Run, claims[task].run.id)
+            run.owner_host, run.owner_pid, run.owner_started = host, pid, dead.started
+            run.heartbeat_at = run.heartbeat_at - beat
+            s.add(run)
+        s.commit()
+    requeued = store.reconcile(stale_s=120)
+    assert sorted(requeued) == sorted([claims["remote_stale"].run.id, claims["dead"].run.id])
+    status = {r.task: r.status for r in store.runs(ids)}
+    assert status == {"live": "running", "remote_fresh": "running", "remote_stale": "queued", "dead": "queued"}
+    (lost,) = [e for e in store.stage_execs() if e.id == exec_id]
+    assert lost.outcome == "lost"
+
+
+def test_a_run_that_keeps_killing_its_driver_is_failed_not_looped(store: Store) -> None:
+    store.ensure_arm("9" * 40)
+    (run_id,) = store.enqueue("9" * 40, [("a", 0)])
+    for i in range(3):
+        (claim,) = store.claim(Owner.current(), 1)
+        dead = dead_owner()
+        with store.session() as s:
+            run = s.get(Run, run_id)
+            run.owner_host, run.owner_pid, run.owner_started = dead.host, dead.pid, dead.started
+            s.add(run)
+            s.commit()
+        store.reconcile(max_requeues=2)
+    (run,) = store.runs([run_id])
+    assert run.status == "failed" and run.requeues == 3
+    (res,) = store.results_for("9" * 40)
+    assert res.outcome == "infra_failure" and res.kind == "lost" and res.value is None
+
+
+class Verdict(BaseModel):
+    verdict: str
+    p: float
+    tasks: dict[str, float]
+
+
+def test_gate_records_store_pydantic_payloads_and_replace_by_key(store: Store) -> None:
+    store.put_gate_record("h1", 2, Verdict(verdict="escalate", p=0.04, tasks={"a": 0.01}))
+    store.put_gate_record("h1", 5, {"verdict": "improvement", "p": 0.001, "tasks": {}})
+    store.put_gate_record("h1", 2, Verdict(verdict="futile", p=0.5, tasks={}))
+    store.put_gate_record("h1", 2, {"note": "sensitivity"}, kind="sensitivity")
+    recs = store.gate_records("h1")
+    assert [(r.look, r.kind) for r in recs] == [(2, "sensitivity"), (2, "verdict"), (5, "verdict")]
+    assert Verdict.model_validate(recs[1].payload) == Verdict(verdict="futile", p=0.5, tasks={})
+    with pytest.raises(ValueError):
+        store.put_gate_record("h1", 10, {"p": float("nan")})
+
+
+def test_goodput_splits_useful_failed_lost_and_saved_compute(store: Store) -> None:
+    store.ensure_arm("1" * 40)
+    a, b = store.enqueue("1" * 40, [("a", 0), ("b", 0)])
+    for run_id, outcome, cpu in [(a, "ok", 10.0), (a, "ok", 5.0), (b, "method", 2.0), (b, "infra", 3.0),
+                                 (b, "timeout", 4.0)]:
+        ex = store.stage_started(run_id, "s", uuid.uuid4().hex, executor="local", log_path=None)
+        store.stage_finished(ex, outcome, cpu_s=cpu, wall_s=cpu)
+    store.stage_served(b, "pretrain", "k", "cache_hit", executor="local", saved_cpu_s=10.0)
+    store.stage_served(b, "pretrain", "k", "shared", executor="local", saved_cpu_s=10.0)
+    store.note_infra_failure(b)
+    g = store.goodput()
+    assert (g.useful_cpu_s, g.method_failed_cpu_s, g.infra_lost_cpu_s, g.saved_by_cache_cpu_s) == (15.0, 6.0, 3.0, 20.0)
+    assert (g.stages_executed, g.cache_hits, g.infra_retries) == (5, 2, 1)
+    assert g.goodput == pytest.approx(15 / 24)

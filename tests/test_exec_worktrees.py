@@ -1,0 +1,117 @@
+"""Worktrees and cache keys on real git repositories."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from exec_fixtures import commit_change, git, make_lab
+from pipeline.dag import Cache, SealedPathError, StageCommandError, check_not_sealed, input_digests, plan_run, render
+from pipeline.worktrees import UnknownCommitError, Worktrees
+
+
+@pytest.fixture
+def lab(tmp_path: Path):
+    return make_lab(tmp_path / "lab")
+
+
+def test_one_worktree_per_commit_created_then_reused(lab) -> None:
+    wt = Worktrees(lab.root, lab.state)
+    branch = commit_change(lab.root, "hyp/1-scale", "model.py", "SCALE = 1.0", "SCALE = 2.0")
+    p1 = wt.ensure("autoresearch/baseline")
+    p2 = wt.ensure(branch)
+    assert p1 != p2 and p1.parent == p2.parent == lab.state / "worktrees"
+    assert "SCALE = 2.0" in (p2 / "model.py").read_text()
+    assert "SCALE = 1.0" in (p1 / "model.py").read_text()
+    marker = p1 / "marker"
+    marker.write_text("x")
+    assert wt.ensure("autoresearch/baseline") == p1 and marker.exists()  # reused, not recreated
+    assert wt.clean(keep=[branch]) == [p1.name]
+    assert not p1.exists() and p2.exists()
+    assert git(lab.root, "worktree", "list").count("\n") == 1  # the lab's own checkout and p2
+    with pytest.raises(UnknownCommitError):
+        wt.ensure("no-such-branch")
+
+
+def test_repair_after_a_killed_process(lab) -> None:
+    wt = Worktrees(lab.root, lab.state)
+    sha = wt.resolve("autoresearch/baseline")
+    path = wt.ensure(sha)
+    (path / "model.py").write_text("SCALE = 99\n")  # a stage scribbled on its checkout
+    (path / "junk.bin").write_text("x")
+    meta = Path(lab.root / ".git" / "worktrees" / sha)
+    (meta / "locked").write_text("pid 999999")
+    (meta / "index.lock").write_text("")
+    half = lab.state / "worktrees" / ("0" * 40)  # a `worktree add` killed halfway
+    half.mkdir()
+    (half / "model.py").write_text("partial")
+    fixed = wt.repair()
+    assert any("removed broken" in f for f in fixed) and any("reset" in f for f in fixed)
+    assert not half.exists()
+    assert not (meta / "locked").exists() and not (meta / "index.lock").exists()
+    assert (path / "model.py").read_text() == "SCALE = 1.0\n" and not (path / "junk.bin").exists()
+    assert wt.ensure(sha) == path
+
+
+def test_cache_keys_read_inputs_from_git_not_from_the_working_directory(lab) -> None:
+    wt = Worktrees(lab.root, lab.state)
+    base = wt.resolve("autoresearch/baseline")
+    before = input_digests(wt, base, ["model.py", "config.toml#finetune", "*.md"])
+    (lab.root / "model.py").write_text("SCALE = 5.0\n")  # uncommitted: must not matter
+    assert input_digests(wt, base, ["model.py", "config.toml#finetune", "*.md"]) == before
+    assert set(before) == {"model.py", "config.toml#finetune", "program.md"}
+    git(lab.root, "checkout", "--", "model.py")
+
+
+def test_a_finetune_only_change_keeps_the_pretrain_key(lab) -> None:
+    wt = Worktrees(lab.root, lab.state)
+    base = wt.resolve("autoresearch/baseline")
+    ft = commit_change(lab.root, "hyp/2-shrink", "config.toml", "shrink = 0.1", "shrink = 0.3")
+    pt = commit_change(lab.root, "hyp/3-scale", "model.py", "SCALE = 1.0", "SCALE = 3.0")
+    stages = lab.stages_in_order()
+
+    def keys(commit: str, task: str = "a", seed: int = 0) -> dict[str, str]:
+        return {n.name: n.key for n in plan_run(stages, commit, task, seed, "ds1", lambda c, p: input_digests(wt, c, p))}
+
+    b, f, p = keys(base), keys(ft), keys(pt)
+    assert f["pretrain"] == b["pretrain"] and f["finetune"] != b["finetune"]
+    assert p["pretrain"] != b["pretrain"] and p["finetune"] != b["finetune"]  # upstream key changed
+    assert keys(base, task="b")["pretrain"] == b["pretrain"]  # seed-scoped: shared by tasks
+    assert keys(base, task="b")["finetune"] != b["finetune"]
+    assert keys(base, seed=1)["pretrain"] != b["pretrain"]
+    other_data = {n.name: n.key for n in plan_run(stages, base, "a", 0, "ds2", lambda c, p: input_digests(wt, c, p))}
+    assert other_data["pretrain"] != b["pretrain"]
+
+
+def test_render_and_sealed_paths(tmp_path: Path) -> None:
+    argv = render("python train.py --data {data} --out={out} --tag '{task} x'", {"data": "/d ir", "out": "/o", "task": "t"})
+    assert argv == ["python", "train.py", "--data", "/d ir", "--out=/o", "--tag", "t x"]
+    with pytest.raises(StageCommandError):
+        render("python x.py {nope}", {})
+    sealed = tmp_path / "runs" / "sealed"
+    sealed.mkdir(parents=True)
+    cwd = tmp_path / "runs" / "worktrees" / "abc"
+    cwd.mkdir(parents=True)
+    check_not_sealed(["python", "x.py", "--data", str(tmp_path / "runs" / "data")], cwd, [sealed])
+    for bad in (str(sealed / "ds" / "labels.npz"), "../../sealed", f"--labels={sealed}"):
+        with pytest.raises(SealedPathError):
+            check_not_sealed(["python", "x.py", bad], cwd, [sealed])
+
+
+def test_cache_publish_is_atomic_and_first_writer_wins(tmp_path: Path) -> None:
+    cache = Cache(tmp_path / "cache")
+    t1, t2 = cache.new_tmp("k" * 64), cache.new_tmp("k" * 64)
+    (t1 / "out.txt").write_text("first")
+    (t2 / "out.txt").write_text("second")
+    assert not cache.has("k" * 64)
+    assert cache.publish(t1, "k" * 64) == cache.path("k" * 64)
+    assert cache.publish(t2, "k" * 64) == cache.path("k" * 64)
+    assert (cache.path("k" * 64) / "out.txt").read_text() == "first"
+    assert not t2.exists()
+    orphan = cache.tmp_root / f"{'z' * 16}-999999-abcdef01"  # left by a dead driver
+    orphan.mkdir()
+    mine = cache.new_tmp("m" * 64)
+    assert cache.clear_tmp() == 1 and not orphan.exists() and mine.exists()
+    assert os.getpid() != 999999
