@@ -294,8 +294,8 @@ def _check_files(root: Path, config: ResearchConfig, path: Path) -> None:
     for pattern in config.lab.editable:
         _check_glob(root, pattern, path, "lab.editable")
     for i, stage in enumerate(config.stage):
-        for pattern in stage.inputs:
-            _check_glob(root, pattern, path, f"stage[{i}].inputs")
+        for pattern in stage.inputs:  # `file.toml#table` keys the stage on one table of the file
+            _check_glob(root, pattern.partition("#")[0], path, f"stage[{i}].inputs")
 
 
 def _check_glob(root: Path, pattern: str, path: Path, key: str) -> None:

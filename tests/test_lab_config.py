@@ -57,7 +57,7 @@ CASES = [
     ("bad search key", lambda t: edit(t, '"finetune.lr"', '"lr"'), "search_space", "section.key"),
     ("missing editable file", lambda t: edit(t, '"config.toml"]', '"config.toml", "extra.py"]'), "lab.editable", "'extra.py' matches no file"),
     ("escaping editable", lambda t: edit(t, '"config.toml"]', '"config.toml", "../x.py"]'), "lab.editable", "leaves the lab"),
-    ("missing input", lambda t: edit(t, 'inputs = ["model.py", "train.py", "config.toml"]', 'inputs = ["nope.py"]'), "stage[0].inputs", "matches no file"),
+    ("missing input", lambda t: edit(t, 'inputs = ["model.py", "train.py", "config.toml#data"', 'inputs = ["nope.py#data"'), "stage[0].inputs", "matches no file"),
 ]
 
 

@@ -135,21 +135,21 @@ def finetune(args):
     from peft import LoraConfig, get_peft_model
 
     cfg = load_config()
+    m, f = cfg["model"], cfg["finetune"]
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     data = Path(args.data)
     tokens, times, hours, _ = load_sequences(data, cfg["data"]["sources"], cfg["data"]["max_events"])
-    ids, split, tabular = load_tabular(data, cfg["data"]["tabular"])
+    ids, split, tabular = load_tabular(data, f["tabular"])
     labels = np.load(data / "labels.npz")[args.task]
 
     ckpt = torch.load(Path(args.pretrained) / "model.pt", weights_only=True)
     backbone = EventTransformer(**ckpt["arch"])
     backbone.load_state_dict(ckpt["state"])
-    m, f = cfg["model"], cfg["finetune"]
-    lora = LoraConfig(r=m["lora_rank"], lora_alpha=2 * m["lora_rank"], target_modules=["qkv", "proj", "fc", "out"],
+    lora = LoraConfig(r=f["lora_rank"], lora_alpha=2 * f["lora_rank"], target_modules=["qkv", "proj", "fc", "out"],
                       lora_dropout=0.0, bias="none")
     backbone = get_peft_model(backbone, lora)  # freezes the pretrained weights, adds trainable adapters
-    model = Classifier(backbone, m["d_model"], tabular.shape[1], m["cross_layers"], m["dropout"])
+    model = Classifier(backbone, m["d_model"], tabular.shape[1], f["cross_layers"], m["dropout"])
     adapter = [p for n, p in model.named_parameters() if p.requires_grad and n.startswith("backbone.")]
     head = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("backbone.")]
     opt = torch.optim.AdamW([{"params": adapter, "lr": f["lr"]}, {"params": head, "lr": f["head_lr"]}],
