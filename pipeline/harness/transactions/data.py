@@ -40,7 +40,7 @@ RATE = {
 # Which traits each source's categories reveal, and how strongly.
 REVEALS = {
     "card": {"income": 0.8, "life_stage": 0.7, "travel": 0.9, "engagement": 0.5, "risk": 0.45, "family": 0.5,
-             "gambling": 0.3},
+             "gambling": 0.4},
     "pix": {"cashflow": 1.6, "gambling": 1.3, "risk": 0.8, "family": 0.5},
     "app": {"digital": 1.2, "engagement": 0.9},
     "bill": {"life_stage": 1.0, "family": 1.0, "risk": 0.4},
@@ -72,7 +72,7 @@ SMALL_TASKS: dict[str, dict[str, float]] = {
     "investment_uptake": {"income": 0.8, "digital": 0.9, "cashflow": 0.7},
     "personal_loan": {"family": 0.8, "cashflow": -0.6, "life_stage": -0.9, "risk": 0.4},
     "insurance_uptake": {"family": 1.0, "life_stage": 0.9, "income": 0.4},
-    "betting_limit": {"gambling": 1.4, "night": 0.8, "cashflow": -0.5},
+    "betting_limit": {"gambling": 1.2, "night": 1.2, "cashflow": -0.4},
 }
 _EXTRA_NAMES = [
     "mortgage_interest", "cashback_optin", "travel_insurance", "overdraft_use", "salary_portability",
