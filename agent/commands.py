@@ -173,6 +173,7 @@ def review(repo: Path, db: str | None, hid: int | None, approve: bool, reject: b
 def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
     lab, store, rec = open_lab_store(repo, db)
     from agent.ledger import Ledger
+    from agent.summary import digest_extras
 
     t0 = time.time() - parse_duration(since)
     hyps = [h for h in rec.all() if (h.finished_at or h.updated_at) >= t0]
@@ -187,4 +188,5 @@ def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
         "awaiting_review": [h.id for h in rec.all() if h.review == "pending"],
         "compute": runner.goodput(store, since=t0).as_dict(),
         "llm_usd": round(Ledger(store.engine).spent_usd(t0), 4),
+        **digest_extras(lab, store, rec, t0),  # baseline progress, holds, the progress chart (agent.summary)
     }

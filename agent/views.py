@@ -42,15 +42,23 @@ def print_status(st: dict[str, Any]) -> None:
 
 
 def report_markdown(repo: Path, h: Any, gate_md: str) -> str:
+    """The gate's table with the pictures beside the summary embedded (absolute paths: the output
+    may be saved anywhere)."""
+    from agent.pictures import forest_path, progress_path
     from pipeline.lab import load_lab
 
     lab = load_lab(repo)
     out = [f"# Hypothesis {h.id}: {h.title}", "", f"Status {h.status}; verdict {h.verdict}; decision {h.decision}.", "",
            gate_md]
-    forest = lab.state / "summaries" / f"{h.id}.forest.png"
-    if forest.is_file():
-        out += ["", f"![task deltas]({forest})"]
+    if forest_path(lab, h.id).is_file():
+        out += ["", f"![task deltas of hypothesis {h.id}]({forest_path(lab, h.id)})"]
+    if progress_path(lab).is_file():
+        out += ["", f"![the lab's progress]({progress_path(lab)})"]
     return "\n".join(out)
+
+
+def _num(v: float | None, digits: int = 4, signed: bool = False) -> str:
+    return "?" if v is None else (f"{v:+.{digits}f}" if signed else f"{v:.{digits}f}")
 
 
 def digest_markdown(d: dict[str, Any]) -> str:
@@ -63,9 +71,32 @@ def digest_markdown(d: dict[str, Any]) -> str:
             lines.append(f"  - #{it['id']} {it['title']} ({extra})")
     if d["in_flight"]:
         lines.append("- in flight: " + ", ".join(f"#{h['id']} ({h['status']})" for h in d["in_flight"]))
+    base = d.get("baseline")
+    if base is not None:
+        metric = base.get("metric", "metric")
+        line = f"- baseline: {base['tag'] or 'the initial baseline'}"
+        if base.get("level_now") is not None:
+            line += f", mean {metric} over tasks {_num(base['level_now'])}"
+            if base.get("level_start") is not None and base["promotions"]:
+                line += f" (was {_num(base['level_start'])})"
+        lines.append(line)
+        for p in base["promotions"]:
+            lo, hi = p["horizontal_ci"]
+            lines.append(f"  - #{p['id']} → {p['tag']}: horizontal Δ {_num(p['horizontal_delta'], 3, True)}σ "
+                         f"[{_num(lo, 3, True)}, {_num(hi, 3, True)}], mean {metric} "
+                         f"{_num(p['level_before'])} → {_num(p['level_after'])}")
     c = d["compute"]
     lines.append(f"- compute: useful {_secs(c['useful_cpu_s'])}, goodput {c['goodput']:.1%}, "
-                 f"saved by cache {_secs(c['saved_by_cache_cpu_s'])}")
-    lines.append(f"- LLM spend: ${d['llm_usd']:.2f}")
-    lines.append("- awaiting review: " + (", ".join(f"#{i}" for i in d["awaiting_review"]) or "nothing"))
+                 f"saved by cache {_secs(c['saved_by_cache_cpu_s'])}, failed methods {_secs(c['method_failed_cpu_s'])}, "
+                 f"lost to infrastructure {_secs(c['infra_lost_cpu_s'])}")
+    usd = d["llm_usd"]
+    lines.append(f"- LLM spend: ${usd:.2f}" if usd >= 1 or usd == 0 else f"- LLM spend: ${usd:.4f}")
+    held = d.get("held") or []
+    if held:
+        lines.append("- held for approval (promotion waits for `autoresearch review ID --approve`): "
+                     + ", ".join(f"#{h['id']} {h['title']}" for h in held))
+    lines.append("- awaiting review: " + (", ".join(f"#{i}" for i in d["awaiting_review"]) or "nothing")
+                 + (" (`autoresearch review` lists them)" if d["awaiting_review"] else ""))
+    if d.get("progress_chart"):
+        lines += ["", f"Progress chart: {d['progress_chart']}", "", f"![progress]({d['progress_chart']})"]
     return "\n".join(lines)

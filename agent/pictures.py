@@ -1,0 +1,233 @@
+"""PNG pictures beside the summaries: the lab's progress chart and one forest plot per hypothesis.
+
+Both are drawn from the gate's stored records only, like every number in a summary.
+
+- `runs/summaries/progress.png`: x is the hypothesis order (ids, in the order they were
+  proposed; hypotheses overlap in time, so wall-clock time would scatter them); y is the mean
+  over tasks of the metric. The line is the level of the baseline each hypothesis was measured
+  against (the mean of the baseline runs' per-task means in its gate record): it steps up after a
+  promotion. Each hypothesis is a dot at its baseline's level plus its mean per-task Δ, coloured by
+  decision; a hypothesis rejected before any run is an × on the line. Metric units rather than the
+  gate's horizontal σ units because σ-unit deltas are relative to each hypothesis's own baseline
+  and do not chain into one axis.
+- `runs/summaries/<id>.forest.png`: per task, Δ (challenger − baseline) with the gate's interval
+  (level 1 − 2α; repeated intervals under the sequential protocol), coloured by the gate's flags;
+  below it the horizontal Δ in σ units with its interval.
+
+matplotlib is imported inside the drawing functions (object API on the Agg canvas, no pyplot
+state): the CLI starts without it and drawing is safe from any thread.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROGRESS_NAME = "progress.png"
+
+DECISION_COLORS = {
+    "promote": "#2ca02c",
+    "hold": "#ff7f0e",
+    "escalate": "#1f77b4",
+    "refine": "#9467bd",
+    "abandon": "#7f7f7f",
+    "reject": "#d62728",
+    "in flight": "#17becf",
+}
+FLAG_COLORS = {"win": "#2ca02c", "harm": "#d62728"}
+
+
+def summaries_dir(lab: Any) -> Path:
+    return lab.state / "summaries"
+
+
+def forest_path(lab: Any, hid: int) -> Path:
+    return summaries_dir(lab) / f"{hid}.forest.png"
+
+
+def progress_path(lab: Any) -> Path:
+    return summaries_dir(lab) / PROGRESS_NAME
+
+
+# ----------------------------------------------------------------------------- data
+
+@dataclass
+class Point:
+    """One hypothesis on the progress chart."""
+
+    id: int
+    title: str
+    decision: str  # a DECISION_COLORS key
+    verdict: str | None
+    base: float | None  # its baseline's level: mean over tasks of the baseline runs' mean
+    level: float | None  # base + mean per-task Δ
+    horizontal_delta: float | None  # the gate's horizontal Δ, σ units
+    horizontal_ci: tuple[float | None, float | None]
+    tag: str | None
+    finished_at: float | None
+
+
+def _decision(h: Any) -> str:
+    """The decision so far: the chart is redrawn while a summary is written, before status `done`."""
+    if h.status == "held":
+        return "hold"
+    return h.decision if h.decision in DECISION_COLORS else "in flight"
+
+
+def progress_points(store: Any, records: Any) -> list[Point]:
+    """Every proposed hypothesis, in order, with its levels from its latest gate record."""
+    from pipeline.gate import GateResult
+
+    points = []
+    for h in records.all():
+        if not h.title:  # not proposed yet
+            continue
+        recs = store.gate_records(str(h.id), kind="verdict")
+        base = level = hd = None
+        ci: tuple[float | None, float | None] = (None, None)
+        if recs:
+            r = GateResult.model_validate(recs[-1].payload)
+            pairs = [(t.baseline_mean, t.delta) for t in r.tasks if t.baseline_mean is not None and t.delta is not None]
+            if pairs:
+                base = sum(b for b, _ in pairs) / len(pairs)
+                level = base + sum(d for _, d in pairs) / len(pairs)
+            hd, ci = r.horizontal.delta, (r.horizontal.ci_low, r.horizontal.ci_high)
+        points.append(Point(h.id, h.title, _decision(h), h.verdict, base, level, hd, ci, h.promoted_tag,
+                            h.finished_at))
+    return points
+
+
+# ----------------------------------------------------------------------------- drawing
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fig.savefig(tmp, format="png")
+    tmp.replace(path)
+    return path
+
+
+def _fmt(v: float | None, digits: int = 4, signed: bool = True) -> str:
+    if v is None:
+        return "—"
+    return f"{v:+.{digits}f}" if signed else f"{v:.{digits}f}"
+
+
+def _p(v: float | None) -> str:
+    return "—" if v is None else (f"{v:.1e}" if v < 1e-3 else f"{v:.3f}")
+
+
+def draw_forest(result: Any, path: Path, title: str, metric: str = "metric") -> Path:
+    """The per-task Δ with intervals of one gate record, and the horizontal Δ below it."""
+    tasks = list(result.tasks)
+    n = max(len(tasks), 1)
+    height = 1.7 + 0.42 * n + 1.1
+    fig = _figure(8.0, height)
+    gs = fig.add_gridspec(2, 1, height_ratios=[max(n, 1.5), 1.0], hspace=0.7)
+    ax = fig.add_subplot(gs[0])
+    ys = list(range(len(tasks)))[::-1]
+    for y, t in zip(ys, tasks):
+        flags = t.flags if result.is_look else [f for f in t.flags if f == "unstable"]
+        color = next((FLAG_COLORS[f] for f in ("harm", "win") if f in flags), "#333333")
+        if t.delta is None:
+            ax.text(0, y, "no result (all runs failed)", va="center", ha="center", fontsize=8, color="#d62728")
+            continue
+        lo = t.delta - t.ci_low if t.ci_low is not None else 0
+        hi = t.ci_high - t.delta if t.ci_high is not None else 0
+        ax.errorbar([t.delta], [y], xerr=[[lo], [hi]], fmt="o", color=color, ecolor=color, capsize=3, ms=5)
+        note = f"Δ {_fmt(t.delta)}  p {_p(t.p)}  q {_p(t.q)}" + (f"  {', '.join(flags)}" if flags else "")
+        ax.annotate(note, xy=(1.01, y), xycoords=("axes fraction", "data"), va="center", fontsize=7.5, color=color)
+    ax.axvline(0, color="#999999", lw=1, ls="--")
+    ax.set_yticks(ys, [t.task for t in tasks])
+    ax.set_ylim(-0.7, len(tasks) - 0.3)
+    level = 1 - 2 * result.alpha
+    kind = "repeated " if result.protocol == "sequential" else ""
+    ax.set_xlabel(f"Δ {metric} (challenger − baseline), {level:.0%} {kind}interval")
+    head = (f"verdict {result.verdict.value if result.verdict else '—'} at look {result.look}" if result.is_look
+            else f"between looks ({result.look} challenger runs): estimates only")
+    ax.set_title(f"{title}\n{head}", fontsize=10, loc="left")
+
+    hz = result.horizontal
+    ax2 = fig.add_subplot(gs[1])
+    if hz.delta is not None:
+        lo = hz.delta - hz.ci_low if hz.ci_low is not None else 0
+        hi = hz.ci_high - hz.delta if hz.ci_high is not None else 0
+        ax2.errorbar([hz.delta], [0], xerr=[[lo], [hi]], fmt="s", color="#1f77b4", capsize=3, ms=5)
+        ax2.annotate(f"Δ {_fmt(hz.delta, 3)}σ  t {_fmt(hz.t, 2, False)}", xy=(1.01, 0),
+                     xycoords=("axes fraction", "data"), va="center", fontsize=7.5)
+    ax2.axvline(0, color="#999999", lw=1, ls="--")
+    ax2.set_yticks([0], ["horizontal"])
+    ax2.set_ylim(-1, 1)
+    ax2.set_xlabel("horizontal Δ in σ units (per seed, IQM over tasks of metric ÷ task σ)")
+    fig.subplots_adjust(left=0.2, right=0.72, top=1 - 0.55 / height, bottom=0.5 / height)
+    return _save(fig, path)
+
+
+def draw_progress(points: list[Point], path: Path, lab_name: str, metric: str, higher_is_better: bool) -> Path:
+    """The baseline's level across hypotheses, each hypothesis a dot coloured by decision."""
+    fig = _figure(9.0, 4.8)
+    ax = fig.add_subplot(1, 1, 1)
+    measured = [p for p in points if p.base is not None]
+    xs, base = [], []
+    current = None
+    for p in points:
+        current = p.base if p.base is not None else current
+        if current is not None:
+            xs.append(p.id)
+            base.append(current)
+    if xs:  # steps half-way between hypotheses, drawn to both edges
+        ax.step([xs[0] - 0.6, *xs, xs[-1] + 0.6], [base[0], *base, base[-1]], where="mid", color="#444444", lw=1.5,
+                label="baseline", zorder=1)
+    seen: set[str] = set()
+    for p in points:
+        color = DECISION_COLORS[p.decision]
+        label = p.decision if p.decision not in seen else None
+        seen.add(p.decision)
+        if p.level is None:
+            y = next((b for x, b in zip(reversed(xs), reversed(base)) if x <= p.id), None)
+            if y is None:
+                y = measured[0].base if measured else 0.0
+            ax.scatter([p.id], [y], marker="x", color=color, s=60, linewidths=2.5, label=label, zorder=3)
+            continue
+        marker = "*" if p.decision == "promote" else "o"
+        ax.scatter([p.id], [p.level], marker=marker, color=color, s=110 if marker == "*" else 40,
+                   edgecolors="black" if marker == "*" else "none", linewidths=0.5, label=label, zorder=3)
+        if p.tag:
+            ax.annotate(p.tag, xy=(p.id, p.level), xytext=(4, 6), textcoords="offset points", fontsize=8)
+    promoted = sum(p.decision == "promote" for p in points)
+    ax.set_title(f"{lab_name}: {len(points)} hypotheses, {promoted} promoted", fontsize=10, loc="left")
+    ax.set_xlabel("hypothesis (in the order proposed)")
+    ax.set_ylabel(f"mean {metric} over tasks ({'higher' if higher_is_better else 'lower'} is better)")
+    if points:
+        ids = [p.id for p in points]
+        ax.set_xlim(min(ids) - 0.6, max(ids) + 0.6)
+        if len(ids) <= 30:
+            ax.set_xticks(ids)
+    ax.grid(alpha=0.3)
+    if seen or xs:
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    fig.subplots_adjust(left=0.1, right=0.82, top=0.9, bottom=0.12)
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------- lab-level entry points
+
+def write_forest(lab: Any, hid: int, title: str, result: Any) -> Path:
+    return draw_forest(result, forest_path(lab, hid), f"#{hid} {title}"[:90], lab.config.benchmark.metric)
+
+
+def write_progress(lab: Any, store: Any, records: Any) -> Path:
+    bench = lab.config.benchmark
+    return draw_progress(progress_points(store, records), progress_path(lab), lab.config.lab.name, bench.metric,
+                         bench.higher_is_better)

@@ -1,0 +1,115 @@
+"""A tiny real lab and hypotheses with real gate records, for the summary, review, picture and digest tests.
+
+The lab is the bundled transactions template made small (300 customers, 2 tasks, 3 baseline runs,
+looks at 2 and 3). Most tests need no training: a hypothesis is proposed and implemented by the
+real offline policy (a real branch and commit), and the gate's real `evaluate` turns made-up
+per-seed metrics into the record the store keeps, so every number in a summary is a gate number.
+`run_loop` runs the real loop for the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.graph import Nodes, Services
+from agent.labinit import init_lab
+from agent.policy import OfflinePolicy
+from agent.records import Hypothesis, Records
+from agent.workspace import Workspace
+from pipeline import runner
+from pipeline.lab import BASELINE_BRANCH, load_lab
+
+TASKS = ["default_90d", "churn_60d"]
+BASELINE = {"default_90d": [0.60, 0.61, 0.59], "churn_60d": [0.70, 0.72, 0.71]}
+BETTER = {"default_90d": [0.70, 0.71, 0.705], "churn_60d": [0.80, 0.815, 0.81]}
+SAME = {"default_90d": [0.595, 0.612, 0.60], "churn_60d": [0.705, 0.71, 0.718]}
+
+
+def make_lab(path: Path) -> Path:
+    root = init_lab(path)
+    research = root / "research.toml"
+    text = research.read_text().replace("data_seed = 0\n", f"data_seed = 0\ncustomers = 300\ntasks = {TASKS!r}\n")
+    text = text.replace("baseline_runs = 5", "baseline_runs = 3").replace("looks = [2, 5, 10]", "looks = [2, 3]")
+    research.write_text(text.replace("'", '"'))
+    config = root / "config.toml"
+    text = config.read_text()
+    for key, value in (("max_events", 8), ("d_model", 16), ("n_layers", 1), ("epochs", 1)):
+        text = re.sub(rf"(?m)^{key} = \d+", f"{key} = {value}", text)
+    config.write_text(text)
+    git = ["git", "-C", str(root)]
+    subprocess.run([*git, "commit", "-qam", "tiny lab for tests"], check=True)
+    subprocess.run([*git, "branch", "-f", BASELINE_BRANCH, "HEAD"], check=True)
+    return root
+
+
+def services(root: Path, policy: Any = None, supervised: bool = False) -> Services:
+    lab = load_lab(root)
+    store = runner.open_store(lab, None)
+    return Services(lab, store, Records(store), Workspace(lab), policy or OfflinePolicy(), supervised, smoke=False)
+
+
+def implemented(svc: Services) -> Hypothesis:
+    """A hypothesis proposed and implemented by the offline policy: a real branch and commit."""
+    policy, svc.policy = svc.policy, OfflinePolicy()
+    try:
+        h = svc.records.add(Hypothesis(status="proposing", origin="offline"))
+        nodes = Nodes(svc)
+        nodes.propose({"hypothesis_id": h.id})
+        assert nodes.implement({"hypothesis_id": h.id})["route"] == "measure"
+    finally:
+        svc.policy = policy
+    return svc.records.get(h.id)
+
+
+def gate_result(challenger: dict[str, list[float | None]], look: int, baseline: dict[str, list[float]] = BASELINE):
+    from pipeline.gate import GateConfig, evaluate
+
+    lab_cfg = {"protocol": "sequential", "baseline_runs": 3, "looks": [2, 3], "alpha": 0.025, "futility_p": 0.30,
+               "harm_q": 0.10, "higher_is_better": True}
+    cfg = GateConfig(**lab_cfg).model_dump()
+    tasks = [{"task": t, "baseline": baseline[t], "challenger": challenger[t][:look], "history": baseline[t]}
+             for t in TASKS]
+    return evaluate({"config": cfg, "tasks": tasks, "looks_done": None, "at_look": True})
+
+
+def measured(svc: Services, h: Hypothesis, challenger: dict[str, list[float | None]], look: int = 2,
+             baseline: dict[str, list[float]] = BASELINE) -> Hypothesis:
+    """Store the gate's record of a look and leave the hypothesis where `evaluate` leaves it: deciding."""
+    result = gate_result(challenger, look, baseline)
+    svc.store.put_gate_record(str(h.id), look, result)
+    return svc.records.update(h.id, look=look, verdict=result.verdict.value, status="deciding")
+
+
+def decided(svc: Services, h: Hypothesis, summary_policy: Any = None) -> Hypothesis:
+    """Run the graph's real decide and summarize nodes; `summary_policy` (an LLMPolicy) writes the summary only."""
+    nodes = Nodes(svc)
+    nodes.decide({"hypothesis_id": h.id})
+    policy, svc.policy = svc.policy, summary_policy or svc.policy
+    try:
+        nodes.summarize({"hypothesis_id": h.id})
+    finally:
+        svc.policy = policy
+    return svc.records.get(h.id)
+
+
+def cli(root: Path, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The real console entry point in a subprocess."""
+    proc = subprocess.run([sys.executable, "-m", "agent.cli", "--repo", str(root), *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+    if check:
+        assert proc.returncode == 0, f"{args}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def run_loop(root: Path, max_hypotheses: int = 2, *extra: str) -> subprocess.CompletedProcess:
+    t0 = time.monotonic()
+    proc = cli(root, "run", "--offline", "--max-hypotheses", str(max_hypotheses), *extra,
+               env={"OPENAI_API_KEY": "", "OPENAI_BASE_URL": ""})
+    proc.elapsed = time.monotonic() - t0  # type: ignore[attr-defined]
+    return proc
