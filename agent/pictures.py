@@ -130,12 +130,15 @@ def _p(v: float | None) -> str:
 
 def draw_forest(result: Any, path: Path, title: str, metric: str = "metric") -> Path:
     """The per-task Δ with intervals of one gate record, and the horizontal Δ below it."""
+    from matplotlib.ticker import MaxNLocator
+
     tasks = list(result.tasks)
-    n = max(len(tasks), 1)
-    height = 1.7 + 0.42 * n + 1.1
+    # laid out in inches so the panels keep their spacing whatever the number of tasks
+    top, rows, gap, strip, bottom = 0.6, 0.42 * max(len(tasks), 1) + 0.3, 0.8, 0.45, 0.55
+    height = top + rows + gap + strip + bottom
     fig = _figure(8.0, height)
-    gs = fig.add_gridspec(2, 1, height_ratios=[max(n, 1.5), 1.0], hspace=0.7)
-    ax = fig.add_subplot(gs[0])
+    left, width = 0.2, 0.52
+    ax = fig.add_axes((left, (bottom + strip + gap) / height, width, rows / height))
     ys = list(range(len(tasks)))[::-1]
     for y, t in zip(ys, tasks):
         flags = t.flags if result.is_look else [f for f in t.flags if f == "unstable"]
@@ -154,12 +157,13 @@ def draw_forest(result: Any, path: Path, title: str, metric: str = "metric") -> 
     level = 1 - 2 * result.alpha
     kind = "repeated " if result.protocol == "sequential" else ""
     ax.set_xlabel(f"Δ {metric} (challenger − baseline), {level:.0%} {kind}interval")
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
     head = (f"verdict {result.verdict.value if result.verdict else '—'} at look {result.look}" if result.is_look
             else f"between looks ({result.look} challenger runs): estimates only")
     ax.set_title(f"{title}\n{head}", fontsize=10, loc="left")
 
     hz = result.horizontal
-    ax2 = fig.add_subplot(gs[1])
+    ax2 = fig.add_axes((left, bottom / height, width, strip / height))
     if hz.delta is not None:
         lo = hz.delta - hz.ci_low if hz.ci_low is not None else 0
         hi = hz.ci_high - hz.delta if hz.ci_high is not None else 0
@@ -170,7 +174,7 @@ def draw_forest(result: Any, path: Path, title: str, metric: str = "metric") -> 
     ax2.set_yticks([0], ["horizontal"])
     ax2.set_ylim(-1, 1)
     ax2.set_xlabel("horizontal Δ in σ units (per seed, IQM over tasks of metric ÷ task σ)")
-    fig.subplots_adjust(left=0.2, right=0.72, top=1 - 0.55 / height, bottom=0.5 / height)
+    ax2.xaxis.set_major_locator(MaxNLocator(nbins=6))
     return _save(fig, path)
 
 
