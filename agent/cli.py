@@ -178,7 +178,8 @@ def seed_cmd(
 
 @app.command("run")
 def run_cmd(
-    max_hypotheses: int = typer.Option(3, "--max-hypotheses", min=1, help="Hypotheses to start in this run."),
+    max_hypotheses: int = typer.Option(3, "--max-hypotheses", min=1,
+                                       help="Hypotheses to work on in this run (resumed ones count)."),
     hours: Optional[float] = typer.Option(None, "--hours", min=0.0, help="Stop after this many hours."),
     forever: bool = typer.Option(False, "--forever", help="Never stop on a count; wait for seeds when idle."),
     executor: str = typer.Option("local", "--executor", help="local or ray."),
@@ -200,13 +201,30 @@ def run_cmd(
     lab = load_lab(Ctx.repo)
     opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever, executor=executor,
                        workers=workers, ray_address=ray_address, offline=offline, supervised=supervised, db=Ctx.db)
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    loop = Loop(lab, opts, progress=lambda msg: console.log(msg))
+    loop = Loop(lab, opts, progress=_progress_printer())
     loop.install_signals()
-    out = loop.run()
+    try:
+        out = loop.run()
+    finally:
+        loop.close()
     emit_json(out)
+
+
+def _progress_printer():
+    """Progress lines on stderr: rich on a terminal; one plain timestamped line each in a log file."""
+    if sys.stderr.isatty():
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        return lambda msg: console.log(msg, markup=False, highlight=False)
+
+    def plain(msg: str) -> None:
+        import time
+
+        sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+        sys.stderr.flush()
+
+    return plain
 
 
 @app.command("status")

@@ -14,17 +14,23 @@ pass straight through.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from agent.policy import Context, Policy
+from agent.policy import Choice, Context, Feedback, Policy
 from agent.records import Hypothesis, Records
-from agent.workspace import EditRejected, Workspace, slugify
+from agent.smoke import Interrupted
+from agent.workspace import EditRejected, FileEdit, Workspace, slugify
 from pipeline import runner
 from pipeline.lab import Lab
 
 log = logging.getLogger("autoresearch.agent")
+
+
+REPAIR_STAGE = {"compile_error": "compile", "smoke_failed": "smoke", "not_applying": "apply", "empty": "apply",
+                "malformed": "apply"}
 
 
 class State(TypedDict, total=False):
@@ -41,6 +47,8 @@ class Services:
     policy: Policy
     supervised: bool = False
     smoke: bool = True
+    stop: threading.Event | None = None  # set when the loop is asked to stop: long steps give up early
+    smoke_runner: Any = None  # agent.smoke.SmokeRunner, started on the first smoke run
 
 
 # ----------------------------------------------------------------------------- context
@@ -124,8 +132,8 @@ class Nodes:
         try:
             p = self.svc.policy.propose(ctx)
         except Exception as e:  # LLMOutputError, BudgetExceeded, LLMUnavailable: recorded, loop goes on
-            rec.update(h.id, title="(no proposal)", status="summarizing", decision="reject", reject_kind="propose",
-                       reject_reason=f"{type(e).__name__}: {e}")
+            rec.update(h.id, title="(no proposal)", status="summarizing", decision="reject",
+                       reject_kind=_llm_failure_kind(e, "propose"), reject_reason=f"{type(e).__name__}: {e}")
             return {"route": "rejected"}
         if p is None:
             rec.update(h.id, title="(search space exhausted)", status="summarizing", decision="reject",
@@ -138,70 +146,118 @@ class Nodes:
 
     # implement --------------------------------------------------------------
     def implement(self, state: State) -> State:
+        """Edits → checks → smoke run → one commit on `hyp/<id>-<slug>` and the tag `exp/<id>`.
+
+        A hypothesis that carries edits (an offline proposal, a `seed --file` with edits) is tried
+        with them first; a policy that can repair (the LLM) then gets each rejection fed back, up
+        to `repair_rounds` times. Every rejected attempt is kept in the reason recorded.
+        """
         svc, rec, ws = self.svc, self.svc.records, self.svc.workspace
         h = rec.get(state["hypothesis_id"])
         if h.status == "summarizing" or h.decision == "reject":
             return {"route": "rejected"}
         if h.commit:
             return {"route": "measure"}
+        resumed = self._resume_tagged(h)  # a crash between the commit and its record
+        if resumed is not None:
+            return resumed
         base = ws.baseline_head()
         if h.seed_branch:
             return self._adopt_branch(h, base)
         branch = h.branch or f"hyp/{h.id}-{slugify(h.title)}"
         ctx = build_context(svc)
         rounds = svc.lab.config.agent.repair_rounds
-        feedback = None
+        feedback: Feedback | None = None
+        attempts: list[str] = []
+        files: dict[str, str] | None = None
+        last: EditRejected | None = None
         for attempt in range(rounds + 1):
+            edits: list[FileEdit] = []
             try:
-                h._max_rounds = rounds  # read by the repair prompt
-                edits = svc.policy.implement(ctx, h, feedback)
-                files = ws.apply(base, edits)
+                if attempt == 0 and h.plan:
+                    edits = [FileEdit.from_dict(d) for d in h.plan]
+                else:
+                    edits = svc.policy.implement(ctx, h, feedback)
+                candidate = ws.apply(base, edits)
                 if svc.smoke:
-                    from agent.smoke import SmokeFailed, smoke_run
+                    from agent.smoke import SmokeFailed, SmokeRunner, smoke_run
 
+                    svc.smoke_runner = svc.smoke_runner or SmokeRunner(svc.lab)
                     try:
-                        smoke_run(svc.lab, ws.repo.git, base, files)
+                        smoke_run(svc.lab, ws.repo.git, base, candidate, stop=svc.stop, runner=svc.smoke_runner)
                     except SmokeFailed as e:
                         raise EditRejected("smoke_failed", str(e)) from None
+                files = candidate
                 break
             except EditRejected as e:
-                stage = {"compile_error": "compile", "smoke_failed": "smoke", "not_applying": "apply"}.get(e.kind, "paths")
-                feedback = (stage, str(e), attempt + 1)
                 log.info("hypothesis %s: implementation rejected (%s): %s", h.id, e.kind, e)
+                attempts.append(f"attempt {attempt + 1} ({e.kind}): {e}")
                 last = e
+                if not svc.policy.can_repair or e.kind == "needs_llm":
+                    break
+                feedback = Feedback(REPAIR_STAGE.get(e.kind, "paths"), str(e), attempt + 1, rounds, edits)
+            except Interrupted:
+                raise
             except Exception as e:  # the LLM failed to answer usefully: skip with a reason
-                rec.update(h.id, status="summarizing", decision="reject", reject_kind="llm",
-                           reject_reason=f"{type(e).__name__}: {e}")
+                rec.update(h.id, status="summarizing", decision="reject", reject_kind=_llm_failure_kind(e, "llm"),
+                           reject_reason="; ".join([*attempts, f"{type(e).__name__}: {e}"]))
                 return {"route": "rejected"}
-        else:
-            rec.update(h.id, status="summarizing", decision="reject", reject_kind=last.kind,
-                       reject_reason=f"after {rounds + 1} attempts: {last}")
+        if files is None:
+            assert last is not None
+            reason = str(last) if len(attempts) == 1 else f"{len(attempts)} attempts rejected: " + " | ".join(attempts)
+            rec.update(h.id, status="summarizing", decision="reject", reject_kind=last.kind, reject_reason=reason)
             return {"route": "rejected"}
         message = f"hyp {h.id}: {h.title}\n\n{h.rationale}\n\nExpected: {h.expected_effect}"
         commit = ws.commit_files(branch, base, files, message)
-        ws.tag(f"exp/{h.id}", commit, f"experiment {h.id}: {h.title}")
+        ws.tag(f"exp/{h.id}", commit, experiment_message(h))
         rec.update(h.id, branch=branch, base_commit=base, commit=commit, status="measuring",
                    look=svc.lab.config.gate.looks[0])
+        return {"route": "measure"}
+
+    def _resume_tagged(self, h: Hypothesis) -> State | None:
+        """Adopt the commit a previous pass tagged `exp/<id>` but did not live to record."""
+        ws = self.svc.workspace
+        tagged = ws.tagged(f"exp/{h.id}")
+        if tagged is None:
+            return None
+        commit, message = tagged
+        if message.strip() != experiment_message(h).strip():
+            self.svc.records.update(
+                h.id, status="summarizing", decision="reject", reject_kind="tag_conflict",
+                reject_reason=f"tag exp/{h.id} already exists for another experiment ({message.strip()!r}): "
+                              "was this lab run with another store?")
+            return {"route": "rejected"}
+        if h.seed_branch:
+            branch, base = h.seed_branch, ws.baseline_head()
+        else:
+            branch, base = h.branch or f"hyp/{h.id}-{slugify(h.title)}", ws.repo.commit(commit).parents[0].hexsha
+            ws.point_branch(branch, commit)
+        self.svc.records.update(h.id, branch=branch, base_commit=base, commit=commit, status="measuring",
+                                look=self.svc.lab.config.gate.looks[0])
         return {"route": "measure"}
 
     def _adopt_branch(self, h: Hypothesis, base: str) -> State:
         """A researcher's branch is measured as-is, after the same editable-path check."""
         from agent.workspace import check_path
+        from pipeline.errors import UserError
 
         ws, rec = self.svc.workspace, self.svc.records
-        commit = ws.resolve(h.seed_branch)
-        fork = ws.repo.merge_base(base, commit)[0].hexsha
         try:
-            changed = ws.changed_paths(fork, commit)
+            commit = ws.resolve(h.seed_branch)
+            forks = ws.repo.merge_base(base, commit)
+            if not forks:
+                raise EditRejected("unrelated", f"branch {h.seed_branch} shares no history with the baseline")
+            changed = ws.changed_paths(forks[0].hexsha, commit)
             if not changed:
                 raise EditRejected("empty", f"branch {h.seed_branch} changes nothing relative to the baseline")
             for path in changed:
                 check_path(self.svc.lab, path)
-        except EditRejected as e:
-            rec.update(h.id, status="summarizing", decision="reject", reject_kind=e.kind, reject_reason=str(e),
+        except (EditRejected, UserError) as e:
+            kind = e.kind if isinstance(e, EditRejected) else "unknown_branch"
+            rec.update(h.id, status="summarizing", decision="reject", reject_kind=kind, reject_reason=str(e),
                        branch=h.seed_branch, commit=None)
             return {"route": "rejected"}
-        ws.tag(f"exp/{h.id}", commit, f"experiment {h.id}: {h.title}")
+        ws.tag(f"exp/{h.id}", commit, experiment_message(h))
         rec.update(h.id, branch=h.seed_branch, base_commit=base, commit=commit, status="measuring",
                    look=self.svc.lab.config.gate.looks[0])
         return {"route": "measure"}
@@ -223,27 +279,14 @@ class Nodes:
 
     # decide -----------------------------------------------------------------
     def decide(self, state: State) -> State:
-        svc, rec, ws = self.svc, self.svc.records, self.svc.workspace
+        svc, rec = self.svc, self.svc.records
         h = rec.get(state["hypothesis_id"])
         if h.status == "measuring":
             return {"route": "measure"}
         if h.status != "deciding":
             return {"route": "done"}
         looks = svc.lab.config.gate.looks
-        allowed = allowed_decisions(h.verdict, h.look, looks, svc.supervised)
-        from pipeline.gate import GateResult, render_markdown
-
-        payload = svc.store.gate_records(str(h.id), kind="verdict")[-1].payload
-        evidence = render_markdown(GateResult.model_validate(payload))
-        look_text = f"look {looks.index(h.look) + 1 if h.look in looks else '?'} of {len(looks)}: {h.look} challenger runs"
-        try:
-            choice = svc.policy.decide(build_context(svc), h, h.verdict, evidence, allowed, look_text)
-        except Exception as e:  # no answer: the most conservative allowed choice
-            from agent.policy import Choice
-
-            choice = Choice("abandon" if "abandon" in allowed else allowed[-1], f"no decision from the policy ({e})")
-        if choice.decision not in allowed:
-            choice.decision = "abandon"
+        choice = self._choice(h, allowed_decisions(h.verdict, h.look, looks, svc.supervised))
         if choice.decision == "escalate":
             nxt = min(n for n in looks if n > h.look)
             rec.update(h.id, look=nxt, status="measuring", decision="escalate", rationale_decision=choice.rationale)
@@ -255,10 +298,38 @@ class Nodes:
         elif choice.decision == "hold":
             fields |= {"status": "held", "review": "pending"}
         elif choice.decision == "refine" and choice.follow_up:
-            rec.add(Hypothesis(title="", seed_text=choice.follow_up, parent_id=h.id, origin=svc.policy.name,
-                               priority=h.priority, status="queued"))
+            queue_refinement(svc, h, choice.follow_up)
         rec.update(h.id, **fields)
         return {"route": "done"}
+
+    def _choice(self, h: Hypothesis, allowed: list[str]) -> Choice:
+        """The policy's choice at this look, within `allowed`; stored before any side effect, so a
+        re-run after a crash carries out the same decision instead of asking again."""
+        svc = self.svc
+        for r in svc.store.gate_records(str(h.id), kind="decision"):
+            if r.look == h.look and r.payload.get("decision") in allowed:
+                return Choice(r.payload["decision"], r.payload.get("rationale", ""), r.payload.get("follow_up", ""))
+        from pipeline.gate import GateResult, render_markdown
+
+        looks = svc.lab.config.gate.looks
+        payload = svc.store.gate_records(str(h.id), kind="verdict")[-1].payload
+        evidence = render_markdown(GateResult.model_validate(payload))
+        look_text = f"look {looks.index(h.look) + 1 if h.look in looks else '?'} of {len(looks)}: {h.look} challenger runs"
+        try:
+            choice = svc.policy.decide(build_context(svc), h, h.verdict, evidence, allowed, look_text)
+        except Exception as e:  # no answer (budget, endpoint down, no valid JSON): follow the gate
+            from agent.policy import OfflinePolicy
+
+            choice = OfflinePolicy().decide(build_context(svc), h, h.verdict, evidence, allowed, look_text)
+            choice.rationale = f"No decision from the policy ({type(e).__name__}: {e}). {choice.rationale}"
+        if choice.decision not in allowed:
+            choice = Choice("abandon" if "abandon" in allowed else allowed[-1],
+                            f"the policy chose {choice.decision!r}, which the verdict {h.verdict} does not allow")
+        svc.store.put_gate_record(str(h.id), h.look, {"decision": choice.decision, "rationale": choice.rationale,
+                                                      "follow_up": choice.follow_up, "allowed": allowed,
+                                                      "verdict": h.verdict, "policy": svc.policy.name},
+                                  kind="decision")
+        return choice
 
     # summarize --------------------------------------------------------------
     def summarize(self, state: State) -> State:
@@ -276,6 +347,28 @@ class Nodes:
         write_summary(svc, h)
         rec.update(h.id, status="done", finished_at=time.time())
         return {"route": "done"}
+
+
+def experiment_message(h: Hypothesis) -> str:
+    return f"experiment {h.id}: {h.title}"
+
+
+def _llm_failure_kind(e: Exception, default: str) -> str:
+    from agent.llm import BudgetExceeded
+
+    return "budget" if isinstance(e, BudgetExceeded) else default
+
+
+def queue_refinement(svc: Services, h: Hypothesis, follow_up: str) -> Hypothesis:
+    """The child hypothesis a `refine` decision asks for, once (a re-run finds it queued)."""
+    for child in svc.records.all():
+        if child.parent_id == h.id:
+            return child
+    first = follow_up.strip().splitlines()[0].lstrip("# ").strip()
+    return svc.records.add(Hypothesis(
+        title=first[:120], seed_text=follow_up.strip(), parent_id=h.id, origin=svc.policy.name, priority=h.priority,
+        rationale=f"Refines #{h.id} ({h.title}), verdict {h.verdict}: {follow_up.strip()}",
+        expected_effect=h.expected_effect, expected_tasks=list(h.expected_tasks or []), status="queued"))
 
 
 def promote(svc: Services, h: Hypothesis) -> dict[str, Any]:

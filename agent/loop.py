@@ -25,6 +25,7 @@ log = logging.getLogger("autoresearch.loop")
 
 GUARD_STREAK = 3  # hypotheses in a row rejected or failing before the loop backs off
 GUARD_BACKOFF_S = 600.0
+MAX_GRAPH_FAILURES = 3  # unexpected errors in one hypothesis's graph before it is given up
 
 
 @dataclass
@@ -69,20 +70,31 @@ class Loop:
         self.store = runner.open_store(lab, opts.db)
         self.records = Records(self.store)
         self.policy = choose_policy(lab, self.store, opts.offline)
-        self.svc = Services(lab, self.store, self.records, Workspace(lab), self.policy, opts.supervised, opts.smoke)
+        self.stop = threading.Event()
+        self.svc = Services(lab, self.store, self.records, Workspace(lab), self.policy, opts.supervised, opts.smoke,
+                            stop=self.stop)
         self.checkpointer = open_checkpointer(self.svc)
         self.graph = build_graph(self.svc, self.checkpointer)
-        self.stop = threading.Event()
-        self.started = 0
+        self.started = 0  # hypotheses this run worked on: started, or resumed after a crash
         self.t0 = time.monotonic()
         self.backoff_until = 0.0
+        self.failures: dict[int, int] = {}
+        self._budget_said = False
+
+    def close(self) -> None:
+        """Stop the smoke runs' worker and release the checkpointer's connection (the store stays readable)."""
+        if self.svc.smoke_runner is not None:
+            self.svc.smoke_runner.close()
+        conn = getattr(self.checkpointer, "conn", None)
+        if conn is not None:
+            conn.close()
 
     # -------------------------------------------------------------- signals
 
     def install_signals(self) -> None:
         def handler(signum: int, _frame: Any) -> None:
-            if self.stop.is_set():
-                return
+            if self.stop.is_set():  # a second signal: stop waiting for anything (runs are re-queued)
+                raise KeyboardInterrupt
             self.say(f"received {signal.Signals(signum).name}: finishing what can finish, re-queueing the rest")
             self.stop.set()
 
@@ -94,12 +106,35 @@ class Loop:
     def out_of_time(self) -> bool:
         return self.opts.hours is not None and time.monotonic() - self.t0 > self.opts.hours * 3600
 
+    def count_left(self) -> bool:
+        return self.opts.forever or self.opts.max_hypotheses is None or self.started < self.opts.max_hypotheses
+
+    def blocked(self) -> bool:
+        """A guard holds new hypotheses back: the failure streak's back-off, or the LLM's daily budget."""
+        return time.time() < self.backoff_until or self.llm_budget_spent()
+
     def may_start(self) -> bool:
         if self.stop.is_set() or self.out_of_time():
             return False
-        if time.time() < self.backoff_until:
+        return self.count_left() and not self.blocked()
+
+    def llm_budget_spent(self) -> bool:
+        """Whether today's LLM spend reached the cap; said once (in `status` too) when it does."""
+        client = getattr(self.policy, "client", None)
+        cap = getattr(client, "max_usd_per_day", None)
+        if client is None or cap is None:
             return False
-        return self.opts.forever or self.opts.max_hypotheses is None or self.started < self.opts.max_hypotheses
+        spent = client.spent_today()
+        if spent < cap:
+            self._budget_said = False
+            return False
+        if not self._budget_said:
+            self._budget_said = True
+            msg = (f"LLM budget reached: ${spent:.4f} of ${cap:.2f} spent today (UTC); no new hypothesis until "
+                   "the cap resets at UTC midnight")
+            self.records.event("budget", msg)
+            self.say(msg)
+        return True
 
     def guard(self) -> None:
         """Back off after GUARD_STREAK hypotheses in a row that never produced evidence."""
@@ -138,9 +173,25 @@ class Loop:
         return self.records.add(Hypothesis(status="proposing", origin=self.policy.name))
 
     def advance(self, h: Hypothesis) -> Hypothesis:
+        """One pass of the hypothesis's graph. An unexpected error is recorded, and after
+        MAX_GRAPH_FAILURES of them the hypothesis is given up: one broken idea must not stop the loop."""
+        from agent.smoke import Interrupted
+
         config = {"configurable": {"thread_id": str(h.id)}}
         before = (h.status, h.look, h.verdict)
-        self.graph.invoke({"hypothesis_id": h.id}, config)
+        try:
+            self.graph.invoke({"hypothesis_id": h.id}, config)
+        except Interrupted:
+            return self.records.get(h.id)  # stopping: the next start resumes it
+        except Exception as e:
+            log.exception("hypothesis %s: graph failed", h.id)
+            n = self.failures[h.id] = self.failures.get(h.id, 0) + 1
+            msg = f"#{h.id}: {type(e).__name__}: {e} (failure {n} of {MAX_GRAPH_FAILURES})"
+            self.records.event("error", msg)
+            self.say(msg)
+            if n >= MAX_GRAPH_FAILURES:
+                self.records.update(h.id, status="done", decision="reject", reject_kind="internal_error",
+                                    reject_reason=msg, finished_at=time.time())
         h = self.records.get(h.id)
         if (h.status, h.look, h.verdict) != before:
             self.report(h)
@@ -190,6 +241,10 @@ class Loop:
                  f"({executor.slots} slots), lab {self.lab.root}")
         try:
             driver.start()
+            resumed = self.records.all(ACTIVE)
+            for h in resumed:
+                self.say(f"#{h.id} {h.title!r}: resuming ({h.status})")
+            self.started = len(resumed)
             while not self.stop.is_set() and not self.out_of_time():
                 self.release_holds()
                 self.guard()
@@ -201,9 +256,13 @@ class Loop:
                     self.started += 1
                     in_flight.append(h)
                 if not in_flight:
-                    if self.opts.forever and not self.stop.is_set():
+                    # idle: wait for seeds (--forever) or for a guard to lift (--forever, --hours)
+                    wait = self.opts.forever or (self.opts.hours is not None and self.count_left() and self.blocked())
+                    if wait and not self.stop.is_set():
                         self.stop.wait(self.opts.idle_poll_s)
                         continue
+                    if self.count_left() and self.blocked():
+                        self.say("stopping: a guard holds new hypotheses back (see `autoresearch status`)")
                     break
                 waiting: dict[int, list[int]] = {}
                 for h in in_flight:

@@ -53,12 +53,24 @@ class Context:
     tried_states: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass
+class Feedback:
+    """Why the previous implementation was rejected, for a repair round."""
+
+    stage: str  # paths | apply | compile | smoke
+    error: str
+    round: int  # this repair round, from 1
+    max_rounds: int
+    previous: list[FileEdit] = field(default_factory=list)  # the rejected edits
+
+
 class Policy(Protocol):
     name: str
+    can_repair: bool  # whether `implement` can answer a rejection with other edits
 
     def propose(self, ctx: Context) -> Proposal | None: ...
 
-    def implement(self, ctx: Context, hyp: Any, feedback: tuple[str, str, int] | None) -> list[FileEdit]: ...
+    def implement(self, ctx: Context, hyp: Any, feedback: Feedback | None) -> list[FileEdit]: ...
 
     def decide(self, ctx: Context, hyp: Any, verdict: str, evidence: str, allowed: list[str], look: str) -> Choice: ...
 
@@ -118,6 +130,7 @@ class OfflinePolicy:
     """
 
     name = "offline"
+    can_repair = False
 
     def propose(self, ctx: Context) -> Proposal | None:
         space = ctx.search_space
@@ -139,10 +152,13 @@ class OfflinePolicy:
             state = dict(current) | dict(cand)
             if tuple(json.dumps(state[k]) for k in keys) in tried:
                 continue
-            edits = [config_edit(base_text, k, v) for k, v in cand]
-            if len(cand) == 2:  # the second search block must be cut from the text after the first edit
-                first = base_text.replace(edits[0].search, edits[0].replace, 1)
-                edits[1] = config_edit(first, cand[1][0], cand[1][1])
+            try:
+                edits = [config_edit(base_text, k, v) for k, v in cand]
+                if len(cand) == 2:  # the second search block must be cut from the text after the first edit
+                    first = base_text.replace(edits[0].search, edits[0].replace, 1)
+                    edits[1] = config_edit(first, cand[1][0], cand[1][1])
+            except EditRejected:  # a key config.toml no longer has (a promotion removed it): not a candidate
+                continue
             what = " and ".join(f"{k} = {toml_value(v)}" for k, v in cand)
             was = " and ".join(f"{k} = {toml_value(current[k])}" for k, _ in cand)
             return Proposal(
@@ -156,13 +172,17 @@ class OfflinePolicy:
             )
         return None
 
-    def implement(self, ctx: Context, hyp: Any, feedback: tuple[str, str, int] | None) -> list[FileEdit]:
-        if feedback is not None or not hyp.plan:
-            raise EditRejected("not_applying", "the offline policy has no other implementation to offer")
+    def implement(self, ctx: Context, hyp: Any, feedback: Feedback | None) -> list[FileEdit]:
+        if not hyp.plan:
+            raise EditRejected("needs_llm", "no edits to apply: a hypothesis in words needs an LLM endpoint to "
+                                            "implement it (set OPENAI_BASE_URL / OPENAI_API_KEY), or seed it with "
+                                            "--file edits or --branch")
+        if feedback is not None:
+            raise EditRejected("no_repair", "the offline policy has no other implementation to offer")
         return [FileEdit.from_dict(d) for d in hyp.plan]
 
     def decide(self, ctx: Context, hyp: Any, verdict: str, evidence: str, allowed: list[str], look: str) -> Choice:
-        for preferred in ("promote", "escalate"):
+        for preferred in ("promote", "hold", "escalate"):
             if preferred in allowed:
                 return Choice(preferred, f"The gate's verdict is {verdict}; the offline policy follows it.")
         return Choice("abandon", f"The gate's verdict is {verdict}: no promotion is allowed and no further look "
@@ -251,6 +271,7 @@ class LLMPolicy:
     """Every word through `prompts/`, every call through the audited, budgeted `LLMClient`."""
 
     name = "llm"
+    can_repair = True
 
     def __init__(self, client: Any):
         self.client = client
@@ -271,17 +292,20 @@ class LLMPolicy:
         return Proposal(out["title"].strip()[:120], out["rationale"].strip(), out["expected_effect"].strip(), tasks,
                         notes=out["change"].strip())
 
-    def implement(self, ctx: Context, hyp: Any, feedback: tuple[str, str, int] | None) -> list[FileEdit]:
+    def implement(self, ctx: Context, hyp: Any, feedback: Feedback | None) -> list[FileEdit]:
         from agent import prompts
 
         msgs = self._messages(
             ctx, "implement", title=hyp.title, rationale=hyp.rationale, expected_effect=hyp.expected_effect,
             change=hyp.seed_text or hyp.rationale, editable=_md_list(ctx.editable), files=_md_files(ctx.files),
         )
-        if feedback is not None:
-            stage, error, rnd = feedback
-            msgs.append({"role": "user", "content": prompts.render("repair", stage=stage, error=error[-4000:], round=rnd,
-                                                                    max_rounds=getattr(hyp, "_max_rounds", rnd))})
+        if feedback is not None:  # the conversation continues: the model sees what it sent and why it failed
+            if feedback.previous:
+                previous = {"edits": [e.to_dict() for e in feedback.previous], "notes": ""}
+                msgs.append({"role": "assistant", "content": json.dumps(previous)})
+            msgs.append({"role": "user", "content": prompts.render(
+                "repair", stage=feedback.stage, error=feedback.error[-4000:], round=feedback.round,
+                max_rounds=feedback.max_rounds)})
         out = self.client.complete_json("implement", msgs, EDITS_SCHEMA, "edits", hypothesis_id=str(hyp.id))
         edits = []
         for d in out["edits"]:
@@ -300,5 +324,6 @@ class LLMPolicy:
         )
         out = self.client.complete_json("decide", msgs, decision_schema(allowed), "decision", hypothesis_id=str(hyp.id))
         if out["decision"] not in allowed:  # the schema's enum should prevent it; the gate's bounds win anyway
-            return Choice(allowed[-1], f"the model chose {out['decision']!r}, which the verdict does not allow")
+            fallback = "abandon" if "abandon" in allowed else allowed[-1]
+            return Choice(fallback, f"the model chose {out['decision']!r}, which the verdict does not allow")
         return Choice(out["decision"], out["rationale"].strip(), out.get("follow_up", "").strip())

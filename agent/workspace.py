@@ -203,6 +203,13 @@ class Workspace:
     def point_branch(self, branch: str, commit: str) -> None:
         self.repo.git.update_ref(f"refs/heads/{branch}", commit)
 
+    def tagged(self, name: str) -> tuple[str, str] | None:
+        """(commit, message) of tag `name`, or None when there is no such tag."""
+        if name not in self.repo.tags:
+            return None
+        ref = self.repo.tags[name]
+        return ref.commit.hexsha, (ref.tag.message if ref.tag is not None else "")
+
     def tag(self, name: str, commit: str, message: str | None = None) -> None:
         """Create tag `name` at `commit`; re-tagging the same commit is a no-op."""
         existing = self.repo.tags[name].commit.hexsha if name in self.repo.tags else None
