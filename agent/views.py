@@ -12,6 +12,7 @@ def _secs(s: float) -> str:
 
 def print_status(st: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     con = Console()
@@ -29,7 +30,7 @@ def print_status(st: dict[str, Any]) -> None:
         decision = (h["decision"] or "-") + (f" → {h['promoted_tag']}" if h["promoted_tag"] else "")
         if h["decision"] == "reject":
             decision += f" ({h['reject_kind']})"
-        t.add_row(str(h["id"]), h["title"][:50], h["origin"], h["status"], str(h["look"] or "-"),
+        t.add_row(str(h["id"]), escape(h["title"][:50]), h["origin"], h["status"], str(h["look"] or "-"),
                   h["verdict"] or "-", decision, h["review"])
     con.print(t)
     c = st["compute"]
@@ -38,7 +39,7 @@ def print_status(st: dict[str, Any]) -> None:
               f"goodput {c['goodput']:.1%}; {c['cache_hits']} cache hits, {c['infra_retries']} retries")
     con.print(f"LLM spend today: ${st['llm']['spent_today_usd']:.2f} of ${st['llm']['cap_usd']:.2f}")
     for e in st["events"]:
-        con.print(f"[yellow]{e['kind']}[/yellow]: {e['message']}")
+        con.print(f"[yellow]{escape(e['kind'])}[/yellow]: {escape(e['message'])}")
 
 
 def report_markdown(repo: Path, h: Any, gate_md: str) -> str:

@@ -57,6 +57,7 @@ class Zygote:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             for fd in self.private_fds:
                 os.close(fd)
             child.run(spec, new_session=True)
@@ -174,6 +175,9 @@ def main() -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
+    # Ctrl-C reaches the whole foreground group; the driver decides what stops (and re-queues),
+    # so the worker must not die under a stage that is about to finish.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in config.get("preload", []):
         importlib.import_module(name)
     # Objects imported so far live for ever: keep the children's garbage collector from walking
