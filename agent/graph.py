@@ -64,14 +64,28 @@ def build_context(svc: Services) -> Context:
             files[path] = ws.read(base, path) or ""
     history = []
     tried_states = []
+    base_commits = set()
     for h in svc.records.all():
         if h.change:
             tried_states.append(h.change)
+        if h.base_commit:
+            base_commits.add(h.base_commit)
         if h.status in ("done", "held"):
             history.append({"id": h.id, "title": h.title, "status": h.status, "verdict": h.verdict,
                             "decision": h.decision, **_effect_summary(svc, h)})
-    comments = [f"on #{c.hypothesis_id} ({c.action}): {c.text}" for c in svc.records.comments() if c.text]
     cfg = lab.config
+    # every configuration a baseline ever had was measured too: going back to one is not a new idea
+    if cfg.search_space:
+        from agent.policy import CONFIG_FILE, config_values
+
+        for commit in base_commits:
+            text = ws.read(commit, CONFIG_FILE)
+            if text is not None:
+                try:
+                    tried_states.append(config_values(text, list(cfg.search_space)))
+                except ValueError:  # an unparsable config at an old baseline says nothing about states
+                    pass
+    comments = [f"on #{c.hypothesis_id} ({c.action}): {c.text}" for c in svc.records.comments() if c.text]
     tag = _baseline_tag(ws, base)
     return Context(
         lab_name=cfg.lab.name,

@@ -26,6 +26,7 @@ log = logging.getLogger("autoresearch.loop")
 GUARD_STREAK = 3  # hypotheses in a row rejected or failing before the loop backs off
 GUARD_BACKOFF_S = 600.0
 MAX_GRAPH_FAILURES = 3  # unexpected errors in one hypothesis's graph before it is given up
+PROGRESS_EVERY_S = 30.0  # how often `run` reports the runs of the looks in flight
 
 
 @dataclass
@@ -274,9 +275,16 @@ class Loop:
                 if not waiting:
                     continue
 
+                last_said = [time.monotonic()]
+
                 def one_look_complete() -> bool:
-                    return any(all(r.status in ("done", "failed") for r in self.store.runs(ids))
-                               for ids in waiting.values())
+                    runs = {h: self.store.runs(ids) for h, ids in waiting.items()}
+                    if time.monotonic() - last_said[0] > PROGRESS_EVERY_S:
+                        last_said[0] = time.monotonic()
+                        self.say("runs: " + "; ".join(
+                            f"#{h} {sum(r.status in ('done', 'failed') for r in rs)}/{len(rs)} finished, "
+                            f"{sum(r.status == 'running' for r in rs)} running" for h, rs in runs.items()))
+                    return any(all(r.status in ("done", "failed") for r in rs) for rs in runs.values())
 
                 driver.drive(until=one_look_complete, stop=self.stop)
         finally:

@@ -1,0 +1,43 @@
+"""The offline policy's search order and memory, on the real template's config and search space."""
+
+import tomllib
+from pathlib import Path
+
+from agent.policy import Context, OfflinePolicy, config_edit, config_values
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "pipeline" / "templates" / "transactions"
+SPACE = tomllib.loads((TEMPLATE / "research.toml").read_text())["search_space"]
+CONFIG = (TEMPLATE / "config.toml").read_text()
+
+
+def ctx(config: str, tried=()) -> Context:
+    return Context("t", "", "auc", ["a", "b"], ["config.toml"], "base", {"config.toml": config},
+                   search_space=dict(SPACE), tried_states=list(tried))
+
+
+def test_round_robin_over_keys_then_pairs_never_repeating():
+    c, seen = ctx(CONFIG), []
+    for _ in range(12):
+        p = OfflinePolicy().propose(c)
+        seen.append(tuple(sorted((k, repr(v)) for k, v in p.change.items())))
+        c.tried_states.append(p.change)
+    assert len(set(seen)) == len(seen)
+    base = config_values(CONFIG, list(SPACE))
+    firsts = [[k for k in SPACE if dict(s)[k] != repr(base[k])] for s in seen[:4]]
+    assert firsts == [[k] for k in SPACE]  # one key at a time, each key in turn
+
+
+def test_an_old_baseline_configuration_is_not_proposed_again():
+    promoted = CONFIG.replace(config_edit(CONFIG, "finetune.lr", 1e-3).search, config_edit(CONFIG, "finetune.lr", 1e-3).replace)
+    old_state = config_values(CONFIG, list(SPACE))
+    p = OfflinePolicy().propose(ctx(promoted, [old_state]))
+    assert p.change["finetune.lr"] != 3e-4
+    assert p.change != old_state
+
+
+def test_config_edit_keeps_comments_and_other_sections():
+    e = config_edit(CONFIG, "finetune.lr", 0.003)
+    new = CONFIG.replace(e.search, e.replace)
+    data = tomllib.loads(new)
+    assert data["finetune"]["lr"] == 0.003 and data["pretrain"]["lr"] == 1e-3
+    assert "# LoRA adapters" in new
