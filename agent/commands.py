@@ -59,13 +59,18 @@ def seed(repo: Path, db: str | None, text: str | None, title: str | None, priori
             from agent.workspace import EditRejected, FileEdit
 
             try:
+                if not isinstance(data.get("edits", []), list):
+                    raise EditRejected("malformed", "'edits' must be a list")
                 edits = [FileEdit.from_dict(e) for e in data.get("edits", [])]
             except EditRejected as e:
                 raise UserError(f"{file}: {e}") from None
             h.title = data["title"]
             h.rationale = str(data.get("rationale", ""))
             h.expected_effect = str(data.get("expected_effect", ""))
-            h.expected_tasks = list(data.get("expected_tasks", [])) or lab.tasks()
+            expected = data.get("expected_tasks", [])
+            if not isinstance(expected, list) or any(t not in lab.tasks() for t in expected):
+                raise UserError(f"{file}: expected_tasks must be a list of task names from {lab.tasks()}")
+            h.expected_tasks = expected or lab.tasks()
             h.plan = [e.to_dict() for e in edits] or None
         else:
             text = (text + "\n\n" if text else "") + body

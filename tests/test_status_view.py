@@ -13,3 +13,13 @@ def test_status_shows_titles_with_brackets(lab):
     proc = cli(lab, "status")
     assert proc.returncode == 0, proc.stderr
     assert "[/b]" in proc.stdout and "[bold]x" in proc.stdout
+
+
+def test_seed_file_with_unknown_tasks_is_bad_input(lab, tmp_path):
+    f = tmp_path / "idea.json"
+    f.write_text('{"title": "x", "expected_tasks": ["weather"], "edits": []}')
+    proc = cli(lab, "seed", "--file", str(f))
+    assert proc.returncode == 2 and "expected_tasks" in proc.stderr and "Traceback" not in proc.stderr
+    f.write_text('{"title": "x", "edits": "not a list"}')
+    proc = cli(lab, "seed", "--file", str(f))
+    assert proc.returncode == 2 and "must be a list" in proc.stderr
