@@ -151,7 +151,8 @@ class Nodes:
             return {"route": "rejected"}
         if p is None:
             rec.update(h.id, title="(search space exhausted)", status="summarizing", decision="reject",
-                       reject_kind="exhausted", reject_reason="the policy has no untried idea left")
+                       reject_kind="exhausted", reject_reason="the policy has no untried idea left",
+                       base_commit=self.svc.workspace.baseline_head())
             return {"route": "rejected"}
         rec.update(h.id, title=p.title, rationale=p.rationale, expected_effect=p.expected_effect,
                    expected_tasks=p.expected_tasks, change=p.change, plan=p.plan, seed_text=p.notes or None,

@@ -169,8 +169,10 @@ class Loop:
         h = self.records.next_queued()
         if h is not None:
             return self.records.update(h.id, status="proposing" if not h.title else "implementing")
-        if any(x.reject_kind == "exhausted" and x.origin == self.policy.name for x in self.records.all(("done",))):
-            return None  # the search space is exhausted; wait for human seeds
+        base = self.svc.workspace.baseline_head()
+        if any(x.reject_kind == "exhausted" and x.origin == self.policy.name and x.base_commit == base
+               for x in self.records.all(("done",))):
+            return None  # nothing untried around this baseline; wait for human seeds or a new baseline
         return self.records.add(Hypothesis(status="proposing", origin=self.policy.name))
 
     def advance(self, h: Hypothesis) -> Hypothesis:

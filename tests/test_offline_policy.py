@@ -41,3 +41,22 @@ def test_config_edit_keeps_comments_and_other_sections():
     data = tomllib.loads(new)
     assert data["finetune"]["lr"] == 0.003 and data["pretrain"]["lr"] == 1e-3
     assert "# LoRA adapters" in new
+
+
+def test_exhaustion_is_per_baseline(lab):
+    """An exhausted search stops the loop only around the baseline it was exhausted at."""
+    from agent.loop import Loop, LoopOptions
+    from agent.records import Hypothesis
+    from pipeline.lab import load_lab
+
+    loop = Loop(load_lab(lab), LoopOptions(offline=True))
+    try:
+        head = loop.svc.workspace.baseline_head()
+        old = loop.records.add(Hypothesis(title="(search space exhausted)", status="done", decision="reject",
+                                          reject_kind="exhausted", origin="offline", base_commit="0" * 40))
+        fresh = loop.next_hypothesis()
+        assert fresh is not None and fresh.id != old.id
+        loop.records.update(fresh.id, status="done", decision="reject", reject_kind="exhausted", base_commit=head)
+        assert loop.next_hypothesis() is None
+    finally:
+        loop.close()
