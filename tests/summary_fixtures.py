@@ -10,42 +10,29 @@ per-seed metrics into the record the store keeps, so every number in a summary i
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from agent_fixtures import TASKS, make_template
+
 from agent.graph import Nodes, Services
-from agent.labinit import init_lab
 from agent.policy import OfflinePolicy
 from agent.records import Hypothesis, Records
 from agent.workspace import Workspace
 from pipeline import runner
-from pipeline.lab import BASELINE_BRANCH, load_lab
+from pipeline.lab import load_lab
 
-TASKS = ["default_90d", "churn_60d"]
 BASELINE = {"default_90d": [0.60, 0.61, 0.59], "churn_60d": [0.70, 0.72, 0.71]}
 BETTER = {"default_90d": [0.70, 0.71, 0.705], "churn_60d": [0.80, 0.815, 0.81]}
 SAME = {"default_90d": [0.595, 0.612, 0.60], "churn_60d": [0.705, 0.71, 0.718]}
 
 
 def make_lab(path: Path) -> Path:
-    root = init_lab(path)
-    research = root / "research.toml"
-    text = research.read_text().replace("data_seed = 0\n", f"data_seed = 0\ncustomers = 300\ntasks = {TASKS!r}\n")
-    text = text.replace("baseline_runs = 5", "baseline_runs = 3").replace("looks = [2, 5, 10]", "looks = [2, 3]")
-    research.write_text(text.replace("'", '"'))
-    config = root / "config.toml"
-    text = config.read_text()
-    for key, value in (("max_events", 8), ("d_model", 16), ("n_layers", 1), ("epochs", 1)):
-        text = re.sub(rf"(?m)^{key} = \d+", f"{key} = {value}", text)
-    config.write_text(text)
-    git = ["git", "-C", str(root)]
-    subprocess.run([*git, "commit", "-qam", "tiny lab for tests"], check=True)
-    subprocess.run([*git, "branch", "-f", BASELINE_BRANCH, "HEAD"], check=True)
-    return root
+    """The shared tiny lab (agent_fixtures.make_template): one recipe for every agent-level test."""
+    return make_template(path)
 
 
 def services(root: Path, policy: Any = None, supervised: bool = False) -> Services:
