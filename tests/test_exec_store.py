@@ -35,6 +35,7 @@ def db(request: pytest.FixtureRequest, tmp_path: Path):
     except OperationalError as e:
         if os.environ.get("CI"):
             pytest.fail(f"PostgreSQL at {PG_URL} is required in CI: {e}")
+        # platform limit: a developer machine without the PostgreSQL service; CI fails above instead
         pytest.skip(f"no PostgreSQL at {PG_URL}")
     schema = "t_" + uuid.uuid4().hex[:12]
     with admin.begin() as c:
