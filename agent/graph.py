@@ -24,7 +24,7 @@ from agent.records import Hypothesis, Records
 from agent.smoke import Interrupted
 from agent.workspace import EditRejected, FileEdit, Workspace, slugify
 from pipeline import runner
-from pipeline.lab import Lab
+from pipeline.lab import Lab, glob_match
 
 log = logging.getLogger("autoresearch.agent")
 
@@ -58,8 +58,6 @@ def build_context(svc: Services) -> Context:
     base = ws.baseline_head()
     files = {}
     for path in ws.repo.git.ls_tree("-r", "--name-only", base).splitlines():
-        from pipeline.lab import glob_match
-
         if any(glob_match(path, g) for g in lab.config.lab.editable):
             files[path] = ws.read(base, path) or ""
     history = []
