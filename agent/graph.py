@@ -393,19 +393,23 @@ def promote(svc: Services, h: Hypothesis) -> dict[str, Any]:
     except PromotionConflict as e:
         return {"decision": "abandon", "rationale_decision": f"promotion refused: {e}"}
     cfg = svc.lab.config
-    runner.ensure_runs(svc.store, svc.lab, new, svc.lab.tasks(), range(cfg.gate.baseline_runs), label=tag)
+    # fresh runs on the baseline seeds, which no challenger uses: the champion re-verifies on seeds
+    # it was not selected on (a fast-forward keeps the commit, so its challenger runs stay as history)
+    runner.ensure_runs(svc.store, svc.lab, new, svc.lab.tasks(), cfg.gate.baseline_seeds(), label=tag)
     return {"promoted_tag": tag}
 
 
 def look_seeds(h: Hypothesis) -> range:
-    return range(h.look or 0)
+    from pipeline.lab import GateSection
+
+    return GateSection.challenger_seeds(h.look or 0)
 
 
 def queue_look(svc: Services, h: Hypothesis) -> list[int]:
     """Queue (idempotently) the baseline's runs and the challenger's runs for the current look."""
     lab, cfg = svc.lab, svc.lab.config
     tasks = lab.tasks()
-    ids = runner.ensure_runs(svc.store, lab, h.base_commit, tasks, range(cfg.gate.baseline_runs), label="baseline")
+    ids = runner.ensure_runs(svc.store, lab, h.base_commit, tasks, cfg.gate.baseline_seeds(), label="baseline")
     ids += runner.ensure_runs(svc.store, lab, h.commit, tasks, look_seeds(h), label=h.branch, priority=1)
     return ids
 
@@ -418,14 +422,14 @@ def gate_look(svc: Services, h: Hypothesis):
     tasks = lab.tasks()
     base = runner.results(svc.store, lab, h.base_commit, tasks)
     chal = runner.results(svc.store, lab, h.commit, tasks)
-    n_base = cfg.gate.baseline_runs
+    base_seeds = cfg.gate.baseline_seeds()
     looks_done = [n for n in cfg.gate.looks if n < h.look]
     inp = {
         "config": GateConfig.from_lab(cfg).model_dump(),
         "tasks": [
             {
                 "task": t,
-                "baseline": [base.get(t, {}).get(s) for s in range(n_base)],
+                "baseline": [base.get(t, {}).get(s) for s in base_seeds],
                 # an infrastructure failure that exhausted its retries has no result: count it as failed
                 "challenger": [chal.get(t, {}).get(s) for s in look_seeds(h)],
                 "history": [v for _, v in sorted(base.get(t, {}).items())],

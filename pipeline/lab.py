@@ -59,9 +59,15 @@ class RunSection(_Strict):
     memory_mb: int | None = Field(default=None, gt=0)
 
 
+# Seeds: a challenger's runs use seeds 0, 1, ... (one per planned run); a baseline's own runs use
+# BASELINE_SEED0, BASELINE_SEED0 + 1, ... So the two arms of a comparison never share a seed, and a
+# promoted challenger re-verifies on seeds it was not selected on (no winner's curse in its baseline).
+BASELINE_SEED0 = 1000
+
+
 class GateSection(_Strict):
     protocol: Literal["sequential", "fixed"] = "sequential"
-    baseline_runs: int = Field(default=5, ge=2)
+    baseline_runs: int = Field(default=5, ge=2, le=BASELINE_SEED0)
     looks: list[int] = Field(default_factory=lambda: [2, 5, 10], min_length=1)
     alpha: float = Field(default=0.025, gt=0, lt=0.5)
     futility_p: float = Field(default=0.30, gt=0, lt=1)
@@ -72,7 +78,18 @@ class GateSection(_Strict):
     def _increasing(cls, looks: list[int]) -> list[int]:
         if looks[0] < 2 or any(b <= a for a, b in zip(looks, looks[1:])):
             raise ValueError("expected strictly increasing run counts, the first at least 2")
+        if looks[-1] > BASELINE_SEED0:
+            raise ValueError(f"expected at most {BASELINE_SEED0} runs at the last look")
         return looks
+
+    def baseline_seeds(self) -> range:
+        """The seeds of a baseline's own runs (disjoint from every challenger's)."""
+        return range(BASELINE_SEED0, BASELINE_SEED0 + self.baseline_runs)
+
+    @staticmethod
+    def challenger_seeds(n_runs: int) -> range:
+        """The seeds of a challenger's first `n_runs` runs."""
+        return range(n_runs)
 
 
 class AgentSection(_Strict):

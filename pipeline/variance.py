@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import runner
-from pipeline.lab import BASELINE_BRANCH, Lab
+from pipeline.lab import BASELINE_BRANCH, BASELINE_SEED0, Lab
 
 
 def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASELINE_BRANCH,
@@ -21,7 +21,8 @@ def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASEL
 
     tasks = lab.tasks()
     sha = runner.resolve_commit(lab, commit)
-    ids = runner.ensure_runs(store, lab, sha, tasks, range(runs), label="variance study")
+    seeds = range(BASELINE_SEED0, BASELINE_SEED0 + runs)  # the baseline's own seeds: its gate runs are reused
+    ids = runner.ensure_runs(store, lab, sha, tasks, seeds, label="variance study")
     with runner.Driver(lab, store, executor) as driver:
         driver.drive(until=ids, stop=stop)
     values = runner.results(store, lab, sha, tasks)
@@ -29,7 +30,7 @@ def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASEL
     per_task = {}
     matrix = np.full((runs, len(tasks)), np.nan)
     for j, task in enumerate(tasks):
-        vals = [values.get(task, {}).get(s) for s in range(runs)]
+        vals = [values.get(task, {}).get(s) for s in seeds]
         ok = np.array([v for v in vals if v is not None], dtype=float)
         matrix[:, j] = [np.nan if v is None else v for v in vals]
         sd = float(ok.std(ddof=1)) if len(ok) > 1 else None
