@@ -81,6 +81,7 @@ class Loop:
         self.backoff_until = 0.0
         self.failures: dict[int, int] = {}
         self._budget_said = False
+        self.stop_reason = ""
 
     def close(self) -> None:
         """Stop the smoke runs' worker and release the checkpointer's connection (the store stays readable)."""
@@ -97,6 +98,7 @@ class Loop:
             if self.stop.is_set():  # a second signal: stop waiting for anything (runs are re-queued)
                 raise KeyboardInterrupt
             self.say(f"received {signal.Signals(signum).name}: finishing what can finish, re-queueing the rest")
+            self.stop_reason = "signal"
             self.stop.set()
 
         signal.signal(signal.SIGTERM, handler)
@@ -106,6 +108,25 @@ class Loop:
 
     def out_of_time(self) -> bool:
         return self.opts.hours is not None and time.monotonic() - self.t0 > self.opts.hours * 3600
+
+    def _start_clock(self) -> threading.Timer | None:
+        """`--hours`: at the deadline the loop stops as on SIGTERM, in the middle of a look if need be
+        (runs in flight finish or are re-queued; the next start resumes the hypotheses)."""
+        if self.opts.hours is None:
+            return None
+
+        def deadline() -> None:
+            if not self.stop.is_set():
+                msg = f"time budget of {self.opts.hours:g} h reached: finishing what can finish, re-queueing the rest"
+                self.records.event("budget", msg)
+                self.say(msg)
+                self.stop_reason = "time budget"
+                self.stop.set()
+
+        timer = threading.Timer(max(0.0, self.t0 + self.opts.hours * 3600 - time.monotonic()), deadline)
+        timer.daemon = True
+        timer.start()
+        return timer
 
     def count_left(self) -> bool:
         return self.opts.forever or self.opts.max_hypotheses is None or self.started < self.opts.max_hypotheses
@@ -242,6 +263,7 @@ class Loop:
         driver = runner.Driver(self.lab, self.store, executor)
         self.say(f"loop started: policy {self.policy.name}, executor {self.opts.executor} "
                  f"({executor.slots} slots), lab {self.lab.root}")
+        clock = self._start_clock()
         try:
             driver.start()
             resumed = self.records.all(ACTIVE)
@@ -290,6 +312,8 @@ class Loop:
 
                 driver.drive(until=one_look_complete, stop=self.stop)
         finally:
+            if clock is not None:
+                clock.cancel()
             driver.close()
-            self.say("loop stopped" + (" (signal)" if self.stop.is_set() else ""))
+            self.say("loop stopped" + (f" ({self.stop_reason})" if self.stop_reason else ""))
         return {"started": self.started, "hypotheses": [h.id for h in self.records.all()]}
