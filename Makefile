@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 run: venv
 	test -f $(DEMO)/research.toml || $(BIN)/autoresearch init $(DEMO) --suite small
 	$(BIN)/autoresearch --repo $(DEMO) run --offline --max-hypotheses 3
+	$(BIN)/autoresearch --repo $(DEMO) status
 
 test: venv
 	$(BIN)/python -m pytest -q

@@ -223,12 +223,26 @@ class Loop:
 
     def report(self, h: Hypothesis) -> None:
         if h.status == "measuring":
-            self.say(f"#{h.id} {h.title!r}: measuring, look of {h.look} challenger runs on {len(self.lab.tasks())} tasks")
+            why = f"verdict escalate{self._evidence(h)}; " if h.verdict == "escalate" else ""
+            self.say(f"#{h.id} {h.title!r}: {why}measuring, look of {h.look} challenger runs on "
+                     f"{len(self.lab.tasks())} tasks")
         elif h.status == "done" and h.decision == "reject":
             self.say(f"#{h.id} {h.title!r}: rejected ({h.reject_kind}): {h.reject_reason}")
         elif h.status in ("done", "held"):
             extra = f" → {h.promoted_tag}" if h.promoted_tag else ""
-            self.say(f"#{h.id} {h.title!r}: verdict {h.verdict}, decision {h.decision}{extra}")
+            self.say(f"#{h.id} {h.title!r}: verdict {h.verdict}{self._evidence(h)}, decision {h.decision}{extra}")
+
+    def _evidence(self, h: Hypothesis) -> str:
+        """` at look N (horizontal Δ +0.42σ, t 1.3 vs boundary 2.9)` from the gate's last record."""
+        recs = self.store.gate_records(str(h.id), kind="verdict")
+        if not recs:
+            return ""
+        g = recs[-1].payload
+        hz = g.get("horizontal") or {}
+        if hz.get("delta") is None or hz.get("t") is None:
+            return f" at look {g.get('look')}"
+        bound = f" vs boundary {hz['boundary']:.2f}" if hz.get("boundary") is not None else ""
+        return f" at look {g.get('look')} (horizontal Δ {hz['delta']:+.2f}σ, t {hz['t']:.2f}{bound})"
 
     def release_holds(self) -> None:
         """Promote held hypotheses that a human approved; close the ones rejected."""
