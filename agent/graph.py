@@ -192,6 +192,7 @@ class Nodes:
                 else:
                     edits = svc.policy.implement(ctx, h, feedback)
                 candidate = ws.apply(base, edits)
+                check_not_measured(svc, h, ws.tree_of(base, candidate))
                 if svc.smoke:
                     from agent.smoke import SmokeFailed, SmokeRunner, smoke_run
 
@@ -206,7 +207,7 @@ class Nodes:
                 log.info("hypothesis %s: implementation rejected (%s): %s", h.id, e.kind, e)
                 attempts.append(f"attempt {attempt + 1} ({e.kind}): {e}")
                 last = e
-                if not svc.policy.can_repair or e.kind == "needs_llm":
+                if not svc.policy.can_repair or e.kind in ("needs_llm", "duplicate"):
                     break
                 feedback = Feedback(REPAIR_STAGE.get(e.kind, "paths"), str(e), attempt + 1, rounds, edits)
             except Interrupted:
@@ -397,6 +398,20 @@ def promote(svc: Services, h: Hypothesis) -> dict[str, Any]:
     # it was not selected on (a fast-forward keeps the commit, so its challenger runs stay as history)
     runner.ensure_runs(svc.store, svc.lab, new, svc.lab.tasks(), cfg.gate.baseline_seeds(), label=tag)
     return {"promoted_tag": tag}
+
+
+def check_not_measured(svc: Services, h: Hypothesis, tree: str) -> None:
+    """Refuse code that was measured already: the tree of an earlier experiment or of a baseline
+    (the same files, byte for byte, whatever the proposal's words). Repeating it would spend runs on
+    a known answer; the history the policy reads says what that answer was."""
+    ws = svc.workspace
+    for other in svc.records.all():
+        if other.id != h.id and other.commit and ws.tree(other.commit) == tree:
+            raise EditRejected("duplicate", f"the same code as #{other.id} ({other.title!r}, verdict "
+                                            f"{other.verdict or other.status}): measured already")
+    for tag in ws.baseline_tags():
+        if ws.tree(tag) == tree:
+            raise EditRejected("duplicate", f"the same code as {tag}: measured already as a baseline")
 
 
 def look_seeds(h: Hypothesis) -> range:

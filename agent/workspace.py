@@ -170,8 +170,8 @@ class Workspace:
             raise EditRejected("empty", "the edits change nothing")
         return files
 
-    def commit_files(self, branch: str, base: str, files: dict[str, str], message: str) -> str:
-        """Commit `files` on top of `base` and point `branch` at it, through a private index."""
+    def tree_of(self, base: str, files: dict[str, str]) -> str:
+        """The git tree `base` would have with `files` written into it (objects only, no ref moves)."""
         with tempfile.TemporaryDirectory() as tmp:
             env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
             g = self.repo.git
@@ -180,7 +180,17 @@ class Workspace:
                 blob = self._blob(text)
                 mode = "100755" if self._is_exec(base, path) else "100644"
                 g.update_index("--add", "--cacheinfo", f"{mode},{blob},{path}", env=env)
-            tree = g.write_tree(env=env)
+            return g.write_tree(env=env)
+
+    def tree(self, rev: str) -> str:
+        return self.repo.commit(rev).tree.hexsha
+
+    def baseline_tags(self) -> list[str]:
+        return [t.name for t in self.repo.tags if t.name.startswith("baseline/v")]
+
+    def commit_files(self, branch: str, base: str, files: dict[str, str], message: str) -> str:
+        """Commit `files` on top of `base` and point `branch` at it, through a private index."""
+        tree = self.tree_of(base, files)
         commit = self.repo.git.commit_tree(tree, "-p", base, "-m", message)
         self.repo.git.update_ref(f"refs/heads/{branch}", commit)
         return commit

@@ -203,3 +203,24 @@ def test_the_dollar_cap_stops_llm_calls_and_the_loop(lab: Path, llm: RoutedOpenA
     assert st["llm"]["spent_today_usd"] >= st["llm"]["cap_usd"] == 0.25
     assert [e["kind"] for e in st["events"]] == ["budget"]
     assert any("LLM budget reached" in s for s in loop.said)
+
+
+def test_code_measured_before_is_refused_as_a_duplicate_without_runs_or_repair(lab: Path, llm: RoutedOpenAI) -> None:
+    llm.on("hypothesis", content(proposal("Raise the LoRA learning rate")))
+    llm.on("edits", content(edits(LR_EDIT)))
+    # the same edit again, under other words: the same tree, so the same experiment
+    llm.on("hypothesis", content(proposal("Adapters learn too slowly: speed them up")))
+    llm.on("edits", content(edits(LR_EDIT)))
+    loop = make_loop(lab)
+    try:
+        first = one_pass(loop)
+        assert first.status == "measuring" and first.commit
+        n_runs = len(loop.store.runs())
+        second = one_pass(loop)
+    finally:
+        loop.close()
+    assert (second.decision, second.reject_kind, second.commit) == ("reject", "duplicate", None)
+    assert f"the same code as #{first.id}" in second.reject_reason
+    assert len(llm.asked("edits")) == 2  # no repair round asked for: another wording would not help
+    assert len(loop.store.runs()) == n_runs  # nothing queued for it
+    assert git(lab, "branch", "--list", "hyp/*").split() == [first.branch]
