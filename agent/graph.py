@@ -97,7 +97,28 @@ def build_context(svc: Services) -> Context:
         comments=comments,
         search_space=dict(cfg.search_space),
         tried_states=tried_states,
+        key_costs=search_key_costs(lab),
     )
+
+
+def search_key_costs(lab: Lab) -> dict[str, int]:
+    """For each `[search_space]` key: how many stages a change of it re-runs — the stages whose cache
+    inputs cover config.toml (or its table), and everything downstream of them."""
+    from agent.policy import CONFIG_FILE
+    from pipeline.lab import check_stage_graph
+
+    stages = check_stage_graph(lab.config.stage)
+    out = {}
+    for key in lab.config.search_space:
+        section = key.split(".", 1)[0]
+        dirty: set[str] = set()
+        for st in stages:  # topological order: upstream first
+            covers = any(glob_match(CONFIG_FILE, path) and table in ("", section)
+                         for path, _, table in (i.partition("#") for i in st.inputs))
+            if covers or any(n in dirty for n in st.needs):
+                dirty.add(st.name)
+        out[key] = len(dirty)
+    return out
 
 
 def _baseline_tag(ws: Workspace, commit: str) -> str | None:

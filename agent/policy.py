@@ -51,6 +51,7 @@ class Context:
     comments: list[str] = field(default_factory=list)
     search_space: dict[str, list[Any]] = field(default_factory=dict)
     tried_states: list[dict[str, Any]] = field(default_factory=list)
+    key_costs: dict[str, int] = field(default_factory=dict)  # search key -> stages its change re-runs
 
 
 @dataclass
@@ -122,11 +123,24 @@ def config_edit(text: str, key: str, value: Any) -> FileEdit:
 
 # ----------------------------------------------------------------------------- offline policy
 
+def coarse_to_fine(values: list[Any], current: Any) -> list[Any]:
+    """The values other than `current`, farthest from it in the list's order first (ties: list order).
+    A current value that is not listed leaves the list's order as it is."""
+    others = [v for v in values if v != current]
+    if current not in values:
+        return others
+    at = values.index(current)
+    return sorted(others, key=lambda v: -abs(values.index(v) - at))
+
+
 class OfflinePolicy:
     """Untried combinations of `[search_space]`, applied as config.toml edits; decisions by verdict.
 
-    Candidates change one key at a time, round-robin across keys (diverse evidence early), then two
-    keys at once. A candidate is skipped when the whole resulting configuration was measured before.
+    Candidates change one key at a time, round-robin across keys (diverse evidence early; the keys
+    whose change re-runs fewer stages first, so a fine-tuning knob is tried before one that costs
+    pretraining), then two keys at once. Within a key, coarse to fine: the listed value farthest from the current one comes
+    first (a big step shows whether the knob matters at all; the values in between are tried after).
+    A candidate is skipped when the whole resulting configuration was measured before.
     """
 
     name = "offline"
@@ -139,12 +153,12 @@ class OfflinePolicy:
         base_text = ctx.files.get(CONFIG_FILE)
         if base_text is None:
             return None
-        keys = list(space)
+        keys = sorted(space, key=lambda k: ctx.key_costs.get(k, 0))  # stable: ties keep the listed order
         current = config_values(base_text, keys)
         tried = [tuple(json.dumps(s.get(k)) for k in keys) for s in ctx.tried_states]
         tried.append(tuple(json.dumps(current[k]) for k in keys))
 
-        per_key = [[[(k, v)] for v in space[k] if v != current[k]] for k in keys]
+        per_key = [[[(k, v)] for v in coarse_to_fine(space[k], current[k])] for k in keys]
         candidates = [c for group in itertools.zip_longest(*per_key) for c in group if c]  # round-robin
         for (k1, v1s), (k2, v2s) in itertools.combinations([(k, space[k]) for k in keys], 2):
             candidates += [[(k1, a), (k2, b)] for a in v1s for b in v2s if a != current[k1] and b != current[k2]]

@@ -15,7 +15,10 @@ def print_status(st: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    con = Console()
+    import sys
+
+    # a pipe or a log file gets lines wide enough for the table (rich would assume 80 columns)
+    con = Console(width=None if sys.stdout.isatty() else 140)
     base = st["baseline"]
     con.print(f"[bold]{st['lab']}[/bold]  baseline {base['tag'] or 'autoresearch/baseline'} "
               f"({(base['commit'] or '?')[:10]})")
@@ -25,7 +28,7 @@ def print_status(st: dict[str, Any]) -> None:
         con.print(f"  running #{r['id']} {r['commit']} {r['task']} seed {r['seed']}")
     t = Table(title="hypotheses")
     for col in ("id", "title", "origin", "status", "look", "verdict", "decision", "review"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col != "title")
     for h in st["hypotheses"][-25:]:
         decision = (h["decision"] or "-") + (f" → {h['promoted_tag']}" if h["promoted_tag"] else "")
         if h["decision"] == "reject":

@@ -27,6 +27,34 @@ def test_round_robin_over_keys_then_pairs_never_repeating():
     assert firsts == [[k] for k in SPACE]  # one key at a time, each key in turn
 
 
+def test_within_a_key_the_farthest_value_comes_first():
+    from agent.policy import coarse_to_fine
+
+    assert coarse_to_fine([3e-4, 1e-3, 3e-3], 3e-4) == [3e-3, 1e-3]
+    assert coarse_to_fine([3e-4, 1e-3, 3e-3], 1e-3) == [3e-4, 3e-3]  # equally far: list order
+    assert coarse_to_fine([4, 8, 16], 16) == [4, 8]
+    assert coarse_to_fine([1, 2], 5) == [1, 2]  # the current value is not listed: as listed
+    p = OfflinePolicy().propose(ctx(CONFIG))
+    assert p.change["finetune.lr"] == 3e-3 and p.title == "Set finetune.lr = 0.003"
+
+
+def test_cheaper_keys_first_by_the_stages_their_change_reruns(lab):
+    from agent.graph import search_key_costs
+    from pipeline.lab import load_lab
+
+    costs = search_key_costs(load_lab(lab))
+    # [data] keys the pretraining cache (and so fine-tuning); [finetune] only fine-tuning
+    assert costs == {"finetune.lr": 1, "finetune.lora_rank": 1, "data.sources": 2, "finetune.tabular": 1}
+    c, keys = ctx(CONFIG), []
+    c.key_costs = costs
+    base = config_values(CONFIG, list(SPACE))
+    for _ in range(4):
+        p = OfflinePolicy().propose(c)
+        keys += [k for k in SPACE if p.change[k] != base[k]]
+        c.tried_states.append(p.change)
+    assert keys == ["finetune.lr", "finetune.lora_rank", "finetune.tabular", "data.sources"]
+
+
 def test_an_old_baseline_configuration_is_not_proposed_again():
     promoted = CONFIG.replace(config_edit(CONFIG, "finetune.lr", 1e-3).search, config_edit(CONFIG, "finetune.lr", 1e-3).replace)
     old_state = config_values(CONFIG, list(SPACE))
