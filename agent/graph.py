@@ -62,6 +62,7 @@ def build_context(svc: Services) -> Context:
             files[path] = ws.read(base, path) or ""
     history = []
     tried_states = []
+    baseline_states = []
     base_commits = set()
     for h in svc.records.all():
         if h.change:
@@ -80,7 +81,7 @@ def build_context(svc: Services) -> Context:
             text = ws.read(commit, CONFIG_FILE)
             if text is not None:
                 try:
-                    tried_states.append(config_values(text, list(cfg.search_space)))
+                    baseline_states.append(config_values(text, list(cfg.search_space)))
                 except ValueError:  # an unparsable config at an old baseline says nothing about states
                     pass
     comments = [f"on #{c.hypothesis_id} ({c.action}): {c.text}" for c in svc.records.comments() if c.text]
@@ -96,7 +97,8 @@ def build_context(svc: Services) -> Context:
         history=history,
         comments=comments,
         search_space=dict(cfg.search_space),
-        tried_states=tried_states,
+        tried_states=tried_states + baseline_states,
+        baseline_states=baseline_states,
         key_costs=search_key_costs(lab),
     )
 

@@ -52,6 +52,7 @@ class Context:
     search_space: dict[str, list[Any]] = field(default_factory=dict)
     tried_states: list[dict[str, Any]] = field(default_factory=list)
     key_costs: dict[str, int] = field(default_factory=dict)  # search key -> stages its change re-runs
+    baseline_states: list[dict[str, Any]] = field(default_factory=list)  # earlier baselines' search values
 
 
 @dataclass
@@ -160,6 +161,10 @@ class OfflinePolicy:
 
         per_key = [[[(k, v)] for v in coarse_to_fine(space[k], current[k])] for k in keys]
         candidates = [c for group in itertools.zip_longest(*per_key) for c in group if c]  # round-robin
+        # a value some earlier baseline had and a promotion moved away from: last, not never
+        moved_from = {(k, json.dumps(s.get(k))) for s in ctx.baseline_states for k in keys
+                      if json.dumps(s.get(k)) != json.dumps(current[k])}
+        candidates.sort(key=lambda c: any((k, json.dumps(v)) in moved_from for k, v in c))
         for (k1, v1s), (k2, v2s) in itertools.combinations([(k, space[k]) for k in keys], 2):
             candidates += [[(k1, a), (k2, b)] for a in v1s for b in v2s if a != current[k1] and b != current[k2]]
         for cand in candidates:

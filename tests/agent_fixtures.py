@@ -50,7 +50,7 @@ def make_template(root: Path) -> Path:
     research = research.replace("looks = [2, 5, 10]", "looks = [2, 3]")
     (root / "research.toml").write_text(research)
     config = (root / "config.toml").read_text()
-    for old, new in (("max_events = 32", "max_events = 8"), ("d_model = 48", "d_model = 16"),
+    for old, new in (("max_events = 24", "max_events = 8"), ("d_model = 48", "d_model = 16"),
                      ("n_layers = 2", "n_layers = 1")):
         assert old in config, old
         config = config.replace(old, new)

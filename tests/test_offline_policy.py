@@ -63,6 +63,28 @@ def test_an_old_baseline_configuration_is_not_proposed_again():
     assert p.change != old_state
 
 
+def test_after_promotions_the_values_a_baseline_moved_away_from_come_last():
+    def with_(text, key, value):
+        e = config_edit(text, key, value)
+        return text.replace(e.search, e.replace)
+
+    v0 = config_values(CONFIG, list(SPACE))
+    v1_text = with_(CONFIG, "finetune.lr", 3e-3)
+    v2_text = with_(v1_text, "finetune.lora_rank", 16)
+    c = ctx(v2_text, [v0, config_values(v1_text, list(SPACE))])
+    c.baseline_states = list(c.tried_states)
+    c.key_costs = {"finetune.lr": 1, "finetune.lora_rank": 1, "data.sources": 2, "finetune.tabular": 1}
+    current, changed = config_values(v2_text, list(SPACE)), []
+    while (p := OfflinePolicy().propose(c)) is not None:
+        changed.append(sorted((k, repr(v)) for k, v in p.change.items() if v != current[k]))
+        c.tried_states.append(p.change)
+    back = [("finetune.lr", repr(3e-4))]  # v0's lr, untried with rank 16
+    assert [("finetune.lora_rank", "4")] not in changed  # that is v1 itself: measured
+    assert changed[0] == [("finetune.tabular", "'all'")]  # not back to lr 3e-4
+    assert all(len(x) == 1 for x in changed[:5]) and back not in changed[:5]
+    assert back in changed and changed.index(back) > changed.index([("finetune.lr", repr(1e-3))])  # later, not never
+
+
 def test_config_edit_keeps_comments_and_other_sections():
     e = config_edit(CONFIG, "finetune.lr", 0.003)
     new = CONFIG.replace(e.search, e.replace)
