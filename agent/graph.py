@@ -423,6 +423,32 @@ def promote(svc: Services, h: Hypothesis) -> dict[str, Any]:
     return {"promoted_tag": tag}
 
 
+def reverification(svc: Services, h: Hypothesis) -> dict[str, Any] | None:
+    """How the champion of a promotion did on its fresh baseline seeds, against the runs it was
+    selected on (the winner's curse, measured). None until every fresh run has finished."""
+    lab, cfg = svc.lab, svc.lab.config
+    tasks = lab.tasks()
+    new = runner.resolve_commit(lab, h.promoted_tag)
+    fresh = runner.results(svc.store, lab, new, tasks)
+    chosen = runner.results(svc.store, lab, h.commit, tasks)
+    seeds, picked = list(cfg.gate.baseline_seeds()), list(look_seeds(h))
+    if any(s not in fresh.get(t, {}) for t in tasks for s in seeds):
+        return None
+    rows, sign = [], 1.0 if cfg.benchmark.higher_is_better else -1.0
+    for t in tasks:
+        f = [v for s in seeds if (v := fresh[t].get(s)) is not None]
+        c = [v for s in picked if (v := chosen.get(t, {}).get(s)) is not None]
+        if f and c:
+            rows.append({"task": t, "fresh": sum(f) / len(f), "selected": sum(c) / len(c), "fresh_runs": len(f)})
+    if not rows:
+        return None
+    fresh_mean = sum(r["fresh"] for r in rows) / len(rows)
+    sel_mean = sum(r["selected"] for r in rows) / len(rows)
+    return {"tag": h.promoted_tag, "tasks": rows, "fresh_mean": fresh_mean, "selected_mean": sel_mean,
+            "shrinkage": fresh_mean - sel_mean,
+            "tasks_worse": sum(sign * (r["fresh"] - r["selected"]) < 0 for r in rows), "fresh_seeds": seeds}
+
+
 def check_not_measured(svc: Services, h: Hypothesis, tree: str) -> None:
     """Refuse code that was measured already: the tree of an earlier experiment or of a baseline
     (the same files, byte for byte, whatever the proposal's words). Repeating it would spend runs on

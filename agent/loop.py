@@ -262,6 +262,24 @@ class Loop:
                 write_summary(self.svc, h)
                 self.report(h)
 
+    def note_reverifications(self) -> None:
+        """Once a promoted champion's fresh baseline runs are all in, record how it held up."""
+        from agent.graph import reverification
+
+        for h in self.records.all(("done",)):
+            if not h.promoted_tag or self.store.gate_records(str(h.id), kind="reverify"):
+                continue
+            r = reverification(self.svc, h)
+            if r is None:
+                continue
+            self.store.put_gate_record(str(h.id), 0, r, kind="reverify")
+            metric = self.lab.config.benchmark.metric
+            msg = (f"{r['tag']} re-verified on {len(r['fresh_seeds'])} fresh seeds: mean {metric} "
+                   f"{r['fresh_mean']:.4f} vs {r['selected_mean']:.4f} on the runs it was selected on "
+                   f"({r['shrinkage']:+.4f}; {r['tasks_worse']}/{len(r['tasks'])} tasks lower)")
+            self.records.event("reverified", msg)
+            self.say(msg)
+
     # -------------------------------------------------------------- main loop
 
     def pending_runs(self, h: Hypothesis) -> list[int]:
@@ -286,6 +304,7 @@ class Loop:
             self.started = len(resumed)
             while not self.stop.is_set() and not self.out_of_time():
                 self.release_holds()
+                self.note_reverifications()
                 self.guard()
                 in_flight = self.records.all(ACTIVE)
                 while len(in_flight) < self.lab.config.agent.max_in_flight and self.may_start():

@@ -219,3 +219,27 @@ def test_implement_and_promote_run_again_after_a_crash_repeat_nothing(lab: Path)
     assert git(lab, "rev-parse", BASELINE) == head
     assert git(lab, "tag", "--list", "baseline/*").split() == ["baseline/v1"]
     assert len(loop.store.runs()) == n_runs
+
+
+def test_a_promoted_champion_is_re_verified_on_fresh_seeds_and_its_shrinkage_recorded(lab: Path) -> None:
+    seed_lr(lab)
+    loop = make_loop(lab, offline=True)
+    try:
+        h = measured(loop, [0.700, 0.703])  # selected on seeds 0, 1: mean 0.7015 (+0.05 on churn)
+        assert h.promoted_tag == "baseline/v1"
+        loop.note_reverifications()
+        assert not loop.store.gate_records(str(h.id), kind="reverify")  # fresh runs still queued
+        # the fresh seeds 1000-1002 come in lower than the runs it was selected on
+        plant(loop.store, h.commit, [0.690, 0.692, 0.694], {"churn_60d": 0.05})
+        loop.note_reverifications()
+        loop.note_reverifications()  # once only
+    finally:
+        loop.close()
+    (rec,) = loop.store.gate_records(str(h.id), kind="reverify")
+    r = rec.payload
+    assert r["tag"] == "baseline/v1" and r["fresh_seeds"] == [1000, 1001, 1002]
+    assert abs(r["selected_mean"] - (0.7015 + 0.025)) < 1e-9 and abs(r["fresh_mean"] - (0.692 + 0.025)) < 1e-9
+    assert abs(r["shrinkage"] - (0.692 - 0.7015)) < 1e-9 and r["tasks_worse"] == 2
+    events = [e.message for e in loop.records.events() if e.kind == "reverified"]
+    assert events == ["baseline/v1 re-verified on 3 fresh seeds: mean auc 0.7170 vs 0.7265 on the runs it was "
+                      "selected on (-0.0095; 2/2 tasks lower)"]
