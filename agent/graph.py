@@ -13,6 +13,7 @@ pass straight through.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -431,7 +432,7 @@ def reverification(svc: Services, h: Hypothesis) -> dict[str, Any] | None:
     new = runner.resolve_commit(lab, h.promoted_tag)
     fresh = runner.results(svc.store, lab, new, tasks)
     chosen = runner.results(svc.store, lab, h.commit, tasks)
-    seeds, picked = list(cfg.gate.baseline_seeds()), list(look_seeds(h))
+    seeds, picked = list(cfg.gate.baseline_seeds()), list(look_seeds(h, svc.lab))
     if any(s not in fresh.get(t, {}) for t in tasks for s in seeds):
         return None
     rows, sign = [], 1.0 if cfg.benchmark.higher_is_better else -1.0
@@ -463,10 +464,21 @@ def check_not_measured(svc: Services, h: Hypothesis, tree: str) -> None:
             raise EditRejected("duplicate", f"the same code as {tag}: measured already as a baseline")
 
 
-def look_seeds(h: Hypothesis) -> range:
+def look_seeds(h: Hypothesis, lab: Lab | None = None) -> range:
+    """The challenger's seeds at its current look: a block of its own per baseline generation."""
     from pipeline.lab import GateSection
 
-    return GateSection.challenger_seeds(h.look or 0)
+    generation = baseline_generation(str(lab.root), h.base_commit) if lab is not None and h.base_commit else 0
+    return GateSection.challenger_seeds(h.look or 0, generation)
+
+
+@functools.lru_cache(maxsize=256)
+def baseline_generation(root: str, commit: str) -> int:
+    """How many promotions (tags baseline/v*) the commit's history holds: 0 for the first baseline."""
+    import git
+
+    out = git.Repo(root).git.tag("--merged", commit, "--list", "baseline/v*")
+    return len(out.split())
 
 
 def queue_look(svc: Services, h: Hypothesis) -> list[int]:
@@ -474,7 +486,7 @@ def queue_look(svc: Services, h: Hypothesis) -> list[int]:
     lab, cfg = svc.lab, svc.lab.config
     tasks = lab.tasks()
     ids = runner.ensure_runs(svc.store, lab, h.base_commit, tasks, cfg.gate.baseline_seeds(), label="baseline")
-    ids += runner.ensure_runs(svc.store, lab, h.commit, tasks, look_seeds(h), label=h.branch, priority=1)
+    ids += runner.ensure_runs(svc.store, lab, h.commit, tasks, look_seeds(h, svc.lab), label=h.branch, priority=1)
     return ids
 
 
@@ -495,7 +507,7 @@ def gate_look(svc: Services, h: Hypothesis):
                 "task": t,
                 "baseline": [base.get(t, {}).get(s) for s in base_seeds],
                 # an infrastructure failure that exhausted its retries has no result: count it as failed
-                "challenger": [chal.get(t, {}).get(s) for s in look_seeds(h)],
+                "challenger": [chal.get(t, {}).get(s) for s in look_seeds(h, svc.lab)],
                 "history": [v for _, v in sorted(base.get(t, {}).items())],
             }
             for t in tasks

@@ -59,15 +59,19 @@ class RunSection(_Strict):
     memory_mb: int | None = Field(default=None, gt=0)
 
 
-# Seeds: a challenger's runs use seeds 0, 1, ... (one per planned run); a baseline's own runs use
-# BASELINE_SEED0, BASELINE_SEED0 + 1, ... So the two arms of a comparison never share a seed, and a
-# promoted challenger re-verifies on seeds it was not selected on (no winner's curse in its baseline).
-BASELINE_SEED0 = 1000
+# Seeds. A baseline's own runs use seeds BASELINE_SEED0, BASELINE_SEED0 + 1, ...; the challengers of
+# the baseline that has had g promotions use seeds g * SEED_BLOCK, g * SEED_BLOCK + 1, ... So the two
+# arms of a comparison never share a seed; a promoted champion re-verifies on seeds it was not
+# selected on; and its own challengers never replay the lucky seeds it was selected on (with
+# deterministic training, a no-op of the champion would reproduce them run for run). Challengers
+# of one baseline share their seeds, hence their seed-scoped stages (pretraining) through the cache.
+SEED_BLOCK = 1000
+BASELINE_SEED0 = 1_000_000
 
 
 class GateSection(_Strict):
     protocol: Literal["sequential", "fixed"] = "sequential"
-    baseline_runs: int = Field(default=5, ge=2, le=BASELINE_SEED0)
+    baseline_runs: int = Field(default=5, ge=2, le=SEED_BLOCK)
     looks: list[int] = Field(default_factory=lambda: [2, 5, 10], min_length=1)
     alpha: float = Field(default=0.025, gt=0, lt=0.5)
     futility_p: float = Field(default=0.30, gt=0, lt=1)
@@ -78,8 +82,8 @@ class GateSection(_Strict):
     def _increasing(cls, looks: list[int]) -> list[int]:
         if looks[0] < 2 or any(b <= a for a, b in zip(looks, looks[1:])):
             raise ValueError("expected strictly increasing run counts, the first at least 2")
-        if looks[-1] > BASELINE_SEED0:
-            raise ValueError(f"expected at most {BASELINE_SEED0} runs at the last look")
+        if looks[-1] > SEED_BLOCK:
+            raise ValueError(f"expected at most {SEED_BLOCK} runs at the last look")
         return looks
 
     def baseline_seeds(self) -> range:
@@ -87,9 +91,10 @@ class GateSection(_Strict):
         return range(BASELINE_SEED0, BASELINE_SEED0 + self.baseline_runs)
 
     @staticmethod
-    def challenger_seeds(n_runs: int) -> range:
-        """The seeds of a challenger's first `n_runs` runs."""
-        return range(n_runs)
+    def challenger_seeds(n_runs: int, generation: int = 0) -> range:
+        """The seeds of the first `n_runs` runs of a challenger of a baseline with `generation` promotions."""
+        start = (generation % (BASELINE_SEED0 // SEED_BLOCK)) * SEED_BLOCK
+        return range(start, start + n_runs)
 
 
 class AgentSection(_Strict):

@@ -20,13 +20,13 @@ BASE_VALUES = [0.600, 0.604, 0.598]
 
 def plant(store, commit: str, values: list[float], shift: dict[str, float] | None = None) -> None:
     """Finish the queued runs of `commit` with `values[seed]` (+ a per-task shift), like an executor."""
-    from pipeline.lab import BASELINE_SEED0
+    from pipeline.lab import SEED_BLOCK
     from pipeline.store import Owner, Result
 
     owner = Owner.current()
     for claim in store.claim(owner, 100, commits=[commit]):
         run = claim.run
-        value = values[run.seed % BASELINE_SEED0] + (shift or {}).get(run.task, 0.0)
+        value = values[run.seed % SEED_BLOCK] + (shift or {}).get(run.task, 0.0)
         assert store.finish(claim, Result(run_id=run.id, commit=run.commit, task=run.task, seed=run.seed, value=value))
 
 
@@ -87,7 +87,7 @@ def test_an_improvement_is_promoted_merged_tagged_and_the_new_baseline_queued(la
     runs = loop.store.runs(commit=h.commit)
     assert sorted((r.task, r.seed) for r in runs if r.status != "queued") == sorted((t, s) for t in TASKS for s in (0, 1))
     assert sorted((r.task, r.seed) for r in runs if r.status == "queued") == sorted(
-        (t, s) for t in TASKS for s in (1000, 1001, 1002))
+        (t, s) for t in TASKS for s in (1_000_000, 1_000_001, 1_000_002))
     # the next hypothesis branches off the new baseline
     from agent.commands import status
 
@@ -233,11 +233,17 @@ def test_a_promoted_champion_is_re_verified_on_fresh_seeds_and_its_shrinkage_rec
         plant(loop.store, h.commit, [0.690, 0.692, 0.694], {"churn_60d": 0.05})
         loop.note_reverifications()
         loop.note_reverifications()  # once only
+        # the champion's own challengers get a seed block of their own: never the seeds it was selected on
+        h2 = one_pass(loop)
+        assert h2.base_commit == h.commit and h2.status == "measuring"
+        runs = loop.store.runs(loop.pending_runs(h2))
+        assert sorted({(r.commit, r.seed) for r in runs}) == sorted(
+            [(h.commit, s) for s in (1_000_000, 1_000_001, 1_000_002)] + [(h2.commit, s) for s in (1000, 1001)])
     finally:
         loop.close()
     (rec,) = loop.store.gate_records(str(h.id), kind="reverify")
     r = rec.payload
-    assert r["tag"] == "baseline/v1" and r["fresh_seeds"] == [1000, 1001, 1002]
+    assert r["tag"] == "baseline/v1" and r["fresh_seeds"] == [1_000_000, 1_000_001, 1_000_002]
     assert abs(r["selected_mean"] - (0.7015 + 0.025)) < 1e-9 and abs(r["fresh_mean"] - (0.692 + 0.025)) < 1e-9
     assert abs(r["shrinkage"] - (0.692 - 0.7015)) < 1e-9 and r["tasks_worse"] == 2
     events = [e.message for e in loop.records.events() if e.kind == "reverified"]
