@@ -25,7 +25,7 @@ from agent.records import Hypothesis, Records
 from agent.smoke import Interrupted
 from agent.workspace import EditRejected, FileEdit, Workspace, slugify
 from pipeline import runner
-from pipeline.lab import Lab, glob_match
+from pipeline.lab import BASELINE_SEED0, Lab, glob_match
 
 log = logging.getLogger("autoresearch.agent")
 
@@ -508,7 +508,9 @@ def gate_look(svc: Services, h: Hypothesis):
                 "baseline": [base.get(t, {}).get(s) for s in base_seeds],
                 # an infrastructure failure that exhausted its retries has no result: count it as failed
                 "challenger": [chal.get(t, {}).get(s) for s in look_seeds(h, svc.lab)],
-                "history": [v for _, v in sorted(base.get(t, {}).items())],
+                # the variance prior: every run of the baseline commit on baseline seeds (gate runs and
+                # variance studies), not the runs a promoted champion was selected on
+                "history": [v for s, v in sorted(base.get(t, {}).items()) if s >= BASELINE_SEED0],
             }
             for t in tasks
         ],

@@ -139,9 +139,10 @@ class OfflinePolicy:
 
     Candidates change one key at a time, round-robin across keys (diverse evidence early; the keys
     whose change re-runs fewer stages first, so a fine-tuning knob is tried before one that costs
-    pretraining), then two keys at once. Within a key, coarse to fine: the listed value farthest from the current one comes
-    first (a big step shows whether the knob matters at all; the values in between are tried after).
-    A candidate is skipped when the whole resulting configuration was measured before.
+    pretraining), then two keys at once. Within a key, coarse to fine: the listed value farthest
+    from the current one first (a big step shows whether the knob matters at all; the values in
+    between come after). Going back to a value an earlier baseline had comes last. A candidate is
+    skipped when the whole resulting configuration was measured before.
     """
 
     name = "offline"
@@ -161,12 +162,12 @@ class OfflinePolicy:
 
         per_key = [[[(k, v)] for v in coarse_to_fine(space[k], current[k])] for k in keys]
         candidates = [c for group in itertools.zip_longest(*per_key) for c in group if c]  # round-robin
+        for (k1, v1s), (k2, v2s) in itertools.combinations([(k, space[k]) for k in keys], 2):
+            candidates += [[(k1, a), (k2, b)] for a in v1s for b in v2s if a != current[k1] and b != current[k2]]
         # a value some earlier baseline had and a promotion moved away from: last, not never
         moved_from = {(k, json.dumps(s.get(k))) for s in ctx.baseline_states for k in keys
                       if json.dumps(s.get(k)) != json.dumps(current[k])}
-        candidates.sort(key=lambda c: any((k, json.dumps(v)) in moved_from for k, v in c))
-        for (k1, v1s), (k2, v2s) in itertools.combinations([(k, space[k]) for k in keys], 2):
-            candidates += [[(k1, a), (k2, b)] for a in v1s for b in v2s if a != current[k1] and b != current[k2]]
+        candidates.sort(key=lambda c: any((k, json.dumps(v)) in moved_from for k, v in c))  # stable
         for cand in candidates:
             state = dict(current) | dict(cand)
             if tuple(json.dumps(state[k]) for k in keys) in tried:

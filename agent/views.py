@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,6 @@ def print_status(st: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
-
-    import sys
 
     # a pipe or a log file gets lines wide enough for the table (rich would assume 80 columns)
     con = Console(width=None if sys.stdout.isatty() else 140)
