@@ -28,8 +28,10 @@ PLANTED: dict[str, list[Edit]] = {
 }
 
 # Gains that depend on another: PIX transfers carry information nothing else has (informal cash
-# flow, gambling), but the untuned fine-tuning recipe cannot exploit them; after `finetune_lr`
-# they help most tasks. Measured by `benchmarks/headroom.py --only add_pix_source` on both bases.
+# flow, gambling), but the untuned fine-tuning recipe cannot exploit them (1/8 tasks up over 5
+# seeds, benchmarks/results/headroom.txt). After `finetune_lr` they helped on an earlier recipe
+# (5 fine-tuning epochs, 32 events per source; one seed); to re-measure on this one:
+# `benchmarks/headroom.py --on finetune_lr --only add_pix_source`.
 CONDITIONAL: dict[str, list[Edit]] = {
     "add_pix_source": [Edit("config.toml", 'sources = ["card"]', 'sources = ["card", "pix"]')],
 }
