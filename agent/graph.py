@@ -98,7 +98,7 @@ def build_context(svc: Services) -> Context:
         history=history,
         comments=comments,
         search_space=dict(cfg.search_space),
-        tried_states=tried_states + baseline_states,
+        tried_states=tried_states,
         baseline_states=baseline_states,
         key_costs=search_key_costs(lab),
     )
@@ -108,9 +108,8 @@ def search_key_costs(lab: Lab) -> dict[str, int]:
     """For each `[search_space]` key: how many stages a change of it re-runs — the stages whose cache
     inputs cover config.toml (or its table), and everything downstream of them."""
     from agent.policy import CONFIG_FILE
-    from pipeline.lab import check_stage_graph
 
-    stages = check_stage_graph(lab.config.stage)
+    stages = lab.stages_in_order()
     out = {}
     for key in lab.config.search_space:
         section = key.split(".", 1)[0]

@@ -50,7 +50,7 @@ class Context:
     history: list[dict[str, Any]] = field(default_factory=list)
     comments: list[str] = field(default_factory=list)
     search_space: dict[str, list[Any]] = field(default_factory=dict)
-    tried_states: list[dict[str, Any]] = field(default_factory=list)
+    tried_states: list[dict[str, Any]] = field(default_factory=list)  # the hypotheses' search values
     key_costs: dict[str, int] = field(default_factory=dict)  # search key -> stages its change re-runs
     baseline_states: list[dict[str, Any]] = field(default_factory=list)  # earlier baselines' search values
 
@@ -157,7 +157,7 @@ class OfflinePolicy:
             return None
         keys = sorted(space, key=lambda k: ctx.key_costs.get(k, 0))  # stable: ties keep the listed order
         current = config_values(base_text, keys)
-        tried = [tuple(json.dumps(s.get(k)) for k in keys) for s in ctx.tried_states]
+        tried = [tuple(json.dumps(s.get(k)) for k in keys) for s in [*ctx.tried_states, *ctx.baseline_states]]
         tried.append(tuple(json.dumps(current[k]) for k in keys))
 
         per_key = [[[(k, v)] for v in coarse_to_fine(space[k], current[k])] for k in keys]

@@ -27,6 +27,7 @@ def pg_url():
     except psycopg.OperationalError as e:
         if os.environ.get("CI"):
             pytest.fail(f"PostgreSQL at {PG_ADMIN} is required in CI: {e}")
+        # platform limit: a developer machine without the PostgreSQL service; CI fails above instead
         pytest.skip(f"platform limit: no PostgreSQL service at {PG_ADMIN}")
     name = "ar_" + uuid.uuid4().hex[:12]
     admin.execute(f"create database {name}")
