@@ -51,12 +51,14 @@ def emit_json(obj: object) -> None:
 def init(
     directory: Path = typer.Argument(..., help="Where to create the lab."),
     suite: str = typer.Option("small", "--suite", help="Benchmark suite: small (8 tasks, CPU) or full (24 tasks)."),
+    harness: str = typer.Option("transactions", "--harness",
+                                help="transactions (the bundled benchmark) or command (a skeleton of your own lab)."),
     force: bool = typer.Option(False, "--force", help="Create even if DIR exists and is not empty."),
 ) -> None:
-    """Create a lab from the bundled template: a git repo with a baseline branch."""
+    """Create a lab from a bundled template: a git repo with a baseline branch."""
     from agent.labinit import init_lab
 
-    root = init_lab(directory, suite=suite, force=force)
+    root = init_lab(directory, suite=suite, force=force, harness=harness)
     typer.echo(str(root))
     typer.echo(f"lab created at {root} (suite {suite}); baseline branch autoresearch/baseline", err=True)
 
@@ -140,8 +142,12 @@ def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
     """Validate the lab (research.toml, harness, tasks, editable files) and summarise it."""
     from pipeline.lab import load_lab
 
+    import subprocess
+
     lab = load_lab(Ctx.repo)
     cfg = lab.config
+    files = subprocess.run(["git", "ls-files"], cwd=lab.root, capture_output=True, text=True).stdout.split()
+    undeclared = lab.undeclared_editable(files)
     summary = {
         "lab": cfg.lab.name,
         "root": str(lab.root),
@@ -150,6 +156,9 @@ def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
         "tasks": lab.tasks(),
         "stages": [s.name for s in lab.stages_in_order()],
         "editable": cfg.lab.editable,
+        "trusted": cfg.benchmark.trusted,
+        "undeclared": undeclared,
+        "sandbox": "on" if cfg.run.sandbox == "auto" else "UNSANDBOXED (opted out: [run] sandbox = \"off\")",
         "protocol": cfg.gate.protocol,
         "looks": cfg.gate.looks,
     }
@@ -158,6 +167,9 @@ def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
     else:
         for key, value in summary.items():
             typer.echo(f"{key:10s} {', '.join(map(str, value)) if isinstance(value, list) else value}")
+    for path in undeclared:
+        typer.echo(f"warning: {path} is editable but no stage lists it in `inputs`: no stage can read it "
+                   "(stages see only the editable files they declare)", err=True)
 
 
 @app.command("seed")
@@ -334,6 +346,35 @@ def variance_cmd(
         typer.echo(f"{task:22s} {t['mean'] or 0:7.4f} {t['sd'] or 0:7.4f} {mdes}")
     corr = out["mean_cross_task_correlation"]
     typer.echo(f"mean cross-task correlation across seeds: {corr:.2f}" if corr is not None else "correlation: n/a")
+
+
+@app.command()
+def trust(
+    rev: Optional[str] = typer.Argument(None, help="Move the trusted commit here (a human's decision)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Show or move the trusted commit the harness files come from (`harness = "command"`)."""
+    import git
+
+    from pipeline.errors import UserError as _UserError
+    from pipeline.harness.command import TRUSTED_TAG, set_trusted, trusted_commit
+    from pipeline.lab import load_lab
+
+    lab = load_lab(Ctx.repo)
+    if not lab.config.benchmark.trusted:
+        raise _UserError(f"harness {lab.config.benchmark.harness!r} has no trusted files; "
+                         'only a lab with harness = "command" has a trusted commit')
+    sha = set_trusted(lab, rev) if rev is not None else trusted_commit(lab, create=False)
+    commit = git.Repo(lab.root).commit(sha)
+    info = {"tag": TRUSTED_TAG, "commit": sha, "subject": commit.summary, "trusted": lab.config.benchmark.trusted,
+            "moved": rev is not None}
+    if as_json:
+        emit_json(info)
+    else:
+        typer.echo(f"{TRUSTED_TAG} = {sha[:12]} {commit.summary}")
+        if rev is not None:
+            typer.echo("moved: the harness files (and so the prepared data and the scorer) now come from this "
+                       "commit; results measured before were scored by the previous ones", err=True)
 
 
 def main() -> None:

@@ -216,14 +216,7 @@ class Nodes:
                     edits = svc.policy.implement(ctx, h, feedback)
                 candidate = ws.apply(base, edits)
                 check_not_measured(svc, h, ws.tree_of(base, candidate))
-                if svc.smoke:
-                    from agent.smoke import SmokeFailed, SmokeRunner, smoke_run
-
-                    svc.smoke_runner = svc.smoke_runner or SmokeRunner(svc.lab)
-                    try:
-                        smoke_run(svc.lab, ws.repo.git, base, candidate, stop=svc.stop, runner=svc.smoke_runner)
-                    except SmokeFailed as e:
-                        raise EditRejected("smoke_failed", str(e)) from None
+                self._smoke(base, candidate)
                 files = candidate
                 break
             except EditRejected as e:
@@ -250,6 +243,19 @@ class Nodes:
         rec.update(h.id, branch=branch, base_commit=base, commit=commit, status="measuring",
                    look=svc.lab.config.gate.looks[0])
         return {"route": "measure"}
+
+    def _smoke(self, base: str, files: dict[str, str]) -> None:
+        """The candidate's whole pipeline on tiny data, sandboxed; `EditRejected` if it fails."""
+        svc = self.svc
+        if not svc.smoke:
+            return
+        from agent.smoke import SmokeFailed, SmokeRunner, smoke_run
+
+        svc.smoke_runner = svc.smoke_runner or SmokeRunner(svc.lab)
+        try:
+            smoke_run(svc.lab, svc.workspace.repo.git, base, files, stop=svc.stop, runner=svc.smoke_runner)
+        except SmokeFailed as e:
+            raise EditRejected("smoke_failed", str(e)) from None
 
     def _resume_tagged(self, h: Hypothesis) -> State | None:
         """Adopt the commit a previous pass tagged `exp/<id>` but did not live to record."""
@@ -289,6 +295,7 @@ class Nodes:
                 raise EditRejected("empty", f"branch {h.seed_branch} changes nothing relative to the baseline")
             for path in changed:
                 check_path(self.svc.lab, path)
+            self._smoke(commit, {})  # a syntax error costs a second here, not a look of failed runs
         except (EditRejected, UserError) as e:
             kind = e.kind if isinstance(e, EditRejected) else "unknown_branch"
             rec.update(h.id, status="summarizing", decision="reject", reject_kind=kind, reject_reason=str(e),
@@ -323,7 +330,13 @@ class Nodes:
         if h.status != "deciding":
             return {"route": "done"}
         looks = svc.lab.config.gate.looks
-        choice = self._choice(h, allowed_decisions(h.verdict, h.look, looks, svc.supervised))
+        allowed = allowed_decisions(h.verdict, h.look, looks, svc.supervised)
+        too_good = self._too_good(h)
+        if too_good:  # never promoted automatically, whatever --supervised says
+            allowed = ["hold"]
+        choice = self._choice(h, allowed)
+        if too_good and choice.decision == "hold":
+            choice.rationale = f"Held for human review: too good to be true ({too_good}). {choice.rationale}"
         if choice.decision == "escalate":
             nxt = min(n for n in looks if n > h.look)
             rec.update(h.id, look=nxt, status="measuring", decision="escalate", rationale_decision=choice.rationale)
@@ -338,6 +351,15 @@ class Nodes:
             queue_refinement(svc, h, choice.follow_up)
         rec.update(h.id, **fields)
         return {"route": "done"}
+
+    def _too_good(self, h: Hypothesis) -> str | None:
+        if h.verdict != "improvement":
+            return None
+        from pipeline.gate import GateResult
+        from pipeline.gate.plausibility import implausible
+
+        payload = self.svc.store.gate_records(str(h.id), kind="verdict")[-1].payload
+        return implausible(GateResult.model_validate(payload), self.svc.lab.config)
 
     def _choice(self, h: Hypothesis, allowed: list[str]) -> Choice:
         """The policy's choice at this look, within `allowed`; stored before any side effect, so a

@@ -25,11 +25,15 @@ def init_lab(directory: str | Path, suite: str = "small", force: bool = False, h
     """
     import git
 
-    from pipeline.harness import get_harness
+    from pipeline.harness import HARNESSES, get_harness
 
     root = Path(directory).resolve()
-    if suite not in get_harness(harness).suites:
-        raise InitError(f"unknown suite {suite!r}; expected one of {sorted(get_harness(harness).suites)}")
+    if harness not in HARNESSES or not template_dir(harness).is_dir():
+        known = sorted(h for h in HARNESSES if template_dir(h).is_dir())
+        raise InitError(f"no template for harness {harness!r}; expected one of {known}")
+    suites = get_harness(harness).suites
+    if suites and suite not in suites:
+        raise InitError(f"unknown suite {suite!r}; expected one of {sorted(suites)}")
     if root.exists() and not root.is_dir():
         raise InitError(f"{root} exists and is not a directory")
     if root.exists() and any(root.iterdir()) and not force:

@@ -80,6 +80,9 @@ def check_path(lab: Lab, path: str) -> str:
     program = lab.config.lab.program
     if norm in PROTECTED or norm == program or norm.split("/")[0] in {"runs", ".git"}:
         raise EditRejected("harness", f"{norm}: part of the harness or the lab contract; never editable")
+    if lab.is_trusted(norm):
+        raise EditRejected("trusted", f"{norm}: a trusted harness file ([benchmark] trusted); "
+                           "only a human moves it, with `autoresearch trust`")
     if not any(glob_match(norm, g) for g in lab.config.lab.editable):
         raise EditRejected("outside_editable", f"{norm}: not editable; editable files are {lab.config.lab.editable}")
     return norm

@@ -39,7 +39,8 @@ from pipeline.lab import PLACEHOLDER, StageSpec, check_stage_graph, glob_match
 if TYPE_CHECKING:
     from pipeline.worktrees import Worktrees
 
-KEY_VERSION = "autoresearch-stage-v1"  # bump to invalidate every cache entry after a semantic change
+KEY_VERSION = "autoresearch-stage-v2"  # v2: stages see only their declared inputs, in a sandbox
+
 
 
 class SealedPathError(UserError):
@@ -101,9 +102,14 @@ def input_digests(worktrees: "Worktrees", commit: str, patterns: list[str]) -> d
 
 
 def cache_key(spec: StageSpec, inputs: Mapping[str, str], scope: Mapping[str, object],
-              upstream: Mapping[str, str], dataset_id: str) -> str:
-    """The content address of a stage output (sha256 hex)."""
+              upstream: Mapping[str, str], dataset_id: str, isolation: str = "sandbox") -> str:
+    """The content address of a stage output (sha256 hex).
+
+    `isolation` is "sandbox" or "unsandboxed": an output made where the stage could read anything
+    never serves a sandboxed lab.
+    """
     doc = {
+        "isolation": isolation,
         "v": KEY_VERSION,
         "stage": {"name": spec.name, "run": spec.run, "scope": spec.scope,
                   "needs": sorted(spec.needs), "inputs": list(spec.inputs)},
@@ -116,7 +122,7 @@ def cache_key(spec: StageSpec, inputs: Mapping[str, str], scope: Mapping[str, ob
 
 
 def plan_run(stages: list[StageSpec], commit: str, task: str, seed: int, dataset_id: str,
-             digests: InputDigest) -> list[StageNode]:
+             digests: InputDigest, isolation: str = "sandbox") -> list[StageNode]:
     """The run's stages in dependency order, each with its cache key."""
     order = check_stage_graph(list(stages))
     keys: dict[str, str] = {}
@@ -124,7 +130,7 @@ def plan_run(stages: list[StageSpec], commit: str, task: str, seed: int, dataset
     for spec in order:
         scope: dict[str, object] = {"seed": seed} if spec.scope == "seed" else {"task": task, "seed": seed}
         upstream = {n: keys[n] for n in spec.needs}
-        key = cache_key(spec, digests(commit, list(spec.inputs)), scope, upstream, dataset_id)
+        key = cache_key(spec, digests(commit, list(spec.inputs)), scope, upstream, dataset_id, isolation)
         keys[spec.name] = key
         nodes.append(StageNode(spec, key, upstream))
     return nodes

@@ -11,11 +11,14 @@ import glob
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import LabConfigError, LabNotFoundError
+
+if TYPE_CHECKING:
+    from pipeline.harness import Harness
 
 CONFIG_NAME = "research.toml"
 BASELINE_BRANCH = "autoresearch/baseline"
@@ -33,14 +36,26 @@ class LabSection(_Strict):
     editable: list[str] = Field(min_length=1)
 
 
+# The metric's best possible value where it is known: a task there is too good to be true.
+PERFECT = {"auc": 1.0, "accuracy": 1.0, "logloss": 0.0, "rmse": 0.0, "mae": 0.0}
+
+
 class BenchmarkSection(_Strict):
     harness: str = "transactions"
     suite: str = "small"
     metric: str = "auc"
     higher_is_better: bool = True
+    perfect: float | None = None  # the metric's best value; known for PERFECT's metrics
     data_seed: int = Field(default=0, ge=0)
-    tasks: list[str] | None = None  # a subset of the suite; None = every task
+    tasks: list[str] | None = None  # a subset of the suite (bundled harness); the task list (command)
     customers: int | None = Field(default=None, ge=200)  # dataset size override (tests, smoke runs)
+    # harness = "command" (a lab's own data preparation and scorer, from the trusted commit)
+    trusted: list[str] = Field(default_factory=list)
+    prepare: str | None = None
+    score: str | None = None
+
+    def perfect_value(self) -> float | None:
+        return self.perfect if self.perfect is not None else PERFECT.get(self.metric)
 
 
 class StageSpec(_Strict):
@@ -57,6 +72,11 @@ class RunSection(_Strict):
     gpus: int = Field(default=0, ge=0)
     retries: int = Field(default=2, ge=0)
     memory_mb: int | None = Field(default=None, gt=0)
+    sandbox: Literal["auto", "off"] = "auto"  # "off": an explicit opt-out, shown as UNSANDBOXED
+    network: bool = False
+    out_max_mb: int = Field(default=4096, gt=0)  # size of a stage's {out}
+    tmp_max_mb: int = Field(default=1024, gt=0)  # size of a stage's private /tmp
+    max_procs: int = Field(default=256, ge=8)  # processes (and threads) one stage may run
 
 
 # Seeds. A baseline's own runs use seeds BASELINE_SEED0, BASELINE_SEED0 + 1, ...; the challengers of
@@ -76,6 +96,8 @@ class GateSection(_Strict):
     alpha: float = Field(default=0.025, gt=0, lt=0.5)
     futility_p: float = Field(default=0.30, gt=0, lt=1)
     harm_q: float = Field(default=0.10, gt=0, lt=1)
+    implausible_fraction: float = Field(default=0.5, gt=0, le=1)
+    implausible_sigma: float | None = Field(default=None, gt=0)
 
     @field_validator("looks")
     @classmethod
@@ -253,11 +275,29 @@ class Lab:
     def stages_in_order(self) -> list[StageSpec]:
         return check_stage_graph(list(self.config.stage))
 
-    def tasks(self) -> list[str]:
+    def is_editable(self, path: str) -> bool:
+        return any(glob_match(path, g) for g in self.config.lab.editable)
+
+    def is_trusted(self, path: str) -> bool:
+        return any(glob_match(path, g) for g in self.config.benchmark.trusted)
+
+    def stage_sees(self, stage: StageSpec, path: str) -> bool:
+        """Hermetic stages: of the editable files, a stage sees only those its `inputs` declare."""
+        return not self.is_editable(path) or any(glob_match(path, p.partition("#")[0]) for p in stage.inputs)
+
+    def undeclared_editable(self, paths: list[str]) -> list[str]:
+        """Editable files no stage declares as an input: no stage can read them (`check` says so)."""
+        return [p for p in paths if self.is_editable(p)
+                and not any(self.stage_sees(s, p) for s in self.config.stage)]
+
+    def harness(self) -> "Harness":
+        """The lab's harness, bound to this lab."""
         from pipeline.harness import get_harness
 
-        harness = get_harness(self.config.benchmark.harness)
-        return harness.tasks(self.config.benchmark.suite, self.config.benchmark.tasks)
+        return get_harness(self.config.benchmark.harness).bind(self)
+
+    def tasks(self) -> list[str]:
+        return self.harness().tasks(self.config.benchmark.suite, self.config.benchmark.tasks)
 
 
 def load_lab(root: str | Path, check_files: bool = True) -> Lab:
@@ -279,16 +319,7 @@ def validate_against_harness(config: ResearchConfig, path: str | Path) -> None:
     bench = config.benchmark
     if bench.harness not in HARNESSES:
         raise LabConfigError(path, "benchmark.harness", f"unknown harness {bench.harness!r}; expected one of {sorted(HARNESSES)}")
-    harness = get_harness(bench.harness)
-    if bench.suite not in harness.suites:
-        raise LabConfigError(path, "benchmark.suite", f"unknown suite {bench.suite!r}; expected one of {sorted(harness.suites)}")
-    if bench.metric not in harness.metrics:
-        raise LabConfigError(path, "benchmark.metric", f"unknown metric {bench.metric!r}; expected one of {sorted(harness.metrics)}")
-    if bench.tasks is not None:
-        known = harness.tasks(bench.suite)
-        for t in bench.tasks:
-            if t not in known:
-                raise LabConfigError(path, "benchmark.tasks", f"unknown task {t!r} in suite {bench.suite!r}; expected one of {known}")
+    get_harness(bench.harness).validate(config, Path(path))
 
 
 def glob_match(path: str, pattern: str) -> bool:
@@ -318,6 +349,13 @@ def _check_files(root: Path, config: ResearchConfig, path: Path) -> None:
     for i, stage in enumerate(config.stage):
         for pattern in stage.inputs:  # `file.toml#table` keys the stage on one table of the file
             _check_glob(root, pattern.partition("#")[0], path, f"stage[{i}].inputs")
+    for pattern in config.benchmark.trusted:
+        _check_glob(root, pattern, path, "benchmark.trusted")
+        for f in glob.glob(str(root / pattern), recursive=True):
+            rel = Path(f).relative_to(root).as_posix()
+            if any(glob_match(rel, g) for g in config.lab.editable):
+                raise LabConfigError(path, "benchmark.trusted", f"{rel} is both trusted and editable; "
+                                     "expected harness files outside lab.editable")
 
 
 def _check_glob(root: Path, pattern: str, path: Path, key: str) -> None:

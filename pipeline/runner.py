@@ -32,6 +32,7 @@ The agent uses only this module (and the store's records):
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import threading
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline import isolation
 from pipeline.dag import Cache, StageNode, check_not_sealed, input_digests, plan_run, render
 from pipeline.executors import Executor, StageJob, classify, make_executor
 from pipeline.harness import Harness, Prepared, PredictionsError
@@ -78,11 +80,11 @@ def load_harness(lab: Lab, spec: str | None = None) -> Harness:
     if spec is None:
         from pipeline.harness import get_harness
 
-        return get_harness(lab.config.benchmark.harness)
+        return get_harness(lab.config.benchmark.harness).bind(lab)
     import importlib
 
     module, _, cls = spec.partition(":")
-    return getattr(importlib.import_module(module), cls)()
+    return getattr(importlib.import_module(module), cls)().bind(lab)
 
 
 def resolve_commit(lab: Lab, rev: str) -> str:
@@ -186,6 +188,8 @@ class Driver:
         self._prepared: Prepared | None = None
         self._digests: dict[tuple[str, tuple[str, ...]], dict[str, str]] = {}
         self._worktree_of: dict[str, Path] = {}
+        self._views: dict[tuple[str, str], Path] = {}
+        self.isolation = "sandbox" if isolation.is_sandboxed(lab) else "unsandboxed"
         self._started = False
         self._last_reconcile = 0.0
         self._hb_stop = threading.Event()
@@ -197,6 +201,7 @@ class Driver:
         """Reconcile the queue, repair worktrees and the cache, start the heartbeat. Idempotent."""
         if self._started:
             return
+        isolation.require(self.lab)  # refuse to run branch code where the sandbox cannot start
         self._started = True
         requeued = self.store.reconcile(self.stale_s, reclaim=self.owner)
         if requeued:
@@ -361,7 +366,8 @@ class Driver:
         except WorktreeError as e:
             self._record(claim, "infra_failure", None, "worktree", str(e), cpu_s=0.0)
             return
-        nodes = plan_run(self.stages, run.commit, run.task, run.seed, prepared.dataset_id, self._digest)
+        nodes = plan_run(self.stages, run.commit, run.task, run.seed, prepared.dataset_id, self._digest,
+                         self.isolation)
         needed = {n for node in nodes for n in node.spec.needs}
         final = next(node for node in nodes if node.name not in needed)
         self.store.set_dataset(run.id, claim.token, prepared.dataset_id)
@@ -433,9 +439,11 @@ class Driver:
             raise
         job_id = uuid.uuid4().hex
         log_path = self.logs / f"{node.name}-{node.key[:12]}-{job_id[:8]}.log"
-        job = StageJob(job_id=job_id, argv=argv, cwd=a.worktree, commit=run.commit, out=tmp, log_path=log_path,
+        view = self._view(run.commit, node)
+        inputs = (prepared.public, *(a.done[n] for n in node.spec.needs))
+        job = StageJob(job_id=job_id, argv=argv, cwd=view, commit=run.commit, out=tmp, log_path=log_path,
                        timeout_s=cfg.timeout_s, cpus=cfg.cpus, gpus=cfg.gpus, memory_mb=cfg.memory_mb,
-                       inputs=(prepared.public, *(a.done[n] for n in node.spec.needs)))
+                       inputs=inputs, sandbox=isolation.spec_for(self.lab, ro=[view, *inputs], out=tmp))
         exec_id = self.store.stage_started(run_id, node.name, node.key, executor=self.executor.name,
                                            log_path=str(log_path))
         self.flights[node.key] = _Flight(node, job, exec_id, run_id, waiters, tmp)
@@ -447,6 +455,13 @@ class Driver:
             self.by_job.pop(job_id, None)
             self.store.stage_finished(exec_id, "infra", detail="submit failed")
             raise
+
+    def _view(self, commit: str, node: StageNode) -> Path:
+        """The stage's working directory: the commit's files, of the editable ones only its inputs."""
+        k = (commit, node.name)
+        if k not in self._views or not self._views[k].is_dir():
+            self._views[k] = self.worktrees.view(commit, functools.partial(self.lab.stage_sees, node.spec))
+        return self._views[k]
 
     def _on_result(self, res: Any) -> None:
         key = self.by_job.pop(res.job_id, None)

@@ -12,9 +12,13 @@ lab do not race `git worktree add`; the kernel drops the lock if its holder is k
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
+import os
 import re
 import shutil
-from collections.abc import Iterable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,6 +44,8 @@ class Worktrees:
         self.repo_root = Path(repo_root).resolve()
         self.root = Path(state).resolve() / "worktrees"
         self.root.mkdir(parents=True, exist_ok=True)
+        self.views = Path(state).resolve() / "views"
+        self.views.mkdir(parents=True, exist_ok=True)
         try:
             self.repo = git.Repo(self.repo_root)
         except (git.InvalidGitRepositoryError, git.NoSuchPathError):
@@ -186,6 +192,36 @@ class Worktrees:
                     fixed.append(f"reset worktree {path.name[:12]}")
             self.repo.git.worktree("prune")
         return fixed
+
+    def view(self, commit: str, visible: Callable[[str], bool]) -> Path:
+        """A folder holding only the files of `commit` that `visible(path)` allows, from git blobs.
+
+        What a sandboxed stage sees as its working directory: a stage that reads a file it did not
+        declare finds it missing, instead of a cache key that ignores it. Views never change once
+        made (`runs/views/<hash of commit and file list>`), so they are shared and built once.
+        """
+        files = {p: b for p, b in self.files_at(commit).items() if visible(p)}
+        digest = hashlib.sha256(json.dumps([commit, sorted(files)]).encode()).hexdigest()[:32]
+        final = self.views / digest
+        if final.is_dir():
+            return final
+        tmp = self.views / f".tmp-{digest}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        for path, blob in files.items():
+            target = tmp / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if blob.mode == 0o120000:  # a symlink in the tree stays one (it resolves inside the sandbox)
+                os.symlink(blob.data_stream.read().decode(), target)
+                continue
+            target.write_bytes(blob.data_stream.read())
+            os.chmod(target, 0o755 if blob.mode & 0o111 else 0o644)
+        tmp.mkdir(parents=True, exist_ok=True)
+        for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir() and not p.is_symlink())]:
+            os.chmod(d, 0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another driver made it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
 
     def archive(self, commit: str) -> bytes:
         """The commit's tree as a tar archive: how a worktree travels to a remote worker."""

@@ -49,9 +49,10 @@ def thread_env(cpus: int) -> dict[str, str]:
 class StageJob:
     """One stage process to run.
 
-    `argv` is already rendered with this machine's paths; `inputs` lists the folders it reads
-    (the dataset, upstream outputs) so that an executor on other machines can ship them, and `out`
-    is where its output must end up (an empty private folder).
+    `argv` is already rendered with this machine's paths; `cwd` is the stage's code view (the
+    files it may see); `inputs` lists the folders it reads (the dataset, upstream outputs) so that
+    an executor on other machines can ship them, and `out` is where its output must end up (an
+    empty private folder). `sandbox` names the same paths for the sandbox the process runs in.
     """
 
     job_id: str
@@ -65,6 +66,7 @@ class StageJob:
     gpus: int = 0
     memory_mb: int | None = None
     inputs: tuple[Path, ...] = ()
+    sandbox: dict[str, object] | None = None  # the mounts and limits of sandbox.enter; None: opted out
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ One code path means one set of guarantees: own process group, scrubbed environme
 count, memory limit, logs to a file, and `python SCRIPT args` run in-process through runpy.
 
 The spec is a JSON-able dict: argv, cwd, env (the complete environment), log (a file path),
-cpus, memory_mb (None for no limit), strip_sys_path (entries to drop from sys.path).
+cpus, memory_mb (None for no limit), stdout (a file for stdout apart from the log), strip_sys_path (entries to drop from sys.path), and sandbox:
+None (unsandboxed: the lab opted out) or the mounts and limits of `sandbox.enter` (sandbox.py;
+`sandbox_src` carries its source where our package is not installed).
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ import json
 import os
 import sys
 from typing import Any, NoReturn
+
+try:
+    from pipeline.executors import sandbox as _sandbox
+except ImportError:  # run from source (`python -c`) on a node without our package
+    _sandbox = None
 
 PR_SET_PDEATHSIG = 1
 PYTHON_NAMES = {"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
@@ -77,6 +84,16 @@ def _set_threads(cpus: int) -> None:
             pass
 
 
+def _sandbox_module(spec: dict[str, Any]) -> Any:
+    if _sandbox is not None:
+        return _sandbox
+    import types
+
+    mod = types.ModuleType("autoresearch_sandbox")
+    exec(compile(spec["sandbox_src"], "sandbox.py", "exec"), mod.__dict__)
+    return mod
+
+
 def run(spec: dict[str, Any], *, new_session: bool) -> NoReturn:
     """Become the stage: never returns; the exit status is the stage's."""
     code = 1
@@ -87,10 +104,22 @@ def run(spec: dict[str, Any], *, new_session: bool) -> NoReturn:
         log_fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null_fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null_fd, 0)
-        os.dup2(log_fd, 1)
+        if spec.get("stdout"):  # a scorer's stdout is its answer: kept apart from its chatter
+            out_fd = os.open(spec["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out_fd, 1)
+            os.close(out_fd)
+        else:
+            os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
         os.close(null_fd)
+        if spec.get("sandbox") is not None:
+            sandbox = _sandbox_module(spec)
+            try:
+                sandbox.enter(spec["sandbox"])
+            except OSError as e:
+                print(f"sandbox: cannot set up ({e}); {sandbox.OFF_HINT}", file=sys.stderr)
+                os._exit(sandbox.SETUP_FAILED)
         os.chdir(spec["cwd"])
         os.environ.clear()
         os.environ.update(spec["env"])

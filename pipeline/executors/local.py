@@ -169,6 +169,7 @@ class LocalExecutor:
         spec = {
             "argv": job.argv, "cwd": str(job.cwd), "env": env, "log": str(job.log_path),
             "cpus": job.cpus, "memory_mb": job.memory_mb, "strip_sys_path": [_package_root()],
+            "sandbox": None if job.sandbox is None else {**job.sandbox, "gpus": job.gpus},
         }
         msg = json.dumps({"op": "run", "id": job.job_id, "spec": spec, "timeout_s": job.timeout_s}) + "\n"
         self._running[job.job_id] = job

@@ -1,8 +1,9 @@
 """The Ray executor: the same stage jobs on a Ray cluster (`--executor ray --ray-address ...`).
 
-The worktree's content travels as a `git archive` of the commit (put in the object store once per
-commit), and each input folder (dataset, upstream outputs) as a tar put once per folder; a node
-unpacks each at most once. The stage's output comes back as a tar and is unpacked into the
+The stage's code view (the commit's files it may see) and each input folder (dataset, upstream
+outputs) travel as tars put in the object store once per folder; a node unpacks each at most
+once. The stage runs in the same sandbox as locally (child.py, with sandbox.py's source shipped
+along), over the node's local copies. The stage's output comes back as a tar and is unpacked into the
 driver's private output folder, so publishing to the cache is the same as for local runs.
 
 Failures Ray reports (worker crashed, node died, object lost) are infrastructure failures; the
@@ -20,7 +21,7 @@ import tarfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.executors import child, ray_task
+from pipeline.executors import child, ray_task, sandbox
 from pipeline.executors.base import (
     SECRET_EXTRA,
     SECRET_NAME,
@@ -66,18 +67,13 @@ class RayExecutor:
         self._slots = slots if slots is not None else max(1, by_cpu)
         self._remote = ray.remote(ray_task.run_stage)
         self._child_src = inspect.getsource(child)
-        self._trees: dict[str, Any] = {}
+        self._sandbox_src = inspect.getsource(sandbox)
         self._inputs: dict[str, tuple[str, Any]] = {}
         self._refs: dict[str, tuple[Any, StageJob]] = {}
 
     @property
     def slots(self) -> int:
         return self._slots
-
-    def _tree(self, commit: str) -> Any:
-        if commit not in self._trees:
-            self._trees[commit] = self.ray.put(self.worktrees.archive(commit))
-        return self._trees[commit]
 
     def _input(self, folder: Path) -> tuple[str, Any]:
         """(id, ref) for an input folder. Folders the driver hands out (dataset by id, cache entries
@@ -99,8 +95,10 @@ class RayExecutor:
         for folder in job.inputs:
             ident, ref = self._input(folder)
             mounts.append((str(folder), ident, [ref]))
+        tree_id, tree_ref = self._input(job.cwd)  # the stage's code view, not the whole commit
         spec = {
-            "job_id": job.job_id, "commit": job.commit, "argv": job.argv, "cwd": str(job.cwd),
+            "job_id": job.job_id, "tree_id": tree_id, "argv": job.argv, "cwd": str(job.cwd),
+            "sandbox": job.sandbox, "sandbox_src": self._sandbox_src, "gpus": job.gpus,
             "out": str(job.out), "timeout_s": job.timeout_s, "cpus": job.cpus, "memory_mb": job.memory_mb,
             "env": thread_env(job.cpus), "child_src": self._child_src,
             "secret_names": [SECRET_NAME.pattern], "secret_extra": sorted(SECRET_EXTRA),
@@ -110,7 +108,7 @@ class RayExecutor:
                                    "name": f"stage-{job.job_id[:12]}"}
         if job.memory_mb:
             options["memory"] = job.memory_mb * 2**20
-        ref = self._remote.options(**options).remote(spec, [self._tree(job.commit)], mounts)
+        ref = self._remote.options(**options).remote(spec, [tree_ref], mounts)
         self._refs[job.job_id] = (ref, job)
 
     def poll(self, timeout: float = 0.0) -> list[JobResult]:
@@ -154,7 +152,6 @@ class RayExecutor:
         for job_id in list(self._refs):
             self.cancel(job_id)
         self._refs.clear()
-        self._trees.clear()
         self._inputs.clear()
         if self._owns_ray:
             self.ray.shutdown()

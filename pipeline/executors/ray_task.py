@@ -65,7 +65,7 @@ def run_stage(job: dict[str, Any], tree: list[Any], mounts: list[tuple[str, str,
     """Run one stage on this node. `tree` and each mount carry an ObjectRef in a one-item list,
     so Ray does not fetch archives this node already unpacked."""
     started = time.monotonic()
-    cwd = _materialise("tree", job["commit"], tree)
+    cwd = _materialise("tree", job["tree_id"], tree)
     path_map = {job["cwd"]: cwd}
     for driver_path, ident, box in mounts:
         path_map[driver_path] = _materialise("input", ident, box)
@@ -82,8 +82,13 @@ def run_stage(job: dict[str, Any], tree: list[Any], mounts: list[tuple[str, str,
 
     env = scrub(dict(os.environ), job["secret_names"], job["secret_extra"], job["secret_value"])
     env.update(job["env"])
+    sandbox = job.get("sandbox")
+    if sandbox is not None:  # the same mounts, at this node's copies
+        sandbox = {**sandbox, "ro": [local(p) for p in sandbox["ro"]], "rw": [local(p) for p in sandbox["rw"]],
+                   "out": local(sandbox["out"]) if sandbox.get("out") else None, "gpus": job.get("gpus", 0)}
     spec = {"argv": [local(a) for a in job["argv"]], "cwd": cwd, "env": env, "log": log,
-            "cpus": job["cpus"], "memory_mb": job["memory_mb"], "strip_sys_path": []}
+            "cpus": job["cpus"], "memory_mb": job["memory_mb"], "strip_sys_path": [],
+            "sandbox": sandbox, "sandbox_src": job.get("sandbox_src")}
     import json
 
     proc = subprocess.Popen([sys.executable, "-c", job["child_src"], json.dumps(spec)],

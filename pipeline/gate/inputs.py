@@ -47,7 +47,9 @@ class GateConfig(BaseModel):
     @classmethod
     def from_lab(cls, lab: Any) -> "GateConfig":
         """Build from a loaded `pipeline.lab.ResearchConfig` (its `gate` and `benchmark` sections)."""
-        return cls(**lab.gate.model_dump(), higher_is_better=lab.benchmark.higher_is_better)
+        # the plausibility keys are the agent's hold rule, not the test's
+        gate = lab.gate.model_dump(exclude={"implausible_fraction", "implausible_sigma"})
+        return cls(**gate, higher_is_better=lab.benchmark.higher_is_better)
 
 
 def _value(v: float | None) -> float:

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pipeline.errors import UnknownTaskError
+from typing import TYPE_CHECKING
+
+from pipeline.errors import LabConfigError, UnknownTaskError
+
+if TYPE_CHECKING:
+    from pipeline.lab import Lab, ResearchConfig
 
 
 class PredictionsError(Exception):
@@ -29,6 +35,27 @@ class Harness:
     name: str = ""
     suites: dict[str, list[str]] = {}
     metrics: set[str] = {"auc"}
+
+    def bind(self, lab: "Lab") -> "Harness":
+        """This harness for one lab (a harness that reads the lab's own files keeps it)."""
+        return self
+
+    def validate(self, config: "ResearchConfig", path: Path) -> None:
+        """Raise `LabConfigError` for a `[benchmark]` this harness cannot serve."""
+        bench = config.benchmark
+        for key in ("prepare", "score", "trusted"):
+            if getattr(bench, key):
+                raise LabConfigError(path, f"benchmark.{key}", f'only for harness = "command"; '
+                                     f"harness {self.name!r} has its own sealed scorer")
+        if bench.suite not in self.suites:
+            raise LabConfigError(path, "benchmark.suite", f"unknown suite {bench.suite!r}; expected one of {sorted(self.suites)}")
+        if bench.metric not in self.metrics:
+            raise LabConfigError(path, "benchmark.metric", f"unknown metric {bench.metric!r}; expected one of {sorted(self.metrics)}")
+        if bench.tasks is not None:
+            known = self.tasks(bench.suite)
+            for t in bench.tasks:
+                if t not in known:
+                    raise LabConfigError(path, "benchmark.tasks", f"unknown task {t!r} in suite {bench.suite!r}; expected one of {known}")
 
     def tasks(self, suite: str, subset: list[str] | None = None) -> list[str]:
         known = self.suites[suite]
@@ -61,8 +88,7 @@ class Harness:
 def read_predictions(path: Path, ids: np.ndarray) -> np.ndarray:
     """Return scores aligned with `ids`; raise PredictionsError for anything but one finite score per id."""
     path = Path(path)
-    if not path.is_file():
-        raise PredictionsError(f"{path.name} not found")
+    check_regular(path)
     try:
         with path.open(newline="") as fh:
             rows = list(csv.reader(fh))
@@ -89,6 +115,22 @@ def read_predictions(path: Path, ids: np.ndarray) -> np.ndarray:
     if len(got) != len(ids):
         raise PredictionsError(f"{path.name}: {len(got) - len(ids)} ids that are not test ids")
     return np.array([got[int(i)] for i in ids], dtype=np.float64)
+
+
+def check_regular(path: Path) -> None:
+    """The scorer reads only a regular file the stage wrote: never a symlink or a hard link."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise PredictionsError(f"{path.name} not found") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise PredictionsError(f"{path.name} is a symlink; expected a regular file the stage wrote")
+    if not stat.S_ISREG(st.st_mode):
+        raise PredictionsError(f"{path.name} is not a regular file")
+    if st.st_nlink != 1:
+        raise PredictionsError(f"{path.name} is a hard link ({st.st_nlink} names); expected a file the stage wrote")
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:

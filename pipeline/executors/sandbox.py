@@ -1,0 +1,441 @@
+"""The Linux sandbox every process that runs branch or harness code enters. Standard library only.
+
+Branch code is written by a model rewarded for a higher number, so it must not reach the sealed
+labels, the store, the cache, other runs' outputs, the user's home or the network. `enter(spec)`
+is called in a freshly forked, single-threaded process (a warm worker's child, or `python -c
+child.py` on a Ray node) and turns it into:
+
+    mapper (this process: writes the uid/gid maps of the next one, then waits)
+      └─ outer (new user, mount, pid, ipc, uts and, unless allowed, network namespace)
+           └─ init (pid 1 of the new pid namespace: reaps, reports the stage's status)
+                └─ the stage; `enter` returns only here
+
+The outer process builds a new root on a tmpfs and pivots into it:
+
+- `/usr /bin /lib* /sbin /etc /opt` and the Python environment (prefixes, site-packages), read-only;
+- `spec["ro"]`: the stage's code view, `{data}`, upstream outputs (or, for a scorer, the predictions
+  file and the seal), read-only, at their own paths so argv needs no rewriting;
+- `spec["rw"]`: read-write binds (only trusted `prepare` gets them: `{data}` and `{sealed}`);
+- `spec["out"]`: a tmpfs of `out_max_mb` at the output path; when the inner process has exited,
+  the outer one copies the regular files and folders it holds into the real folder (never a
+  symlink, hard link, device or fifo: each one skipped is said in the log). So `{out}` is bounded
+  and the scorer only ever reads regular files the stage wrote;
+- a private `/tmp` (tmpfs of `tmp_max_mb`), a minimal `/dev`, a fresh `/proc`.
+
+Nothing else exists inside: not the lab's `runs/` (seal, store, cache, worktrees, logs), not
+`$HOME`. The inner process then drops every capability, becomes an unprivileged uid (a fresh
+one per stage when we run as root, else our own), sets `no_new_privs` and `RLIMIT_NPROC`. When it
+exits, init exits too and the kernel kills whatever is left in the pid namespace: no process
+outlives its stage.
+Setting up costs a few milliseconds in the forked child, so warm dispatch stays fast.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import signal
+import stat
+import sys
+from typing import Any, NoReturn
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+CAP_LAST = 63
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41}.get(platform.machine(), 155)
+SYS_CAPSET = {"x86_64": 126, "aarch64": 91, "arm64": 91}.get(platform.machine(), 126)
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+SYSTEM_RO = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+NEWROOT_CANDIDATES = ("/mnt", "/srv", "/media", "/boot", "/var/tmp", "/opt")
+UID_BASE = 200_000  # as root, stage n runs as kuid UID_BASE + (pid mod UID_SPAN): no real user's id
+UID_SPAN = 100_000
+SETUP_FAILED = 125  # exit code of a stage whose sandbox could not be set up (see the log)
+OFF_HINT = 'set [run] sandbox = "off" in research.toml to run unsandboxed (README: "Sandbox")'
+
+DEFAULTS: dict[str, Any] = {"ro": [], "rw": [], "out": None, "network": False, "out_max_mb": 4096,
+                            "tmp_max_mb": 1024, "max_procs": 256}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class SandboxError(OSError):
+    """The kernel refused part of the sandbox set-up."""
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        e = ctypes.get_errno()
+        raise SandboxError(e, f"{what}: {os.strerror(e)}")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = lambda s: s.encode() if s is not None else None  # noqa: E731
+    _check(_libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+           f"mount {src or fstype} on {target}")
+
+
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _flags_of(path: str) -> int:
+    """The mount flags a read-only remount must keep (locked ones cannot be dropped in a user ns)."""
+    f = os.statvfs(path).f_flag
+    out = 0
+    for st_bit, ms_bit in ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
+                           (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME),
+                           (os.ST_RELATIME, MS_RELATIME)):
+        if f & st_bit:
+            out |= ms_bit
+    return out
+
+
+def _submounts(target: str) -> list[str]:
+    out = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point == target or point.startswith(target.rstrip("/") + "/"):
+                out.append(point)
+    return out
+
+
+def _bind(src: str, dst: str, *, readonly: bool) -> None:
+    _mount(src, dst, None, MS_BIND | MS_REC)
+    if not readonly:
+        return
+    for point in _submounts(dst):
+        try:
+            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(point))
+        except SandboxError:
+            if point == dst:  # the bind itself must be read-only; a locked submount stays as it is
+                raise
+
+
+def _makedirs_in(root: str, path: str, *, as_file: bool = False) -> str:
+    """`root + path` created inside the new root (a file when the bind source is one)."""
+    dst = root + path
+    os.makedirs(os.path.dirname(dst) if as_file else dst, mode=0o755, exist_ok=True)
+    if as_file and not os.path.exists(dst):
+        os.close(os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644))
+    return dst
+
+
+def python_paths() -> list[str]:
+    """The Python environment the stage needs read-only: prefixes and import paths, real paths too."""
+    paths: set[str] = set()
+    for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable), *sys.path]:
+        if p and os.path.isabs(p) and os.path.exists(p):
+            paths.add(os.path.normpath(p))
+            paths.add(os.path.realpath(p))
+    return sorted(paths)
+
+
+def _outside_system(path: str) -> bool:
+    return not any(path == s or path.startswith(s + "/") for s in SYSTEM_RO)
+
+
+def _plan(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """(path, mode) binds besides the system folders: 'ro', 'rw' or 'out', outermost first."""
+    hidden = [os.path.realpath(h) for h in spec.get("hidden", [])]
+    binds: dict[str, str] = {}
+    for p in python_paths():
+        if p in ("/", "/root", "/home") or any(h == p or h.startswith(p.rstrip("/") + "/") for h in hidden):
+            continue  # an environment path that would expose the lab state or a home: leave it out
+        if _outside_system(p) and not any(p.startswith(q + "/") for q in binds):
+            binds[p] = "ro"
+    for mode in ("ro", "rw"):
+        for p in spec.get(mode, []):
+            binds[os.path.normpath(p)] = mode
+    if spec.get("out"):
+        binds[os.path.normpath(spec["out"])] = "out"
+    return sorted(binds.items(), key=lambda kv: (kv[0].count("/"), kv[0]))
+
+
+def _newroot_mountpoint(paths: list[str]) -> str:
+    for cand in NEWROOT_CANDIDATES:
+        if os.path.isdir(cand) and not os.path.islink(cand) and not any(
+                p == cand or p.startswith(cand + "/") for p in paths):
+            return cand
+    raise SandboxError(errno.ENOENT, f"no folder to build the sandbox root on (tried {NEWROOT_CANDIDATES})")
+
+
+def _user_procs(uid: int) -> int:
+    n = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    n += 1
+            except OSError:
+                pass
+    return n
+
+
+def _drop_capabilities() -> None:
+    for cap in range(CAP_LAST + 1):
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+            break
+    header = (ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()
+    _check(_libc.syscall(SYS_CAPSET, header, data), "capset")
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def _build_root(spec: dict[str, Any]) -> str:
+    binds = _plan(spec)
+    root = _newroot_mountpoint([p for p, _ in binds])
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=16m")
+    for path in SYSTEM_RO:
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), root + path)
+        elif os.path.isdir(path):
+            _bind(path, _makedirs_in(root, path), readonly=True)
+    dev = _makedirs_in(root, "/dev")
+    _mount("tmpfs", dev, "tmpfs", MS_NOSUID, "mode=0755,size=1m")
+    devices = list(DEVICES)
+    if spec.get("gpus"):  # the NVIDIA device nodes; CUDA_VISIBLE_DEVICES still picks the stage's GPUs
+        devices += sorted(n for n in os.listdir("/dev") if n.startswith("nvidia") and not os.path.isdir(f"/dev/{n}"))
+    for name in devices:
+        if os.path.exists(f"/dev/{name}"):
+            _bind(f"/dev/{name}", _makedirs_in(root, f"/dev/{name}", as_file=True), readonly=False)
+    for link, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{dev}/{link}")
+    _mount("tmpfs", _makedirs_in(root, "/dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=256m")
+    _mount("tmpfs", _makedirs_in(root, "/tmp"), "tmpfs", MS_NOSUID | MS_NODEV,
+           f"mode=1777,size={int(spec['tmp_max_mb'])}m")
+    for path, mode in binds:
+        if mode == "out":
+            _mount("tmpfs", _makedirs_in(root, path), "tmpfs", MS_NOSUID | MS_NODEV,
+                   f"mode=0755,uid=0,gid=0,size={int(spec['out_max_mb'])}m")
+        elif os.path.exists(path):
+            dst = _makedirs_in(root, path, as_file=not os.path.isdir(path))
+            _bind(path, dst, readonly=mode == "ro")
+        else:
+            raise SandboxError(errno.ENOENT, f"sandbox mount {path}: no such file or folder")
+    bound = [p for p, _ in binds] + [p for p in SYSTEM_RO if not os.path.islink(p)]
+    for path in spec.get("hidden", []):  # e.g. our own package inside site-packages: masked
+        path = os.path.realpath(path)
+        if not any(path == b or path.startswith(b.rstrip("/") + "/") for b in bound):
+            continue  # not inside anything mounted: invisible already
+        inside = root + path
+        if os.path.isdir(inside):
+            _mount("tmpfs", inside, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "mode=0555,size=4k")
+        elif os.path.lexists(inside):
+            _mount("/dev/null", inside, None, MS_BIND)
+    _makedirs_in(root, "/proc")
+    return root
+
+
+def _pivot(root: str) -> None:
+    """Make `root` the root of the mount namespace (the outer process moves with it)."""
+    # a new proc may only be mounted while a full one is visible: before the old root goes
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chdir(root)
+    _check(_libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", MNT_DETACH), "detach the old root")
+    os.chdir("/")
+    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _copy_out(src: str, dst_fd: int, log: list[str]) -> None:
+    """Copy regular files and folders from the stage's tmpfs into the real output folder."""
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            os.mkdir(name, 0o755, dir_fd=dst_fd)
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dst_fd)
+            try:
+                _copy_out(path, sub, log)
+            finally:
+                os.close(sub)
+        elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            fin = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fout = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dst_fd)
+            try:
+                while chunk := os.read(fin, 1 << 20):
+                    os.write(fout, chunk)
+            finally:
+                os.close(fin)
+                os.close(fout)
+        else:
+            kind = ("symlink" if stat.S_ISLNK(st.st_mode) else "hard link" if stat.S_ISREG(st.st_mode)
+                    else "special file")
+            log.append(f"sandbox: {path} is a {kind}; not kept in the output (only regular files are)")
+
+
+def enter(spec: dict[str, Any]) -> None:
+    """Enter the sandbox. Returns only in the stage's process; the others exit as it does.
+
+    Three processes: this one (`mapper`, still in our namespaces) writes the uid/gid maps of the
+    `outer` one (only a process outside a user namespace may map a uid other than its own), which
+    builds the root and waits for the `inner` one, the stage. A set-up failure prints one line to
+    the log and exits with SETUP_FAILED before any branch code runs.
+    """
+    spec = {**DEFAULTS, **spec}
+    uid, gid = os.getuid(), os.getgid()
+    out_fd = os.open(spec["out"], os.O_RDONLY | os.O_DIRECTORY) if spec.get("out") else None
+    nproc = int(spec["max_procs"]) + (_user_procs(uid) if uid != 0 else 0)
+    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    if not spec["network"]:
+        flags |= CLONE_NEWNET
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        os.close(go_w)
+        try:
+            _check(_libc.unshare(flags), "unshare")
+            os.write(ready_w, b"k")
+            if os.read(go_r, 1) != b"k":
+                os._exit(SETUP_FAILED)
+            root = _build_root(spec)
+        except OSError as e:
+            _fail(f"{e}")
+        os.close(ready_w)
+        os.close(go_r)
+        status_r, status_w = os.pipe()
+        init = os.fork()
+        if init == 0:
+            os.close(status_r)
+            _become_stage(root, out_fd, uid, nproc)
+            _init(status_w)
+            return
+        os.close(status_w)
+        _wait_and_exit(init, spec, out_fd, status_r)
+    os.close(ready_w)
+    os.close(go_r)
+    if out_fd is not None:
+        os.close(out_fd)
+    if os.read(ready_r, 1) == b"k":
+        inner_id = UID_BASE + pid % UID_SPAN if uid == 0 else uid
+        inner_gid = UID_BASE + pid % UID_SPAN if uid == 0 else gid
+        try:
+            if uid != 0:
+                _write(f"/proc/{pid}/setgroups", "deny")
+            # as root, our own id is mapped too (to 1): the outer process, still uid 0, can then
+            # create the new root and read the bind sources; the stage becomes 0 = inner_id
+            extra = "1 0 1\n" if uid == 0 else ""
+            _write(f"/proc/{pid}/uid_map", f"0 {inner_id} 1\n{extra}")
+            _write(f"/proc/{pid}/gid_map", f"0 {inner_gid} 1\n{extra}")
+            os.write(go_w, b"k")
+        except OSError as e:
+            os.kill(pid, signal.SIGKILL)
+            _fail(f"uid map: {e}")
+    _wait_and_exit(pid, None, None)
+
+
+def _fail(reason: str) -> NoReturn:
+    print(f"sandbox: cannot set up ({reason}); {OFF_HINT}", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(SETUP_FAILED)
+
+
+def _become_stage(root: str, out_fd: int | None, outer_uid: int, nproc: int) -> None:
+    import resource
+
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if out_fd is not None:
+        os.close(out_fd)
+    try:
+        _pivot(root)
+        if outer_uid == 0:
+            os.setgroups([])
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        _drop_capabilities()
+    except OSError as e:
+        _fail(str(e))
+    os.environ["HOME"] = "/tmp"
+    os.environ["TMPDIR"] = "/tmp"
+
+
+def _init(status_w: int) -> None:
+    """Pid 1 of the namespace: fork the stage, reap, and report the stage's wait status.
+
+    The stage is not pid 1 itself, so signals behave as for any process (the kernel ignores a
+    signal pid 1 has no handler for, even one it sends itself). When this process exits, the
+    kernel kills everything left in the namespace.
+    """
+    stage = os.fork()
+    if stage == 0:
+        os.close(status_w)
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        return
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            os._exit(1)
+        if pid == stage:
+            os.write(status_w, str(status).encode())
+            os._exit(0)
+
+
+def _wait_and_exit(pid: int, spec: dict[str, Any] | None, out_fd: int | None,
+                   status_r: int | None = None) -> NoReturn:
+    """Wait for `pid`, keep what a stage wrote (the outer process), and exit as `pid` did."""
+    import resource
+
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_IGN)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            status = 1 << 8
+            break
+        except InterruptedError:
+            continue
+    if status_r is not None:  # the namespace's init reports the stage's own status
+        reported = os.read(status_r, 64)
+        if reported.isdigit():
+            status = int(reported)
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+    if spec is not None:  # the outer process: `pid` ran branch code, so 125 is not ours to pass on
+        if code == SETUP_FAILED:
+            code = 1
+        if out_fd is not None and os.WIFEXITED(status) and code == 0:
+            notes: list[str] = []
+            try:
+                _copy_out(spec["out"], out_fd, notes)
+            except OSError as e:
+                notes.append(f"sandbox: copying the output failed: {e}")
+                code = SETUP_FAILED
+            for line in notes:
+                print(line, file=sys.stderr)
+            sys.stderr.flush()
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(code)

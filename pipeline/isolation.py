@@ -1,0 +1,140 @@
+"""What each sandboxed process may see, and running one process in the sandbox to completion.
+
+`pipeline.executors.sandbox` is the mechanism (namespaces, mounts, limits); this module is the
+policy for a lab: the `[run]` limits, what stays hidden even inside mounted folders (our own
+package: the harness code would tell how the sealed labels were made), and the check that the
+kernel allows the sandbox at all. Stages reach the sandbox through their executor; the harness's
+`prepare` and `score` and anything else run once go through `run_once`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pipeline
+from pipeline.errors import UserError
+from pipeline.executors import sandbox
+from pipeline.executors.base import scrub_env, thread_env
+
+UNSANDBOXED = "UNSANDBOXED"
+PROBE_TIMEOUT_S = 30.0
+
+
+class SandboxUnavailable(UserError):
+    """The kernel refuses the namespaces the sandbox needs; the lab did not opt out."""
+
+
+def package_dirs() -> list[str]:
+    """Our own packages, wherever they are installed (a source tree or site-packages)."""
+    import agent
+
+    return [str(Path(m.__file__).resolve().parent) for m in (pipeline, agent)]
+
+
+def spec_for(lab: Any, *, ro: list[Path | str], out: Path | str | None = None,
+             rw: list[Path | str] = ()) -> dict[str, Any] | None:
+    """The sandbox of one process of `lab`, or None when the lab opted out (`[run] sandbox = "off"`)."""
+    run = lab.config.run
+    if run.sandbox == "off":
+        return None
+    return {
+        "ro": [str(p) for p in ro], "rw": [str(p) for p in rw], "out": str(out) if out is not None else None,
+        "network": run.network, "out_max_mb": run.out_max_mb, "tmp_max_mb": run.tmp_max_mb,
+        "max_procs": run.max_procs, "hidden": [*package_dirs(), str(lab.state)],
+    }
+
+
+def is_sandboxed(lab: Any) -> bool:
+    return lab.config.run.sandbox != "off"
+
+
+def require(lab: Any) -> None:
+    """Raise `SandboxUnavailable` (one line) unless the lab opted out or the sandbox works here."""
+    if not is_sandboxed(lab):
+        return
+    problem = _probe()
+    if problem:
+        raise SandboxUnavailable(f"the Linux sandbox cannot start here ({problem}); {sandbox.OFF_HINT}")
+
+
+@lru_cache(maxsize=1)
+def _probe() -> str | None:
+    """None if a sandboxed `true` runs here, else the reason (once per process)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="autoresearch-probe-") as tmp:
+        log = Path(tmp) / "probe.log"
+        spec = {"ro": [], "rw": [], "out": None, "hidden": package_dirs()}
+        result = _run_child({"argv": ["true"], "cwd": "/", "env": {"PATH": "/usr/bin:/bin"}, "log": str(log),
+                             "cpus": 1, "memory_mb": None, "sandbox": spec}, PROBE_TIMEOUT_S)
+        if result.returncode == 0:
+            return None
+        text = log.read_text(errors="replace").strip() if log.is_file() else ""
+        line = next((ln for ln in reversed(text.splitlines()) if ln.startswith("sandbox:")), text[-200:])
+        return line.removeprefix("sandbox: ").split("; set [run]")[0] or f"exit status {result.returncode}"
+
+
+@dataclass(frozen=True)
+class Completed:
+    returncode: int | None  # None when it was killed by a signal
+    signal: int | None
+    timed_out: bool
+    cpu_s: float
+    wall_s: float
+
+
+def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: float,
+             ro: list[Path | str], out: Path | None = None, rw: list[Path | str] = (),
+             stdout: Path | None = None) -> Completed:
+    """Run one command of the lab in its sandbox (or unsandboxed if the lab opted out), to the end.
+
+    Output goes to `log` (stdout to `stdout` if given). The environment is ours, scrubbed of
+    secrets; no process outlives it.
+    """
+    cpus = lab.config.run.cpus
+    spec = {"argv": argv, "cwd": str(cwd), "env": scrub_env(os.environ) | thread_env(cpus), "log": str(log),
+            "cpus": cpus, "memory_mb": lab.config.run.memory_mb, "stdout": str(stdout) if stdout else None,
+            "sandbox": spec_for(lab, ro=[cwd, *ro], out=out, rw=rw)}
+    return _run_child(spec, timeout_s)
+
+
+def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:
+    """`python -m pipeline.executors.child SPEC`: the same set-up the executors use, in a fresh process."""
+    from pipeline.executors.child import _die_with_parent
+
+    root = str(Path(pipeline.__file__).resolve().parent.parent)
+    spec = {**spec, "strip_sys_path": [root]}
+    env = scrub_env(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.executors.child", json.dumps(spec)],
+                            start_new_session=True, env=env, cwd=root, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    timed_out = False
+    try:
+        while True:
+            pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() - started > timeout_s:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.005)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.returncode = 0  # reaped by wait4 above
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    return Completed(code, sig, timed_out, ru.ru_utime + ru.ru_stime, time.monotonic() - started)
