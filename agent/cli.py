@@ -70,7 +70,9 @@ def power_cmd(
     challenger: list[int] = typer.Option(..., "--challenger", help="Challenger runs; repeat for several counts."),
     alpha: Optional[float] = typer.Option(None, "--alpha", help="Level (default 0.05 two-sided, 0.025 one-sided)."),
     two_sided: bool = typer.Option(False, "--two-sided", help="Two-sided test (the reference post's)."),
-    effect: Optional[float] = typer.Option(None, "--effect", help="True difference to compute the power at."),
+    effect: Optional[float] = typer.Option(
+        None, "--effect", help="True improvement to compute the power at; its size counts, so a lower-is-better "
+                               "metric's decrease may be given as negative."),
     target_power: float = typer.Option(0.95, "--power", help="Power at which the MDE is reported."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.records import ACTIVE, Hypothesis, Records
-from pipeline import runner
+from pipeline import isolation, runner
 from pipeline.errors import UserError
 from pipeline.lab import Lab, load_lab
 
@@ -118,7 +118,9 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
     ledger = Ledger(store.engine)
     return {
         "lab": lab.config.lab.name,
+        "sandbox": "on" if isolation.is_sandboxed(lab) else isolation.UNSANDBOXED,
         "baseline": {"commit": base, "tag": tags[-1] if tags else None},
+        "metric": {"name": lab.config.benchmark.metric, "higher_is_better": lab.config.benchmark.higher_is_better},
         "queue": queue,
         "running": running,
         "hypotheses": [

@@ -129,14 +129,18 @@ def _baseline_tag(ws: Workspace, commit: str) -> str | None:
 
 
 def _effect_summary(svc: Services, h: Hypothesis) -> dict[str, Any]:
+    """Mean raw Δ (challenger − baseline) and how many tasks improved, by the metric's direction."""
     recs = svc.store.gate_records(str(h.id), kind="verdict")
     if not recs:
         return {}
-    tasks = recs[-1].payload.get("tasks", [])
+    payload = recs[-1].payload
+    tasks = payload.get("tasks", [])
     deltas = [t.get("delta") for t in tasks if t.get("delta") is not None]
     if not deltas:
         return {}
-    return {"mean_delta": f"{sum(deltas) / len(deltas):+.4f}", "improved": f"{sum(d > 0 for d in deltas)}/{len(deltas)}"}
+    sign = 1.0 if payload.get("higher_is_better", svc.lab.config.benchmark.higher_is_better) else -1.0
+    return {"mean_delta": f"{sum(deltas) / len(deltas):+.4f}",
+            "improved": f"{sum(sign * d > 0 for d in deltas)}/{len(deltas)}"}
 
 
 # ----------------------------------------------------------------------------- nodes

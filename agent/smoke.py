@@ -133,9 +133,11 @@ def smoke_run(lab: Lab, repo_git, base: str, files: dict[str, str], timeout_s: f
     try:
         isolation.require(lab)
         with tempfile.TemporaryDirectory(prefix="smoke-", dir=lab.state) as tmp:
-            code, outs, logs = Path(tmp) / "code", Path(tmp) / "out", Path(tmp) / "logs"
+            code, outs = Path(tmp) / "code", Path(tmp) / "out"
+            # the stage logs outlive the smoke run: a rejected implementation's reason points at them
+            logs = lab.state / "logs" / "smoke" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
             materialize(repo_git, base, files, code)
-            logs.mkdir()
+            logs.mkdir(parents=True)
             values = {"data": str(prepared.public), "task": task, "seed": "0"}
             done: dict[str, Path] = {}
             for stage in lab.stages_in_order():
@@ -158,7 +160,7 @@ def smoke_run(lab: Lab, repo_git, base: str, files: dict[str, str], timeout_s: f
                 return harness.score(prepared, task, outs / lab.stages_in_order()[-1].name / "predictions.csv",
                                      bench.metric)
             except PredictionsError as e:
-                raise SmokeFailed(f"predictions.csv on tiny data: {e}") from None
+                raise SmokeFailed(f"predictions.csv on tiny data: {e}; the last stage's output:\n{tail}") from None
     finally:
         if own:
             runner.close()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.records import Hypothesis
+from pipeline import isolation
 
 log = logging.getLogger("autoresearch.summary")
 
@@ -64,7 +65,10 @@ def latest_result(svc: Any, h: Hypothesis) -> Any:
 def compute_line(svc: Any, h: Hypothesis) -> str:
     if not h.commit:
         return "none"
-    runs = svc.store.runs(commit=h.commit)
+    from pipeline.lab import BASELINE_SEED0
+
+    # a promoted champion's own re-verification runs (baseline seeds) are not challenger runs
+    runs = [r for r in svc.store.runs(commit=h.commit) if r.seed < BASELINE_SEED0]
     execs = svc.store.stage_execs([r.id for r in runs]) if runs else []
     cpu = sum((e.cpu_s or 0.0) for e in execs if e.outcome not in ("cache_hit", "shared"))
     done = sum(r.status == "done" for r in runs)
@@ -166,7 +170,7 @@ def _names(items: list[str]) -> str:
     return ", ".join(items) if items else "none"
 
 
-def template_prose(h: Hypothesis, result: Any, diff_files: list[str]) -> Prose:
+def template_prose(h: Hypothesis, result: Any, diff_files: list[str], metric: str = "the metric") -> Prose:
     who = WHO.get(h.origin, f"The {h.origin} policy")
     if not h.commit:
         tried = _fill("tried_rejected", who=who, title=h.title, kind=h.reject_kind or "unknown")
@@ -187,6 +191,7 @@ def template_prose(h: Hypothesis, result: Any, diff_files: list[str]) -> Prose:
         interpretation = _fill(
             "interpretation", verdict=verdict, wins=_names(wins), harms=_names(harms),
             toward=len(toward), n=len(tasks), expected=_names(expected),
+            direction=f"{'higher' if result.higher_is_better else 'lower'} {metric}",
             expected_moved=_names([t for t in expected if t in wins]),
         )
     return Prose(tried, interpretation, [h.follow_up] if h.follow_up else [], "template", "the templates")
@@ -214,6 +219,11 @@ def _decision_rationale(h: Hypothesis) -> str:
     return (h.reject_reason if h.decision == "reject" else h.rationale_decision) or ""
 
 
+def metric_line(cfg: Any) -> str:
+    """The metric and its direction: a summary's Δ reads the wrong way round without it."""
+    return f"{cfg.benchmark.metric}, {'higher' if cfg.benchmark.higher_is_better else 'lower'} is better"
+
+
 def llm_prose(svc: Any, h: Hypothesis, result: Any, evidence: str, diff_stat: str, diff: str,
               compute: str, fallback: Prose) -> Prose:
     """The LLM's prose, checked number by number against what it was shown; else `fallback`."""
@@ -227,7 +237,7 @@ def llm_prose(svc: Any, h: Hypothesis, result: Any, evidence: str, diff_stat: st
         "diff_stat": diff_stat, "diff": diff[:MAX_PROMPT_DIFF_CHARS], "evidence": evidence,
         "decision": _decision_line(h), "decision_rationale": _decision_rationale(h), "compute": compute,
     }
-    metric = f"{cfg.benchmark.metric}, {'higher' if cfg.benchmark.higher_is_better else 'lower'} is better"
+    metric = metric_line(cfg)
     editable = "\n".join(f"- {g}" for g in cfg.lab.editable)
     system = prompts.render("system", lab_name=cfg.lab.name, editable=editable, metric=metric)
     messages = [{"role": "system", "content": system},
@@ -266,7 +276,7 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
     evidence = render_markdown(result) if result is not None else "No runs were measured."
     diff_stat, diff, files = _diff_parts(svc, h)
     compute = compute_line(svc, h)
-    prose = template_prose(h, result, files)
+    prose = template_prose(h, result, files, svc.lab.config.benchmark.metric)
     if result is not None and getattr(svc.policy, "name", "") == "llm" and hasattr(svc.policy, "client"):
         prose = llm_prose(svc, h, result, evidence, diff_stat, diff, compute, prose)
     from agent.pictures import forest_path, progress_path
@@ -285,6 +295,7 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
         "commit": (h.commit or "-")[:12],
         "base_commit": (h.base_commit or "-")[:12],
         "runs_line": compute,
+        "metric_line": metric_line(svc.lab.config),
         "review": h.review,
         "author_line": prose.note,
         "tried": prose.tried,
@@ -315,10 +326,17 @@ def draw_pictures(svc: Any, h: Hypothesis, result: Any) -> None:
         log.warning("hypothesis %s: pictures not drawn: %s: %s", h.id, type(e).__name__, e)
 
 
+UNSANDBOXED_BANNER = (
+    f"> **{isolation.UNSANDBOXED}**: this lab opted out of the sandbox (`[run] sandbox = \"off\"`). Its branch code "
+    "could read the sealed labels, the store and the network: no number below is protected from it.\n\n")
+
+
 def write_summary(svc: Any, h: Hypothesis) -> str:
     result = latest_result(svc, h)
     draw_pictures(svc, h, result)  # first: the summary links the files that exist
     text, prose = render_summary(svc, h, result)
+    if not isolation.is_sandboxed(svc.lab):
+        text = UNSANDBOXED_BANNER + text
     path = summary_path(svc.lab, h.id)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -359,6 +377,7 @@ def digest_extras(lab: Any, store: Any, records: Any, since: float) -> dict[str,
             "level_start": promotions[0]["level_before"] if promotions else now,  # before the window's first promotion
             "level_now": now,
             "metric": lab.config.benchmark.metric,
+            "higher_is_better": lab.config.benchmark.higher_is_better,
         },
         "held": [{"id": h.id, "title": h.title, "verdict": h.verdict} for h in hyps.values() if h.status == "held"],
         "progress_chart": chart,

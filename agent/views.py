@@ -19,8 +19,14 @@ def print_status(st: dict[str, Any]) -> None:
     # a pipe or a log file gets lines wide enough for the table (rich would assume 80 columns)
     con = Console(width=None if sys.stdout.isatty() else 140)
     base = st["baseline"]
+    metric = st.get("metric")
     con.print(f"[bold]{st['lab']}[/bold]  baseline {base['tag'] or 'autoresearch/baseline'} "
-              f"({(base['commit'] or '?')[:10]})")
+              f"({(base['commit'] or '?')[:10]})"
+              + (f"  metric {metric['name']} ({'higher' if metric['higher_is_better'] else 'lower'} is better)"
+                 if metric else ""))
+    if st.get("sandbox") != "on":
+        con.print(f"[bold red]{st.get('sandbox')}[/bold red]: this lab opted out of the sandbox ([run] sandbox = \"off\"); "
+                  "branch code can read the sealed labels, the store and the network")
     q = st["queue"]
     con.print(f"runs: {q['queued']} queued, {q['running']} running, {q['done']} done, {q['failed']} failed")
     for r in st["running"][:10]:
@@ -77,16 +83,19 @@ def digest_markdown(d: dict[str, Any]) -> str:
     base = d.get("baseline")
     if base is not None:
         metric = base.get("metric", "metric")
+        direction = f"{'higher' if base.get('higher_is_better', True) else 'lower'} is better"
         line = f"- baseline: {base['tag'] or 'the initial baseline'}"
         if base.get("level_now") is not None:
             line += f", mean {metric} over tasks {_num(base['level_now'])}"
             if base.get("level_start") is not None and base["promotions"]:
-                line += f" (was {_num(base['level_start'])})"
+                line += f" (was {_num(base['level_start'])}; {direction})"
+            else:
+                line += f" ({direction})"
         lines.append(line)
         for p in base["promotions"]:
             lo, hi = p["horizontal_ci"]
             lines.append(f"  - #{p['id']} → {p['tag']}: horizontal Δ {_num(p['horizontal_delta'], 3, True)}σ "
-                         f"[{_num(lo, 3, True)}, {_num(hi, 3, True)}], mean {metric} "
+                         f"[{_num(lo, 3, True)}, {_num(hi, 3, True)}] (+ = better), mean {metric} "
                          f"{_num(p['level_before'])} → {_num(p['level_after'])}")
     c = d["compute"]
     lines.append(f"- compute: useful {_secs(c['useful_cpu_s'])}, goodput {c['goodput']:.1%}, "

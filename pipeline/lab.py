@@ -11,9 +11,9 @@ import glob
 import re
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from pipeline.errors import LabConfigError, LabNotFoundError
 
@@ -44,7 +44,7 @@ class BenchmarkSection(_Strict):
     harness: str = "transactions"
     suite: str = "small"
     metric: str = "auc"
-    higher_is_better: bool = True
+    higher_is_better: StrictBool = True  # strict: a string like "no" is a mistake, not a bool
     perfect: float | None = None  # the metric's best value; known for PERFECT's metrics
     data_seed: int = Field(default=0, ge=0)
     tasks: list[str] | None = None  # a subset of the suite (bundled harness); the task list (command)
@@ -73,7 +73,7 @@ class RunSection(_Strict):
     retries: int = Field(default=2, ge=0)
     memory_mb: int | None = Field(default=None, gt=0)
     sandbox: Literal["auto", "off"] = "auto"  # "off": an explicit opt-out, shown as UNSANDBOXED
-    network: bool = False
+    network: StrictBool = False  # strict: `network = "yes"` must not open the network by coercion
     out_max_mb: int = Field(default=4096, gt=0)  # size of a stage's {out}
     tmp_max_mb: int = Field(default=1024, gt=0)  # size of a stage's private /tmp
     max_procs: int = Field(default=256, ge=8)  # processes (and threads) one stage may run
@@ -228,10 +228,29 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys of the table at `loc` (e.g. ("benchmark",), ("stage", 0)), or [] if it is not a model."""
+    model: Any = ResearchConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        inner = [a for a in (field.annotation, *get_args(field.annotation))
+                 if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)
+
+
 def _explain(err: dict[str, Any]) -> str:
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
-        return "unknown key; expected one of the documented keys (see DESIGN §3)"
+        known = _known_keys(err["loc"][:-1])
+        return (f"unknown key; expected one of {', '.join(known)}" if known else "unknown key") + \
+            " (README: The lab)"
     if err["type"] == "missing":
         return "missing; this key is required"
     msg = msg.removeprefix("Value error, ")
@@ -351,7 +370,7 @@ def _check_files(root: Path, config: ResearchConfig, path: Path) -> None:
             _check_glob(root, pattern.partition("#")[0], path, f"stage[{i}].inputs")
     for pattern in config.benchmark.trusted:
         _check_glob(root, pattern, path, "benchmark.trusted")
-        for f in glob.glob(str(root / pattern), recursive=True):
+        for f in _glob_files(root, pattern):
             rel = Path(f).relative_to(root).as_posix()
             if any(glob_match(rel, g) for g in config.lab.editable):
                 raise LabConfigError(path, "benchmark.trusted", f"{rel} is both trusted and editable; "
@@ -361,5 +380,11 @@ def _check_files(root: Path, config: ResearchConfig, path: Path) -> None:
 def _check_glob(root: Path, pattern: str, path: Path, key: str) -> None:
     if Path(pattern).is_absolute() or ".." in Path(pattern).parts:
         raise LabConfigError(path, key, f"{pattern!r} leaves the lab; expected a path relative to the lab root")
-    if not glob.glob(str(root / pattern), recursive=True):
+    if not _glob_files(root, pattern):
         raise LabConfigError(path, key, f"{pattern!r} matches no file in the lab; expected an existing file")
+
+
+def _glob_files(root: Path, pattern: str) -> list[str]:
+    """The files a lab glob matches. Only files: `glob("data/**", recursive=True)` returns "data/"
+    itself even when there is no folder `data`, which would let a glob that matches nothing pass."""
+    return [f for f in glob.glob(str(root / pattern), recursive=True) if Path(f).is_file()]

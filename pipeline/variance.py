@@ -53,5 +53,7 @@ def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASEL
         "tasks": per_task,
         "mean_cross_task_correlation": corr,
         "median_sd": float(np.median(sds)) if sds else None,
-        "mde_note": f"one-sided alpha {gate.alpha}, 95% power, {gate.baseline_runs} baseline runs vs each look",
+        "mde_note": (f"one-sided alpha {gate.alpha}, 95% power, {gate.baseline_runs} baseline runs vs each look; "
+                     f"an MDE is a size: the smallest {'increase' if lab.config.benchmark.higher_is_better else 'decrease'} "
+                     f"of {lab.config.benchmark.metric} detected"),
     }

@@ -35,13 +35,11 @@ def ledger_purposes(loop) -> list[str]:
 
 def test_a_whole_hypothesis_over_structured_output_and_no_key_reaches_any_stage(lab: Path, llm: RoutedOpenAI,
                                                                                tmp_path: Path) -> None:
-    # the implementation dumps every stage's environment (smoke run and benchmark runs) to `dumps`
-    dumps = tmp_path / "env-dumps"
-    dumps.mkdir()
-    spy = (f"import os as _os, json as _json, uuid as _uuid\n"
-           f"with open(_os.path.join({str(dumps)!r}, _uuid.uuid4().hex + '.json'), 'w') as _f:\n"
-           f"    _f.write(_json.dumps(dict(_os.environ)))\n"
-           f"import argparse\n")
+    # the implementation prints every stage's environment (smoke run and benchmark runs) to its log:
+    # in the sandbox, that is the one way out
+    spy = ("import os as _os, json as _json\n"
+           "print('ENVDUMP ' + _json.dumps(dict(_os.environ)))\n"
+           "import argparse\n")
     llm.on("hypothesis", content(proposal()))
     llm.on("edits", content(edits(LR_EDIT, edit("train.py", "import argparse\n", spy), notes="lr up")))
     llm.on("decision", content(decision("abandon", "Not enough evidence for a promotion.")))
@@ -77,7 +75,8 @@ def test_a_whole_hypothesis_over_structured_output_and_no_key_reaches_any_stage(
     assert "lr = 3e-3" in git(lab, "show", f"{h.commit}:config.toml")
     assert git(lab, "status", "--porcelain") == ""
     # every stage that ran the edited code — 2 smoke stages, 2 pretrainings, 4 fine-tunings — saw no key
-    envs = [json.loads(p.read_text()) for p in dumps.iterdir()]
+    envs = [json.loads(line.removeprefix("ENVDUMP ")) for p in (lab / "runs" / "logs").rglob("*.log")
+            for line in p.read_text().splitlines() if line.startswith("ENVDUMP ")]
     assert len(envs) >= 8
     for env in envs:
         assert DUMMY_KEY not in json.dumps(env)

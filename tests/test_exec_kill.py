@@ -68,7 +68,7 @@ def test_kill_9_mid_batch_then_restart_completes_every_run_exactly_once(tmp_path
     results = store.results_for(runner.resolve_commit(lab, BASE))
     keys = [(r.task, r.seed) for r in results]
     assert sorted(keys) == sorted((t, s) for t in TASKS for s in SEEDS)  # each run once, none twice
-    assert all(r.outcome == "ok" for r in results)
+    assert all(r.outcome == "ok" for r in results), [(r.task, r.seed, r.outcome, r.detail) for r in results]
     lost = [e for e in store.stage_execs(ids) if e.outcome == "lost"]
     assert lost and {e.run_id for e in lost} <= {r.id for r in orphaned}
     assert runner.goodput(store).requeues == len(orphaned)

@@ -75,7 +75,13 @@ def test_check_path_normalises():
                 program = "program.md"
                 editable = ["model.py", "src/**/*.py"]
 
+        @staticmethod
+        def is_trusted(path: str) -> bool:
+            return path == "score.py"
+
     assert check_path(L, "./model.py") == "model.py"
+    with pytest.raises(EditRejected, match="trusted harness file"):
+        check_path(L, "score.py")
     assert check_path(L, "src/a/b.py") == "src/a/b.py"
     with pytest.raises(EditRejected):
         check_path(L, "src/a/b.txt")

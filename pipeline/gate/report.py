@@ -63,11 +63,12 @@ class TaskResult(_Record):
     flags: list[str]  # "win", "harm" (only at looks), "unstable" (challenger variance ≫ baseline)
     variance_ratio_p: Num  # one-sided F-test p for challenger variance > baseline variance
     welch: WelchResult | None = None  # present when flagged unstable
-    mde_next: Num = None  # minimum detectable improvement (metric units) at the next planned look
+    mde_next: Num = None  # minimum detectable improvement (metric units, a size: a decrease if lower is better)
 
 
 class HorizontalResult(_Record):
-    """The horizontal test: per-seed IQM over tasks of (metric - baseline level) / σ_task, in σ units."""
+    """The horizontal test: per-seed IQM over tasks of (metric - baseline level) / σ_task, in σ units,
+    oriented so that + is better (a lower-is-better metric is negated first)."""
 
     baseline_seeds: int
     challenger_seeds: int
@@ -151,8 +152,15 @@ def _horizontal_line(r: GateResult) -> str:
     return line
 
 
+def direction_line(higher_is_better: bool) -> str:
+    """How to read the signs: task Δ is raw (challenger − baseline), the horizontal Δ is oriented."""
+    word, sign = ("higher", "positive") if higher_is_better else ("lower", "negative")
+    return (f"{word} is better: a {sign} task Δ (challenger − baseline) is an improvement; "
+            f"the horizontal Δ is oriented so that + is better")
+
+
 def _footer_lines(r: GateResult) -> list[str]:
-    lines = [_horizontal_line(r)]
+    lines = [direction_line(r.higher_is_better), _horizontal_line(r)]
     if r.next_look is not None:
         lines.append(
             f"next look at {r.next_look} runs: detectable horizontal Δ {_f(r.horizontal.mde_next, 3)}σ "

@@ -58,7 +58,8 @@ class CommandHarness(Harness):
 
         b = config.benchmark
         if not b.tasks:
-            raise LabConfigError(path, "benchmark.tasks", 'missing; expected the list of task names, e.g. tasks = ["default", "churn"]')
+            raise LabConfigError(path, "benchmark.tasks", f'{"missing" if b.tasks is None else "empty"}; '
+                                 'expected the list of task names, e.g. tasks = ["default", "churn"]')
         for t in b.tasks:
             if not TASK_NAME.match(t):
                 raise LabConfigError(path, "benchmark.tasks", f"task {t!r}: expected letters, digits, '_', '.', '-'")
