@@ -44,6 +44,17 @@ class LoopOptions:
     idle_poll_s: float = 10.0
 
 
+def reverification_message(r: dict[str, Any], metric: str, higher_is_better: bool) -> str:
+    """One line on how a champion held up on fresh seeds, worded by the metric's direction
+    (for a lower-is-better metric a rise of the mean is a loss, and `tasks_worse` counts rises)."""
+    shrink = r["shrinkage"]
+    moved = "no change" if shrink == 0 else "better" if (shrink > 0) == higher_is_better else "worse"
+    return (f"{r['tag']} re-verified on {len(r['fresh_seeds'])} fresh seeds: mean {metric} "
+            f"{r['fresh_mean']:.4f} vs {r['selected_mean']:.4f} on the runs it was selected on "
+            f"({shrink:+.4f}, {moved}: {'higher' if higher_is_better else 'lower'} is better; "
+            f"{r['tasks_worse']}/{len(r['tasks'])} tasks worse)")
+
+
 def choose_policy(lab: Lab, store: Any, offline: bool):
     from agent.policy import OfflinePolicy
 
@@ -242,7 +253,8 @@ class Loop:
         if hz.get("delta") is None or hz.get("t") is None:
             return f" at look {g.get('look')}"
         bound = f" vs boundary {hz['boundary']:.2f}" if hz.get("boundary") is not None else ""
-        return f" at look {g.get('look')} (horizontal Δ {hz['delta']:+.2f}σ, t {hz['t']:.2f}{bound})"
+        sep = ", " if g.get("higher_is_better", True) else ", + = better; "  # the horizontal Δ is oriented
+        return f" at look {g.get('look')} (horizontal Δ {hz['delta']:+.2f}σ{sep}t {hz['t']:.2f}{bound})"
 
     def release_holds(self) -> None:
         """Promote held hypotheses that a human approved; close the ones rejected."""
@@ -273,10 +285,8 @@ class Loop:
             if r is None:
                 continue
             self.store.put_gate_record(str(h.id), 0, r, kind="reverify")
-            metric = self.lab.config.benchmark.metric
-            msg = (f"{r['tag']} re-verified on {len(r['fresh_seeds'])} fresh seeds: mean {metric} "
-                   f"{r['fresh_mean']:.4f} vs {r['selected_mean']:.4f} on the runs it was selected on "
-                   f"({r['shrinkage']:+.4f}; {r['tasks_worse']}/{len(r['tasks'])} tasks lower)")
+            bench = self.lab.config.benchmark
+            msg = reverification_message(r, bench.metric, bench.higher_is_better)
             self.records.event("reverified", msg)
             self.say(msg)
 

@@ -6,13 +6,16 @@ Both are drawn from the gate's stored records only, like every number in a summa
   proposed; hypotheses overlap in time, so wall-clock time would scatter them); y is the mean
   over tasks of the metric. The line is the level of the baseline each hypothesis was measured
   against (the mean of the baseline runs' per-task means in its gate record): it steps up after a
-  promotion. Each hypothesis is a dot at its baseline's level plus its mean per-task Δ, coloured by
-  decision; a hypothesis rejected before any run is an × on the line. Metric units rather than the
-  gate's horizontal σ units because σ-unit deltas are relative to each hypothesis's own baseline
-  and do not chain into one axis.
+  promotion (down, for a lower-is-better metric; the y label says which). Each hypothesis is a dot
+  at its baseline's level plus its mean per-task Δ, coloured by decision; a hypothesis rejected
+  before any run is an × on the line. Metric units rather than the gate's horizontal σ units
+  because σ-unit deltas are relative to each hypothesis's own baseline and do not chain into one
+  axis.
 - `runs/summaries/<id>.forest.png`: per task, Δ (challenger − baseline) with the gate's interval
   (level 1 − 2α; repeated intervals under the sequential protocol), coloured by the gate's flags;
-  below it the horizontal Δ in σ units with its interval.
+  below it the horizontal Δ in σ units with its interval. Task Δ is raw, so for a lower-is-better
+  metric an improvement lies left of 0, while the horizontal Δ is oriented (+ = better, always
+  right): the axis labels say which side is better.
 
 matplotlib is imported inside the drawing functions (object API on the Agg canvas, no pyplot
 state): the CLI starts without it and drawing is safe from any thread.
@@ -128,6 +131,20 @@ def _p(v: float | None) -> str:
     return "—" if v is None else (f"{v:.1e}" if v < 1e-3 else f"{v:.3f}")
 
 
+def forest_xlabel(metric: str, higher_is_better: bool, level: float, kind: str = "") -> str:
+    """The task panel's x label: raw Δ, and on which side of 0 an improvement lies."""
+    better = "better →" if higher_is_better else "← better"
+    return (f"Δ {metric} (challenger − baseline), {level:.0%} {kind}interval; "
+            f"{'higher' if higher_is_better else 'lower'} is better ({better})")
+
+
+HORIZONTAL_XLABEL = "horizontal Δ in σ units, oriented: + is better (per seed, IQM over tasks of metric ÷ task σ)"
+
+
+def progress_ylabel(metric: str, higher_is_better: bool) -> str:
+    return f"mean {metric} over tasks ({'higher' if higher_is_better else 'lower'} is better)"
+
+
 def draw_forest(result: Any, path: Path, title: str, metric: str = "metric") -> Path:
     """The per-task Δ with intervals of one gate record, and the horizontal Δ below it."""
     from matplotlib.ticker import MaxNLocator
@@ -156,7 +173,7 @@ def draw_forest(result: Any, path: Path, title: str, metric: str = "metric") -> 
     ax.set_ylim(-0.7, len(tasks) - 0.3)
     level = 1 - 2 * result.alpha
     kind = "repeated " if result.protocol == "sequential" else ""
-    ax.set_xlabel(f"Δ {metric} (challenger − baseline), {level:.0%} {kind}interval")
+    ax.set_xlabel(forest_xlabel(metric, result.higher_is_better, level, kind))
     ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
     head = (f"verdict {result.verdict.value if result.verdict else '—'} at look {result.look}" if result.is_look
             else f"between looks ({result.look} challenger runs): estimates only")
@@ -173,7 +190,7 @@ def draw_forest(result: Any, path: Path, title: str, metric: str = "metric") -> 
     ax2.axvline(0, color="#999999", lw=1, ls="--")
     ax2.set_yticks([0], ["horizontal"])
     ax2.set_ylim(-1, 1)
-    ax2.set_xlabel("horizontal Δ in σ units (per seed, IQM over tasks of metric ÷ task σ)")
+    ax2.set_xlabel(HORIZONTAL_XLABEL)
     ax2.xaxis.set_major_locator(MaxNLocator(nbins=6))
     return _save(fig, path)
 
@@ -212,7 +229,7 @@ def draw_progress(points: list[Point], path: Path, lab_name: str, metric: str, h
     promoted = sum(p.decision == "promote" for p in points)
     ax.set_title(f"{lab_name}: {len(points)} hypotheses, {promoted} promoted", fontsize=10, loc="left")
     ax.set_xlabel("hypothesis (in the order proposed)")
-    ax.set_ylabel(f"mean {metric} over tasks ({'higher' if higher_is_better else 'lower'} is better)")
+    ax.set_ylabel(progress_ylabel(metric, higher_is_better))
     if points:
         ids = [p.id for p in points]
         ax.set_xlim(min(ids) - 0.6, max(ids) + 0.6)

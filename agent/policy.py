@@ -280,7 +280,8 @@ def _md_list(items: list[str]) -> str:
 def history_table(history: list[dict[str, Any]]) -> str:
     if not history:
         return "none yet"
-    rows = ["| id | title | status | verdict | decision | mean Δ | tasks improved |", "|---|---|---|---|---|---|---|"]
+    rows = ["| id | title | status | verdict | decision | mean Δ (challenger − baseline) | tasks improved |",
+            "|---|---|---|---|---|---|---|"]
     for h in history:
         rows.append(f"| {h['id']} | {h['title']} | {h['status']} | {h.get('verdict') or '-'} | "
                     f"{h.get('decision') or '-'} | {h.get('mean_delta', '-')} | {h.get('improved', '-')} |")

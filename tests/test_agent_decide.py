@@ -248,4 +248,4 @@ def test_a_promoted_champion_is_re_verified_on_fresh_seeds_and_its_shrinkage_rec
     assert abs(r["shrinkage"] - (0.692 - 0.7015)) < 1e-9 and r["tasks_worse"] == 2
     events = [e.message for e in loop.records.events() if e.kind == "reverified"]
     assert events == ["baseline/v1 re-verified on 3 fresh seeds: mean auc 0.7170 vs 0.7265 on the runs it was "
-                      "selected on (-0.0095; 2/2 tasks lower)"]
+                      "selected on (-0.0095, worse: higher is better; 2/2 tasks worse)"]

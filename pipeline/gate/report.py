@@ -155,7 +155,7 @@ def _horizontal_line(r: GateResult) -> str:
 def direction_line(higher_is_better: bool) -> str:
     """How to read the signs: task Δ is raw (challenger − baseline), the horizontal Δ is oriented."""
     word, sign = ("higher", "positive") if higher_is_better else ("lower", "negative")
-    return (f"{word} is better: a {sign} task Δ (challenger − baseline) is an improvement; "
+    return (f"{word} is better: a {sign} task Δ (challenger − baseline) is a gain; "
             f"the horizontal Δ is oriented so that + is better")
 
 
