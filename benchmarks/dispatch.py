@@ -4,13 +4,16 @@
 
 1. Warm dispatch: N no-op stages (`python noop.py`, which imports torch and peft) submitted one at a
    time to the local executor, whose warm worker has them imported already; time from submit to
-   result. Against: the same stage as a cold `subprocess` (a new interpreter importing torch+peft).
+   result, with the sandbox (namespaces, mounts, private /tmp and {out}, copy-out: what every
+   stage gets) and without it. Against: the same stage as a cold `subprocess` (a new interpreter
+   importing torch+peft).
 2. Per-run overhead through the whole driver: N runs of a lab whose only stage writes constant
    predictions: claim, cache key, worktree, fork, publish, sealed scoring, store writes.
 3. Slot utilisation with a full queue: runs whose stage sleeps 0.5 s, 2 slots;
    utilisation = Σ stage wall time ÷ (slots × makespan).
 
-Targets (issue 3): median dispatch ≤ 100 ms; utilisation ≥ 90 %. Takes about a minute here.
+Targets (issues 3 and 10): median dispatch ≤ 100 ms, with the sandbox too; utilisation ≥ 90 %.
+Takes about two minutes here.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from exec_fixtures import TinyHarness, git  # noqa: E402  (a real tiny harness shared with the tests)
-from pipeline import runner  # noqa: E402
+from pipeline import isolation, runner  # noqa: E402
+from pipeline.executors import sandbox as sandbox_mod  # noqa: E402
 from pipeline.executors import StageJob  # noqa: E402
 from pipeline.executors.local import LocalExecutor  # noqa: E402
 from pipeline.lab import Lab, parse_config  # noqa: E402
@@ -58,6 +62,7 @@ scope = "run"
 inputs = ["predict.py"]
 [run]
 timeout_s = 60
+sandbox = "%s"
 """
 
 
@@ -65,14 +70,20 @@ def pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def warm_dispatch(work: Path, n: int) -> list[float]:
-    (work / "noop.py").write_text(NOOP)
+def warm_dispatch(work: Path, n: int, sandboxed: bool) -> list[float]:
+    code = work / "code"
+    code.mkdir(exist_ok=True)
+    (code / "noop.py").write_text(NOOP)
     times = []
     with LocalExecutor(preload=("numpy", "torch", "peft"), slots=1) as ex:
         ex.warm()
-        for _ in range(n):
-            job = StageJob(job_id=uuid.uuid4().hex, argv=["python", "noop.py"], cwd=work, commit="0" * 40, out=work,
-                           log_path=work / "noop.log", timeout_s=60)
+        for i in range(n):
+            out = work / "out" / f"{sandboxed}-{i}"
+            out.mkdir(parents=True)
+            sandbox = {**sandbox_mod.DEFAULTS, "ro": [str(code)], "out": str(out),
+                       "hidden": isolation.package_dirs()} if sandboxed else None
+            job = StageJob(job_id=uuid.uuid4().hex, argv=["python", "noop.py"], cwd=code, commit="0" * 40, out=out,
+                           log_path=work / "noop.log", timeout_s=60, sandbox=sandbox)
             t0 = time.perf_counter()
             ex.submit(job)
             (res,) = ex.poll(60)
@@ -85,14 +96,14 @@ def cold_dispatch(work: Path, n: int) -> list[float]:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "noop.py"], cwd=work, check=True)
+        subprocess.run([sys.executable, "noop.py"], cwd=work / "code", check=True)
         times.append(time.perf_counter() - t0)
     return times
 
 
-def make_lab(root: Path, sleep_s: float) -> Lab:
+def make_lab(root: Path, sleep_s: float, sandbox: str = "auto") -> Lab:
     root.mkdir(parents=True)
-    (root / "research.toml").write_text(TOML % sleep_s)
+    (root / "research.toml").write_text(TOML % (sleep_s, sandbox))
     (root / "program.md").write_text("bench\n")
     (root / "predict.py").write_text(PREDICT)
     (root / ".gitignore").write_text("runs/\n")
@@ -102,9 +113,9 @@ def make_lab(root: Path, sleep_s: float) -> Lab:
     return Lab(root, parse_config((root / "research.toml").read_text()))
 
 
-def drive_batch(root: Path, n_runs: int, sleep_s: float, slots: int) -> dict[str, float]:
+def drive_batch(root: Path, n_runs: int, sleep_s: float, slots: int, sandbox: str = "auto") -> dict[str, float]:
     """Queue n_runs (tasks × seeds) of a one-stage lab; drive with a warm executor; time it."""
-    lab = make_lab(root, sleep_s)
+    lab = make_lab(root, sleep_s, sandbox)
     harness = TinyHarness()
     store = runner.open_store(lab)
     tasks = ["a", "b", "c"]
@@ -136,28 +147,38 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        warm = warm_dispatch(work, args.runs)
+        warm = warm_dispatch(work, args.runs, sandboxed=True)
+        bare = warm_dispatch(work, args.runs, sandboxed=False)
         cold = cold_dispatch(work, args.cold)
         e2e = drive_batch(work / "noop-lab", args.runs, 0.0, 1)
+        e2e_bare = drive_batch(work / "noop-lab-unsandboxed", args.runs, 0.0, 1, sandbox="off")
         util = drive_batch(work / "full-lab", args.util_runs, 0.5, 2)
     out = {
         "warm_dispatch_median_ms": statistics.median(warm) * 1e3,
         "warm_dispatch_p90_ms": pct(warm, 0.9) * 1e3,
+        "warm_dispatch_unsandboxed_median_ms": statistics.median(bare) * 1e3,
+        "warm_dispatch_unsandboxed_p90_ms": pct(bare, 0.9) * 1e3,
+        "sandbox_over_unsandboxed": statistics.median(warm) / statistics.median(bare),
         "cold_subprocess_median_ms": statistics.median(cold) * 1e3,
         "cold_over_warm": statistics.median(cold) / statistics.median(warm),
         "driver_per_run_overhead_ms": e2e["per_run_s"] * 1e3,
+        "driver_per_run_overhead_unsandboxed_ms": e2e_bare["per_run_s"] * 1e3,
         "utilisation": util["utilisation"],
         "utilisation_detail": util,
     }
     if args.json:
         print(json.dumps(out, indent=2))
         return
-    print(f"warm dispatch, {args.runs} no-op stages (torch+peft preloaded): median {out['warm_dispatch_median_ms']:.1f} ms, "
-          f"p90 {out['warm_dispatch_p90_ms']:.1f} ms   [target <= 100 ms]")
+    print(f"warm dispatch, {args.runs} no-op stages (torch+peft preloaded), sandboxed: "
+          f"median {out['warm_dispatch_median_ms']:.1f} ms, p90 {out['warm_dispatch_p90_ms']:.1f} ms   [target <= 100 ms]")
+    print(f"warm dispatch, the same stages unsandboxed:                 "
+          f"median {out['warm_dispatch_unsandboxed_median_ms']:.1f} ms, p90 {out['warm_dispatch_unsandboxed_p90_ms']:.1f} ms"
+          f"   (sandbox / none: {out['sandbox_over_unsandboxed']:.2f}x)")
     print(f"cold subprocess importing torch+peft, {args.cold} starts:       median {out['cold_subprocess_median_ms']:.0f} ms")
     print(f"ratio cold / warm:                                          {out['cold_over_warm']:.0f}x")
     print(f"whole driver, {args.runs} one-stage runs on 1 slot (claim, key, fork, publish, score, store): "
-          f"{out['driver_per_run_overhead_ms']:.1f} ms per run")
+          f"{out['driver_per_run_overhead_ms']:.1f} ms per run sandboxed, "
+          f"{out['driver_per_run_overhead_unsandboxed_ms']:.1f} ms unsandboxed")
     print(f"slot utilisation, {util['runs']} runs x 0.5 s stage on {util['slots']} slots, full queue: "
           f"{out['utilisation']:.1%} (makespan {util['makespan_s']:.2f} s)   [target >= 90 %]")
 

@@ -155,6 +155,15 @@ if a.task == "slow":
     time.sleep(float(os.environ.get("SLOW_S", "3")))
 if a.task == "env":
     (out / "env.json").write_text(json.dumps(dict(os.environ)))
+    import socket
+    try:
+        socket.create_connection(("127.0.0.1", 5432), timeout=2).close()
+        net = "connected"
+    except OSError as e:
+        net = e.strerror
+    seen = {"pid1": open("/proc/1/cmdline").read().split("\\0")[0], "net": net, "uid": os.getuid(),
+            "state": sorted(os.listdir(Path.cwd().parents[1]))}  # runs/ of the lab (or the Ray node's copy)
+    (out / "sandbox.json").write_text(json.dumps(seen))
 c = np.load(Path(a.data) / "customers.npz")
 y = np.load(Path(a.data) / "labels.npz")[a.task if a.task in ("a", "b", "c") else "a"]
 w0 = np.load(Path(a.pretrained) / "w.npy")

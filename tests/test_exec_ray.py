@@ -80,3 +80,11 @@ def test_the_same_batch_gives_the_same_metrics_on_local_and_ray(local_ray, tmp_p
     for env in envs:
         assert SECRET not in env and env[CANARY] == "visible" and env["OMP_NUM_THREADS"] == "1"
         assert not [k for k in env if any(w in k.upper() for w in ("KEY", "TOKEN", "SECRET", "PASSWORD"))]
+    # on both executors the stage ran in the sandbox: its own pid namespace (pid 1 is the sandbox's
+    # init), no network, nothing of the lab's state but the folders mounted for it
+    for the_lab in (lab, ray_lab):
+        seen = [json.loads(p.read_text()) for p in (the_lab.state / "cache").glob("*/sandbox.json")]
+        assert len(seen) == 2, the_lab
+        for s in seen:
+            assert s["pid1"].endswith("cat") and s["net"] == "Network is unreachable", s
+            assert not {"autoresearch.db", "sealed", "logs", "worktrees"} & set(s["state"]), s

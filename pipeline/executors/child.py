@@ -94,8 +94,11 @@ def _sandbox_module(spec: dict[str, Any]) -> Any:
     return mod
 
 
-def run(spec: dict[str, Any], *, new_session: bool) -> NoReturn:
-    """Become the stage: never returns; the exit status is the stage's."""
+def run(spec: dict[str, Any], *, new_session: bool, handshake: tuple[int, int] | None = None) -> NoReturn:
+    """Become the stage: never returns; the exit status is the stage's.
+
+    `handshake`: the pipe ends through which a parent maps our user namespace (sandbox.map_child).
+    """
     code = 1
     try:
         if new_session:
@@ -116,13 +119,16 @@ def run(spec: dict[str, Any], *, new_session: bool) -> NoReturn:
         if spec.get("sandbox") is not None:
             sandbox = _sandbox_module(spec)
             try:
-                sandbox.enter(spec["sandbox"])
+                sandbox.enter(spec["sandbox"], handshake)
             except OSError as e:
                 print(f"sandbox: cannot set up ({e}); {sandbox.OFF_HINT}", file=sys.stderr)
                 os._exit(sandbox.SETUP_FAILED)
         os.chdir(spec["cwd"])
+        env = dict(spec["env"])
+        if spec.get("sandbox") is not None:  # the only home and temp a sandboxed stage has
+            env.update(HOME="/tmp", TMPDIR="/tmp")
         os.environ.clear()
-        os.environ.update(spec["env"])
+        os.environ.update(env)
         argv: list[str] = list(spec["argv"])
         target = python_target(argv)
         _limit_memory(spec.get("memory_mb"), in_process=target is not None)
@@ -135,7 +141,7 @@ def run(spec: dict[str, Any], *, new_session: bool) -> NoReturn:
                 if hasattr(signal, name):
                     signal.signal(getattr(signal, name), signal.SIG_DFL)
             try:
-                os.execvpe(argv[0], argv, spec["env"])
+                os.execvpe(argv[0], argv, env)
             except OSError as e:
                 print(f"cannot execute {argv[0]!r}: {e}", file=sys.stderr)
                 os._exit(127)

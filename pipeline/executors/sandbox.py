@@ -58,6 +58,7 @@ DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 NEWROOT_CANDIDATES = ("/mnt", "/srv", "/media", "/boot", "/var/tmp", "/opt")
 UID_BASE = 200_000  # as root, stage n runs as kuid UID_BASE + (pid mod UID_SPAN): no real user's id
 UID_SPAN = 100_000
+INIT = ("/bin/cat",) if os.path.exists("/bin/cat") else ("/usr/bin/cat",)  # pid 1: lives while we hold its stdin
 SETUP_FAILED = 125  # exit code of a stage whose sandbox could not be set up (see the log)
 OFF_HINT = 'set [run] sandbox = "off" in research.toml to run unsandboxed (README: "Sandbox")'
 
@@ -137,14 +138,15 @@ def _makedirs_in(root: str, path: str, *, as_file: bool = False) -> str:
     return dst
 
 
-def python_paths() -> list[str]:
-    """The Python environment the stage needs read-only: prefixes and import paths, real paths too."""
-    paths: set[str] = set()
-    for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable), *sys.path]:
-        if p and os.path.isabs(p) and os.path.exists(p):
-            paths.add(os.path.normpath(p))
-            paths.add(os.path.realpath(p))
-    return sorted(paths)
+def python_paths() -> tuple[list[str], list[str]]:
+    """The Python environment the stage needs read-only, real paths too: (prefixes, other import paths)."""
+    def norm(ps: list[str]) -> list[str]:
+        out = {q for p in ps if p and os.path.isabs(p) and os.path.exists(p)
+               for q in (os.path.normpath(p), os.path.realpath(p))}
+        return sorted(out)
+
+    prefixes = norm([sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable)])
+    return prefixes, [p for p in norm(sys.path) if p not in prefixes]
 
 
 def _outside_system(path: str) -> bool:
@@ -153,11 +155,16 @@ def _outside_system(path: str) -> bool:
 
 def _plan(spec: dict[str, Any]) -> list[tuple[str, str]]:
     """(path, mode) binds besides the system folders: 'ro', 'rw' or 'out', outermost first."""
+    homes = {"/", "/root", "/home", os.path.realpath(os.path.expanduser("~"))}
     hidden = [os.path.realpath(h) for h in spec.get("hidden", [])]
+    prefixes, imports = python_paths()
     binds: dict[str, str] = {}
-    for p in python_paths():
-        if p in ("/", "/root", "/home") or any(h == p or h.startswith(p.rstrip("/") + "/") for h in hidden):
-            continue  # an environment path that would expose the lab state or a home: leave it out
+    for p in prefixes + imports:
+        if p in homes:
+            continue  # a whole home (or /): never mounted
+        if p in imports and any(h == p or h.startswith(p.rstrip("/") + "/") for h in hidden):
+            continue  # e.g. the source tree our package is imported from: its stages need none of it
+        # (inside a prefix, what `hidden` names is masked instead: site-packages must stay)
         if _outside_system(p) and not any(p.startswith(q + "/") for q in binds):
             binds[p] = "ro"
     for mode in ("ro", "rw"):
@@ -283,66 +290,96 @@ def _copy_out(src: str, dst_fd: int, log: list[str]) -> None:
             log.append(f"sandbox: {path} is a {kind}; not kept in the output (only regular files are)")
 
 
-def enter(spec: dict[str, Any]) -> None:
-    """Enter the sandbox. Returns only in the stage's process; the others exit as it does.
+def enter(spec: dict[str, Any], handshake: tuple[int, int] | None = None) -> None:
+    """Enter the sandbox. Returns only in the stage's process; this one exits as the stage does.
 
-    Three processes: this one (`mapper`, still in our namespaces) writes the uid/gid maps of the
-    `outer` one (only a process outside a user namespace may map a uid other than its own), which
-    builds the root and waits for the `inner` one, the stage. A set-up failure prints one line to
-    the log and exits with SETUP_FAILED before any branch code runs.
+    The process that calls this becomes the `outer` one: new user, mount, pid, ipc, uts and
+    (unless allowed) network namespaces; it builds the root, starts the namespace's init (a
+    `cat` reading a pipe: spawned, not forked, so it costs no copy of this big process) and forks
+    the stage. Only a process outside the new user namespace may map a uid other than its own,
+    so a parent maps ours: the warm worker does it (`handshake` = our ends of the two pipes
+    of `map_child`), else a forked helper of our own. A set-up failure prints one line to the log
+    and exits with SETUP_FAILED before any branch code runs.
     """
     spec = {**DEFAULTS, **spec}
-    uid, gid = os.getuid(), os.getgid()
+    uid = os.getuid()
     out_fd = os.open(spec["out"], os.O_RDONLY | os.O_DIRECTORY) if spec.get("out") else None
     nproc = int(spec["max_procs"]) + (_user_procs(uid) if uid != 0 else 0)
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
     if not spec["network"]:
         flags |= CLONE_NEWNET
+    ready_w, go_r = handshake if handshake is not None else _fork_mapper()
+    try:
+        _check(_libc.unshare(flags), "unshare")
+        os.write(ready_w, b"k")
+        if os.read(go_r, 1) != b"k":
+            _fail("the uid map was refused")
+        root = _build_root(spec)
+        init_r, init_w = os.pipe()
+        init = os.posix_spawn(INIT[0], list(INIT), {}, file_actions=[
+            (os.POSIX_SPAWN_DUP2, init_r, 0), (os.POSIX_SPAWN_OPEN, 1, "/dev/null", os.O_WRONLY, 0)])
+    except OSError as e:
+        _fail(str(e))
+    os.close(init_r)
+    for fd in (ready_w, go_r):
+        os.close(fd)
+    stage = os.fork()
+    if stage == 0:
+        os.close(init_w)
+        _become_stage(root, out_fd, uid, nproc)
+        return
+    _wait_and_exit(stage, init, spec, out_fd)
+
+
+def map_child(pid: int, ready_r: int, go_w: int) -> None:
+    """In the parent: wait until `pid` has its user namespace, then write its uid and gid maps.
+
+    As root, the stage runs as a uid of its own (UID_BASE + pid), and our own uid is mapped too
+    (to 1), so that the outer process, still uid 0, can build the root and read the bind
+    sources. Otherwise the stage keeps our uid (the only one we may map).
+    """
+    try:
+        if os.read(ready_r, 1) != b"k":
+            return  # it failed before unsharing; it says why in its log
+        uid, gid = os.getuid(), os.getgid()
+        inner_uid = UID_BASE + pid % UID_SPAN if uid == 0 else uid
+        inner_gid = UID_BASE + pid % UID_SPAN if uid == 0 else gid
+        extra = "1 0 1\n" if uid == 0 else ""
+        if uid != 0:
+            _write(f"/proc/{pid}/setgroups", "deny")
+        _write(f"/proc/{pid}/uid_map", f"0 {inner_uid} 1\n{extra}")
+        _write(f"/proc/{pid}/gid_map", f"0 {inner_gid} 1\n{extra}")
+        os.write(go_w, b"k")
+    except OSError as e:
+        print(f"sandbox: uid map of {pid}: {e}", file=sys.stderr)
+    finally:
+        os.close(ready_r)
+        os.close(go_w)
+
+
+def _fork_mapper() -> tuple[int, int]:
+    """No parent of ours maps us: fork one that does, then waits and exits as we do."""
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(ready_r)
         os.close(go_w)
-        try:
-            _check(_libc.unshare(flags), "unshare")
-            os.write(ready_w, b"k")
-            if os.read(go_r, 1) != b"k":
-                os._exit(SETUP_FAILED)
-            root = _build_root(spec)
-        except OSError as e:
-            _fail(f"{e}")
-        os.close(ready_w)
-        os.close(go_r)
-        status_r, status_w = os.pipe()
-        init = os.fork()
-        if init == 0:
-            os.close(status_r)
-            _become_stage(root, out_fd, uid, nproc)
-            _init(status_w)
-            return
-        os.close(status_w)
-        _wait_and_exit(init, spec, out_fd, status_r)
+        return ready_w, go_r
     os.close(ready_w)
     os.close(go_r)
-    if out_fd is not None:
-        os.close(out_fd)
-    if os.read(ready_r, 1) == b"k":
-        inner_id = UID_BASE + pid % UID_SPAN if uid == 0 else uid
-        inner_gid = UID_BASE + pid % UID_SPAN if uid == 0 else gid
+    map_child(pid, ready_r, go_w)
+    _wait_and_exit(pid, None, None, None)
+
+
+def _wait(pid: int) -> int:
+    while True:
         try:
-            if uid != 0:
-                _write(f"/proc/{pid}/setgroups", "deny")
-            # as root, our own id is mapped too (to 1): the outer process, still uid 0, can then
-            # create the new root and read the bind sources; the stage becomes 0 = inner_id
-            extra = "1 0 1\n" if uid == 0 else ""
-            _write(f"/proc/{pid}/uid_map", f"0 {inner_id} 1\n{extra}")
-            _write(f"/proc/{pid}/gid_map", f"0 {inner_gid} 1\n{extra}")
-            os.write(go_w, b"k")
-        except OSError as e:
-            os.kill(pid, signal.SIGKILL)
-            _fail(f"uid map: {e}")
-    _wait_and_exit(pid, None, None)
+            return os.waitpid(pid, 0)[1]
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            return 1 << 8
 
 
 def _fail(reason: str) -> NoReturn:
@@ -368,59 +405,22 @@ def _become_stage(root: str, out_fd: int | None, outer_uid: int, nproc: int) -> 
         _drop_capabilities()
     except OSError as e:
         _fail(str(e))
-    os.environ["HOME"] = "/tmp"
-    os.environ["TMPDIR"] = "/tmp"
 
 
-def _init(status_w: int) -> None:
-    """Pid 1 of the namespace: fork the stage, reap, and report the stage's wait status.
-
-    The stage is not pid 1 itself, so signals behave as for any process (the kernel ignores a
-    signal pid 1 has no handler for, even one it sends itself). When this process exits, the
-    kernel kills everything left in the namespace.
-    """
-    stage = os.fork()
-    if stage == 0:
-        os.close(status_w)
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        return
-    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-    while True:
-        try:
-            pid, status = os.waitpid(-1, 0)
-        except InterruptedError:
-            continue
-        except ChildProcessError:
-            os._exit(1)
-        if pid == stage:
-            os.write(status_w, str(status).encode())
-            os._exit(0)
-
-
-def _wait_and_exit(pid: int, spec: dict[str, Any] | None, out_fd: int | None,
-                   status_r: int | None = None) -> NoReturn:
-    """Wait for `pid`, keep what a stage wrote (the outer process), and exit as `pid` did."""
+def _wait_and_exit(pid: int, init: int | None, spec: dict[str, Any] | None, out_fd: int | None) -> NoReturn:
+    """Wait for `pid`; as the outer process, end its namespace and keep what the stage wrote; exit
+    as `pid` did."""
     import resource
 
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for sig in (signal.SIGINT, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_IGN)
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except ChildProcessError:
-            status = 1 << 8
-            break
-        except InterruptedError:
-            continue
-    if status_r is not None:  # the namespace's init reports the stage's own status
-        reported = os.read(status_r, 64)
-        if reported.isdigit():
-            status = int(reported)
+    status = _wait(pid)
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+    if init is not None:  # the stage is done: whatever it left behind dies with its namespace
+        os.kill(init, signal.SIGKILL)
+        _wait(init)  # returns once every process of the namespace is gone
     if spec is not None:  # the outer process: `pid` ran branch code, so 125 is not ours to pass on
         if code == SETUP_FAILED:
             code = 1

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from pipeline.executors import child
+from pipeline.executors import child, sandbox
 
 KILL_GRACE_S = 2.0
 
@@ -52,6 +52,7 @@ class Zygote:
 
     def start(self, msg: dict[str, Any]) -> None:
         spec = msg["spec"]
+        pipes = (*os.pipe(), *os.pipe()) if spec.get("sandbox") is not None else None
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)
@@ -60,7 +61,18 @@ class Zygote:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             for fd in self.private_fds:
                 os.close(fd)
-            child.run(spec, new_session=True)
+            handshake = None
+            if pipes is not None:
+                ready_r, ready_w, go_r, go_w = pipes
+                os.close(ready_r)
+                os.close(go_w)
+                handshake = (ready_w, go_r)
+            child.run(spec, new_session=True, handshake=handshake)
+        if pipes is not None:  # we map the child's user namespace: it saves the child a fork
+            ready_r, ready_w, go_r, go_w = pipes
+            os.close(ready_w)
+            os.close(go_r)
+            sandbox.map_child(pid, ready_r, go_w)
         job = _Job(msg["id"], pid, float(msg["timeout_s"]))
         self.jobs[pid] = job
         self.by_id[job.id] = job
