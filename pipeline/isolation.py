@@ -27,6 +27,12 @@ from pipeline.executors.base import scrub_env, thread_env
 
 UNSANDBOXED = "UNSANDBOXED"
 PROBE_TIMEOUT_S = 30.0
+KERNEL_REFUSALS = {  # what the kernel's answer to unshare() usually means
+    "unshare: No space left on device": "user namespaces are limited to 0 here (sysctl user.max_user_namespaces)",
+    "unshare: Operation not permitted": "user namespaces are not permitted here (container seccomp profile, "
+                                        "kernel.unprivileged_userns_clone = 0 or "
+                                        "kernel.apparmor_restrict_unprivileged_userns = 1)",
+}
 
 
 class SandboxUnavailable(UserError):
@@ -80,7 +86,11 @@ def _probe() -> str | None:
             return None
         text = log.read_text(errors="replace").strip() if log.is_file() else ""
         line = next((ln for ln in reversed(text.splitlines()) if ln.startswith("sandbox:")), text[-200:])
-        return line.removeprefix("sandbox: ").split("; set [run]")[0] or f"exit status {result.returncode}"
+        reason = line.removeprefix("sandbox: cannot set up (").split("); set [run]")[0]
+        for needle, why in KERNEL_REFUSALS.items():
+            if needle in reason:
+                return f"{reason}: {why}"
+        return reason or f"exit status {result.returncode}"
 
 
 @dataclass(frozen=True)
