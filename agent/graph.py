@@ -13,7 +13,6 @@ pass straight through.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -22,10 +21,10 @@ from typing import Any, TypedDict
 
 from agent.policy import Choice, Context, Feedback, Policy
 from agent.records import Hypothesis, Records
-from agent.smoke import Interrupted
 from agent.workspace import EditRejected, FileEdit, Workspace, slugify
-from pipeline import runner
-from pipeline.lab import BASELINE_SEED0, Lab, glob_match
+from pipeline.experiment import Experiment
+from pipeline.lab import Lab, glob_match
+from pipeline.smoke import Interrupted
 
 log = logging.getLogger("autoresearch.agent")
 
@@ -49,7 +48,11 @@ class Services:
     supervised: bool = False
     smoke: bool = True
     stop: threading.Event | None = None  # set when the loop is asked to stop: long steps give up early
-    smoke_runner: Any = None  # agent.smoke.SmokeRunner, started on the first smoke run
+    experiment: Experiment | None = None  # the measurement API; made from lab and store if not given
+
+    def __post_init__(self) -> None:
+        if self.experiment is None:
+            self.experiment = Experiment(self.lab, self.store)
 
 
 # ----------------------------------------------------------------------------- context
@@ -253,11 +256,10 @@ class Nodes:
         svc = self.svc
         if not svc.smoke:
             return
-        from agent.smoke import SmokeFailed, SmokeRunner, smoke_run
+        from pipeline.smoke import SmokeFailed
 
-        svc.smoke_runner = svc.smoke_runner or SmokeRunner(svc.lab)
         try:
-            smoke_run(svc.lab, svc.workspace.repo.git, base, files, stop=svc.stop, runner=svc.smoke_runner)
+            svc.experiment.smoke(base, files, stop=svc.stop)
         except SmokeFailed as e:
             raise EditRejected("smoke_failed", str(e)) from None
 
@@ -317,10 +319,9 @@ class Nodes:
         if h.status != "measuring":
             return {"route": "measure" if h.status == "deciding" else ""}
         ids = queue_look(svc, h)
-        runs = svc.store.runs(ids)
-        if any(r.status not in ("done", "failed") for r in runs):
+        if not svc.experiment.finished(ids):
             return {"route": "waiting"}
-        result = gate_look(svc, h)
+        result = svc.experiment.judge_look(h.base_commit, h.commit, h.look)
         svc.store.put_gate_record(str(h.id), h.look, result)
         rec.update(h.id, verdict=result.verdict or "inconclusive", status="deciding")
         return {"route": "measure"}
@@ -442,37 +443,13 @@ def promote(svc: Services, h: Hypothesis) -> dict[str, Any]:
         new, tag = svc.workspace.promote(h.commit, f"promote hyp {h.id}: {h.title}")
     except PromotionConflict as e:
         return {"decision": "abandon", "rationale_decision": f"promotion refused: {e}"}
-    cfg = svc.lab.config
-    # fresh runs on the baseline seeds, which no challenger uses: the champion re-verifies on seeds
-    # it was not selected on (a fast-forward keeps the commit, so its challenger runs stay as history)
-    runner.ensure_runs(svc.store, svc.lab, new, svc.lab.tasks(), cfg.gate.baseline_seeds(), label=tag)
+    svc.experiment.queue_champion(new, tag)
     return {"promoted_tag": tag}
 
 
 def reverification(svc: Services, h: Hypothesis) -> dict[str, Any] | None:
-    """How the champion of a promotion did on its fresh baseline seeds, against the runs it was
-    selected on (the winner's curse, measured). None until every fresh run has finished."""
-    lab, cfg = svc.lab, svc.lab.config
-    tasks = lab.tasks()
-    new = runner.resolve_commit(lab, h.promoted_tag)
-    fresh = runner.results(svc.store, lab, new, tasks)
-    chosen = runner.results(svc.store, lab, h.commit, tasks)
-    seeds, picked = list(cfg.gate.baseline_seeds()), list(look_seeds(h, svc.lab))
-    if any(s not in fresh.get(t, {}) for t in tasks for s in seeds):
-        return None
-    rows, sign = [], 1.0 if cfg.benchmark.higher_is_better else -1.0
-    for t in tasks:
-        f = [v for s in seeds if (v := fresh[t].get(s)) is not None]
-        c = [v for s in picked if (v := chosen.get(t, {}).get(s)) is not None]
-        if f and c:
-            rows.append({"task": t, "fresh": sum(f) / len(f), "selected": sum(c) / len(c), "fresh_runs": len(f)})
-    if not rows:
-        return None
-    fresh_mean = sum(r["fresh"] for r in rows) / len(rows)
-    sel_mean = sum(r["selected"] for r in rows) / len(rows)
-    return {"tag": h.promoted_tag, "tasks": rows, "fresh_mean": fresh_mean, "selected_mean": sel_mean,
-            "shrinkage": fresh_mean - sel_mean,
-            "tasks_worse": sum(sign * (r["fresh"] - r["selected"]) < 0 for r in rows), "fresh_seeds": seeds}
+    """How the champion of a promotion held up on its fresh baseline seeds (None until they are in)."""
+    return svc.experiment.reverification(h.promoted_tag, h.commit, h.base_commit, h.look or 0)
 
 
 def check_not_measured(svc: Services, h: Hypothesis, tree: str) -> None:
@@ -489,60 +466,9 @@ def check_not_measured(svc: Services, h: Hypothesis, tree: str) -> None:
             raise EditRejected("duplicate", f"the same code as {tag}: measured already as a baseline")
 
 
-def look_seeds(h: Hypothesis, lab: Lab | None = None) -> range:
-    """The challenger's seeds at its current look: a block of its own per baseline generation."""
-    from pipeline.lab import GateSection
-
-    generation = baseline_generation(str(lab.root), h.base_commit) if lab is not None and h.base_commit else 0
-    return GateSection.challenger_seeds(h.look or 0, generation)
-
-
-@functools.lru_cache(maxsize=256)
-def baseline_generation(root: str, commit: str) -> int:
-    """How many promotions (tags baseline/v*) the commit's history holds: 0 for the first baseline."""
-    import git
-
-    out = git.Repo(root).git.tag("--merged", commit, "--list", "baseline/v*")
-    return len(out.split())
-
-
 def queue_look(svc: Services, h: Hypothesis) -> list[int]:
-    """Queue (idempotently) the baseline's runs and the challenger's runs for the current look."""
-    lab, cfg = svc.lab, svc.lab.config
-    tasks = lab.tasks()
-    ids = runner.ensure_runs(svc.store, lab, h.base_commit, tasks, cfg.gate.baseline_seeds(), label="baseline")
-    ids += runner.ensure_runs(svc.store, lab, h.commit, tasks, look_seeds(h, svc.lab), label=h.branch, priority=1)
-    return ids
-
-
-def gate_look(svc: Services, h: Hypothesis):
-    """The gate's result at the current look, from the store's results (never from the policy)."""
-    from pipeline.gate import GateConfig, evaluate
-
-    lab, cfg = svc.lab, svc.lab.config
-    tasks = lab.tasks()
-    base = runner.results(svc.store, lab, h.base_commit, tasks)
-    chal = runner.results(svc.store, lab, h.commit, tasks)
-    base_seeds = cfg.gate.baseline_seeds()
-    looks_done = [n for n in cfg.gate.looks if n < h.look]
-    inp = {
-        "config": GateConfig.from_lab(cfg).model_dump(),
-        "tasks": [
-            {
-                "task": t,
-                "baseline": [base.get(t, {}).get(s) for s in base_seeds],
-                # an infrastructure failure that exhausted its retries has no result: count it as failed
-                "challenger": [chal.get(t, {}).get(s) for s in look_seeds(h, svc.lab)],
-                # the variance prior: every run of the baseline commit on baseline seeds (gate runs and
-                # variance studies), not the runs a promoted champion was selected on
-                "history": [v for s, v in sorted(base.get(t, {}).items()) if s >= BASELINE_SEED0],
-            }
-            for t in tasks
-        ],
-        "looks_done": looks_done,
-        "at_look": True,
-    }
-    return evaluate(inp)
+    """Queue (idempotently) the runs of the hypothesis's current look: the baseline's and its own."""
+    return svc.experiment.queue_look(h.base_commit, h.commit, h.look or 0, label=h.branch)
 
 
 # ----------------------------------------------------------------------------- graph

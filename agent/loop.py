@@ -96,8 +96,7 @@ class Loop:
 
     def close(self) -> None:
         """Stop the smoke runs' worker and release the checkpointer's connection (the store stays readable)."""
-        if self.svc.smoke_runner is not None:
-            self.svc.smoke_runner.close()
+        self.svc.experiment.close()
         conn = getattr(self.checkpointer, "conn", None)
         if conn is not None:
             conn.close()
@@ -210,7 +209,7 @@ class Loop:
     def advance(self, h: Hypothesis) -> Hypothesis:
         """One pass of the hypothesis's graph. An unexpected error is recorded, and after
         MAX_GRAPH_FAILURES of them the hypothesis is given up: one broken idea must not stop the loop."""
-        from agent.smoke import Interrupted
+        from pipeline.smoke import Interrupted
 
         config = {"configurable": {"thread_id": str(h.id)}}
         before = (h.status, h.look, h.verdict)

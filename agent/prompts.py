@@ -11,6 +11,7 @@ otherwise. Literal braces are written `{{` and `}}`.
 
 from __future__ import annotations
 
+import importlib.resources
 import re
 import string
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+# The top-level `prompts/` folder, shipped inside the package as `agent/prompt_files` (a link in the
+# source tree, real files in a wheel): found the same way from a checkout and from an installed wheel.
+PROMPTS_DIR = Path(str(importlib.resources.files("agent") / "prompt_files"))
 
 _LEADING_COMMENT = re.compile(r"\A\s*<!--.*?-->\s*", re.DOTALL)
 _IDENTIFIER = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]*\Z")

@@ -79,12 +79,8 @@ class RunSection(_Strict):
     max_procs: int = Field(default=256, ge=8)  # processes (and threads) one stage may run
 
 
-# Seeds. A baseline's own runs use seeds BASELINE_SEED0, BASELINE_SEED0 + 1, ...; the challengers of
-# the baseline that has had g promotions use seeds g * SEED_BLOCK, g * SEED_BLOCK + 1, ... So the two
-# arms of a comparison never share a seed; a promoted champion re-verifies on seeds it was not
-# selected on; and its own challengers never replay the lucky seeds it was selected on (with
-# deterministic training, a no-op of the champion would reproduce them run for run). Challengers
-# of one baseline share their seeds, hence their seed-scoped stages (pretraining) through the cache.
+# Seeds (the scheme is pipeline.experiment's): challengers of a baseline with g promotions use
+# g * SEED_BLOCK + i, a baseline's own runs BASELINE_SEED0 + i; the bounds below keep them apart.
 SEED_BLOCK = 1000
 BASELINE_SEED0 = 1_000_000
 
@@ -107,16 +103,6 @@ class GateSection(_Strict):
         if looks[-1] > SEED_BLOCK:
             raise ValueError(f"expected at most {SEED_BLOCK} runs at the last look")
         return looks
-
-    def baseline_seeds(self) -> range:
-        """The seeds of a baseline's own runs (disjoint from every challenger's)."""
-        return range(BASELINE_SEED0, BASELINE_SEED0 + self.baseline_runs)
-
-    @staticmethod
-    def challenger_seeds(n_runs: int, generation: int = 0) -> range:
-        """The seeds of the first `n_runs` runs of a challenger of a baseline with `generation` promotions."""
-        start = (generation % (BASELINE_SEED0 // SEED_BLOCK)) * SEED_BLOCK
-        return range(start, start + n_runs)
 
 
 class AgentSection(_Strict):

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from pipeline import runner
-from pipeline.lab import BASELINE_BRANCH, BASELINE_SEED0, Lab
+from pipeline.experiment import baseline_seeds
+from pipeline.lab import BASELINE_BRANCH, Lab
 
 
 def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASELINE_BRANCH,
@@ -21,7 +22,7 @@ def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASEL
 
     tasks = lab.tasks()
     sha = runner.resolve_commit(lab, commit)
-    seeds = range(BASELINE_SEED0, BASELINE_SEED0 + runs)  # the baseline's own seeds: its gate runs are reused
+    seeds = baseline_seeds(runs)  # the baseline's own seeds: its gate runs are reused
     ids = runner.ensure_runs(store, lab, sha, tasks, seeds, label="variance study")
     with runner.Driver(lab, store, executor) as driver:
         driver.drive(until=ids, stop=stop)

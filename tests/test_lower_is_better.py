@@ -225,17 +225,19 @@ def test_re_verification_of_a_logloss_champion_calls_a_rise_worse(svc, monkeypat
     that is worse on every task (the old line said "3/3 tasks lower", which read as better)."""
     from agent import graph
     from agent.loop import reverification_message
+    from pipeline import experiment
 
     h, _ = _measure(svc, {"default": -8.0, "churn": -8.0, "fraud": -8.0})
     h = svc.records.update(h.id, promoted_tag="baseline/v1")
     tasks = svc.lab.tasks()
-    fresh_seeds, picked = list(svc.lab.config.gate.baseline_seeds()), list(graph.look_seeds(h, svc.lab))
+    fresh_seeds = list(svc.experiment.baseline_seeds())
+    picked = list(svc.experiment.challenger_seeds(h.base_commit, h.look))
 
     def plant(fresh_shift: float):
         table = {"NEW": {t: {s: LEVELS[t] + fresh_shift for s in fresh_seeds} for t in tasks},
                  h.commit: {t: {s: LEVELS[t] for s in picked} for t in tasks}}
-        monkeypatch.setattr(graph.runner, "resolve_commit", lambda lab, ref: "NEW")
-        monkeypatch.setattr(graph.runner, "results", lambda store, lab, commit, tasks: table[commit])
+        monkeypatch.setattr(experiment.runner, "resolve_commit", lambda lab, ref: "NEW")
+        monkeypatch.setattr(experiment.runner, "results", lambda store, lab, commit, tasks: table[commit])
         return graph.reverification(svc, h)
 
     worse = plant(+0.02)

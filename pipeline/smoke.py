@@ -1,5 +1,7 @@
 """The smoke run: a candidate implementation runs its whole stage DAG on a tiny dataset first.
 
+Part of the measurement API (`pipeline.experiment.Experiment.smoke`).
+
 Minutes of benchmark compute are not spent on code that crashes in its first second. The smoke run
 uses the same stage commands, a scrubbed environment, the sealed scorer, and a throwaway copy of
 the files (the baseline's tree plus the edited files), so it needs no worktree and no commit.
@@ -21,6 +23,8 @@ import uuid
 from io import BytesIO
 from pathlib import Path
 from typing import Any
+
+import git
 
 from pipeline import isolation
 from pipeline.dag import render
@@ -117,7 +121,7 @@ class SmokeRunner:
             self._executor = None
 
 
-def smoke_run(lab: Lab, repo_git, base: str, files: dict[str, str], timeout_s: float = 300.0,
+def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float = 300.0,
               stop: threading.Event | None = None, runner: SmokeRunner | None = None) -> float:
     """Run every stage once (first task, seed 0) on tiny data; return the metric or raise SmokeFailed.
 
@@ -136,7 +140,7 @@ def smoke_run(lab: Lab, repo_git, base: str, files: dict[str, str], timeout_s: f
             code, outs = Path(tmp) / "code", Path(tmp) / "out"
             # the stage logs outlive the smoke run: a rejected implementation's reason points at them
             logs = lab.state / "logs" / "smoke" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-            materialize(repo_git, base, files, code)
+            materialize(git.Repo(lab.root).git, base, files, code)
             logs.mkdir(parents=True)
             values = {"data": str(prepared.public), "task": task, "seed": "0"}
             done: dict[str, Path] = {}
