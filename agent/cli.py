@@ -379,11 +379,41 @@ def trust(
                        "commit; results measured before were scored by the previous ones", err=True)
 
 
+GLOBAL_OPTIONS = ("--repo", "--db")
+
+
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """`--repo`/`--db` are accepted after the command name too: move them before it.
+
+    `autoresearch status --repo X` then means `autoresearch --repo X status`. Nothing after `--` moves.
+    """
+    cmd = 0
+    while cmd < len(argv) and argv[cmd].startswith("-"):
+        cmd += 2 if argv[cmd] in GLOBAL_OPTIONS else 1  # a global option's value is not the command
+    hoisted: list[str] = []
+    rest: list[str] = []
+    i = cmd + 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest += argv[i:]
+            break
+        if arg.split("=", 1)[0] in GLOBAL_OPTIONS and ("=" in arg or i + 1 < len(argv)):
+            take = 1 if "=" in arg else 2
+            hoisted += argv[i:i + take]
+            i += take
+            continue
+        rest.append(arg)
+        i += 1
+    return argv[:cmd] + hoisted + argv[cmd:cmd + 1] + rest
+
+
 def main() -> None:
     """Console-script entry point: user errors become one line and exit code 2.
 
     Usage errors (unknown command or option) are typer's own, also exit code 2.
     """
+    sys.argv[1:] = hoist_global_options(sys.argv[1:])
     try:
         app()
     except UserError as e:

@@ -25,3 +25,20 @@ def test_help_imports_nothing_heavy():
 def test_unknown_command_is_usage_error():
     proc = subprocess.run([sys.executable, "-m", "agent.cli", "no-such-command"], capture_output=True, text=True)
     assert proc.returncode == 2
+
+
+def test_repo_and_db_are_accepted_after_the_command_name(tmp_path):
+    from agent.labinit import init_lab
+
+    lab = init_lab(tmp_path / "lab", harness="command")
+    db = f"sqlite:///{tmp_path / 'other.db'}"
+    before = subprocess.run([sys.executable, "-m", "agent.cli", "--repo", str(lab), "--db", db, "status", "--json"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    after = subprocess.run([sys.executable, "-m", "agent.cli", "status", "--json", f"--repo={lab}", "--db", db],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert before.returncode == 0 and after.returncode == 0, after.stderr
+    assert before.stdout == after.stdout and '"lab": "mylab"' in after.stdout
+    assert (tmp_path / "other.db").is_file() and not (lab / "runs" / "autoresearch.db").exists()
+    wrong = subprocess.run([sys.executable, "-m", "agent.cli", "status", "--repo", str(tmp_path)],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "research.toml" in wrong.stderr
