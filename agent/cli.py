@@ -200,6 +200,8 @@ def run_cmd(
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Run slots (default: cores / run.cpus)."),
     ray_address: Optional[str] = typer.Option(os.environ.get("RAY_ADDRESS"), "--ray-address", help="Ray cluster (env RAY_ADDRESS)."),
     offline: bool = typer.Option(False, "--offline", help="Use the offline policy even if an LLM is configured."),
+    policy: Optional[str] = typer.Option(None, "--policy",
+                                         help="A policy by name (llm, offline); default: the LLM if configured."),
     supervised: bool = typer.Option(False, "--supervised", help="Hold promotions until a human approves them."),
 ) -> None:
     """The autonomous loop: propose, implement, measure, decide, summarize."""
@@ -207,14 +209,16 @@ def run_cmd(
 
     from agent.loop import Loop, LoopOptions
     from pipeline.errors import UserError as _UserError
+    from pipeline.executors import EXECUTORS
     from pipeline.lab import load_lab
 
-    if executor not in ("local", "ray"):
-        raise _UserError(f"unknown executor {executor!r}; expected local or ray")
+    if executor not in EXECUTORS:
+        raise _UserError(f"unknown executor {executor!r}; expected one of {sorted(EXECUTORS)}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     lab = load_lab(Ctx.repo)
     opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever, executor=executor,
-                       workers=workers, ray_address=ray_address, offline=offline, supervised=supervised, db=Ctx.db)
+                       workers=workers, ray_address=ray_address, offline=offline, policy=policy, supervised=supervised,
+                       db=Ctx.db)
     loop = Loop(lab, opts, progress=_progress_printer())
     loop.install_signals()
     try:

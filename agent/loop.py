@@ -38,6 +38,7 @@ class LoopOptions:
     workers: int | None = None
     ray_address: str | None = None
     offline: bool = False
+    policy: str | None = None  # a name in agent.policy.POLICIES; None: the first configured one
     supervised: bool = False
     smoke: bool = True
     db: str | None = None
@@ -55,21 +56,11 @@ def reverification_message(r: dict[str, Any], metric: str, higher_is_better: boo
             f"{r['tasks_worse']}/{len(r['tasks'])} tasks worse)")
 
 
-def choose_policy(lab: Lab, store: Any, offline: bool):
-    from agent.policy import OfflinePolicy
+def choose_policy(lab: Lab, store: Any, offline: bool, name: str | None = None):
+    """`--policy NAME`, `--offline` (= offline), or the first configured policy of the registry."""
+    from agent.policy import make_policy
 
-    if offline:
-        return OfflinePolicy()
-    from agent.llm import LLMClient
-
-    if not LLMClient.configured():
-        return OfflinePolicy()
-    from agent.ledger import Ledger
-    from agent.policy import LLMPolicy
-
-    client = LLMClient.from_env(lab.config.agent.model, Ledger(store.engine),
-                                max_usd_per_day=lab.config.agent.max_usd_per_day)
-    return LLMPolicy(client)
+    return make_policy(lab, store, "offline" if offline else name)
 
 
 class Loop:
@@ -81,7 +72,7 @@ class Loop:
         self.say = progress or (lambda msg: log.info(msg))
         self.store = runner.open_store(lab, opts.db)
         self.records = Records(self.store)
-        self.policy = choose_policy(lab, self.store, opts.offline)
+        self.policy = choose_policy(lab, self.store, opts.offline, opts.policy)
         self.stop = threading.Event()
         self.svc = Services(lab, self.store, self.records, Workspace(lab), self.policy, opts.supervised, opts.smoke,
                             stop=self.stop)
@@ -152,8 +143,8 @@ class Loop:
 
     def llm_budget_spent(self) -> bool:
         """Whether today's LLM spend reached the cap; said once (in `status` too) when it does."""
-        client = getattr(self.policy, "client", None)
-        cap = getattr(client, "max_usd_per_day", None)
+        client = self.policy.llm
+        cap = getattr(client, "max_usd_per_day", None) if client is not None else None
         if client is None or cap is None:
             return False
         spent = client.spent_today()

@@ -10,6 +10,7 @@ import itertools
 import json
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,6 +70,7 @@ class Feedback:
 class Policy(Protocol):
     name: str
     can_repair: bool  # whether `implement` can answer a rejection with other edits
+    llm: Any  # its `agent.llm.LLMClient` (summaries are then LLM-written; spend is guarded), or None
 
     def propose(self, ctx: Context) -> Proposal | None: ...
 
@@ -147,6 +149,7 @@ class OfflinePolicy:
 
     name = "offline"
     can_repair = False
+    llm = None
 
     def propose(self, ctx: Context) -> Proposal | None:
         space = ctx.search_space
@@ -297,6 +300,10 @@ class LLMPolicy:
     def __init__(self, client: Any):
         self.client = client
 
+    @property
+    def llm(self) -> Any:
+        return self.client
+
     def _messages(self, ctx: Context, name: str, **values: Any) -> list[dict[str, str]]:
         from agent import prompts
 
@@ -348,3 +355,52 @@ class LLMPolicy:
             fallback = "abandon" if "abandon" in allowed else allowed[-1]
             return Choice(fallback, f"the model chose {out['decision']!r}, which the verdict does not allow")
         return Choice(out["decision"], out["rationale"].strip(), out.get("follow_up", "").strip())
+
+
+# ----------------------------------------------------------------------------- registry
+
+PolicyFactory = Callable[[Any, Any], Policy]
+"""(lab, store) → a policy; raises `NotConfigured` where it cannot work here (no endpoint)."""
+
+
+class NotConfigured(Exception):
+    """A policy that needs something this machine does not have (an LLM endpoint)."""
+
+
+def _offline(lab: Any, store: Any) -> Policy:
+    return OfflinePolicy()
+
+
+def _llm(lab: Any, store: Any) -> Policy:
+    from agent.ledger import Ledger
+    from agent.llm import LLMClient
+
+    if not LLMClient.configured():
+        raise NotConfigured("no LLM endpoint: set OPENAI_BASE_URL and/or OPENAI_API_KEY")
+    client = LLMClient.from_env(lab.config.agent.model, Ledger(store.engine),
+                                max_usd_per_day=lab.config.agent.max_usd_per_day)
+    return LLMPolicy(client)
+
+
+# name → factory, in order of preference when none is named: the first that is configured wins.
+# A new policy is one class and one line here (or, from a plugin, `POLICIES["name"] = factory`).
+POLICIES: dict[str, PolicyFactory] = {"llm": _llm, "offline": _offline}
+
+
+def make_policy(lab: Any, store: Any, name: str | None = None) -> Policy:
+    """The policy `name`, or the first configured one (the LLM with an endpoint, else offline)."""
+    from pipeline.errors import UserError
+
+    if name is not None:
+        if name not in POLICIES:
+            raise UserError(f"unknown policy {name!r}; expected one of {sorted(POLICIES)}")
+        try:
+            return POLICIES[name](lab, store)
+        except NotConfigured as e:
+            raise UserError(f"policy {name!r}: {e}") from None
+    for factory in POLICIES.values():
+        try:
+            return factory(lab, store)
+        except NotConfigured:
+            continue
+    return OfflinePolicy()

@@ -229,7 +229,7 @@ def llm_prose(svc: Any, h: Hypothesis, result: Any, evidence: str, diff_stat: st
     """The LLM's prose, checked number by number against what it was shown; else `fallback`."""
     from agent import prompts
 
-    client = svc.policy.client
+    client = svc.policy.llm
     cfg = svc.lab.config
     values = {
         "title": h.title, "rationale": h.rationale or "(none given)",
@@ -277,7 +277,7 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
     diff_stat, diff, files = _diff_parts(svc, h)
     compute = compute_line(svc, h)
     prose = template_prose(h, result, files, svc.lab.config.benchmark.metric)
-    if result is not None and getattr(svc.policy, "name", "") == "llm" and hasattr(svc.policy, "client"):
+    if result is not None and svc.policy.llm is not None:
         prose = llm_prose(svc, h, result, evidence, diff_stat, diff, compute, prose)
     from agent.pictures import forest_path, progress_path
 

@@ -589,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.runner", description=main.__doc__)
     p.add_argument("lab", type=Path)
     p.add_argument("--db", default=None, help="store URL (default SQLite in runs/)")
-    p.add_argument("--executor", default="local", choices=["local", "ray"])
+    p.add_argument("--executor", default="local", help="a name in pipeline.executors.EXECUTORS")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--ray-address", default=None)
     p.add_argument("--preload", default=None, help="comma-separated modules the warm worker imports")

@@ -1,4 +1,4 @@
-"""Executors: where stage processes run. To add one, implement `Executor` (base.py) and list it here.
+"""Executors: where stage processes run. To add one, implement `Executor` (base.py) and register it in `EXECUTORS`.
 
 - `local` (default): warm forked workers on this machine (local.py).
 - `ray`: tasks on a Ray cluster (ray_executor.py); Ray is imported only when chosen.
@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from pipeline.executors.base import (
     ExecutorError,
@@ -22,28 +23,42 @@ from pipeline.executors.base import (
 if TYPE_CHECKING:
     from pipeline.lab import Lab
 
-EXECUTORS = ("local", "ray")
+ExecutorFactory = Callable[..., Executor]
+"""(lab, *, workers, ray_address, preload) → an executor sized from the lab's `[run]`."""
 
 
-def make_executor(kind: Literal["local", "ray"] | str, lab: "Lab", *, workers: int | None = None,
+def _local(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: tuple[str, ...] | None) -> Executor:
+    from pipeline.executors.local import DEFAULT_PRELOAD, LocalExecutor
+
+    run = lab.config.run
+    logs = lab.state / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return LocalExecutor(cpus=run.cpus, gpus=run.gpus, slots=workers,
+                         preload=DEFAULT_PRELOAD if preload is None else preload, worker_log=Path(logs) / "worker.log")
+
+
+def _ray(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: tuple[str, ...] | None) -> Executor:
+    from pipeline.executors.ray_executor import RayExecutor
+    from pipeline.worktrees import Worktrees
+
+    run = lab.config.run
+    return RayExecutor(Worktrees(lab.root, lab.state), address=ray_address, cpus=run.cpus, gpus=run.gpus,
+                       slots=workers)
+
+
+# name → factory: `--executor NAME`. A new executor is one module and one line here (or, from a
+# plugin, `EXECUTORS["name"] = factory`).
+EXECUTORS: dict[str, ExecutorFactory] = {"local": _local, "ray": _ray}
+
+
+def make_executor(kind: str, lab: "Lab", *, workers: int | None = None,
                   ray_address: str | None = None, preload: tuple[str, ...] | None = None) -> Executor:
     """The executor the CLI's `--executor/--workers/--ray-address` ask for, sized from `[run]`."""
-    run = lab.config.run
-    if kind == "local":
-        from pipeline.executors.local import DEFAULT_PRELOAD, LocalExecutor
-
-        logs = lab.state / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        return LocalExecutor(cpus=run.cpus, gpus=run.gpus, slots=workers,
-                             preload=DEFAULT_PRELOAD if preload is None else preload,
-                             worker_log=Path(logs) / "worker.log")
-    if kind == "ray":
-        from pipeline.executors.ray_executor import RayExecutor
-        from pipeline.worktrees import Worktrees
-
-        return RayExecutor(Worktrees(lab.root, lab.state), address=ray_address, cpus=run.cpus, gpus=run.gpus,
-                           slots=workers)
-    raise UnknownExecutorError(f"unknown executor {kind!r}; expected one of {list(EXECUTORS)}")
+    factory = EXECUTORS.get(kind)
+    if factory is None:
+        raise UnknownExecutorError(f"unknown executor {kind!r}; expected one of {sorted(EXECUTORS)}")
+    return factory(lab, workers=workers, ray_address=ray_address, preload=preload)
 
 
-__all__ = ["Executor", "ExecutorError", "UnknownExecutorError", "JobResult", "StageJob", "classify", "scrub_env", "make_executor", "EXECUTORS"]
+__all__ = ["Executor", "ExecutorError", "UnknownExecutorError", "JobResult", "StageJob", "classify", "scrub_env",
+           "make_executor", "EXECUTORS"]

@@ -1,0 +1,137 @@
+"""The seams: a harness, an executor and a policy are each one class registered by name; a toy of
+each, defined here, plugs in and runs through the real driver and the real loop."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.policy import POLICIES, Choice, OfflinePolicy, Proposal
+from agent_fixtures import REPO
+from exec_fixtures import TASKS, make_lab
+from pipeline import runner
+from pipeline.executors import EXECUTORS, JobResult, StageJob, make_executor
+from pipeline.harness import HARNESSES
+
+BASE = "autoresearch/baseline"
+
+
+class SerialExecutor:
+    """A toy executor: one stage at a time, each in a fresh interpreter through child.py (so in the
+    same sandbox), run to the end inside `submit`."""
+
+    name = "serial"
+
+    def __init__(self) -> None:
+        self.done: list[JobResult] = []
+        self.submitted = 0
+
+    @property
+    def slots(self) -> int:
+        return 1
+
+    def submit(self, job: StageJob) -> None:
+        self.submitted += 1
+        spec = {"argv": job.argv, "cwd": str(job.cwd), "env": {"PATH": "/usr/bin:/bin"}, "log": str(job.log_path),
+                "cpus": job.cpus, "memory_mb": job.memory_mb, "sandbox": job.sandbox}
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pipeline.executors.child", json.dumps(spec)], cwd=REPO,
+                              timeout=job.timeout_s)
+        status = "ok" if proc.returncode == 0 else "exit"
+        self.done.append(JobResult(job.job_id, status, exit_code=proc.returncode, wall_s=time.monotonic() - t0))
+
+    def poll(self, timeout: float = 0.0) -> list[JobResult]:
+        done, self.done = self.done, []
+        return done
+
+    def cancel(self, job_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    monkeypatch.setitem(EXECUTORS, "serial", lambda lab, **_: SerialExecutor())
+    monkeypatch.setitem(HARNESSES, "tiny", "exec_fixtures:TinyHarness")
+
+
+def test_a_registered_harness_and_executor_measure_like_the_local_executor(registered, tmp_path: Path) -> None:
+    from pipeline.lab import load_lab
+
+    made = make_lab(tmp_path / "lab")
+    lab = load_lab(made.root)  # "tiny" is now a harness by name: the lab validates and loads
+    assert lab.tasks()[:3] == TASKS
+    store = runner.open_store(lab)
+    ids = runner.ensure_runs(store, lab, BASE, TASKS, [0, 1])
+    executor = make_executor("serial", lab)
+    with runner.Driver(lab, store, executor) as d:
+        d.drive(until=ids, timeout_s=120)
+    serial = runner.results(store, lab, BASE, TASKS)
+    assert executor.submitted == 2 + 6  # one pretraining per seed, one fine-tuning per run
+
+    other = make_lab(tmp_path / "reference")
+    ref_store = runner.open_store(other)
+    ids = runner.ensure_runs(ref_store, other, BASE, TASKS, [0, 1])
+    with runner.Driver(other, ref_store, make_executor("local", other, preload=("numpy",))) as d:
+        d.drive(until=ids, timeout_s=120)
+    assert serial == runner.results(ref_store, other, BASE, TASKS)
+    assert all(isinstance(v, float) for seeds in serial.values() for v in seeds.values())
+
+
+def test_an_unknown_executor_is_one_line(registered, tmp_path: Path) -> None:
+    from pipeline.errors import UserError
+
+    with pytest.raises(UserError, match=r"unknown executor 'nope'; expected one of \['local', 'ray', 'serial'\]"):
+        make_executor("nope", make_lab(tmp_path / "lab"))
+
+
+class OneIdea:
+    """A toy policy: one idea (a config edit), decisions as the gate says, no LLM."""
+
+    name = "one-idea"
+    can_repair = False
+    llm = None
+
+    def __init__(self) -> None:
+        self.proposed = False
+
+    def propose(self, ctx: Any) -> Proposal | None:
+        if self.proposed:
+            return None
+        self.proposed = True
+        from agent.policy import config_edit
+
+        return Proposal(title="Squared features", rationale="The labels bend.", expected_effect="lower logloss",
+                        expected_tasks=list(ctx.tasks), change={"train.features": "squares"},
+                        plan=[config_edit(ctx.files["config.toml"], "train.features", "squares").to_dict()])
+
+    def implement(self, ctx: Any, hyp: Any, feedback: Any) -> list:
+        raise AssertionError("the plan carries the edits")
+
+    def decide(self, ctx: Any, hyp: Any, verdict: str, evidence: str, allowed: list[str], look: str) -> Choice:
+        return OfflinePolicy().decide(ctx, hyp, verdict, evidence, allowed, look)
+
+
+def test_a_registered_policy_drives_the_real_loop(monkeypatch, tmp_path: Path) -> None:
+    from agent.labinit import init_lab
+    from agent.loop import Loop, LoopOptions
+    from pipeline.lab import load_lab
+
+    monkeypatch.setitem(POLICIES, "one-idea", lambda lab, store: OneIdea())
+    root = init_lab(tmp_path / "lab", harness="command")
+    loop = Loop(load_lab(root), LoopOptions(max_hypotheses=1, policy="one-idea", workers=2))
+    try:
+        loop.run()
+    finally:
+        loop.close()
+    h = loop.records.get(1)
+    assert (h.origin, h.title, h.status) == ("one-idea", "Squared features", "done")
+    assert h.verdict == "improvement" and h.decision == "promote", (h.verdict, h.decision)
