@@ -55,7 +55,8 @@ def spec_for(lab: Any, *, ro: list[Path | str], out: Path | str | None = None,
     return {
         "ro": [str(p) for p in ro], "rw": [str(p) for p in rw], "out": str(out) if out is not None else None,
         "network": run.network, "out_max_mb": run.out_max_mb, "tmp_max_mb": run.tmp_max_mb,
-        "max_procs": run.max_procs, "hidden": [*package_dirs(), str(lab.state)],
+        # the lab itself (its working tree and runs/): only the views and folders above are the stage's
+        "max_procs": run.max_procs, "hidden": [*package_dirs(), str(lab.root), str(lab.state)],
     }
 
 

@@ -287,7 +287,10 @@ class Lab:
         return any(glob_match(path, g) for g in self.config.benchmark.trusted)
 
     def stage_sees(self, stage: StageSpec, path: str) -> bool:
-        """Hermetic stages: of the editable files, a stage sees only those its `inputs` declare."""
+        """Hermetic stages: of the editable files, a stage sees only those its `inputs` declare; the
+        trusted harness files never (a stage that could run `prepare` would regenerate the labels)."""
+        if self.is_trusted(path):
+            return False
         return not self.is_editable(path) or any(glob_match(path, p.partition("#")[0]) for p in stage.inputs)
 
     def undeclared_editable(self, paths: list[str]) -> list[str]:

@@ -140,7 +140,10 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float = 300
             code, outs = Path(tmp) / "code", Path(tmp) / "out"
             # the stage logs outlive the smoke run: a rejected implementation's reason points at them
             logs = lab.state / "logs" / "smoke" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-            materialize(git.Repo(lab.root).git, base, files, code)
+            try:
+                materialize(git.Repo(lab.root).git, base, files, code)
+            except (tarfile.TarError, OSError) as e:  # e.g. a symlink out of the tree
+                raise SmokeFailed(f"the commit's files cannot be laid out: {e}") from None
             logs.mkdir(parents=True)
             values = {"data": str(prepared.public), "task": task, "seed": "0"}
             done: dict[str, Path] = {}

@@ -200,7 +200,11 @@ class Worktrees:
         declare finds it missing, instead of a cache key that ignores it. Views never change once
         made (`runs/views/<hash of commit and file list>`), so they are shared and built once.
         """
-        files = {p: b for p, b in self.files_at(commit).items() if visible(p)}
+        tree = self.files_at(commit)
+        links = {p for p, b in tree.items() if b.mode == 0o120000}
+        # a malformed tree can hold both a symlink `a` and a file `a/x`: never write through the link
+        files = {p: b for p, b in tree.items() if visible(p)
+                 and not any("/".join(p.split("/")[:i]) in links for i in range(1, p.count("/") + 1))}
         digest = hashlib.sha256(json.dumps([commit, sorted(files)]).encode()).hexdigest()[:32]
         final = self.views / digest
         if final.is_dir():

@@ -241,6 +241,31 @@ for pid in children:
     os.waitpid(pid, 0)
 print(("ATTACK i BLOCKED: " + "; ".join(blocked)) if len(blocked) == 3 else f"ATTACK i SUCCEEDED: {blocked}", file=sys.stderr)
 ''',
+    # (j) the trusted data preparation regenerates the sealed labels from the data seed
+    "j": '''
+import subprocess
+lab = Path.cwd().parents[1]
+found = [p for p in (Path.cwd() / "prepare.py", lab / "prepare.py") if p.is_file()]
+if found:
+    for d in ("/tmp/j-data", "/tmp/j-sealed"):
+        os.makedirs(d, exist_ok=True)
+    subprocess.run([sys.executable, str(found[0]), "--seed", "0", "--out", "/tmp/j-data", "--sealed", "/tmp/j-sealed"],
+                   check=True)
+    z = np.load("/tmp/j-sealed/test_labels.npz")
+    print("ATTACK j SUCCEEDED: regenerated the labels with", found[0], file=sys.stderr)
+    write(z["id"], np.clip(z[a.task], 1e-4, 1 - 1e-4))
+    sys.exit(0)
+print("ATTACK j BLOCKED: no prepare.py to run", file=sys.stderr)
+''',
+    # (k) hide a bad seed: die by SIGTERM, a signal that reads as the machinery's (retried, then
+    # left out of the results) — but only in real runs, not in the smoke run
+    "k": '''
+import signal
+if a.seed == 1 and "/cache/" in str(a.out):
+    print("ATTACK k TRIED: seed 1 dies by SIGTERM", file=sys.stderr)
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGTERM)
+''',
 }
 
 
@@ -435,11 +460,28 @@ def test_the_scorer_refuses_symlinks_and_hard_links(tmp_path: Path) -> None:
         read_predictions(tmp_path / "hard.csv", ids)
 
 
+def test_attack_j_the_trusted_harness_files_are_not_in_a_stage(attacked: dict) -> None:
+    _assert_not_promoted(attacked, "j")
+    text = _logs_of(attacked, "j")
+    assert "ATTACK j BLOCKED: no prepare.py to run" in text and "SUCCEEDED" not in text
+
+
+def test_attack_k_a_stage_cannot_pass_its_failures_off_as_the_machinery(attacked: dict) -> None:
+    h = _assert_not_promoted(attacked, "k")
+    assert "the stage died of signal 15 that the sandbox did not receive" in _logs_of(attacked, "k")
+    commit = attacked["db"].execute("SELECT \"commit\" FROM hypothesis WHERE id = ?", (h["id"],)).fetchone()[0]
+    rows = attacked["db"].execute("SELECT seed, outcome, kind FROM result WHERE \"commit\" = ?", (commit,)).fetchall()
+    assert {(o, k) for s, o, k in rows if s == 1} == {("method_failure", "crash")}, rows  # seen by the gate
+    assert all(o == "ok" for s, o, k in rows if s != 1) and all(o != "infra_failure" for _, o, _ in rows)
+
+
 def test_attack_i_disk_and_processes_are_bounded(attacked: dict) -> None:
     _assert_not_promoted(attacked, "i")
     text = _logs_of(attacked, "i")
     assert "ATTACK i BLOCKED" in text, text[-2000:]
-    assert text.count("No space left on device") >= 2 and "Resource temporarily unavailable" in text
+    # each folder stops it, by its size (ENOSPC) or by the per-file limit that also bounds its log (EFBIG)
+    assert text.count("No space left on device") + text.count("File too large") >= 2, text[-2000:]
+    assert "Resource temporarily unavailable" in text
 
 
 def test_cache_and_data_are_unchanged_by_the_attacks(attacked: dict) -> None:
@@ -475,3 +517,26 @@ def test_unsandboxed_label_reader_is_held_for_review_not_promoted(tmp_path: Path
     assert summary.startswith("> **UNSANDBOXED**")
     plain = cli(root, "status", env=cli_env(HOME=str(home)))
     assert "UNSANDBOXED" in plain.stdout
+
+
+def test_a_sparse_file_cannot_smuggle_a_huge_output_past_the_bound(tmp_path: Path) -> None:
+    """`{out}` is a tmpfs of out_max_mb, but a sparse file's size is not its blocks: the copy-out
+    counts sizes, so a stage that truncates a file to 1 GiB fails instead of filling the disk."""
+    from pipeline import isolation
+    from pipeline.executors import StageJob
+    from pipeline.executors import sandbox as sandbox_mod
+    from pipeline.executors.local import LocalExecutor
+
+    code, out = tmp_path / "code", tmp_path / "out"
+    code.mkdir()
+    out.mkdir()
+    (code / "stage.py").write_text("import sys\nwith open(sys.argv[1] + '/big.bin', 'wb') as f:\n    f.truncate(1 << 30)\n")
+    spec = {**sandbox_mod.DEFAULTS, "ro": [str(code)], "out": str(out), "out_max_mb": 32,
+            "hidden": isolation.package_dirs()}
+    with LocalExecutor(preload=(), slots=1) as ex:
+        ex.submit(StageJob(job_id="sparse", argv=["python", "stage.py", str(out)], cwd=code, commit="0" * 40,
+                           out=out, log_path=tmp_path / "stage.log", timeout_s=60, sandbox=spec))
+        (res,) = ex.poll(60)
+    assert (res.status, res.exit_code) == ("exit", 1), res
+    assert "output not kept: the output's files add up to more than [run] out_max_mb" in (tmp_path / "stage.log").read_text()
+    assert list(out.iterdir()) == []

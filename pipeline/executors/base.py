@@ -19,7 +19,8 @@ from pipeline.errors import UserError
 
 JobStatus = Literal["ok", "exit", "signal", "timeout", "cancelled", "infra"]
 
-SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|_PAT$|^PAT$|WEBHOOK|COOKIE|SESSION|"
+                         r"PRIVATE|SIGNATURE|DSN$", re.IGNORECASE)
 SECRET_VALUE = re.compile(r"://[^/\s:@]+:[^/\s@]+@")  # user:password@ inside a URL
 SECRET_EXTRA = {"AUTORESEARCH_DB", "DATABASE_URL"}  # store URLs may carry a password
 # signals the machinery sends (OOM killer, node shutdown, a human's kill): not the method's fault

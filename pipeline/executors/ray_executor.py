@@ -83,7 +83,7 @@ class RayExecutor:
         if key not in self._inputs:
             h = hashlib.sha256(key.encode())
             for p in sorted(folder.rglob("*")):
-                st = p.stat()
+                st = p.lstat()  # a symlink (even a dangling one) counts as itself
                 h.update(f"{p.relative_to(folder)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
             self._inputs[key] = (h.hexdigest()[:24], self.ray.put(ray_task.pack(key)))
         return self._inputs[key]

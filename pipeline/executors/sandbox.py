@@ -36,6 +36,7 @@ import ctypes
 import errno
 import os
 import platform
+import re
 import signal
 import stat
 import sys
@@ -56,9 +57,12 @@ LINUX_CAPABILITY_VERSION_3 = 0x20080522
 SYSTEM_RO = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 NEWROOT_CANDIDATES = ("/mnt", "/srv", "/media", "/boot", "/var/tmp", "/opt")
+OWN_PACKAGES = ("pipeline", "agent")
+MAX_OUT_FILES = 100_000
 UID_BASE = 200_000  # as root, stage n runs as kuid UID_BASE + (pid mod UID_SPAN): no real user's id
 UID_SPAN = 100_000
 INIT = ("/bin/cat",) if os.path.exists("/bin/cat") else ("/usr/bin/cat",)  # pid 1: lives while we hold its stdin
+STAGE_SIGNALS_AS_EXIT = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}  # see _wait_and_exit
 SETUP_FAILED = 125  # exit code of a stage whose sandbox could not be set up (see the log)
 OFF_HINT = 'set [run] sandbox = "off" in research.toml to run unsandboxed (README: "Sandbox")'
 
@@ -107,12 +111,18 @@ def _flags_of(path: str) -> int:
     return out
 
 
+_OCTAL = re.compile(rb"\\([0-7]{3})")
+
+
 def _submounts(target: str) -> list[str]:
+    """Mount points at or below `target`. mountinfo is bytes with octal escapes (\\040 for a space);
+    any other byte, UTF-8 included, is the path's own."""
     out = []
-    with open("/proc/self/mountinfo") as fh:
+    prefix = target.rstrip("/") + "/"
+    with open("/proc/self/mountinfo", "rb") as fh:
         for line in fh:
-            point = line.split()[4].encode().decode("unicode_escape")
-            if point == target or point.startswith(target.rstrip("/") + "/"):
+            point = os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m.group(1), 8)]), line.split()[4]))
+            if point == target or point.startswith(prefix):
                 out.append(point)
     return out
 
@@ -121,12 +131,14 @@ def _bind(src: str, dst: str, *, readonly: bool) -> None:
     _mount(src, dst, None, MS_BIND | MS_REC)
     if not readonly:
         return
-    for point in _submounts(dst):
-        try:
+    points = _submounts(dst)
+    if dst not in points:
+        raise SandboxError(errno.ENOENT, f"bind of {src} not found in mountinfo")
+    for point in points:  # fail closed: every mount of the tree read-only, or no sandbox
+        if not os.statvfs(point).f_flag & os.ST_RDONLY:
             _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(point))
-        except SandboxError:
-            if point == dst:  # the bind itself must be read-only; a locked submount stays as it is
-                raise
+        if not os.statvfs(point).f_flag & os.ST_RDONLY:
+            raise SandboxError(errno.EPERM, f"{point} stayed writable")
 
 
 def _makedirs_in(root: str, path: str, *, as_file: bool = False) -> str:
@@ -153,26 +165,45 @@ def _outside_system(path: str) -> bool:
     return not any(path == s or path.startswith(s + "/") for s in SYSTEM_RO)
 
 
-def _plan(spec: dict[str, Any]) -> list[tuple[str, str]]:
-    """(path, mode) binds besides the system folders: 'ro', 'rw' or 'out', outermost first."""
+def hidden_paths(spec: dict[str, Any]) -> list[str]:
+    """What no stage may see: the spec's list (from the driver) and, wherever *this* process (a
+    warm worker, a Ray node) finds them, our own packages: their harness code tells how labels are made."""
+    import importlib.util
+
+    found = []
+    for name in OWN_PACKAGES:
+        try:
+            s = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            s = None
+        for loc in (s.submodule_search_locations or []) if s is not None else []:
+            found.append(loc)
+    return sorted({os.path.realpath(p) for p in [*spec.get("hidden", []), *found]})
+
+
+def _plan(spec: dict[str, Any]) -> tuple[list[str], list[tuple[str, str]]]:
+    """(the Python environment's read-only folders, the stage's (path, mode) binds), outermost
+    first; mode is 'ro', 'rw' or 'out'."""
     homes = {"/", "/root", "/home", os.path.realpath(os.path.expanduser("~"))}
-    hidden = [os.path.realpath(h) for h in spec.get("hidden", [])]
+    hidden = hidden_paths(spec)
     prefixes, imports = python_paths()
-    binds: dict[str, str] = {}
+    env: list[str] = []
     for p in prefixes + imports:
         if p in homes:
             continue  # a whole home (or /): never mounted
         if p in imports and any(h == p or h.startswith(p.rstrip("/") + "/") for h in hidden):
             continue  # e.g. the source tree our package is imported from: its stages need none of it
         # (inside a prefix, what `hidden` names is masked instead: site-packages must stay)
-        if _outside_system(p) and not any(p.startswith(q + "/") for q in binds):
-            binds[p] = "ro"
+        if _outside_system(p) and not any(p == q or p.startswith(q + "/") for q in env):
+            env.append(p)
+    stage: dict[str, str] = {}
     for mode in ("ro", "rw"):
         for p in spec.get(mode, []):
-            binds[os.path.normpath(p)] = mode
+            stage[os.path.normpath(p)] = mode
     if spec.get("out"):
-        binds[os.path.normpath(spec["out"])] = "out"
-    return sorted(binds.items(), key=lambda kv: (kv[0].count("/"), kv[0]))
+        stage[os.path.normpath(spec["out"])] = "out"
+    by_depth = lambda p: (p.count("/"), p)  # noqa: E731
+    return sorted(env, key=by_depth), sorted(stage.items(), key=lambda kv: by_depth(kv[0]))
 
 
 def _newroot_mountpoint(paths: list[str]) -> str:
@@ -206,8 +237,11 @@ def _drop_capabilities() -> None:
 
 
 def _build_root(spec: dict[str, Any]) -> str:
-    binds = _plan(spec)
-    root = _newroot_mountpoint([p for p, _ in binds])
+    """The new root, on a tmpfs: the system read-only, /dev, a private /tmp, the Python environment
+    read-only (it may live under /tmp), our package and the lab masked inside what is mounted, then
+    the stage's own binds (which may lie under a mask)."""
+    env, stage = _plan(spec)
+    root = _newroot_mountpoint([*env, *(p for p, _ in stage)])
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=16m")
     for path in SYSTEM_RO:
@@ -229,7 +263,20 @@ def _build_root(spec: dict[str, Any]) -> str:
     _mount("tmpfs", _makedirs_in(root, "/dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=256m")
     _mount("tmpfs", _makedirs_in(root, "/tmp"), "tmpfs", MS_NOSUID | MS_NODEV,
            f"mode=1777,size={int(spec['tmp_max_mb'])}m")
-    for path, mode in binds:
+    for path in env:
+        _bind(path, _makedirs_in(root, path), readonly=True)
+    bound = [*env, *(p for p in SYSTEM_RO if not os.path.islink(p))]
+    masks = []
+    for path in hidden_paths(spec):  # e.g. our own package inside site-packages, a lab under /opt
+        if not any(path == b or path.startswith(b.rstrip("/") + "/") for b in bound):
+            continue  # not inside anything mounted: invisible already
+        inside = root + path
+        if os.path.isdir(inside):  # writable until the stage's binds below have their mount points
+            _mount("tmpfs", inside, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+            masks.append(inside)
+        elif os.path.lexists(inside):
+            _mount("/dev/null", inside, None, MS_BIND)
+    for path, mode in stage:
         if mode == "out":
             _mount("tmpfs", _makedirs_in(root, path), "tmpfs", MS_NOSUID | MS_NODEV,
                    f"mode=0755,uid=0,gid=0,size={int(spec['out_max_mb'])}m")
@@ -238,16 +285,8 @@ def _build_root(spec: dict[str, Any]) -> str:
             _bind(path, dst, readonly=mode == "ro")
         else:
             raise SandboxError(errno.ENOENT, f"sandbox mount {path}: no such file or folder")
-    bound = [p for p, _ in binds] + [p for p in SYSTEM_RO if not os.path.islink(p)]
-    for path in spec.get("hidden", []):  # e.g. our own package inside site-packages: masked
-        path = os.path.realpath(path)
-        if not any(path == b or path.startswith(b.rstrip("/") + "/") for b in bound):
-            continue  # not inside anything mounted: invisible already
-        inside = root + path
-        if os.path.isdir(inside):
-            _mount("tmpfs", inside, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "mode=0555,size=4k")
-        elif os.path.lexists(inside):
-            _mount("/dev/null", inside, None, MS_BIND)
+    for inside in masks:
+        _mount(None, inside, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     _makedirs_in(root, "/proc")
     return root
 
@@ -263,19 +302,32 @@ def _pivot(root: str) -> None:
     _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def _copy_out(src: str, dst_fd: int, log: list[str]) -> None:
-    """Copy regular files and folders from the stage's tmpfs into the real output folder."""
+class OutputTooLarge(OSError):
+    """What the stage left in {out} exceeds `out_max_mb` (sparse files count by size) or MAX_OUT_FILES."""
+
+
+def _copy_out(src: str, dst_fd: int, log: list[str], budget: list[int]) -> None:
+    """Copy regular files and folders from the stage's tmpfs into the real output folder.
+
+    `budget` is [bytes left, entries left]: a sparse file's holes would be written out in full.
+    """
     for name in sorted(os.listdir(src)):
+        budget[1] -= 1
+        if budget[1] < 0:
+            raise OutputTooLarge(errno.EFBIG, f"more than {MAX_OUT_FILES} files and folders in the output")
         path = os.path.join(src, name)
         st = os.lstat(path)
         if stat.S_ISDIR(st.st_mode):
             os.mkdir(name, 0o755, dir_fd=dst_fd)
             sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dst_fd)
             try:
-                _copy_out(path, sub, log)
+                _copy_out(path, sub, log, budget)
             finally:
                 os.close(sub)
         elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            budget[0] -= st.st_size
+            if budget[0] < 0:
+                raise OutputTooLarge(errno.EFBIG, "the output's files add up to more than [run] out_max_mb")
             fin = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             fout = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dst_fd)
             try:
@@ -315,6 +367,7 @@ def enter(spec: dict[str, Any], handshake: tuple[int, int] | None = None) -> Non
         if os.read(go_r, 1) != b"k":
             _fail("the uid map was refused")
         root = _build_root(spec)
+        os.chdir(root)  # the init inherits this cwd: nothing of it points into the old root
         init_r, init_w = os.pipe()
         init = os.posix_spawn(INIT[0], list(INIT), {}, file_actions=[
             (os.POSIX_SPAWN_DUP2, init_r, 0), (os.POSIX_SPAWN_OPEN, 1, "/dev/null", os.O_WRONLY, 0)])
@@ -326,7 +379,7 @@ def enter(spec: dict[str, Any], handshake: tuple[int, int] | None = None) -> Non
     stage = os.fork()
     if stage == 0:
         os.close(init_w)
-        _become_stage(root, out_fd, uid, nproc)
+        _become_stage(root, out_fd, uid, nproc, max(int(spec["out_max_mb"]), int(spec["tmp_max_mb"])) << 20)
         return
     _wait_and_exit(stage, init, spec, out_fd)
 
@@ -388,7 +441,7 @@ def _fail(reason: str) -> NoReturn:
     os._exit(SETUP_FAILED)
 
 
-def _become_stage(root: str, out_fd: int | None, outer_uid: int, nproc: int) -> None:
+def _become_stage(root: str, out_fd: int | None, outer_uid: int, nproc: int, max_file: int) -> None:
     import resource
 
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -401,6 +454,8 @@ def _become_stage(root: str, out_fd: int | None, outer_uid: int, nproc: int) -> 
         os.setresgid(0, 0, 0)
         os.setresuid(0, 0, 0)
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        # no file the stage writes grows past its largest folder, its log (a host file) included
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file, max_file))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         _drop_capabilities()
     except OSError as e:
@@ -427,7 +482,10 @@ def _wait_and_exit(pid: int, init: int | None, spec: dict[str, Any] | None, out_
         if out_fd is not None and os.WIFEXITED(status) and code == 0:
             notes: list[str] = []
             try:
-                _copy_out(spec["out"], out_fd, notes)
+                _copy_out(spec["out"], out_fd, notes, [int(spec["out_max_mb"]) << 20, MAX_OUT_FILES])
+            except OutputTooLarge as e:
+                notes.append(f"sandbox: output not kept: {e.strerror}")
+                code = 1  # the stage's doing: a method failure
             except OSError as e:
                 notes.append(f"sandbox: copying the output failed: {e}")
                 code = SETUP_FAILED
@@ -436,6 +494,12 @@ def _wait_and_exit(pid: int, init: int | None, spec: dict[str, Any] | None, out_
             sys.stderr.flush()
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
+        if spec is not None and sig in STAGE_SIGNALS_AS_EXIT:
+            # the stage was killed and we were not: it killed itself (or a process of its own did).
+            # A kill from the machinery reaches this process too (its process group), so passing the
+            # signal on would let branch code turn its own failures into retried infrastructure ones.
+            print(f"sandbox: the stage died of signal {sig} that the sandbox did not receive", file=sys.stderr)
+            os._exit(128 + sig)
         signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     os._exit(code)
