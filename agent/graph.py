@@ -1,4 +1,5 @@
-"""One LangGraph graph per hypothesis: propose → implement → evaluate → decide → summarize.
+"""One LangGraph graph per hypothesis: propose → implement → evaluate ⇄ decide → [promote] → summarize
+→ [hold → promote → summarize].
 
 The graph's state is only the hypothesis id (the thread id) and a routing flag; every fact lives
 in the store (`agent.records`, `pipeline.store`). Each node first looks at what the store already
@@ -9,6 +10,11 @@ per look), so a node that crashed half-way is simply run again.
 finished, ends this pass of the graph with `waiting`. The driver loop (`agent.loop`) executes runs
 for every hypothesis in flight and invokes the graph again; earlier nodes see their work done and
 pass straight through.
+
+A held promotion (`--supervised`, or a result too good to be true) is a LangGraph `interrupt()` in
+the `hold` node, kept in the thread's checkpoint across restarts; `review --approve/--reject`
+records the human's answer and the loop resumes the thread with `Command(resume=...)`. Promotion
+happens in the `promote` node only.
 """
 
 from __future__ import annotations
@@ -317,7 +323,7 @@ class Nodes:
         svc, rec = self.svc, self.svc.records
         h = rec.get(state["hypothesis_id"])
         if h.status != "measuring":
-            return {"route": "measure" if h.status == "deciding" else ""}
+            return {"route": "measure" if h.status in ("deciding", "promoting", "held") else ""}
         ids = queue_look(svc, h)
         if not svc.experiment.finished(ids):
             return {"route": "waiting"}
@@ -330,8 +336,10 @@ class Nodes:
     def decide(self, state: State) -> State:
         svc, rec = self.svc, self.svc.records
         h = rec.get(state["hypothesis_id"])
-        if h.status == "measuring":
-            return {"route": "measure"}
+        if h.status in ("measuring", "promoting"):  # work of a later node, after a restart
+            return {"route": {"measuring": "measure", "promoting": "promote"}[h.status]}
+        if h.status == "held":  # to its summary, which leads to the hold
+            return {"route": "done"}
         if h.status != "deciding":
             return {"route": "done"}
         looks = svc.lab.config.gate.looks
@@ -348,14 +356,41 @@ class Nodes:
             return {"route": "measure"}
         fields: dict[str, Any] = {"decision": choice.decision, "rationale_decision": choice.rationale,
                                   "follow_up": choice.follow_up or None, "status": "summarizing"}
+        route = "done"
         if choice.decision == "promote":
-            fields |= promote(svc, h)
-        elif choice.decision == "hold":
+            fields["status"], route = "promoting", "promote"
+        elif choice.decision == "hold":  # summarized first, then the hold node waits for a human
             fields |= {"status": "held", "review": "pending"}
         elif choice.decision == "refine" and choice.follow_up:
             queue_refinement(svc, h, choice.follow_up)
         rec.update(h.id, **fields)
-        return {"route": "done"}
+        return {"route": route}
+
+    # hold -------------------------------------------------------------------
+    def hold(self, state: State) -> State:
+        """A held promotion (`--supervised`, or too good to be true) waits here, as a LangGraph
+        interrupt in the thread's checkpoint, until `review --approve/--reject` resumes it."""
+        from langgraph.types import interrupt
+
+        rec = self.svc.records
+        h = rec.get(state["hypothesis_id"])
+        if h.status != "held":
+            return {"route": "promote" if h.status == "promoting" else ""}
+        answer = interrupt({"hypothesis_id": h.id, "reason": h.rationale_decision or ""})
+        if answer == "approve":
+            rec.update(h.id, status="promoting", decision="promote")
+            return {"route": "promote"}
+        rec.update(h.id, status="summarizing", decision="abandon")
+        return {"route": ""}
+
+    # promote ----------------------------------------------------------------
+    def promote(self, state: State) -> State:
+        """The one place a hypothesis becomes the baseline (idempotent: a re-run finds it merged)."""
+        rec = self.svc.records
+        h = rec.get(state["hypothesis_id"])
+        if h.status == "promoting":
+            rec.update(h.id, **{"status": "summarizing", **promote(self.svc, h)})
+        return {"route": ""}
 
     def _too_good(self, h: Hypothesis) -> str | None:
         if h.verdict != "improvement":
@@ -401,9 +436,9 @@ class Nodes:
 
         svc, rec = self.svc, self.svc.records
         h = rec.get(state["hypothesis_id"])
-        if h.status == "held":
+        if h.status == "held":  # the summary a reviewer reads before approving
             write_summary(svc, h)
-            return {"route": "done"}
+            return {"route": "hold"}
         if h.status != "summarizing":
             return {"route": "done"}
         # every summary waits for a human read; approvals and comments steer the agent
@@ -482,16 +517,22 @@ def build_graph(svc: Services, checkpointer: Any):
     g.add_node("implement", nodes.implement)
     g.add_node("evaluate", nodes.evaluate)
     g.add_node("decide", nodes.decide)
+    g.add_node("promote", nodes.promote)
     g.add_node("summarize", nodes.summarize)
+    g.add_node("hold", nodes.hold)
     g.add_edge(START, "propose")
     g.add_conditional_edges("propose", lambda s: "summarize" if s.get("route") == "rejected" else "implement",
                             ["summarize", "implement"])
     g.add_conditional_edges("implement", lambda s: "summarize" if s.get("route") == "rejected" else "evaluate",
                             ["summarize", "evaluate"])
     g.add_conditional_edges("evaluate", lambda s: END if s.get("route") == "waiting" else "decide", ["decide", END])
-    g.add_conditional_edges("decide", lambda s: "evaluate" if s.get("route") == "measure" else "summarize",
-                            ["evaluate", "summarize"])
-    g.add_edge("summarize", END)
+    after_decide = {"measure": "evaluate", "promote": "promote", "hold": "hold"}
+    g.add_conditional_edges("decide", lambda s: after_decide.get(s.get("route") or "", "summarize"),
+                            ["evaluate", "promote", "hold", "summarize"])
+    g.add_edge("promote", "summarize")
+    g.add_conditional_edges("summarize", lambda s: "hold" if s.get("route") == "hold" else END, ["hold", END])
+    g.add_conditional_edges("hold", lambda s: "promote" if s.get("route") == "promote" else "summarize",
+                            ["promote", "summarize"])
     return g.compile(checkpointer=checkpointer)
 
 

@@ -197,15 +197,21 @@ class Loop:
             return None  # nothing untried around this baseline; wait for human seeds or a new baseline
         return self.records.add(Hypothesis(status="proposing", origin=self.policy.name))
 
-    def advance(self, h: Hypothesis) -> Hypothesis:
-        """One pass of the hypothesis's graph. An unexpected error is recorded, and after
-        MAX_GRAPH_FAILURES of them the hypothesis is given up: one broken idea must not stop the loop."""
+    def advance(self, h: Hypothesis, resume: str | None = None) -> Hypothesis:
+        """One pass of the hypothesis's graph; with `resume`, the human's answer to its hold. An
+        unexpected error is recorded, and after MAX_GRAPH_FAILURES of them the hypothesis is given
+        up: one broken idea must not stop the loop."""
+        from langgraph.types import Command
+
         from pipeline.smoke import Interrupted
 
         config = {"configurable": {"thread_id": str(h.id)}}
         before = (h.status, h.look, h.verdict)
         try:
-            self.graph.invoke({"hypothesis_id": h.id}, config)
+            if resume is not None and not self.graph.get_state(config).next:
+                # held before its thread reached the interrupt (an older version): get it there first
+                self.graph.invoke({"hypothesis_id": h.id}, config)
+            self.graph.invoke(Command(resume=resume) if resume is not None else {"hypothesis_id": h.id}, config)
         except Interrupted:
             return self.records.get(h.id)  # stopping: the next start resumes it
         except Exception as e:
@@ -247,22 +253,13 @@ class Loop:
         return f" at look {g.get('look')} (horizontal Δ {hz['delta']:+.2f}σ{sep}t {hz['t']:.2f}{bound})"
 
     def release_holds(self) -> None:
-        """Promote held hypotheses that a human approved; close the ones rejected."""
-        from agent.graph import promote
-        from agent.summary import write_summary
-
+        """Resume the threads of held hypotheses a human approved or rejected, at their `hold` node;
+        bring one that a crash stopped short of it (before its summary) there first."""
         for h in self.records.all(("held",)):
-            if h.review == "approved":
-                fields = promote(self.svc, h)
-                h = self.records.update(h.id, decision=fields.get("decision", "promote"),
-                                        promoted_tag=fields.get("promoted_tag"), status="done", finished_at=time.time(),
-                                        rationale_decision=fields.get("rationale_decision", h.rationale_decision))
-                write_summary(self.svc, h)
-                self.report(h)
-            elif h.review == "rejected":
-                h = self.records.update(h.id, decision="abandon", status="done", finished_at=time.time())
-                write_summary(self.svc, h)
-                self.report(h)
+            if h.review in ("approved", "rejected"):
+                self.advance(h, resume="approve" if h.review == "approved" else "reject")
+            elif not self.graph.get_state({"configurable": {"thread_id": str(h.id)}}).next:
+                self.advance(h)
 
     def note_reverifications(self) -> None:
         """Once a promoted champion's fresh baseline runs are all in, record how it held up."""

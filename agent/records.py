@@ -17,9 +17,10 @@ from pipeline.store import Store
 Origin = Literal["human", "llm", "offline"]
 # queued → proposing → implementing → measuring → deciding → summarizing → done
 # (rejected: implementation refused; held: promotion waits for a human approval)
-Status = Literal["queued", "proposing", "implementing", "measuring", "deciding", "summarizing", "held", "done"]
+Status = Literal["queued", "proposing", "implementing", "measuring", "deciding", "promoting", "summarizing", "held",
+                 "done"]
 Decision = Literal["promote", "abandon", "escalate", "refine", "reject", "hold"]
-ACTIVE = ("proposing", "implementing", "measuring", "deciding", "summarizing")
+ACTIVE = ("proposing", "implementing", "measuring", "deciding", "promoting", "summarizing")
 
 
 def now() -> float:

@@ -2,31 +2,35 @@
 
 Branch code is written by a model rewarded for a higher number, so it must not reach the sealed
 labels, the store, the cache, other runs' outputs, the user's home or the network. `enter(spec)`
-is called in a freshly forked, single-threaded process (a warm worker's child, or `python -c
-child.py` on a Ray node) and turns it into:
+is called in a freshly forked, single-threaded process (a warm worker's child, or `python -m/-c
+child.py` for a one-off or a Ray stage), the `outer` process, which ends up as:
 
-    mapper (this process: writes the uid/gid maps of the next one, then waits)
-      └─ outer (new user, mount, pid, ipc, uts and, unless allowed, network namespace)
-           └─ init (pid 1 of the new pid namespace: reaps, reports the stage's status)
-                └─ the stage; `enter` returns only here
+    parent (the warm worker, or a forked helper: writes the outer's uid/gid maps)
+      └─ outer (new user, mount, pid, ipc, uts and, unless allowed, network namespace; waits)
+           ├─ init (pid 1 of the new pid namespace: a spawned `cat` on a pipe the outer holds)
+           └─ the stage (pid 2); `enter` returns only here
 
-The outer process builds a new root on a tmpfs and pivots into it:
+The outer process builds a new root on a tmpfs and the stage pivots into it (the outer with it):
 
-- `/usr /bin /lib* /sbin /etc /opt` and the Python environment (prefixes, site-packages), read-only;
+- `/usr /bin /lib* /sbin /etc /opt` and the Python environment (prefixes, site-packages), read-only,
+  with our own package and the lab's folder masked inside them;
 - `spec["ro"]`: the stage's code view, `{data}`, upstream outputs (or, for a scorer, the predictions
-  file and the seal), read-only, at their own paths so argv needs no rewriting;
+  file and the seal), read-only, at their own paths so argv needs no rewriting; every mount of a
+  read-only tree is checked read-only, or the stage does not start;
 - `spec["rw"]`: read-write binds (only trusted `prepare` gets them: `{data}` and `{sealed}`);
-- `spec["out"]`: a tmpfs of `out_max_mb` at the output path; when the inner process has exited,
-  the outer one copies the regular files and folders it holds into the real folder (never a
-  symlink, hard link, device or fifo: each one skipped is said in the log). So `{out}` is bounded
-  and the scorer only ever reads regular files the stage wrote;
+- `spec["out"]`: a tmpfs of `out_max_mb` at the output path; when the stage has exited, the outer
+  process copies the regular files and folders it holds into the real folder, up to `out_max_mb`
+  of file sizes (never a symlink, hard link, device or fifo: each one skipped is said in the log).
+  So `{out}` is bounded and the scorer only ever reads regular files the stage wrote;
 - a private `/tmp` (tmpfs of `tmp_max_mb`), a minimal `/dev`, a fresh `/proc`.
 
 Nothing else exists inside: not the lab's `runs/` (seal, store, cache, worktrees, logs), not
-`$HOME`. The inner process then drops every capability, becomes an unprivileged uid (a fresh
-one per stage when we run as root, else our own), sets `no_new_privs` and `RLIMIT_NPROC`. When it
-exits, init exits too and the kernel kills whatever is left in the pid namespace: no process
-outlives its stage.
+`$HOME`. The stage then drops every capability, becomes an unprivileged uid (a fresh one per stage
+when we run as root, else our own), sets `no_new_privs`, `RLIMIT_NPROC` and `RLIMIT_FSIZE` (which
+also bounds its log). When it exits, the outer process kills init, and with it whatever is left in
+the pid namespace: no process outlives its stage. A signal the stage dies of without the outer
+process getting it too is reported as an exit (128 + n), the method's failure: only the machinery's
+kill of the whole process group reads as infrastructure.
 Setting up costs a few milliseconds in the forked child, so warm dispatch stays fast.
 """
 

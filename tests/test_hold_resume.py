@@ -1,0 +1,93 @@
+"""A supervised hold is an interrupt in the hypothesis's LangGraph thread: kill -9 of the loop while
+it is held, a human's approval, a restart, and the thread resumes from its checkpoint at the hold
+and promotes exactly once."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+from agent.labinit import init_lab
+from agent_fixtures import RunProcess, cli, git
+
+
+def _status(root: Path) -> dict:
+    out = cli(root, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _held(root: Path) -> bool:
+    db = root / "runs" / "autoresearch.db"
+    if not db.is_file():
+        return False
+    try:
+        row = sqlite3.connect(db).execute("SELECT status FROM hypothesis WHERE id = 1").fetchone()
+    except sqlite3.OperationalError:
+        return False
+    return bool(row) and row[0] == "held"
+
+
+def test_kill_9_during_a_supervised_hold_then_approve_resumes_the_thread_and_promotes_once(tmp_path: Path) -> None:
+    root = init_lab(tmp_path / "lab", harness="command")  # the offline policy's first idea is a real gain
+    first = RunProcess(root, "--offline", "--supervised", "--max-hypotheses", "2", tag="first")
+    try:
+        first.wait_until("hypothesis 1 held", lambda: _held(root), timeout=240)
+        first.kill9()  # perhaps before its summary was written and its thread reached the interrupt
+    finally:
+        first.cleanup()
+    if not (root / "runs" / "summaries" / "1.md").is_file():  # a restart takes it to the hold
+        again = RunProcess(root, "--offline", "--supervised", "--max-hypotheses", "1", tag="again")
+        try:
+            again.wait_until("the held summary", lambda: (root / "runs" / "summaries" / "1.md").is_file(), timeout=240)
+            again.kill9()
+        finally:
+            again.cleanup()
+    h = _status(root)["hypotheses"][0]
+    assert (h["status"], h["decision"], h["review"], h["promoted_tag"]) == ("held", "hold", "pending", None)
+    assert git(root, "tag", "-l", "baseline/*") == ""
+    summary = (root / "runs" / "summaries" / "1.md").read_text()
+    assert "held for a human's approval" in summary
+
+    from agent.graph import Services, build_graph, open_checkpointer
+    from agent.policy import OfflinePolicy
+    from agent.records import Records
+    from agent.workspace import Workspace
+    from pipeline import runner
+    from pipeline.lab import load_lab
+
+    lab = load_lab(root)
+    store = runner.open_store(lab)
+    svc = Services(lab, store, Records(store), Workspace(lab), OfflinePolicy())
+    saver = open_checkpointer(svc)
+    graph = build_graph(svc, saver)
+    config = {"configurable": {"thread_id": "1"}}
+    paused = graph.get_state(config)
+    assert paused.next == ("hold",) and paused.interrupts, paused  # the interrupt survived the kill
+    saver.conn.close()
+
+    review = cli(root, "review", "1", "--approve", "--comment", "looks real")
+    assert review.returncode == 0, review.stderr
+    second = RunProcess(root, "--offline", "--supervised", "--max-hypotheses", "1", tag="second")
+    try:
+        assert second.wait(timeout=300) == 0, second.stderr()[-3000:]
+    finally:
+        second.cleanup()
+    h = _status(root)["hypotheses"][0]
+    assert (h["status"], h["decision"], h["promoted_tag"]) == ("done", "promote", "baseline/v1"), h
+    assert git(root, "tag", "-l", "baseline/*").split() == ["baseline/v1"]  # promoted once
+    commit = git(root, "rev-parse", "exp/1^{commit}")
+    assert git(root, "rev-parse", "baseline/v1^{commit}") == commit == git(root, "rev-parse", "autoresearch/baseline")
+
+    saver = open_checkpointer(svc)
+    graph = build_graph(svc, saver)
+    done = graph.get_state(config)
+    assert done.next == () and not done.interrupts
+    history = [s.next for s in graph.get_state_history(config)]
+    assert ("hold",) in history and ("promote",) in history  # resumed at the hold, then the promote node
+    saver.conn.close()
+    # the decision at the look was taken once, before the hold; the resume did not ask again
+    decisions = [r for r in store.gate_records("1", kind="decision")]
+    assert [r.payload["decision"] for r in decisions] == ["hold"]
+    assert "promote" in (root / "runs" / "summaries" / "1.md").read_text()
