@@ -86,7 +86,7 @@ BASELINE_SEED0 = 1_000_000
 
 
 class GateSection(_Strict):
-    protocol: Literal["sequential", "fixed"] = "sequential"
+    protocol: str = "sequential"  # a name in pipeline.gate.protocol.PROTOCOLS
     baseline_runs: int = Field(default=5, ge=2, le=SEED_BLOCK)
     looks: list[int] = Field(default_factory=lambda: [2, 5, 10], min_length=1)
     alpha: float = Field(default=0.025, gt=0, lt=0.5)
@@ -94,6 +94,15 @@ class GateSection(_Strict):
     harm_q: float = Field(default=0.10, gt=0, lt=1)
     implausible_fraction: float = Field(default=0.5, gt=0, le=1)
     implausible_sigma: float | None = Field(default=None, gt=0)
+
+    @field_validator("protocol")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from pipeline.gate.protocol import PROTOCOLS
+
+        if name not in PROTOCOLS:
+            raise ValueError(f"one of {sorted(PROTOCOLS)}, got {name!r}")
+        return name
 
     @field_validator("looks")
     @classmethod

@@ -74,9 +74,11 @@ def measured(svc: Services, h: Hypothesis, challenger: dict[str, list[float | No
 
 
 def decided(svc: Services, h: Hypothesis, summary_policy: Any = None) -> Hypothesis:
-    """Run the graph's real decide and summarize nodes; `summary_policy` (an LLMPolicy) writes the summary only."""
+    """Run the graph's real decide, promote and summarize nodes, in the graph's order; `summary_policy`
+    (an LLMPolicy) writes the summary only."""
     nodes = Nodes(svc)
     nodes.decide({"hypothesis_id": h.id})
+    nodes.promote({"hypothesis_id": h.id})  # a no-op unless the decision was to promote
     policy, svc.policy = svc.policy, summary_policy or svc.policy
     try:
         nodes.summarize({"hypothesis_id": h.id})

@@ -135,3 +135,45 @@ def test_a_registered_policy_drives_the_real_loop(monkeypatch, tmp_path: Path) -
     h = loop.records.get(1)
     assert (h.origin, h.title, h.status) == ("one-idea", "Squared features", "done")
     assert h.verdict == "improvement" and h.decision == "promote", (h.verdict, h.decision)
+
+
+class Bonferroni:
+    """A toy gate protocol: the fixed protocol's boundaries, per-task calls at α / tasks."""
+
+    name = "bonferroni"
+    moderated = False
+
+    def boundaries(self, n_baseline, looks, planned_max, alpha, prior_df=0, prior_weight=0.0):
+        from pipeline.gate.boundaries import fixed_boundaries
+
+        return fixed_boundaries(n_baseline, looks, alpha, prior_weight)
+
+    def flags(self, p_up, p_down, q, t, alpha, harm_q):
+        k = t.shape[-1]
+        return p_up < alpha / k, p_down < alpha / k
+
+    def harm_rule(self, harm_q):
+        return "Bonferroni p"
+
+
+def test_a_registered_gate_protocol_judges_a_look(monkeypatch) -> None:
+    from pipeline.gate import evaluate
+    from pipeline.gate.protocol import PROTOCOLS, get_protocol
+    from pipeline.lab import parse_config
+
+    monkeypatch.setitem(PROTOCOLS, "bonferroni", "test_registries:Bonferroni")
+    get_protocol.cache_clear()
+    try:
+        toml = '[lab]\nname = "x"\neditable = ["a.py"]\n[[stage]]\nname = "s"\nrun = "python a.py {out}"\n'
+        assert parse_config(toml + '[gate]\nprotocol = "bonferroni"\n').gate.protocol == "bonferroni"
+        base = [0.70, 0.71, 0.69, 0.70, 0.71]
+        tasks = [{"task": "a", "baseline": base, "challenger": [0.60, 0.61]},
+                 {"task": "b", "baseline": base, "challenger": [0.70, 0.71]},
+                 {"task": "c", "baseline": base, "challenger": [0.71, 0.70]}]
+        result = evaluate({"config": {"protocol": "bonferroni", "looks": [2, 5, 10]}, "tasks": tasks,
+                           "looks_done": [], "at_look": True})
+        assert result.protocol == "bonferroni" and result.verdict.value == "harm", result.reasons
+        assert "harm on a (Bonferroni p)" in result.reasons
+        assert [t.flags for t in result.tasks][0] == ["harm"]
+    finally:
+        get_protocol.cache_clear()

@@ -31,26 +31,36 @@ and the breadth check; failed runs with a worst-case sensitivity line; the verdi
 `improvement`, `single_task`, `harm`, `escalate`, `futile`, `inconclusive` — and its reasons.
 Render with `render_table` (rich), `render_markdown`, or `to_json`.
 
-Planning and validation: `power` / `mde` (pooled Student t via the non-central t) and
+Planning and validation: `pipeline.gate.power.power` / `mde` (pooled Student t via the non-central t) and
 `simulate` (a protocol's false-positive rate, power and cost, vectorised).
 """
 
-from pipeline.gate.boundaries import Boundaries, fixed_boundaries, obf_spending, sequential_boundaries
-from pipeline.gate.inputs import GateConfig, GateInput, GateInputError, TaskRuns, parse_input
-from pipeline.gate.power import PowerInputError, mde, power
-from pipeline.gate.protocols import evaluate
-from pipeline.gate.report import (
-    FailureReport,
-    GateResult,
-    HorizontalResult,
-    TaskResult,
-    WelchResult,
-    render_markdown,
-    render_table,
-    render_text,
-)
-from pipeline.gate.sim import SimInputError, SimResult, simulate
-from pipeline.gate.verdict import Verdict
+import importlib
+from typing import Any
+
+# Everything is imported on first use (PEP 562): reading a lab's `[gate]` (which checks the
+# protocol's name against `pipeline.gate.protocol`) must not import numpy and scipy.
+_WHERE = {
+    "Boundaries": "boundaries", "fixed_boundaries": "boundaries", "obf_spending": "boundaries",
+    "sequential_boundaries": "boundaries",
+    "GateConfig": "inputs", "GateInput": "inputs", "GateInputError": "inputs", "TaskRuns": "inputs",
+    "parse_input": "inputs",
+    "PowerInputError": "power", "mde": "power",  # power() itself: `from pipeline.gate.power import power`
+    "evaluate": "protocols",
+    "FailureReport": "report", "GateResult": "report", "HorizontalResult": "report", "TaskResult": "report",
+    "WelchResult": "report", "render_markdown": "report", "render_table": "report", "render_text": "report",
+    "SimInputError": "sim", "SimResult": "sim", "simulate": "sim",
+    "Verdict": "verdict",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'pipeline.gate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"pipeline.gate.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Boundaries",
@@ -72,7 +82,6 @@ __all__ = [
     "mde",
     "obf_spending",
     "parse_input",
-    "power",
     "render_markdown",
     "render_table",
     "render_text",

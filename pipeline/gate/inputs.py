@@ -29,13 +29,22 @@ class GateConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    protocol: Literal["sequential", "fixed"] = "sequential"
+    protocol: str = "sequential"  # a name in pipeline.gate.protocol.PROTOCOLS
     baseline_runs: int = Field(default=5, ge=2)
     looks: tuple[int, ...] = (2, 5, 10)
     alpha: float = Field(default=0.025, gt=0, lt=0.5)  # one-sided, improvement side
     futility_p: float = Field(default=0.30, gt=0, le=1)
     harm_q: float = Field(default=0.10, gt=0, lt=1)
     higher_is_better: bool = True
+
+    @field_validator("protocol")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from pipeline.gate.protocol import PROTOCOLS
+
+        if name not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {name!r}; expected one of {sorted(PROTOCOLS)}")
+        return name
 
     @field_validator("looks")
     @classmethod

@@ -22,15 +22,10 @@ from typing import Any
 import numpy as np
 from scipy import stats as sps
 
-from pipeline.gate.boundaries import (
-    Boundaries,
-    degrees_of_freedom,
-    fixed_boundaries,
-    normalize_schedule,
-    sequential_boundaries,
-)
+from pipeline.gate.boundaries import Boundaries, degrees_of_freedom, normalize_schedule
 from pipeline.gate.inputs import GateConfig, GateInput, TaskRuns, parse_input
 from pipeline.gate.power import DEFAULT_POWER, mde_at
+from pipeline.gate.protocol import get_protocol
 from pipeline.gate.report import (
     FailureReport,
     GateResult,
@@ -76,7 +71,7 @@ class TaskLook:
 
 def task_look(
     test: TwoSample, nominal: np.ndarray, protocol: str, alpha: float, harm_q: float
-) -> TaskLook:
+) -> TaskLook:  # `protocol`: a name in pipeline.gate.protocol.PROTOCOLS
     """p-values, BH q-values and win/harm flags from per-task t statistics and boundary levels.
 
     `nominal` is each boundary's one-sided nominal level (α itself for `fixed`), so the scaled
@@ -88,11 +83,7 @@ def task_look(
     p = np.minimum(1.0, 2.0 * np.minimum(sequential_p(p_up, nominal, alpha), sequential_p(p_down, nominal, alpha)))
     q = bh_qvalues(p, axis=-1)
     with np.errstate(invalid="ignore"):
-        if protocol == "fixed":
-            wins, harms = p_up < alpha, p_down < alpha
-        else:
-            wins = (q <= harm_q) & (test.t > 0)
-            harms = (q <= harm_q) & (test.t < 0)
+        wins, harms = get_protocol(protocol).flags(p_up, p_down, q, test.t, alpha, harm_q)
     return TaskLook(test=test, p_up=p_up, p_nominal=p_nominal, p=p, q=q, wins=wins, harms=harms)
 
 
@@ -219,9 +210,7 @@ def _boundaries(
     if n < 1 or not counts or degrees_of_freedom(n, counts[-1], weight) < 1:
         return None
     sched = normalize_schedule(counts)
-    if cfg.protocol == "fixed":
-        return fixed_boundaries(n, sched, cfg.alpha, weight)
-    return sequential_boundaries(n, sched, max(planned_max, sched[-1]), cfg.alpha, int(prior_df), float(weight))
+    return get_protocol(cfg.protocol).boundaries(n, sched, planned_max, cfg.alpha, int(prior_df), float(weight))
 
 
 def evaluate(inp: GateInput | dict[str, Any]) -> GateResult:
@@ -244,7 +233,7 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
 
     base_arm, chal_arm = summarize(base), summarize(chal)
     hist_arm = summarize(hist) if hist is not None else None
-    prior: Prior | None = history_prior(hist, base_arm.mean.shape) if cfg.protocol == "sequential" else None
+    prior: Prior | None = history_prior(hist, base_arm.mean.shape) if get_protocol(cfg.protocol).moderated else None
     test = pooled_t(base_arm, chal_arm, prior)
     weight = prior.weight if prior is not None else np.zeros(len(names))
     prior_df = prior.df if prior is not None else np.zeros(len(names), dtype=int)
@@ -502,7 +491,7 @@ def _reasons(
     harms = [names[j] for j in np.flatnonzero(tl.harms)]
     wins = [names[j] for j in np.flatnonzero(tl.wins)]
     if harms:
-        out.append(f"harm on {', '.join(harms)} ({'nominal p' if cfg.protocol == 'fixed' else f'BH q ≤ {cfg.harm_q}'})")
+        out.append(f"harm on {', '.join(harms)} ({get_protocol(cfg.protocol).harm_rule(cfg.harm_q)})")
     if hl.down:
         out.append(f"horizontal t {t:.2f} ≤ -{h_upper:.2f}: the tasks got worse together")
     if failed >= 2:

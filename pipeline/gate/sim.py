@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.errors import UserError
-from pipeline.gate.boundaries import fixed_boundaries, sequential_boundaries
+from pipeline.gate.protocol import PROTOCOLS, get_protocol
 from pipeline.gate.protocols import horizontal_look, most_improved, task_look, task_scale
 from pipeline.gate.stats import PRIOR_DF_CAP, history_prior, horizontal_values, pooled_t, summarize, without_task
 from pipeline.gate.verdict import CODE, ORDER, Verdict, decide
@@ -76,7 +76,7 @@ class SimResult(BaseModel):
 def _check(protocol: str, effect: float, tasks: int, rho: float, trials: int, baseline_runs: int,
            looks: tuple[int, ...], alpha: float, futility_p: float, history: int, affected: int) -> None:
     problems = [
-        (protocol not in ("fixed", "sequential"), "--protocol: expected fixed or sequential"),
+        (protocol not in PROTOCOLS, f"--protocol: expected one of {', '.join(sorted(PROTOCOLS))}"),
         (not math.isfinite(effect), "--effect: expected a finite number (σ units)"),
         (tasks < 1, "--tasks: expected at least 1"),
         (not (0 <= rho < 1), "--rho: expected a correlation in [0, 1)"),
@@ -117,11 +117,9 @@ def simulate(
     n, J, last = baseline_runs, tasks, looks[-1]
     prior_df = history - 1 if history >= 2 else 0
     weight = float(min(prior_df, PRIOR_DF_CAP))
-    if protocol == "sequential":
-        tb = sequential_boundaries(n, looks, last, alpha, prior_df, weight)
-        hbnd = sequential_boundaries(n, looks, last, alpha)
-    else:
-        tb, hbnd = fixed_boundaries(n, looks, alpha), fixed_boundaries(n, looks, alpha)
+    proto = get_protocol(protocol)
+    tb = proto.boundaries(n, looks, last, alpha, prior_df, weight if proto.moderated else 0.0)
+    hbnd = proto.boundaries(n, looks, last, alpha)
     shift = np.where(np.arange(J) < affected, effect, 0.0)
     rng = np.random.default_rng(seed)
 
@@ -141,7 +139,7 @@ def simulate(
         hist = draw(b, history) if history else None
         base_arm = summarize(base)
         hist_arm = summarize(hist) if hist is not None else None
-        prior = history_prior(hist, base_arm.mean.shape) if protocol == "sequential" else None
+        prior = history_prior(hist, base_arm.mean.shape) if proto.moderated else None
         scale, _ = task_scale(base_arm, hist_arm)
         hb, hc = horizontal_values(base, chal, base_arm.mean, scale)
 
