@@ -13,16 +13,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from agent.errors import ReviewError
 from agent.records import ACTIVE, Hypothesis, Records
 from pipeline import isolation, runner
 from pipeline.errors import UserError
 from pipeline.lab import Lab, load_lab
 
 HUMAN_PRIORITY = 10
-
-
-class ReviewError(UserError):
-    """A review action that does not fit the hypothesis (unknown id, nothing to approve)."""
 
 
 def open_lab_store(repo: Path, db: str | None) -> tuple[Lab, Any, Records]:

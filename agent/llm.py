@@ -33,6 +33,13 @@ from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from agent import prompts
+from agent.errors import (
+    BudgetExceeded,
+    LLMNotConfigured,
+    LLMOutputError,
+    LLMRequestRejected,
+    LLMUnavailable,
+)
 from agent.ledger import Ledger, LLMCall, utc_day_start
 
 if TYPE_CHECKING:
@@ -84,51 +91,6 @@ def price_for(model: str, prices: Mapping[str, Price] = PRICES, default: Price =
         return prices[name]
     prefixes = [p for p in prices if name.startswith(p)]
     return prices[max(prefixes, key=len)] if prefixes else default
-
-
-class LLMError(Exception):
-    """Base of the client's errors."""
-
-
-class LLMNotConfigured(LLMError):
-    """Neither OPENAI_BASE_URL nor OPENAI_API_KEY is set: use the offline policy."""
-
-
-class BudgetExceeded(LLMError):
-    """Today's (UTC) LLM spend reached `max_usd_per_day`; no request was sent."""
-
-    def __init__(self, spent_usd: float, cap_usd: float):
-        self.spent_usd, self.cap_usd = spent_usd, cap_usd
-        super().__init__(f"LLM budget reached: ${spent_usd:.4f} spent today (UTC), cap ${cap_usd:.2f}/day")
-
-
-class LLMUnavailable(LLMError):
-    """The endpoint kept failing (429, 5xx, timeouts, connection errors) through every attempt."""
-
-    def __init__(self, purpose: str, attempts: int, last_error: str):
-        self.purpose, self.attempts, self.last_error = purpose, attempts, last_error
-        super().__init__(f"{purpose}: LLM endpoint failed {attempts} attempt(s); last error: {last_error}")
-
-
-class LLMRequestRejected(LLMError):
-    """The endpoint refused the request itself (auth, unknown model, bad request): retrying won't help."""
-
-    def __init__(self, purpose: str, status: int | None, message: str):
-        self.purpose, self.status, self.message = purpose, status, message
-        super().__init__(f"{purpose}: LLM request rejected (HTTP {status}): {message}")
-
-
-class LLMOutputError(LLMError):
-    """No usable answer: not JSON, or not matching the schema, after every repair round.
-
-    `errors` holds what was wrong with each answer, `last_answer` the final raw text. The caller
-    skips the hypothesis and records `str(exc)` as the reason.
-    """
-
-    def __init__(self, purpose: str, name: str, errors: list[str], last_answer: str | None):
-        self.purpose, self.name, self.errors, self.last_answer = purpose, name, errors, last_answer
-        detail = errors[-1] if errors else "no answer"
-        super().__init__(f"{purpose}: no valid {name} after {len(errors)} answer(s): {detail}")
 
 
 class InvalidOutput(ValueError):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from agent.errors import NotConfigured
 from agent.workspace import EditRejected, FileEdit
 
 CONFIG_FILE = "config.toml"
@@ -361,10 +362,6 @@ class LLMPolicy:
 
 PolicyFactory = Callable[[Any, Any], Policy]
 """(lab, store) → a policy; raises `NotConfigured` where it cannot work here (no endpoint)."""
-
-
-class NotConfigured(Exception):
-    """A policy that needs something this machine does not have (an LLM endpoint)."""
 
 
 def _offline(lab: Any, store: Any) -> Policy:

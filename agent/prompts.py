@@ -19,36 +19,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from agent.errors import MissingPlaceholder, PromptError, PromptNotFound, UnusedValue
+
 # The top-level `prompts/` folder, shipped inside the package as `agent/prompt_files` (a link in the
 # source tree, real files in a wheel): found the same way from a checkout and from an installed wheel.
 PROMPTS_DIR = Path(str(importlib.resources.files("agent") / "prompt_files"))
 
 _LEADING_COMMENT = re.compile(r"\A\s*<!--.*?-->\s*", re.DOTALL)
 _IDENTIFIER = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]*\Z")
-
-
-class PromptError(Exception):
-    """A prompt template is missing, malformed, or was filled with the wrong values."""
-
-
-class PromptNotFound(PromptError):
-    """No `prompts/<name>.md`."""
-
-
-class MissingPlaceholder(PromptError):
-    """A template placeholder was given no value."""
-
-    def __init__(self, template: str, missing: list[str]):
-        self.template, self.missing = template, missing
-        super().__init__(f"prompt {template!r}: no value for placeholder(s) {', '.join(missing)}")
-
-
-class UnusedValue(PromptError):
-    """A value was given for a placeholder the template does not have."""
-
-    def __init__(self, template: str, unused: list[str]):
-        self.template, self.unused = template, unused
-        super().__init__(f"prompt {template!r}: template has no placeholder(s) {', '.join(unused)}")
 
 
 @dataclass(frozen=True)

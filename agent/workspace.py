@@ -17,10 +17,11 @@ import re
 import tempfile
 import tomllib
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 import git
 
+from agent.errors import EditRejected, PromotionConflict
 from pipeline.lab import BASELINE_BRANCH, CONFIG_NAME, Lab, glob_match
 
 PROTECTED = {CONFIG_NAME, ".gitignore"}
@@ -50,18 +51,6 @@ class FileEdit:
         if self.search is None:
             return {"path": self.path, "content": self.replace}
         return {"path": self.path, "search": self.search, "replace": self.replace}
-
-
-class EditRejected(Exception):
-    """An edit the loop refuses; `kind` is recorded so `status` can count rejections by cause."""
-
-    def __init__(self, kind: str, message: str):
-        self.kind = kind
-        super().__init__(message)
-
-
-class PromotionConflict(Exception):
-    """The baseline moved and the hypothesis no longer merges cleanly into it."""
 
 
 def slugify(title: str, limit: int = 40) -> str:

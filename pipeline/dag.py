@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import UserError
+from pipeline.errors import SealedPathError, StageCommandError
 from pipeline.lab import PLACEHOLDER, StageSpec, check_stage_graph, glob_match
 
 if TYPE_CHECKING:
@@ -41,14 +41,6 @@ if TYPE_CHECKING:
 
 KEY_VERSION = "autoresearch-stage-v2"  # v2: stages see only their declared inputs, in a sandbox
 
-
-
-class SealedPathError(UserError):
-    """A stage command would hand the branch's code a path into the sealed test labels."""
-
-
-class StageCommandError(UserError):
-    """A stage command cannot be parsed or references a value the run does not have."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pipeline
-from pipeline.errors import UserError
+from pipeline.errors import SandboxUnavailable
 from pipeline.executors import sandbox
 from pipeline.executors.base import scrub_env, thread_env
 
@@ -33,10 +33,6 @@ KERNEL_REFUSALS = {  # what the kernel's answer to unshare() usually means
                                         "kernel.unprivileged_userns_clone = 0 or "
                                         "kernel.apparmor_restrict_unprivileged_userns = 1)",
 }
-
-
-class SandboxUnavailable(UserError):
-    """The kernel refuses the namespaces the sandbox needs; the lab did not opt out."""
 
 
 def package_dirs() -> list[str]:

@@ -28,18 +28,11 @@ import git
 
 from pipeline import isolation
 from pipeline.dag import render
+from pipeline.errors import Interrupted, SmokeFailed
 from pipeline.harness import PredictionsError
 from pipeline.lab import Lab
 
 SMOKE_CUSTOMERS = 300
-
-
-class SmokeFailed(Exception):
-    """The candidate's pipeline failed on tiny data; the message is fed back to the implementer."""
-
-
-class Interrupted(Exception):
-    """The loop was asked to stop during a smoke run: nothing is recorded, the next start redoes it."""
 
 
 def materialize(repo_git, base: str, files: dict[str, str], dst: Path) -> None:

@@ -36,6 +36,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Field, Session, SQLModel, create_engine, select
 
+from pipeline.errors import StoreError
+
 if TYPE_CHECKING:
     from pipeline.lab import Lab
 
@@ -227,10 +229,6 @@ class Goodput:
         out: dict[str, float | int] = dict(self.__dict__)
         out["goodput"] = self.goodput
         return out
-
-
-class StoreError(RuntimeError):
-    """The database could not be opened or does not hold what the store expects."""
 
 
 def default_url(lab: "Lab") -> str:

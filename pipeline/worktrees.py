@@ -24,17 +24,10 @@ from pathlib import Path
 
 import git
 
+from pipeline.errors import UnknownCommitError, WorktreeError
 from pipeline.lab import glob_match
 
 SHA = re.compile(r"^[0-9a-f]{40}$")
-
-
-class WorktreeError(RuntimeError):
-    """A commit cannot be resolved or checked out."""
-
-
-class UnknownCommitError(WorktreeError):
-    """The revision names no commit in the lab's repository."""
 
 
 class Worktrees:

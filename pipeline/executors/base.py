@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from pipeline.errors import UserError
+from pipeline.errors import ExecutorError, UnknownExecutorError  # noqa: F401 (re-exported: the executors raise them)
 
 JobStatus = Literal["ok", "exit", "signal", "timeout", "cancelled", "infra"]
 
@@ -129,9 +129,3 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-class ExecutorError(RuntimeError):
-    """The executor itself cannot work (worker cannot start, cluster unreachable)."""
-
-
-class UnknownExecutorError(UserError):
-    """`--executor` names no executor."""

@@ -13,15 +13,18 @@ The execution layer builds a `GateInput` from its run records and calls `evaluat
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from pipeline.errors import UserError
-
-
-class GateInputError(UserError):
-    """The gate was given runs or settings it cannot judge (names the field and what is expected)."""
+from pipeline.errors import GateInputError
 
 
 class GateConfig(BaseModel):

@@ -16,13 +16,9 @@ import math
 
 from scipy import optimize, stats
 
-from pipeline.errors import UserError
+from pipeline.errors import PowerInputError
 
 DEFAULT_POWER = 0.95
-
-
-class PowerInputError(UserError):
-    """A power / MDE request that makes no sense (σ ≤ 0, α outside (0, 1), fewer than 2 runs...)."""
 
 
 def _check(sigma: float, n_baseline: int, n_challenger: int, alpha: float | None = None) -> None:

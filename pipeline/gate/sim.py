@@ -22,15 +22,23 @@ import math
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.errors import UserError
+from pipeline.errors import SimInputError
 from pipeline.gate.protocol import PROTOCOLS, get_protocol
-from pipeline.gate.protocols import horizontal_look, most_improved, task_look, task_scale
-from pipeline.gate.stats import PRIOR_DF_CAP, history_prior, horizontal_values, pooled_t, summarize, without_task
+from pipeline.gate.protocols import (
+    horizontal_look,
+    most_improved,
+    task_look,
+    task_scale,
+)
+from pipeline.gate.stats import (
+    PRIOR_DF_CAP,
+    history_prior,
+    horizontal_values,
+    pooled_t,
+    summarize,
+    without_task,
+)
 from pipeline.gate.verdict import CODE, ORDER, Verdict, decide
-
-
-class SimInputError(UserError):
-    """A gate-sim request that cannot be simulated (names the flag and what is expected)."""
 
 
 class SimResult(BaseModel):

@@ -7,19 +7,14 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from typing import TYPE_CHECKING
-
-from pipeline.errors import LabConfigError, UnknownTaskError
+from pipeline.errors import LabConfigError, PredictionsError, UnknownTaskError
 
 if TYPE_CHECKING:
     from pipeline.lab import Lab, ResearchConfig
-
-
-class PredictionsError(Exception):
-    """predictions.csv is missing, malformed, incomplete or not finite: a method failure of the run."""
 
 
 @dataclass(frozen=True)

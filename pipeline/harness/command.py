@@ -24,8 +24,13 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import LabConfigError, UnknownTaskError, UserError
-from pipeline.harness.base import Harness, Prepared, PredictionsError, check_regular
+from pipeline.errors import (
+    HarnessCommandError,
+    LabConfigError,
+    UnknownTaskError,
+    UserError,
+)
+from pipeline.harness.base import Harness, PredictionsError, Prepared, check_regular
 
 if TYPE_CHECKING:
     from pipeline.lab import Lab, ResearchConfig
@@ -36,10 +41,6 @@ PREPARE_PLACEHOLDERS = {"data_seed", "data", "sealed"}
 SCORE_PLACEHOLDERS = {"task", "predictions", "sealed", "split"}
 SCORE_TIMEOUT_S = 300.0
 GATE_SPLIT = "gate"
-
-
-class HarnessCommandError(UserError):
-    """The lab's own `prepare` failed: its code or its data, not a hypothesis."""
 
 
 class CommandHarness(Harness):

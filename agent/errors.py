@@ -1,0 +1,114 @@
+"""Every error of `agent/`, in one place (the pipeline's are in `pipeline.errors`).
+
+    Exception
+    ├── pipeline.errors.UserError
+    │   └── ReviewError              a review action that does not fit the hypothesis
+    ├── EditRejected                 an implementation the loop refuses; `kind` is recorded
+    ├── PromotionConflict            the hypothesis no longer merges into the baseline
+    ├── NotConfigured                a policy that cannot work here (no LLM endpoint)
+    ├── LLMError                     the LLM client's
+    │   ├── LLMNotConfigured
+    │   ├── BudgetExceeded           today's spend reached the cap; nothing was sent
+    │   ├── LLMUnavailable           429/5xx/timeouts/connection errors through every attempt
+    │   ├── LLMRequestRejected       the endpoint refused the request itself
+    │   └── LLMOutputError           no usable answer after every repair round
+    └── PromptError                  a template missing, malformed or filled wrongly
+        ├── PromptNotFound
+        ├── MissingPlaceholder
+        └── UnusedValue
+
+Each module re-exports the errors it raises, so `from agent.llm import LLMUnavailable` works too.
+"""
+
+from __future__ import annotations
+
+from pipeline.errors import UserError
+
+
+class ReviewError(UserError):
+    """A review action that does not fit the hypothesis (unknown id, nothing to approve)."""
+
+
+class EditRejected(Exception):
+    """An edit the loop refuses; `kind` is recorded so `status` can count rejections by cause."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        super().__init__(message)
+
+
+class PromotionConflict(Exception):
+    """The baseline moved and the hypothesis no longer merges cleanly into it."""
+
+
+class NotConfigured(Exception):
+    """A policy that needs something this machine does not have (an LLM endpoint)."""
+
+
+class LLMError(Exception):
+    """Base of the client's errors."""
+
+
+class LLMNotConfigured(LLMError):
+    """Neither OPENAI_BASE_URL nor OPENAI_API_KEY is set: use the offline policy."""
+
+
+class BudgetExceeded(LLMError):
+    """Today's (UTC) LLM spend reached `max_usd_per_day`; no request was sent."""
+
+    def __init__(self, spent_usd: float, cap_usd: float):
+        self.spent_usd, self.cap_usd = spent_usd, cap_usd
+        super().__init__(f"LLM budget reached: ${spent_usd:.4f} spent today (UTC), cap ${cap_usd:.2f}/day")
+
+
+class LLMUnavailable(LLMError):
+    """The endpoint kept failing (429, 5xx, timeouts, connection errors) through every attempt."""
+
+    def __init__(self, purpose: str, attempts: int, last_error: str):
+        self.purpose, self.attempts, self.last_error = purpose, attempts, last_error
+        super().__init__(f"{purpose}: LLM endpoint failed {attempts} attempt(s); last error: {last_error}")
+
+
+class LLMRequestRejected(LLMError):
+    """The endpoint refused the request itself (auth, unknown model, bad request): retrying won't help."""
+
+    def __init__(self, purpose: str, status: int | None, message: str):
+        self.purpose, self.status, self.message = purpose, status, message
+        super().__init__(f"{purpose}: LLM request rejected (HTTP {status}): {message}")
+
+
+class LLMOutputError(LLMError):
+    """No usable answer: not JSON, or not matching the schema, after every repair round.
+
+    `errors` holds what was wrong with each answer, `last_answer` the final raw text. The caller
+    skips the hypothesis and records `str(exc)` as the reason.
+    """
+
+    def __init__(self, purpose: str, name: str, errors: list[str], last_answer: str | None):
+        self.purpose, self.name, self.errors, self.last_answer = purpose, name, errors, last_answer
+        detail = errors[-1] if errors else "no answer"
+        super().__init__(f"{purpose}: no valid {name} after {len(errors)} answer(s): {detail}")
+
+
+class PromptError(Exception):
+    """A prompt template is missing, malformed, or was filled with the wrong values."""
+
+
+class PromptNotFound(PromptError):
+    """No `prompts/<name>.md`."""
+
+
+class MissingPlaceholder(PromptError):
+    """A template placeholder was given no value."""
+
+    def __init__(self, template: str, missing: list[str]):
+        self.template, self.missing = template, missing
+        super().__init__(f"prompt {template!r}: no value for placeholder(s) {', '.join(missing)}")
+
+
+class UnusedValue(PromptError):
+    """A value was given for a placeholder the template does not have."""
+
+    def __init__(self, template: str, unused: list[str]):
+        self.template, self.unused = template, unused
+        super().__init__(f"prompt {template!r}: template has no placeholder(s) {', '.join(unused)}")
