@@ -19,7 +19,6 @@ from pipeline import isolation, runner
 from pipeline.errors import UserError
 from pipeline.lab import Lab, load_lab
 
-HUMAN_PRIORITY = 10
 
 
 def open_lab_store(repo: Path, db: str | None) -> tuple[Lab, Any, Records]:

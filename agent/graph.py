@@ -445,6 +445,8 @@ class Nodes:
         h = rec.update(h.id, review="pending" if h.review == "none" else h.review)
         write_summary(svc, h)
         rec.update(h.id, status="done", finished_at=time.time())
+        if h.commit and not h.promoted_tag:  # a champion's worktree serves its baseline runs
+            svc.experiment.release(h.commit)
         return {"route": "done"}
 
 

@@ -208,8 +208,8 @@ class Loop:
         config = {"configurable": {"thread_id": str(h.id)}}
         before = (h.status, h.look, h.verdict)
         try:
-            if resume is not None and not self.graph.get_state(config).next:
-                # held before its thread reached the interrupt (an older version): get it there first
+            if resume is not None and not self.graph.get_state(config).interrupts:
+                # held, but its thread never reached the interrupt (a crash in between): get it there first
                 self.graph.invoke({"hypothesis_id": h.id}, config)
             self.graph.invoke(Command(resume=resume) if resume is not None else {"hypothesis_id": h.id}, config)
         except Interrupted:
@@ -258,7 +258,7 @@ class Loop:
         for h in self.records.all(("held",)):
             if h.review in ("approved", "rejected"):
                 self.advance(h, resume="approve" if h.review == "approved" else "reject")
-            elif not self.graph.get_state({"configurable": {"thread_id": str(h.id)}}).next:
+            elif not self.graph.get_state({"configurable": {"thread_id": str(h.id)}}).interrupts:
                 self.advance(h)
 
     def note_reverifications(self) -> None:

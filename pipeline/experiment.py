@@ -10,6 +10,7 @@ picks a seed, builds a gate input or touches an executor. One object per lab and
     exp.queue_champion(commit, tag)                   # a promoted champion's fresh baseline runs
     exp.reverification(tag, commit, base, look)       # how it held up on them (None until all are in)
     exp.smoke(base, files)                            # the whole pipeline on tiny data, sandboxed
+    exp.release(commit)                               # a decided challenger's worktree goes
     exp.close()
 
 Seeds. A baseline's own runs use seeds BASELINE_SEED0, BASELINE_SEED0 + 1, ...; the challengers of
@@ -140,6 +141,12 @@ class Experiment:
         return {"tag": champion, "tasks": rows, "fresh_mean": fresh_mean, "selected_mean": sel_mean,
                 "shrinkage": fresh_mean - sel_mean,
                 "tasks_worse": sum(sign * (r["fresh"] - r["selected"]) < 0 for r in rows), "fresh_seeds": seeds}
+
+    def release(self, commit: str) -> None:
+        """A decided challenger's worktree is not needed any more (its tag keeps the commit)."""
+        from pipeline.worktrees import Worktrees
+
+        Worktrees(self.lab.root, self.lab.state).remove(commit)
 
     # --- smoke runs ----------------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ from pipeline.worktrees import WorktreeError, Worktrees
 log = logging.getLogger("autoresearch.runner")
 
 __all__ = [
-    "open_store", "ensure_runs", "Driver", "drive", "results", "run_results", "goodput", "queue_status",
+    "open_store", "ensure_runs", "Driver", "results", "run_results", "goodput",
     "make_executor", "open_lab", "resolve_commit",
 ]
 
@@ -126,10 +126,6 @@ def run_results(store: Store, commit: str, tasks: Iterable[str] | None = None) -
 
 def goodput(store: Store, since: float | None = None) -> Goodput:
     return store.goodput(since)
-
-
-def queue_status(store: Store) -> dict[str, int]:
-    return store.queue_counts()
 
 
 @dataclass
@@ -574,14 +570,6 @@ def _has_nonfinite(path: Path) -> bool:
         if cell in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
             return True
     return False
-
-
-def drive(lab: Lab, store: Store, executor: Executor, until: Iterable[int] | Callable[[], bool] | None = None,
-          **kwargs: Any) -> list[int]:
-    """One-shot: start a driver, work until `until` holds, close it (re-queuing leftovers)."""
-    harness = kwargs.pop("harness", None)
-    with Driver(lab, store, executor, harness=harness) as d:
-        return d.drive(until, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from pipeline.lab import Lab
 
 RunStatus = Literal["queued", "running", "done", "failed"]
-ResultOutcome = Literal["ok", "method_failure", "infra_failure"]
 # running: launched, not finished; ok: executed and published; cache_hit: output existed already;
 # shared: waited on the same key computed for another run in this batch; method/timeout: the branch's
 # code failed (a result the gate sees); infra: the machinery failed (retried); lost: the driver died

@@ -368,6 +368,9 @@ def test_no_attack_was_promoted_and_the_baseline_never_moved(attacked: dict) -> 
     assert git(root, "rev-parse", "autoresearch/baseline") == git(root, "rev-parse", "main")
     assert len(attacked["hyps"]) == len(ATTACKS) + 1
     assert all(h["status"] == "done" for h in attacked["hyps"].values()), attacked["hyps"]
+    # decided challengers leave no worktree behind; the baseline's stays for its runs
+    worktrees = {p.name for p in (root / "runs" / "worktrees").iterdir() if p.is_dir()}
+    assert worktrees == {git(root, "rev-parse", "autoresearch/baseline")}, worktrees
 
 
 def test_attack_a_sealed_labels_are_not_in_the_sandbox(attacked: dict) -> None:

@@ -29,27 +29,7 @@ def _held(root: Path) -> bool:
     return bool(row) and row[0] == "held"
 
 
-def test_kill_9_during_a_supervised_hold_then_approve_resumes_the_thread_and_promotes_once(tmp_path: Path) -> None:
-    root = init_lab(tmp_path / "lab", harness="command")  # the offline policy's first idea is a real gain
-    first = RunProcess(root, "--offline", "--supervised", "--max-hypotheses", "2", tag="first")
-    try:
-        first.wait_until("hypothesis 1 held", lambda: _held(root), timeout=240)
-        first.kill9()  # perhaps before its summary was written and its thread reached the interrupt
-    finally:
-        first.cleanup()
-    if not (root / "runs" / "summaries" / "1.md").is_file():  # a restart takes it to the hold
-        again = RunProcess(root, "--offline", "--supervised", "--max-hypotheses", "1", tag="again")
-        try:
-            again.wait_until("the held summary", lambda: (root / "runs" / "summaries" / "1.md").is_file(), timeout=240)
-            again.kill9()
-        finally:
-            again.cleanup()
-    h = _status(root)["hypotheses"][0]
-    assert (h["status"], h["decision"], h["review"], h["promoted_tag"]) == ("held", "hold", "pending", None)
-    assert git(root, "tag", "-l", "baseline/*") == ""
-    summary = (root / "runs" / "summaries" / "1.md").read_text()
-    assert "held for a human's approval" in summary
-
+def _graph(root: Path):
     from agent.graph import Services, build_graph, open_checkpointer
     from agent.policy import OfflinePolicy
     from agent.records import Records
@@ -61,11 +41,45 @@ def test_kill_9_during_a_supervised_hold_then_approve_resumes_the_thread_and_pro
     store = runner.open_store(lab)
     svc = Services(lab, store, Records(store), Workspace(lab), OfflinePolicy())
     saver = open_checkpointer(svc)
-    graph = build_graph(svc, saver)
-    config = {"configurable": {"thread_id": "1"}}
-    paused = graph.get_state(config)
-    assert paused.next == ("hold",) and paused.interrupts, paused  # the interrupt survived the kill
-    saver.conn.close()
+    return build_graph(svc, saver), saver, store
+
+
+CONFIG = {"configurable": {"thread_id": "1"}}
+
+
+def _paused(root: Path) -> bool:
+    """Whether hypothesis 1's thread waits at the hold node's interrupt, in its checkpoint."""
+    if not (root / "runs" / "checkpoints.sqlite").is_file():
+        return False
+    graph, saver, _ = _graph(root)
+    try:
+        snap = graph.get_state(CONFIG)
+        return snap.next == ("hold",) and bool(snap.interrupts)
+    finally:
+        saver.conn.close()
+
+
+def test_kill_9_during_a_supervised_hold_then_approve_resumes_the_thread_and_promotes_once(tmp_path: Path) -> None:
+    root = init_lab(tmp_path / "lab", harness="command")  # the offline policy's first idea is a real gain
+    first = RunProcess(root, "--offline", "--supervised", "--max-hypotheses", "2", tag="first")
+    try:
+        first.wait_until("hypothesis 1 held", lambda: _held(root), timeout=240)
+        first.kill9()  # perhaps before its summary and the interrupt in its thread's checkpoint
+    finally:
+        first.cleanup()
+    if not _paused(root):  # a restart takes it to the hold
+        again = RunProcess(root, "--offline", "--supervised", "--max-hypotheses", "1", tag="again")
+        try:
+            again.wait_until("the hold's interrupt", lambda: _paused(root), timeout=240)
+            again.kill9()
+        finally:
+            again.cleanup()
+    h = _status(root)["hypotheses"][0]
+    assert (h["status"], h["decision"], h["review"], h["promoted_tag"]) == ("held", "hold", "pending", None)
+    assert git(root, "tag", "-l", "baseline/*") == ""
+    summary = (root / "runs" / "summaries" / "1.md").read_text()
+    assert "held for a human's approval" in summary
+    assert _paused(root)  # the interrupt survived the kill
 
     review = cli(root, "review", "1", "--approve", "--comment", "looks real")
     assert review.returncode == 0, review.stderr
@@ -80,11 +94,10 @@ def test_kill_9_during_a_supervised_hold_then_approve_resumes_the_thread_and_pro
     commit = git(root, "rev-parse", "exp/1^{commit}")
     assert git(root, "rev-parse", "baseline/v1^{commit}") == commit == git(root, "rev-parse", "autoresearch/baseline")
 
-    saver = open_checkpointer(svc)
-    graph = build_graph(svc, saver)
-    done = graph.get_state(config)
+    graph, saver, store = _graph(root)
+    done = graph.get_state(CONFIG)
     assert done.next == () and not done.interrupts
-    history = [s.next for s in graph.get_state_history(config)]
+    history = [st.next for st in graph.get_state_history(CONFIG)]
     assert ("hold",) in history and ("promote",) in history  # resumed at the hold, then the promote node
     saver.conn.close()
     # the decision at the look was taken once, before the hold; the resume did not ask again

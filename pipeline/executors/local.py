@@ -211,9 +211,6 @@ class LocalExecutor:
         except (BrokenPipeError, OSError):
             self._worker_died()
 
-    def running(self) -> list[str]:
-        return list(self._running)
-
     def close(self) -> None:
         """Stop the warm worker; it kills the process groups of stages still running."""
         proc, self._proc = self._proc, None

@@ -145,9 +145,6 @@ class RayExecutor:
         if entry is not None:
             self.ray.cancel(entry[0])
 
-    def running(self) -> list[str]:
-        return list(self._refs)
-
     def close(self) -> None:
         for job_id in list(self._refs):
             self.cancel(job_id)
