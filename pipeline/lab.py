@@ -98,11 +98,9 @@ class GateSection(_Strict):
     @field_validator("protocol")
     @classmethod
     def _known(cls, name: str) -> str:
-        from pipeline.gate.protocol import PROTOCOLS
+        from pipeline.gate.protocol import check_name
 
-        if name not in PROTOCOLS:
-            raise ValueError(f"one of {sorted(PROTOCOLS)}, got {name!r}")
-        return name
+        return check_name(name)
 
     @field_validator("looks")
     @classmethod

@@ -43,11 +43,9 @@ class GateConfig(BaseModel):
     @field_validator("protocol")
     @classmethod
     def _known(cls, name: str) -> str:
-        from pipeline.gate.protocol import PROTOCOLS
+        from pipeline.gate.protocol import check_name
 
-        if name not in PROTOCOLS:
-            raise ValueError(f"unknown protocol {name!r}; expected one of {sorted(PROTOCOLS)}")
-        return name
+        return check_name(name)
 
     @field_validator("looks")
     @classmethod

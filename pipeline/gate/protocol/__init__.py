@@ -24,6 +24,13 @@ PROTOCOLS: dict[str, str] = {
 }
 
 
+def check_name(name: str) -> str:
+    """`name` if it is a registered protocol (the `[gate] protocol` validator), else ValueError."""
+    if name not in PROTOCOLS:
+        raise ValueError(f"one of {sorted(PROTOCOLS)}, got {name!r}")
+    return name
+
+
 @lru_cache(maxsize=None)
 def get_protocol(name: str) -> "GateProtocol":
     if name not in PROTOCOLS:
@@ -32,4 +39,4 @@ def get_protocol(name: str) -> "GateProtocol":
     return getattr(importlib.import_module(module), cls)()
 
 
-__all__ = ["PROTOCOLS", "get_protocol"]
+__all__ = ["PROTOCOLS", "check_name", "get_protocol"]
