@@ -83,7 +83,7 @@ class Experiment:
 
     def judge_look(self, base_commit: str, commit: str, look: int) -> Any:
         """The gate's result at a look, from the store's results (never from the policy)."""
-        from pipeline.gate import GateConfig, evaluate
+        from pipeline.gate import evaluate
 
         cfg = self.lab.config
         tasks = self.lab.tasks()
@@ -91,7 +91,7 @@ class Experiment:
         chal = runner.results(self.store, self.lab, commit, tasks)
         seeds = self.challenger_seeds(base_commit, look)
         inp = {
-            "config": GateConfig.from_lab(cfg).model_dump(),
+            "config": cfg.gate.model_dump(),
             "tasks": [
                 {
                     "task": t,

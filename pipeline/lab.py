@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from pipeline.errors import LabConfigError, LabNotFoundError
+from pipeline.gate.inputs import GateConfig
 
 if TYPE_CHECKING:
     from pipeline.harness import Harness
@@ -85,31 +86,8 @@ SEED_BLOCK = 1000
 BASELINE_SEED0 = 1_000_000
 
 
-class GateSection(_Strict):
-    protocol: str = "sequential"  # a name in pipeline.gate.protocol.PROTOCOLS
-    baseline_runs: int = Field(default=5, ge=2, le=SEED_BLOCK)
-    looks: list[int] = Field(default_factory=lambda: [2, 5, 10], min_length=1)
-    alpha: float = Field(default=0.025, gt=0, lt=0.5)
-    futility_p: float = Field(default=0.30, gt=0, lt=1)
-    harm_q: float = Field(default=0.10, gt=0, lt=1)
-    implausible_fraction: float = Field(default=0.5, gt=0, le=1)
-    implausible_sigma: float | None = Field(default=None, gt=0)
-
-    @field_validator("protocol")
-    @classmethod
-    def _known(cls, name: str) -> str:
-        from pipeline.gate.protocol import check_name
-
-        return check_name(name)
-
-    @field_validator("looks")
-    @classmethod
-    def _increasing(cls, looks: list[int]) -> list[int]:
-        if looks[0] < 2 or any(b <= a for a, b in zip(looks, looks[1:])):
-            raise ValueError("expected strictly increasing run counts, the first at least 2")
-        if looks[-1] > SEED_BLOCK:
-            raise ValueError(f"expected at most {SEED_BLOCK} runs at the last look")
-        return looks
+# `[gate]` is the gate's own configuration model (one model, one set of bounds)
+GateSection = GateConfig
 
 
 class AgentSection(_Strict):
@@ -138,16 +116,40 @@ class ResearchConfig(_Strict):
                 raise ValueError(f"key {key!r}: expected a non-empty list of values")
         return space
 
+    @model_validator(mode="before")
+    @classmethod
+    def _direction(cls, raw: Any) -> Any:
+        """The gate reads the metric's direction from `[benchmark]`, never from `[gate]`."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("gate", {}), dict):
+            return raw
+        gate = raw.get("gate", {})
+        if "higher_is_better" in gate:
+            raise KeyedConfigError("gate.higher_is_better",
+                                   "not a [gate] key: the metric's direction is [benchmark] higher_is_better")
+        bench = raw.get("benchmark", {})
+        hib = bench.get("higher_is_better", True) if isinstance(bench, dict) else True
+        return {**raw, "gate": {**gate, "higher_is_better": hib}} if isinstance(hib, bool) else raw
+
     @model_validator(mode="after")
     def _dag(self) -> "ResearchConfig":
         check_stage_graph(self.stage)
+        if self.gate.looks[-1] > SEED_BLOCK:
+            raise KeyedConfigError("gate.looks", f"expected at most {SEED_BLOCK} runs at the last look")
+        if self.gate.baseline_runs > SEED_BLOCK:
+            raise KeyedConfigError("gate.baseline_runs", f"expected at most {SEED_BLOCK}")
         return self
 
 
-class StageGraphError(ValueError):
+class KeyedConfigError(ValueError):
+    """A problem a validator found, with the research.toml key it is about."""
+
     def __init__(self, key: str, expected: str):
         self.key = key
         super().__init__(expected)
+
+
+class StageGraphError(KeyedConfigError):
+    pass
 
 
 def check_stage_graph(stages: list[StageSpec]) -> list[StageSpec]:
@@ -264,7 +266,7 @@ def parse_config(text: str, path: str | Path = CONFIG_NAME) -> ResearchConfig:
     except ValidationError as e:
         err = e.errors()[0]
         ctx = err.get("ctx", {}).get("error")
-        if isinstance(ctx, StageGraphError):
+        if isinstance(ctx, KeyedConfigError):
             raise LabConfigError(path, ctx.key, str(ctx)) from None
         raise LabConfigError(path, _loc(err["loc"]), _explain(err)) from None
 

@@ -228,15 +228,19 @@ def test_bad_input_is_a_user_error():
 
 def test_config_from_research_toml():
     from pipeline.gate import GateConfig
-    from pipeline.lab import parse_config
+    from pipeline.lab import LabConfigError, parse_config
 
     lab = parse_config(
         '[lab]\nname = "x"\neditable = ["model.py"]\n[benchmark]\nhigher_is_better = false\n'
         '[[stage]]\nname = "finetune"\nrun = "python train.py --out {out}"\n'
         '[gate]\nprotocol = "fixed"\nlooks = [2, 4, 8]\n'
     )
-    cfg = GateConfig.from_lab(lab)
+    cfg = lab.gate
+    assert isinstance(cfg, GateConfig)  # one model of [gate], for the lab and the gate
     assert cfg.protocol == "fixed" and cfg.looks == (2, 4, 8) and cfg.higher_is_better is False
+    with pytest.raises(LabConfigError, match=r"gate\.higher_is_better.*\[benchmark\]"):
+        parse_config('[lab]\nname = "x"\neditable = ["model.py"]\n[[stage]]\nname = "f"\nrun = "true {out}"\n'
+                     '[gate]\nhigher_is_better = false\n')
 
 
 def test_task_without_challenger_runs_yet_has_no_test():

@@ -27,7 +27,7 @@ def test_template_config_loads(lab):
     loaded = load_lab(lab)
     assert loaded.config.lab.editable == ["model.py", "train.py", "config.toml"]
     assert [s.name for s in loaded.stages_in_order()] == ["pretrain", "finetune"]
-    assert loaded.config.gate.looks == [2, 5, 10]
+    assert loaded.config.gate.looks == (2, 5, 10)
     assert len(loaded.tasks()) == 8
 
 

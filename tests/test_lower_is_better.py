@@ -158,10 +158,8 @@ def svc(tmp_path):
 def _measure(svc, effects: dict[str, float], look: int = 2):
     from summary_fixtures import implemented
 
-    from pipeline.gate import GateConfig
-
     h = implemented(svc)
-    cfg = GateConfig.from_lab(svc.lab.config)
+    cfg = svc.lab.config.gate
     data = logloss_input(effects, m=look)
     data["config"] = cfg.model_dump()
     result = evaluate(data)

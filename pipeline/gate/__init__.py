@@ -23,7 +23,7 @@ Input (`GateInput`, a pydantic model; a plain dict of the same shape is accepted
 Seeds pair up across tasks (seed k of an arm is one run on every task): the horizontal test uses
 that pairing. A run still pending is absent (a shorter list): the record is then "between looks".
 `history` may include the comparison's baseline runs; they are matched by value and not counted
-twice. `GateConfig.from_lab(research_config)` builds the config from research.toml.
+twice. research.toml's `[gate]` section loads as a `GateConfig` (`lab.config.gate`).
 
 Output (`GateResult`): per task the arms' means, Δ, interval, p, BH q, flags (win / harm /
 unstable, with Welch beside), the MDE at the next look; the horizontal statistic, its boundary

@@ -28,16 +28,23 @@ from pipeline.errors import GateInputError
 
 
 class GateConfig(BaseModel):
-    """The `[gate]` section of research.toml (DESIGN §3) plus the metric's direction."""
+    """The gate's configuration: research.toml's `[gate]` section, one model for both (the lab's
+    loader fills `higher_is_better` from `[benchmark]`; a `[gate]` key of that name is refused).
+
+    `implausible_*` are the hold rule of `pipeline.gate.plausibility`: a verdict they flag is never
+    promoted without a human. `protocol` is a name in `pipeline.gate.protocol.PROTOCOLS`.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    protocol: str = "sequential"  # a name in pipeline.gate.protocol.PROTOCOLS
+    protocol: str = "sequential"
     baseline_runs: int = Field(default=5, ge=2)
     looks: tuple[int, ...] = (2, 5, 10)
     alpha: float = Field(default=0.025, gt=0, lt=0.5)  # one-sided, improvement side
-    futility_p: float = Field(default=0.30, gt=0, le=1)
+    futility_p: float = Field(default=0.30, gt=0, lt=1)
     harm_q: float = Field(default=0.10, gt=0, lt=1)
+    implausible_fraction: float = Field(default=0.5, gt=0, le=1)
+    implausible_sigma: float | None = Field(default=None, gt=0)
     higher_is_better: bool = True
 
     @field_validator("protocol")
@@ -50,16 +57,9 @@ class GateConfig(BaseModel):
     @field_validator("looks")
     @classmethod
     def _increasing(cls, looks: tuple[int, ...]) -> tuple[int, ...]:
-        if not looks or looks[0] < 1 or any(b <= a for a, b in zip(looks, looks[1:])):
-            raise ValueError("expected strictly increasing positive challenger run counts")
+        if not looks or looks[0] < 2 or any(b <= a for a, b in zip(looks, looks[1:])):
+            raise ValueError("expected strictly increasing run counts, the first at least 2")
         return tuple(looks)
-
-    @classmethod
-    def from_lab(cls, lab: Any) -> "GateConfig":
-        """Build from a loaded `pipeline.lab.ResearchConfig` (its `gate` and `benchmark` sections)."""
-        # the plausibility keys are the agent's hold rule, not the test's
-        gate = lab.gate.model_dump(exclude={"implausible_fraction", "implausible_sigma"})
-        return cls(**gate, higher_is_better=lab.benchmark.higher_is_better)
 
 
 def _value(v: float | None) -> float:
