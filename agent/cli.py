@@ -226,6 +226,8 @@ def run_cmd(
     finally:
         loop.close()
     emit_json(out)
+    if out.get("stopped") == "LLM unreachable":
+        raise typer.Exit(1)  # said in one line by the loop; the store holds no hypothesis for it
 
 
 def _progress_printer():

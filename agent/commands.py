@@ -128,9 +128,16 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
         "in_flight": [h.id for h in hyps if h.status in ACTIVE],
         "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == "reject").items())),
         "compute": runner.goodput(store).as_dict(),
-        "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day},
+        "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day,
+                "unreachable_since": llm_unreachable_since(rec)},
         "events": [{"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(5)],
     }
+
+
+def llm_unreachable_since(rec: Records) -> float | None:
+    """When the loop last found the LLM endpoint down, if it has not found it up since."""
+    last = rec.last_event(("llm_down", "llm_up"))
+    return last.created_at if last is not None and last.kind == "llm_down" else None
 
 
 # ----------------------------------------------------------------------------- report

@@ -1,20 +1,21 @@
 """One LangGraph graph per hypothesis: propose → implement → evaluate ⇄ decide → [promote] → summarize
 → [hold → promote → summarize].
 
-The graph's state is only the hypothesis id (the thread id) and a routing flag; every fact lives
-in the store (`agent.records`, `pipeline.store`). Each node first looks at what the store already
-says and skips work already done (keyed side effects: branch names, tags, run keys, gate records
-per look), so a node that crashed half-way is simply run again.
+The graph is the hypothesis's one state machine: its thread (id = hypothesis id) is checkpointed
+after every node and, after any stop, crash or `kill -9`, resumed from that checkpoint — never
+started over. Its state is only the hypothesis id and a routing flag; every fact lives in the
+store (`agent.records`, `pipeline.store`). A node's side effects are keyed (branch names, tags,
+run keys, gate records per look) and each node first looks at what the store already says, so a
+node that died half-way, before its checkpoint, is simply run again.
 
-`evaluate` does not block on the benchmark: it queues the look's runs and, while they are not all
-finished, ends this pass of the graph with `waiting`. The driver loop (`agent.loop`) executes runs
-for every hypothesis in flight and invokes the graph again; earlier nodes see their work done and
-pass straight through.
-
-A held promotion (`--supervised`, or a result too good to be true) is a LangGraph `interrupt()` in
-the `hold` node, kept in the thread's checkpoint across restarts; `review --approve/--reject`
-records the human's answer and the loop resumes the thread with `Command(resume=...)`. Promotion
-happens in the `promote` node only.
+A thread waits in two places, both a LangGraph `interrupt()` kept in its checkpoint:
+- `evaluate`, for the runs of a look (`{"kind": "look", "runs": [...]}`): the driver loop
+  (`agent.loop`) executes runs for every hypothesis in flight and resumes the thread with
+  `Command(resume="finished")` once they are all in;
+- `hold`, for a human (`{"kind": "hold"}`): a held promotion (`--supervised`, or a result too
+  good to be true); `review --approve/--reject` records the answer and the loop resumes the thread
+  with `Command(resume="approve"|"reject")`.
+Promotion happens in the `promote` node only.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from agent.errors import LLMError, LLMOutputError, LLMUnavailable
 from agent.policy import Choice, Context, Feedback, Policy
 from agent.records import Hypothesis, Records
 from agent.workspace import EditRejected, FileEdit, Workspace, slugify
 from pipeline.experiment import Experiment
 from pipeline.lab import Lab, glob_match
-from pipeline.smoke import Interrupted
 
 log = logging.getLogger("autoresearch.agent")
 
@@ -42,6 +43,9 @@ REPAIR_STAGE = {"compile_error": "compile", "smoke_failed": "smoke", "not_applyi
 class State(TypedDict, total=False):
     hypothesis_id: int
     route: str  # "waiting" | "rejected" | "measure" | "done" | ""
+
+
+LOOK, HOLD = "look", "hold"  # the kinds of a thread's interrupt: waiting for runs, or for a human
 
 
 @dataclass
@@ -176,12 +180,13 @@ class Nodes:
             if h.status == "proposing":
                 rec.update(h.id, status="implementing")
             return {"route": ""}
-        ctx = build_context(self.svc)
         try:
-            p = self.svc.policy.propose(ctx)
-        except Exception as e:  # LLMOutputError, BudgetExceeded, LLMUnavailable: recorded, loop goes on
+            # the endpoint down, refusing or over budget leaves the node: no answer is no hypothesis,
+            # and the loop (which created this empty one) withdraws it and backs off
+            p = self.svc.policy.propose(build_context(self.svc))
+        except LLMOutputError as e:  # it answered, but nothing usable after the repair rounds: recorded
             rec.update(h.id, title="(no proposal)", status="summarizing", decision="reject",
-                       reject_kind=_llm_failure_kind(e, "propose"), reject_reason=f"{type(e).__name__}: {e}")
+                       reject_kind="propose", reject_reason=f"{type(e).__name__}: {e}")
             return {"route": "rejected"}
         if p is None:
             rec.update(h.id, title="(search space exhausted)", status="summarizing", decision="reject",
@@ -239,9 +244,9 @@ class Nodes:
                 if not svc.policy.can_repair or e.kind in ("needs_llm", "duplicate"):
                     break
                 feedback = Feedback(REPAIR_STAGE.get(e.kind, "paths"), str(e), attempt + 1, rounds, edits)
-            except Interrupted:
-                raise
-            except Exception as e:  # the LLM failed to answer usefully: skip with a reason
+            except LLMUnavailable:
+                raise  # infrastructure: the thread stays here and is resumed when the endpoint answers
+            except LLMError as e:  # the LLM answered, but nothing usable (or the budget ran out): a reason
                 rec.update(h.id, status="summarizing", decision="reject", reject_kind=_llm_failure_kind(e, "llm"),
                            reject_reason="; ".join([*attempts, f"{type(e).__name__}: {e}"]))
                 return {"route": "rejected"}
@@ -326,6 +331,11 @@ class Nodes:
             return {"route": "measure" if h.status in ("deciding", "promoting", "held") else ""}
         ids = queue_look(svc, h)
         if not svc.experiment.finished(ids):
+            from langgraph.types import interrupt
+
+            # the thread pauses here, in its checkpoint, until the loop resumes it with the runs in;
+            # resumed early, it waits again (a fresh pass of this node)
+            interrupt({"kind": LOOK, "hypothesis_id": h.id, "look": h.look, "runs": ids})
             return {"route": "waiting"}
         result = svc.experiment.judge_look(h.base_commit, h.commit, h.look)
         svc.store.put_gate_record(str(h.id), h.look, result)
@@ -376,7 +386,7 @@ class Nodes:
         h = rec.get(state["hypothesis_id"])
         if h.status != "held":
             return {"route": "promote" if h.status == "promoting" else ""}
-        answer = interrupt({"hypothesis_id": h.id, "reason": h.rationale_decision or ""})
+        answer = interrupt({"kind": HOLD, "hypothesis_id": h.id, "reason": h.rationale_decision or ""})
         if answer == "approve":
             rec.update(h.id, status="promoting", decision="promote")
             return {"route": "promote"}
@@ -416,7 +426,7 @@ class Nodes:
         look_text = f"look {looks.index(h.look) + 1 if h.look in looks else '?'} of {len(looks)}: {h.look} challenger runs"
         try:
             choice = svc.policy.decide(build_context(svc), h, h.verdict, evidence, allowed, look_text)
-        except Exception as e:  # no answer (budget, endpoint down, no valid JSON): follow the gate
+        except LLMError as e:  # no answer (budget, endpoint down, no valid JSON): follow the gate
             from agent.policy import OfflinePolicy
 
             choice = OfflinePolicy().decide(build_context(svc), h, h.verdict, evidence, allowed, look_text)
@@ -527,7 +537,8 @@ def build_graph(svc: Services, checkpointer: Any):
                             ["summarize", "implement"])
     g.add_conditional_edges("implement", lambda s: "summarize" if s.get("route") == "rejected" else "evaluate",
                             ["summarize", "evaluate"])
-    g.add_conditional_edges("evaluate", lambda s: END if s.get("route") == "waiting" else "decide", ["decide", END])
+    g.add_conditional_edges("evaluate", lambda s: "evaluate" if s.get("route") == "waiting" else "decide",
+                            ["decide", "evaluate"])
     after_decide = {"measure": "evaluate", "promote": "promote", "hold": "hold"}
     g.add_conditional_edges("decide", lambda s: after_decide.get(s.get("route") or "", "summarize"),
                             ["evaluate", "promote", "hold", "summarize"])

@@ -80,6 +80,11 @@ PRICES: dict[str, Price] = {
 # would let the daily cap be overrun. Pass `prices` (or `default_price`) for a local, free endpoint.
 DEFAULT_PRICE = Price(5.00, 15.00)
 
+# The answer's bound per purpose (`max_tokens`), overridable in `[agent.max_output_tokens]`: a
+# proposal and a decision are a few hundred tokens of JSON, edits carry whole search/replace blocks.
+DEFAULT_MAX_OUTPUT_TOKENS: dict[str, int] = {"propose": 2000, "implement": 8000, "decide": 1000, "summarize": 2000,
+                                             "default": 4000}
+
 
 def price_for(model: str, prices: Mapping[str, Price] = PRICES, default: Price = DEFAULT_PRICE) -> Price:
     """The price of `model`: exact name, else the longest listed prefix, else `default`.
@@ -190,7 +195,7 @@ class LLMClient:
         timeout_s: float = 120.0,
         repair_rounds: int = 2,
         temperature: float | None = None,
-        max_tokens: int | None = None,
+        max_output_tokens: Mapping[str, int] | None = None,
         env: Mapping[str, str] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.time,
@@ -220,7 +225,7 @@ class LLMClient:
         self.timeout_s = timeout_s
         self.repair_rounds = repair_rounds
         self.temperature = temperature
-        self.max_tokens = max_tokens
+        self.max_output_tokens = {**DEFAULT_MAX_OUTPUT_TOKENS, **(max_output_tokens or {})}
         self._sleep = sleep
         self._clock = clock
         self._mode_index = 0
@@ -275,23 +280,15 @@ class LLMClient:
                     self._mode_index = max(self._mode_index, index + 1)
         raise LLMRequestRejected(purpose, None, " | ".join(rejections))
 
-    def complete_text(
-        self, purpose: str, messages: Sequence[Mapping[str, Any]], *, hypothesis_id: str | None = None
-    ) -> str:
-        """A plain-text answer (no structure asked for), with the same retries, cap and audit."""
-        body = self._body("text", list(messages))
-        completion = self._send(purpose, hypothesis_id, "text", body)
-        return completion.choices[0].message.content or ""
-
     # --- modes ----------------------------------------------------------------------------------
 
-    def _body(self, mode: Mode, messages: list[Mapping[str, Any]], schema: Mapping[str, Any] | None = None,
-              name: str = "") -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "messages": messages}
+    def _body(self, mode: Mode, purpose: str, messages: list[Mapping[str, Any]],
+              schema: Mapping[str, Any] | None = None, name: str = "") -> dict[str, Any]:
+        # every request bounds its answer: a small local model left unbounded rambles until the timeout
+        body: dict[str, Any] = {"model": self.model, "messages": messages,
+                                "max_tokens": self.max_output_tokens.get(purpose, DEFAULT_MAX_OUTPUT_TOKENS["default"])}
         if self.temperature is not None:
             body["temperature"] = self.temperature
-        if self.max_tokens is not None:
-            body["max_tokens"] = self.max_tokens
         if schema is not None and mode == "json_schema":
             body["response_format"] = {
                 "type": "json_schema",
@@ -318,7 +315,7 @@ class LLMClient:
         errors: list[str] = []
         answer: str | None = None
         for round_ in range(self.repair_rounds + 1):
-            completion = self._send(purpose, hypothesis_id, mode, self._body(mode, convo, schema, name))
+            completion = self._send(purpose, hypothesis_id, mode, self._body(mode, purpose, convo, schema, name))
             self._mode_index = max(self._mode_index, MODES.index(mode))  # this endpoint accepts this mode
             message = completion.choices[0].message
             if getattr(message, "refusal", None):

@@ -1,11 +1,17 @@
 """The driver loop behind `autoresearch run`: keeps hypotheses in flight, executes their runs,
 enforces budgets and guards, and stops gracefully.
 
-It is deliberately plain: pick or propose hypotheses up to `max_in_flight`, invoke each one's
-graph (which queues its runs or moves it on), then let the execution layer work the queue until
-one in-flight hypothesis has all the runs of its current look. After a crash or `kill -9`, a
-restart finds the hypotheses still active in the store and invokes their graphs again; the runs
-they queued are reconciled by the execution layer under the same keys.
+It is deliberately plain, and holds no state of a hypothesis: each hypothesis is its LangGraph
+thread (`agent.graph`), and the loop only schedules threads. It picks or proposes hypotheses up to
+`max_in_flight`, takes each thread as far as it goes from its checkpoint (to the interrupt that
+waits for a look's runs or for a human), then lets the execution layer work the queue until one
+in-flight look has all its runs, and resumes that thread. After a crash or `kill -9`, a restart
+resumes every active thread from its checkpoint; the runs they queued are reconciled by the
+execution layer under the same keys.
+
+An LLM outage is infrastructure: a proposal the endpoint could not give creates no hypothesis
+(the empty one is withdrawn), a thread that needs the endpoint waits at its node, and the loop
+backs off (doubling, capped) while human seeds and runs in flight go on.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from agent.errors import BudgetExceeded, LLMError
 from agent.records import ACTIVE, Hypothesis, Records
 from pipeline import runner
 from pipeline.lab import Lab
@@ -27,6 +34,8 @@ GUARD_STREAK = 3  # hypotheses in a row rejected or failing before the loop back
 GUARD_BACKOFF_S = 600.0
 MAX_GRAPH_FAILURES = 3  # unexpected errors in one hypothesis's graph before it is given up
 PROGRESS_EVERY_S = 30.0  # how often `run` reports the runs of the looks in flight
+_NOTHING = object()  # a thread with nothing to do now
+LLM_BACKOFF_S = (5.0, 300.0)  # the first and the longest wait before asking an unreachable endpoint again
 
 
 @dataclass
@@ -82,6 +91,10 @@ class Loop:
         self.t0 = time.monotonic()
         self.backoff_until = 0.0
         self.failures: dict[int, int] = {}
+        self.llm_retry_at = 0.0  # no request to the LLM before this time (an outage's back-off)
+        self.llm_backoff_s = 0.0
+        self.llm_down_since: float | None = None
+        self.llm_waiting: set[int] = set()  # threads stopped at a node that needs the endpoint
         self._budget_said = False
         self.stop_reason = ""
 
@@ -133,13 +146,20 @@ class Loop:
         return self.opts.forever or self.opts.max_hypotheses is None or self.started < self.opts.max_hypotheses
 
     def blocked(self) -> bool:
-        """A guard holds new hypotheses back: the failure streak's back-off, or the LLM's daily budget."""
-        return time.time() < self.backoff_until or self.llm_budget_spent()
+        """A guard holds new hypotheses back: the failure streak's back-off, or the LLM's daily budget
+        or outage (those hold back only proposals; human seeds still start)."""
+        return time.time() < self.backoff_until or self.llm_blocked()
+
+    def llm_blocked(self) -> bool:
+        if self.policy.llm is None:
+            return False
+        return time.time() < self.llm_retry_at or self.llm_budget_spent()
 
     def may_start(self) -> bool:
-        if self.stop.is_set() or self.out_of_time():
+        """Whether a new hypothesis may start now: a seed, or a proposal if the LLM is not held back."""
+        if self.stop.is_set() or self.out_of_time() or time.time() < self.backoff_until:
             return False
-        return self.count_left() and not self.blocked()
+        return self.count_left()
 
     def llm_budget_spent(self) -> bool:
         """Whether today's LLM spend reached the cap; said once (in `status` too) when it does."""
@@ -191,42 +211,126 @@ class Loop:
         h = self.records.next_queued()
         if h is not None:
             return self.records.update(h.id, status="proposing" if not h.title else "implementing")
+        if self.llm_blocked():
+            return None
         base = self.svc.workspace.baseline_head()
         if any(x.reject_kind == "exhausted" and x.origin == self.policy.name and x.base_commit == base
                for x in self.records.all(("done",))):
             return None  # nothing untried around this baseline; wait for human seeds or a new baseline
         return self.records.add(Hypothesis(status="proposing", origin=self.policy.name))
 
-    def advance(self, h: Hypothesis, resume: str | None = None) -> Hypothesis:
-        """One pass of the hypothesis's graph; with `resume`, the human's answer to its hold. An
-        unexpected error is recorded, and after MAX_GRAPH_FAILURES of them the hypothesis is given
-        up: one broken idea must not stop the loop."""
-        from langgraph.types import Command
+    def _thread(self, h: Hypothesis) -> dict[str, Any]:
+        return {"configurable": {"thread_id": str(h.id)}}
 
+    def waits_for(self, h: Hypothesis) -> dict[str, Any] | None:
+        """What the hypothesis's thread is paused on (its interrupt's payload), or None."""
+        from agent.graph import HOLD
+
+        snap = self.graph.get_state(self._thread(h))
+        if not snap.interrupts:
+            return None
+        value = snap.interrupts[0].value
+        return value if isinstance(value, dict) and "kind" in value else {"kind": HOLD}
+
+    def advance(self, h: Hypothesis) -> Hypothesis:
+        """Take the hypothesis's thread as far as it goes now, from its checkpoint: start it (a new
+        hypothesis), go on from the node a stop or a crash left it in, or answer its interrupt — the
+        look's runs are all in, or a human reviewed the hold — until it waits for something that has
+        not come. An unexpected error is recorded, and after MAX_GRAPH_FAILURES of them the
+        hypothesis is given up: one broken idea must not stop the loop."""
         from pipeline.smoke import Interrupted
 
-        config = {"configurable": {"thread_id": str(h.id)}}
+        config = self._thread(h)
         before = (h.status, h.look, h.verdict)
-        try:
-            if resume is not None and not self.graph.get_state(config).interrupts:
-                # held, but its thread never reached the interrupt (a crash in between): get it there first
-                self.graph.invoke({"hypothesis_id": h.id}, config)
-            self.graph.invoke(Command(resume=resume) if resume is not None else {"hypothesis_id": h.id}, config)
-        except Interrupted:
-            return self.records.get(h.id)  # stopping: the next start resumes it
-        except Exception as e:
-            log.exception("hypothesis %s: graph failed", h.id)
-            n = self.failures[h.id] = self.failures.get(h.id, 0) + 1
-            msg = f"#{h.id}: {type(e).__name__}: {e} (failure {n} of {MAX_GRAPH_FAILURES})"
-            self.records.event("error", msg)
-            self.say(msg)
-            if n >= MAX_GRAPH_FAILURES:
-                self.records.update(h.id, status="done", decision="reject", reject_kind="internal_error",
-                                    reject_reason=msg, finished_at=time.time())
+        for _ in range(len(self.lab.config.gate.looks) + 3):  # each step ends at an interrupt or the end
+            step = self._step(h)
+            if step is _NOTHING or self.stop.is_set():
+                break
+            try:
+                self.graph.invoke(step, config)
+            except Interrupted:
+                break  # stopping: the next start resumes it
+            except LLMError as e:
+                return self._llm_failed(h, e)
+            except Exception as e:  # a bug in a node, git refusing, a database error: recorded, counted
+                log.exception("hypothesis %s: graph failed", h.id)
+                n = self.failures[h.id] = self.failures.get(h.id, 0) + 1
+                msg = f"#{h.id}: {type(e).__name__}: {e} (failure {n} of {MAX_GRAPH_FAILURES})"
+                self.records.event("error", msg)
+                self.say(msg)
+                if n >= MAX_GRAPH_FAILURES:
+                    self.records.update(h.id, status="done", decision="reject", reject_kind="internal_error",
+                                        reject_reason=msg, finished_at=time.time())
+                break
+            h = self.records.get(h.id)
+            if h.status == "done":
+                break
         h = self.records.get(h.id)
+        if self.llm_down_since is not None and h.title and before[0] == "proposing":
+            self._llm_back()
         if (h.status, h.look, h.verdict) != before:
             self.report(h)
         return h
+
+    def _step(self, h: Hypothesis) -> Any:
+        """What to give the thread now: its start, None (go on from the checkpoint), the answer to
+        its interrupt — or `_NOTHING` while it waits for runs, a human or the LLM's back-off."""
+        from langgraph.types import Command
+
+        from agent.graph import LOOK
+
+        if h.id in self.llm_waiting:
+            if time.time() < self.llm_retry_at:
+                return _NOTHING
+            self.llm_waiting.discard(h.id)
+        snap = self.graph.get_state(self._thread(h))
+        if snap.interrupts:
+            waits = self.waits_for(h) or {}
+            if waits.get("kind") == LOOK:
+                done = self.svc.experiment.finished(list(waits.get("runs", [])))
+                return Command(resume="finished") if done else _NOTHING
+            answer = {"approved": "approve", "rejected": "reject"}.get(self.records.get(h.id).review or "")
+            return _NOTHING if answer is None else Command(resume=answer)
+        if snap.next:
+            return None  # stopped or killed inside a node: that node runs again (its side effects are keyed)
+        if snap.created_at is not None and self.records.get(h.id).status == "done":
+            return _NOTHING
+        # a new thread; or one that ended while its hypothesis is active, which only a lab driven by an
+        # earlier version has (its threads ended at every wait): the nodes pass what the store says is done
+        return {"hypothesis_id": h.id}
+
+    def _llm_failed(self, h: Hypothesis, e: LLMError) -> Hypothesis:
+        """The endpoint down or refusing requests (`LLMUnavailable`, `LLMRequestRejected`), or the
+        budget spent, where a thread needs an answer (an answer that is garbage is the nodes' to
+        record). A proposal that did not come is no hypothesis: the empty one is withdrawn (row and
+        thread). Otherwise the thread waits at its node. The endpoint is asked again after a back-off."""
+        h = self.records.get(h.id)
+        now = time.time()
+        if not h.title:
+            self.records.delete(h.id)
+            self.checkpointer.delete_thread(str(h.id))
+            self.started -= 1
+        else:
+            self.llm_waiting.add(h.id)
+        if isinstance(e, BudgetExceeded):
+            self.llm_budget_spent()  # says it once; the budget, not a back-off, holds proposals now
+            return h
+        self.llm_backoff_s = min(LLM_BACKOFF_S[1], max(LLM_BACKOFF_S[0], self.llm_backoff_s * 2))
+        self.llm_retry_at = now + self.llm_backoff_s
+        retry = time.strftime("%H:%M:%S", time.localtime(self.llm_retry_at))
+        if self.llm_down_since is None:
+            self.llm_down_since = now
+            self.records.event("llm_down", f"LLM unreachable: {e}")
+        self.say(f"LLM unreachable since {time.strftime('%H:%M:%S', time.localtime(self.llm_down_since))}"
+                 f" ({e}); next try at {retry}")
+        return h
+
+    def _llm_back(self) -> None:
+        down = time.time() - (self.llm_down_since or time.time())
+        self.llm_down_since, self.llm_backoff_s, self.llm_retry_at = None, 0.0, 0.0
+        msg = f"LLM reachable again after {down:.0f} s"
+        self.records.event("llm_up", msg)
+        self.say(msg)
 
     def report(self, h: Hypothesis) -> None:
         if h.status == "measuring":
@@ -253,13 +357,10 @@ class Loop:
         return f" at look {g.get('look')} (horizontal Δ {hz['delta']:+.2f}σ{sep}t {hz['t']:.2f}{bound})"
 
     def release_holds(self) -> None:
-        """Resume the threads of held hypotheses a human approved or rejected, at their `hold` node;
-        bring one that a crash stopped short of it (before its summary) there first."""
+        """Resume the threads of held hypotheses a human approved or rejected, at their `hold` node
+        (one that a crash stopped short of it gets there first)."""
         for h in self.records.all(("held",)):
-            if h.review in ("approved", "rejected"):
-                self.advance(h, resume="approve" if h.review == "approved" else "reject")
-            elif not self.graph.get_state({"configurable": {"thread_id": str(h.id)}}).interrupts:
-                self.advance(h)
+            self.advance(h)
 
     def note_reverifications(self) -> None:
         """Once a promoted champion's fresh baseline runs are all in, record how it held up."""
@@ -280,11 +381,11 @@ class Loop:
     # -------------------------------------------------------------- main loop
 
     def pending_runs(self, h: Hypothesis) -> list[int]:
-        from agent.graph import queue_look
+        """The runs the hypothesis's thread waits for (none unless it waits for a look)."""
+        from agent.graph import LOOK
 
-        if h.status != "measuring" or not h.commit:
-            return []
-        return queue_look(self.svc, h)
+        waits = self.waits_for(h)
+        return list(waits["runs"]) if waits and waits.get("kind") == LOOK else []
 
     def run(self) -> dict[str, Any]:
         executor = runner.make_executor(self.opts.executor, self.lab, workers=self.opts.workers,
@@ -314,19 +415,29 @@ class Loop:
                     # idle: wait for seeds (--forever) or for a guard to lift (--forever, --hours)
                     wait = self.opts.forever or (self.opts.hours is not None and self.count_left() and self.blocked())
                     if wait and not self.stop.is_set():
-                        self.stop.wait(self.opts.idle_poll_s)
+                        self.stop.wait(self._idle_wait())
                         continue
-                    if self.count_left() and self.blocked():
+                    if self.count_left() and self.llm_down_since is not None:
+                        self.stop_reason = "LLM unreachable"
+                        self.say("stopping: the LLM endpoint is unreachable and nothing else is in flight "
+                                 "(`run --forever` or `--hours` waits for it; see `autoresearch status`)")
+                    elif self.count_left() and self.blocked():
                         self.say("stopping: a guard holds new hypotheses back (see `autoresearch status`)")
                     break
                 waiting: dict[int, list[int]] = {}
+                moved = False
                 for h in in_flight:
                     if self.stop.is_set():
                         break
-                    h = self.advance(h)
-                    if h.status == "measuring":
-                        waiting[h.id] = self.pending_runs(h)
+                    after = self.advance(h)
+                    moved |= (after.status, after.look, after.verdict, after.title) != (h.status, h.look, h.verdict,
+                                                                                         h.title)
+                    if after.status == "measuring":
+                        waiting[after.id] = self.pending_runs(after)
+                waiting = {hid: ids for hid, ids in waiting.items() if ids}
                 if not waiting:
+                    if not moved and not self.stop.is_set():  # all wait for the LLM: do not spin
+                        self.stop.wait(self._idle_wait())
                     continue
 
                 last_said = [time.monotonic()]
@@ -346,4 +457,10 @@ class Loop:
                 clock.cancel()
             driver.close()
             self.say("loop stopped" + (f" ({self.stop_reason})" if self.stop_reason else ""))
-        return {"started": self.started, "hypotheses": [h.id for h in self.records.all()]}
+        return {"started": self.started, "hypotheses": [h.id for h in self.records.all()],
+                "stopped": self.stop_reason or None}
+
+    def _idle_wait(self) -> float:
+        """Until the next poll, or sooner if the LLM's back-off ends first."""
+        left = self.llm_retry_at - time.time()
+        return max(0.05, min(self.opts.idle_poll_s, left)) if left > 0 else self.opts.idle_poll_s

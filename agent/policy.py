@@ -375,7 +375,10 @@ def _llm(lab: Any, store: Any) -> Policy:
     if not LLMClient.configured():
         raise NotConfigured("no LLM endpoint: set OPENAI_BASE_URL and/or OPENAI_API_KEY")
     client = LLMClient.from_env(lab.config.agent.model, Ledger(store.engine),
-                                max_usd_per_day=lab.config.agent.max_usd_per_day)
+                                max_usd_per_day=lab.config.agent.max_usd_per_day,
+                                max_output_tokens=lab.config.agent.max_output_tokens,
+                                timeout_s=lab.config.agent.request_timeout_s,
+                                max_attempts=lab.config.agent.request_attempts)
     return LLMPolicy(client)
 
 

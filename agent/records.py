@@ -118,6 +118,14 @@ class Records:
             s.refresh(h)
             return h
 
+    def delete(self, hid: int) -> None:
+        """Withdraw a hypothesis that never was one (a proposal the LLM could not give)."""
+        with self.store.session() as s:
+            h = s.get(Hypothesis, hid)
+            if h is not None:
+                s.delete(h)
+                s.commit()
+
     def all(self, statuses: tuple[str, ...] | None = None, since: float | None = None) -> list[Hypothesis]:
         with self.store.session() as s:
             q = select(Hypothesis).order_by(Hypothesis.id)
@@ -153,6 +161,11 @@ class Records:
         with self.store.session() as s:
             s.add(LoopEvent(kind=kind, message=message))
             s.commit()
+
+    def last_event(self, kinds: tuple[str, ...]) -> LoopEvent | None:
+        with self.store.session() as s:
+            q = select(LoopEvent).where(LoopEvent.kind.in_(kinds)).order_by(LoopEvent.id.desc()).limit(1)
+            return s.exec(q).first()
 
     def events(self, limit: int = 10, since: float | None = None) -> list[LoopEvent]:
         with self.store.session() as s:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,9 @@ def print_status(st: dict[str, Any]) -> None:
               f"lost to infrastructure {_secs(c['infra_lost_cpu_s'])}, saved by cache {_secs(c['saved_by_cache_cpu_s'])}; "
               f"goodput {c['goodput']:.1%}; {c['cache_hits']} cache hits, {c['infra_retries']} retries")
     con.print(f"LLM spend today: ${st['llm']['spent_today_usd']:.2f} of ${st['llm']['cap_usd']:.2f}")
+    if st["llm"].get("unreachable_since"):
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["llm"]["unreachable_since"]))
+        con.print(f"LLM unreachable since {since}: no proposals until it answers (seeds and runs go on)")
     for e in st["events"]:
         con.print(f"[yellow]{escape(e['kind'])}[/yellow]: {escape(e['message'])}")
 

@@ -95,6 +95,21 @@ class AgentSection(_Strict):
     max_in_flight: int = Field(default=1, ge=1)
     max_usd_per_day: float = Field(default=20.0, ge=0)
     repair_rounds: int = Field(default=2, ge=0)
+    request_timeout_s: float = Field(default=120.0, gt=0)  # one LLM request; a slow local model needs more
+    request_attempts: int = Field(default=6, ge=1, le=20)  # per request, on 429/5xx/timeouts/refused connections
+    # the bound on each LLM answer, by purpose; unset purposes keep the client's defaults
+    max_output_tokens: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("max_output_tokens")
+    @classmethod
+    def _purposes(cls, bounds: dict[str, int]) -> dict[str, int]:
+        known = ("propose", "implement", "decide", "summarize")
+        for purpose, n in bounds.items():
+            if purpose not in known:
+                raise ValueError(f"a purpose among {', '.join(known)}, not {purpose!r}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 16:
+                raise ValueError(f"at least 16 tokens for {purpose}")
+        return bounds
 
 
 class ResearchConfig(_Strict):

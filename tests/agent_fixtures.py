@@ -118,6 +118,15 @@ def make_loop(root: Path, **opts: Any):
     return loop
 
 
+def crash_in(loop: Any, h: Any, node: str, **store: Any) -> Any:
+    """What a `kill -9` inside `node` leaves: the thread's checkpoint from before the node ran (the
+    graph checkpoints after each node), and the store as the node had left it (`store` fields)."""
+    config = {"configurable": {"thread_id": str(h.id)}}
+    snap = next(s for s in loop.graph.get_state_history(config) if s.next == (node,))
+    loop.graph.update_state(snap.config, None)
+    return loop.records.update(h.id, **store) if store else loop.records.get(h.id)
+
+
 def one_pass(loop: Any) -> Any:
     """Start the next hypothesis and run its graph once (to `measuring` or a rejection): no executor."""
     h = loop.next_hypothesis()

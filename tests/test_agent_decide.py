@@ -12,7 +12,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agent_fixtures import BASELINE, LR_EDIT, TASKS, RoutedOpenAI, decision, git, make_loop, one_pass, proposal
+from agent_fixtures import (
+    BASELINE,
+    LR_EDIT,
+    TASKS,
+    RoutedOpenAI,
+    crash_in,
+    decision,
+    git,
+    make_loop,
+    one_pass,
+    proposal,
+)
 from fake_openai import content
 
 BASE_VALUES = [0.600, 0.604, 0.598]
@@ -169,8 +180,7 @@ def test_refine_queues_one_child_even_if_decide_runs_again(lab: Path, llm: Route
         h = measured(loop, [0.590, 0.592])
         assert (h.status, h.decision) == ("done", "refine")
         # a crash after the decision's side effects, before its record: decide runs again
-        loop.records.update(h.id, status="deciding", decision=None)
-        h = loop.advance(h)
+        h = loop.advance(crash_in(loop, h, "decide", status="deciding", decision=None))
     finally:
         loop.close()
     assert len(llm.asked("decision")) == 1  # the stored choice is carried out, not asked again
@@ -200,8 +210,8 @@ def test_implement_and_promote_run_again_after_a_crash_repeat_nothing(lab: Path)
         h = one_pass(loop)
         commit, branch = h.commit, h.branch
         # killed after the commit and its tag, before the record: implement runs again
-        loop.records.update(h.id, status="implementing", commit=None, branch=None, base_commit=None, look=None)
-        h = loop.advance(h)
+        h = loop.advance(crash_in(loop, h, "implement", status="implementing", commit=None, branch=None,
+                                  base_commit=None, look=None))
         assert (h.status, h.commit, h.branch, h.look) == ("measuring", commit, branch, 2)
         assert git(lab, "tag", "--list", "exp/*").split() == ["exp/1"]
         assert git(lab, "branch", "--list", "hyp/*").split() == [branch]
@@ -211,8 +221,7 @@ def test_implement_and_promote_run_again_after_a_crash_repeat_nothing(lab: Path)
         assert h.promoted_tag == "baseline/v1"
         head, n_runs = git(lab, "rev-parse", BASELINE), len(loop.store.runs())
         # killed after the promotion, before its record: decide runs again
-        loop.records.update(h.id, status="deciding", decision=None, promoted_tag=None)
-        h = loop.advance(h)
+        h = loop.advance(crash_in(loop, h, "decide", status="deciding", decision=None, promoted_tag=None))
     finally:
         loop.close()
     assert (h.status, h.decision, h.promoted_tag) == ("done", "promote", "baseline/v1")

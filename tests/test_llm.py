@@ -314,11 +314,14 @@ def test_zero_cap_sends_nothing(fake_openai: FakeOpenAI, ledger: Ledger) -> None
 
 
 def test_every_request_and_response_is_in_the_ledger(ledger: Ledger) -> None:
-    script = [rate_limited(), tool_call("I think: {oops"), tool_call(GOOD), content("PIX helped on 6 of 8 tasks.")]
+    script = [rate_limited(), tool_call("I think: {oops"), tool_call(GOOD), tool_call(GOOD)]
     with FakeOpenAI(script, supports_response_format=False) as server:
-        client = make_client(server, ledger)
+        client = make_client(server, ledger, max_output_tokens={"summarize": 300})
         assert client.complete_json("propose", MESSAGES, SCHEMA, "hypothesis", hypothesis_id="h1") == GOOD
-        assert client.complete_text("summarize", [{"role": "user", "content": "Summarize."}], hypothesis_id="h1") == "PIX helped on 6 of 8 tasks."
+        assert client.complete_json("summarize", [{"role": "user", "content": "Summarize."}], SCHEMA, "hypothesis",
+                                    hypothesis_id="h1") == GOOD
+    # every request bounds its answer, by purpose (a default, or the lab's [agent.max_output_tokens])
+    assert [b["max_tokens"] for b in server.requests] == [2000] * 4 + [300]
 
     rows = ledger.calls(hypothesis_id="h1")
     assert len(rows) == len(server.requests) == 5  # rejected json_schema, 429, garbage, repaired, summary
