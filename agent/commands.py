@@ -109,7 +109,7 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
         repo_ = git.Repo(lab.root)
         base = repo_.commit("autoresearch/baseline").hexsha
         tags = [t.name for t in repo_.tags if t.name.startswith("baseline/") and t.commit.hexsha == base]
-    except Exception:
+    except (git.exc.GitError, git.exc.BadName, ValueError):  # no baseline branch yet
         base, tags = None, []
     ledger = Ledger(store.engine)
     return {

@@ -98,15 +98,19 @@ def build_context(svc: Services) -> Context:
                     baseline_states.append(config_values(text, list(cfg.search_space)))
                 except ValueError:  # an unparsable config at an old baseline says nothing about states
                     pass
-    comments = [f"on #{c.hypothesis_id} ({c.action}): {c.text}" for c in svc.records.comments() if c.text]
+    from agent import prompts
+    from agent.summary import metric_line
+
+    comments = [prompts.phrase("comment", id=c.hypothesis_id, action=c.action, text=c.text)
+                for c in svc.records.comments() if c.text]
     tag = _baseline_tag(ws, base)
     return Context(
         lab_name=cfg.lab.name,
         program=(lab.root / cfg.lab.program).read_text() if (lab.root / cfg.lab.program).is_file() else "",
-        metric=f"{cfg.benchmark.metric}, {'higher' if cfg.benchmark.higher_is_better else 'lower'} is better",
+        metric=metric_line(cfg),
         tasks=lab.tasks(),
         editable=list(cfg.lab.editable),
-        baseline=f"{tag or 'autoresearch/baseline'} at {base[:10]}",
+        baseline=prompts.phrase("baseline", tag=tag or "autoresearch/baseline", commit=base[:10]),
         files=files,
         history=history,
         comments=comments,
@@ -420,10 +424,13 @@ class Nodes:
                 return Choice(r.payload["decision"], r.payload.get("rationale", ""), r.payload.get("follow_up", ""))
         from pipeline.gate import GateResult, render_markdown
 
+        from agent import prompts
+
         looks = svc.lab.config.gate.looks
         payload = svc.store.gate_records(str(h.id), kind="verdict")[-1].payload
         evidence = render_markdown(GateResult.model_validate(payload))
-        look_text = f"look {looks.index(h.look) + 1 if h.look in looks else '?'} of {len(looks)}: {h.look} challenger runs"
+        look_text = prompts.phrase("look", index=looks.index(h.look) + 1 if h.look in looks else "?",
+                                   count=len(looks), runs=h.look)
         try:
             choice = svc.policy.decide(build_context(svc), h, h.verdict, evidence, allowed, look_text)
         except LLMError as e:  # no answer (budget, endpoint down, no valid JSON): follow the gate

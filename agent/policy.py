@@ -264,32 +264,30 @@ def decision_schema(allowed: list[str]) -> dict[str, Any]:
     }
 
 
-CHOICE_TEXT = {
-    "promote": "`promote`: merge into the baseline and tag it; fresh baseline runs re-verify it",
-    "hold": "`hold`: keep it for a human's approval before promotion",
-    "escalate": "`escalate`: add challenger runs up to the next planned look",
-    "abandon": "`abandon`: stop here; the branch and its tags are kept",
-    "refine": "`refine`: stop here and queue a child hypothesis that changes the idea (say how in follow_up)",
-}
-
-
 def _md_files(files: dict[str, str]) -> str:
-    return "\n\n".join(f"### {p}\n\n```\n{t}\n```" for p, t in sorted(files.items()))
+    from agent import prompts
 
-
-def _md_list(items: list[str]) -> str:
-    return "\n".join(f"- {x}" for x in items) or "- (none)"
+    return "\n\n".join(prompts.phrase("file_block", path=p, text=t) for p, t in sorted(files.items()))
 
 
 def history_table(history: list[dict[str, Any]]) -> str:
+    from agent import prompts
+
     if not history:
-        return "none yet"
-    rows = ["| id | title | status | verdict | decision | mean Δ (challenger − baseline) | tasks improved |",
-            "|---|---|---|---|---|---|---|"]
+        return prompts.phrase("none_yet")
+    rows = [prompts.phrase("history_header")]
     for h in history:
-        rows.append(f"| {h['id']} | {h['title']} | {h['status']} | {h.get('verdict') or '-'} | "
-                    f"{h.get('decision') or '-'} | {h.get('mean_delta', '-')} | {h.get('improved', '-')} |")
+        rows.append(prompts.phrase("history_row", id=h["id"], title=h["title"], status=h["status"],
+                                   verdict=h.get("verdict") or "-", decision=h.get("decision") or "-",
+                                   mean_delta=h.get("mean_delta", "-"), improved=h.get("improved", "-")))
     return "\n".join(rows)
+
+
+def choices_text(allowed: list[str]) -> str:
+    """The decisions allowed at this look, each with what it does (prompts/phrases.toml)."""
+    from agent import prompts
+
+    return "\n".join(prompts.phrase("choice_item", text=prompts.phrase(f"choice_{a}")) for a in allowed)
 
 
 class LLMPolicy:
@@ -308,13 +306,17 @@ class LLMPolicy:
     def _messages(self, ctx: Context, name: str, **values: Any) -> list[dict[str, str]]:
         from agent import prompts
 
-        system = prompts.render("system", lab_name=ctx.lab_name, editable=_md_list(ctx.editable), metric=ctx.metric)
+        system = prompts.render("system", lab_name=ctx.lab_name, editable=prompts.md_list(ctx.editable),
+                                metric=ctx.metric)
         return [{"role": "system", "content": system}, {"role": "user", "content": prompts.render(name, **values)}]
 
     def propose(self, ctx: Context) -> Proposal | None:
+        from agent import prompts
+
         msgs = self._messages(
-            ctx, "propose", program=ctx.program, metric=ctx.metric, tasks=_md_list(ctx.tasks), baseline=ctx.baseline,
-            files=_md_files(ctx.files), history=history_table(ctx.history), comments=_md_list(ctx.comments) if ctx.comments else "none",
+            ctx, "propose", program=ctx.program, metric=ctx.metric, tasks=prompts.md_list(ctx.tasks),
+            baseline=ctx.baseline, files=_md_files(ctx.files), history=history_table(ctx.history),
+            comments=prompts.md_list(ctx.comments) if ctx.comments else prompts.phrase("none"),
         )
         out = self.client.complete_json("propose", msgs, PROPOSAL_SCHEMA, "hypothesis")
         tasks = [t for t in out["tasks_expected"] if t in ctx.tasks] or list(ctx.tasks)
@@ -326,7 +328,7 @@ class LLMPolicy:
 
         msgs = self._messages(
             ctx, "implement", title=hyp.title, rationale=hyp.rationale, expected_effect=hyp.expected_effect,
-            change=hyp.seed_text or hyp.rationale, editable=_md_list(ctx.editable), files=_md_files(ctx.files),
+            change=hyp.seed_text or hyp.rationale, editable=prompts.md_list(ctx.editable), files=_md_files(ctx.files),
         )
         if feedback is not None:  # the conversation continues: the model sees what it sent and why it failed
             if feedback.previous:
@@ -345,11 +347,14 @@ class LLMPolicy:
         return edits
 
     def decide(self, ctx: Context, hyp: Any, verdict: str, evidence: str, allowed: list[str], look: str) -> Choice:
+        from agent import prompts
+
         msgs = self._messages(
             ctx, "decide", title=hyp.title, rationale=hyp.rationale,
-            expected_effect=f"{hyp.expected_effect} (tasks: {', '.join(hyp.expected_tasks or [])})", look=look,
-            verdict=verdict, evidence=evidence, choices="\n".join(f"  - {CHOICE_TEXT[a]}" for a in allowed),
-            comments=_md_list(ctx.comments) if ctx.comments else "none",
+            expected_effect=prompts.phrase("expected_effect", effect=hyp.expected_effect,
+                                           tasks=", ".join(hyp.expected_tasks or [])),
+            look=look, verdict=verdict, evidence=evidence, choices=choices_text(allowed),
+            comments=prompts.md_list(ctx.comments) if ctx.comments else prompts.phrase("none"),
         )
         out = self.client.complete_json("decide", msgs, decision_schema(allowed), "decision", hypothesis_id=str(hyp.id))
         if out["decision"] not in allowed:  # the schema's enum should prevent it; the gate's bounds win anyway

@@ -1,4 +1,5 @@
-"""Prompt templates: every word the LLM is sent lives in `prompts/<name>.md`; code only fills them.
+"""Prompt templates: every word the LLM is sent lives in `prompts/<name>.md` (and the short pieces
+the templates receive as values, in `prompts/phrases.toml`); code only fills them.
 
 Why templates and not f-strings in code: a researcher tunes the agent by editing Markdown, reviews
 prompts as text, and a diff of a prompt reads like a diff of prose. Each template starts with an HTML
@@ -85,6 +86,42 @@ def load(name: str, directory: Path | None = None) -> Template:
 def render(name: str, directory: Path | None = None, /, **values: Any) -> str:
     """Load and fill a template in one step: `render("propose", program=..., history=...)`."""
     return load(name, directory).render(**values)
+
+
+@lru_cache(maxsize=8)
+def _phrases_cached(path: Path, mtime_ns: int) -> dict[str, Template]:
+    import tomllib
+
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise PromptError(f"{path}: not valid TOML ({e})") from None
+    out = {}
+    for key, text in raw.items():
+        if not isinstance(text, str):
+            raise PromptError(f"{path}: {key}: expected a string")
+        t = _parse(f"phrases.{key}", text)
+        out[key] = Template(t.name, t.body.rstrip("\n"), t.placeholders, t.documented)
+    return out
+
+
+def phrase(name: str, directory: Path | None = None, /, **values: Any) -> str:
+    """A short piece of prompt text from `prompts/phrases.toml` (a table row, a list item, what a
+    decision does), filled as strictly as a template."""
+    path = (directory or PROMPTS_DIR) / "phrases.toml"
+    try:
+        mtime = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        raise PromptNotFound(f"no phrase file {path}") from None
+    phrases = _phrases_cached(path, mtime)
+    if name not in phrases:
+        raise PromptNotFound(f"no phrase {name!r} in {path}")
+    return phrases[name].render(**values)
+
+
+def md_list(items: list[str]) -> str:
+    """A Markdown list of `items`, or the phrase for an empty one."""
+    return "\n".join(phrase("list_item", item=x) for x in items) or phrase("list_empty")
 
 
 def names(directory: Path | None = None) -> list[str]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.errors import LLMError
 from agent.records import Hypothesis
 from pipeline import isolation
 
@@ -209,10 +210,15 @@ def _diff_parts(svc: Any, h: Hypothesis) -> tuple[str, str, list[str]]:
 
 
 def _decision_line(h: Hypothesis) -> str:
+    from agent import prompts
+
     if h.decision == "reject":
-        return f"rejected before any run ({h.reject_kind})"
-    decision = "held for a human's approval" if h.status == "held" else h.decision
-    return f"{decision} (verdict: {h.verdict})" + (f", now `{h.promoted_tag}`" if h.promoted_tag else "")
+        return prompts.phrase("decision_rejected", kind=h.reject_kind)
+    if h.status == "held":
+        return prompts.phrase("decision_held", verdict=h.verdict)
+    if h.promoted_tag:
+        return prompts.phrase("decision_promoted", decision=h.decision, verdict=h.verdict, tag=h.promoted_tag)
+    return prompts.phrase("decision_made", decision=h.decision, verdict=h.verdict)
 
 
 def _decision_rationale(h: Hypothesis) -> str:
@@ -221,7 +227,10 @@ def _decision_rationale(h: Hypothesis) -> str:
 
 def metric_line(cfg: Any) -> str:
     """The metric and its direction: a summary's Δ reads the wrong way round without it."""
-    return f"{cfg.benchmark.metric}, {'higher' if cfg.benchmark.higher_is_better else 'lower'} is better"
+    from agent import prompts
+
+    direction = prompts.phrase("higher" if cfg.benchmark.higher_is_better else "lower")
+    return prompts.phrase("metric", metric=cfg.benchmark.metric, direction=direction)
 
 
 def llm_prose(svc: Any, h: Hypothesis, result: Any, evidence: str, diff_stat: str, diff: str,
@@ -232,19 +241,20 @@ def llm_prose(svc: Any, h: Hypothesis, result: Any, evidence: str, diff_stat: st
     client = svc.policy.llm
     cfg = svc.lab.config
     values = {
-        "title": h.title, "rationale": h.rationale or "(none given)",
-        "expected_effect": f"{h.expected_effect or '(none given)'} (tasks: {', '.join(h.expected_tasks or [])})",
+        "title": h.title, "rationale": h.rationale or prompts.phrase("not_given"),
+        "expected_effect": prompts.phrase("expected_effect", effect=h.expected_effect or prompts.phrase("not_given"),
+                                          tasks=", ".join(h.expected_tasks or [])),
         "diff_stat": diff_stat, "diff": diff[:MAX_PROMPT_DIFF_CHARS], "evidence": evidence,
         "decision": _decision_line(h), "decision_rationale": _decision_rationale(h), "compute": compute,
     }
     metric = metric_line(cfg)
-    editable = "\n".join(f"- {g}" for g in cfg.lab.editable)
+    editable = prompts.md_list(list(cfg.lab.editable))
     system = prompts.render("system", lab_name=cfg.lab.name, editable=editable, metric=metric)
     messages = [{"role": "system", "content": system},
                 {"role": "user", "content": prompts.render("summarize", **values)}]
     try:
         out = client.complete_json("summarize", messages, SUMMARY_SCHEMA, "summary", hypothesis_id=str(h.id))
-    except Exception as e:  # budget, endpoint down, no valid answer: the template still tells the story
+    except LLMError as e:  # budget, endpoint down, no valid answer: the template still tells the story
         fallback.note = f"template (the LLM gave no summary: {type(e).__name__})"
         svc.records.event("summary", f"#{h.id}: no LLM summary ({type(e).__name__}: {str(e)[:200]}); template used")
         return fallback

@@ -393,3 +393,22 @@ def test_templates_are_filled_strictly(tmp_path: Path) -> None:
     (tmp_path / "bad.md").write_text("attribute access {x.y}\n")
     with pytest.raises(prompts.PromptError, match="plain name"):
         prompts.load("bad", tmp_path)
+
+
+def test_every_phrase_is_used_and_every_placeholder_filled() -> None:
+    """prompts/phrases.toml holds the short prompt text code used to build: none is dead, and a
+    phrase is filled as strictly as a template (a missing value is an error naming it)."""
+    import re
+    import tomllib
+
+    from agent import prompts
+    from agent.errors import MissingPlaceholder
+
+    keys = tomllib.loads((prompts.PROMPTS_DIR / "phrases.toml").read_text())
+    code = "\n".join(p.read_text() for p in (prompts.PROMPTS_DIR.parent).glob("*.py"))
+    used = set(re.findall(r'phrase\(\s*"([a-z_]+)"', code)) | {f"choice_{d}" for d in
+                                                              ("promote", "hold", "escalate", "abandon", "refine")}
+    used |= {k for k in keys if f'"{k}"' in code}  # chosen by a conditional expression
+    assert set(keys) <= used, sorted(set(keys) - used)
+    with pytest.raises(MissingPlaceholder, match="look"):
+        prompts.phrase("look", index=1, count=3)
