@@ -2,7 +2,8 @@
 
 Start-up imports nothing heavy (no torch, peft, ray, langgraph): each command imports what it
 needs inside its body. Data goes to stdout, progress and logs to stderr. Exit codes: 0 ok,
-1 failure, 2 bad input (a `UserError`, printed as one line, never a traceback).
+1 failure (an unreachable service: one line), 2 bad input (a `UserError`, printed as one line, never a
+traceback).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.errors import UserError
+from pipeline.errors import ServiceUnavailable, UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -425,6 +426,9 @@ def main() -> None:
     except UserError as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except ServiceUnavailable as e:  # the store's database, a Ray cluster: not the user's input
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

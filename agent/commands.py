@@ -15,7 +15,7 @@ from typing import Any
 
 from agent.errors import ReviewError
 from agent.records import ACTIVE, Hypothesis, Records
-from pipeline import isolation, runner
+from pipeline import isolation, lease, runner
 from pipeline.errors import UserError
 from pipeline.lab import Lab, load_lab
 
@@ -112,6 +112,7 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
     except (git.exc.GitError, git.exc.BadName, ValueError):  # no baseline branch yet
         base, tags = None, []
     ledger = Ledger(store.engine)
+    driver = lease.holder(store)
     return {
         "lab": lab.config.lab.name,
         "sandbox": "on" if isolation.is_sandboxed(lab) else isolation.UNSANDBOXED,
@@ -126,6 +127,7 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
             for h in hyps
         ],
         "in_flight": [h.id for h in hyps if h.status in ACTIVE],
+        "driver": driver.as_dict() if driver is not None else None,
         "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == "reject").items())),
         "compute": runner.goodput(store).as_dict(),
         "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day,

@@ -556,6 +556,9 @@ def build_graph(svc: Services, checkpointer: Any):
     return g.compile(checkpointer=checkpointer)
 
 
+CHECKPOINT_SETUP_LOCK = 7_272_742  # a PostgreSQL advisory lock: one process at a time sets the saver up
+
+
 def open_checkpointer(svc: Services):
     """SQLite beside the store by default; the Postgres saver when the store is PostgreSQL."""
     url = svc.store.url
@@ -566,7 +569,11 @@ def open_checkpointer(svc: Services):
         conn = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True,
                                prepare_threshold=0)
         saver = PostgresSaver(conn)
-        saver.setup()
+        conn.execute("SELECT pg_advisory_lock(%s)", (CHECKPOINT_SETUP_LOCK,))  # drivers starting together
+        try:
+            saver.setup()
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (CHECKPOINT_SETUP_LOCK,))
         return saver
     import sqlite3
 

@@ -19,6 +19,8 @@ from sqlalchemy import Column, Text, func
 from sqlalchemy.engine import Engine
 from sqlmodel import Field, Session, SQLModel, select
 
+from pipeline.store import create_schema
+
 
 class LLMCall(SQLModel, table=True):
     """One request to the model endpoint and what came of it.
@@ -60,7 +62,7 @@ class Ledger:
     def __init__(self, engine: Engine):
         self.engine = engine
         # Only our table: the ledger must not depend on which other models happen to be imported.
-        SQLModel.metadata.create_all(engine, tables=[LLMCall.__table__])  # type: ignore[list-item]
+        create_schema(engine, [LLMCall.__table__])
 
     def record(self, call: LLMCall) -> LLMCall:
         """Insert one call and return it with its id."""

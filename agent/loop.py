@@ -35,6 +35,7 @@ GUARD_BACKOFF_S = 600.0
 MAX_GRAPH_FAILURES = 3  # unexpected errors in one hypothesis's graph before it is given up
 PROGRESS_EVERY_S = 30.0  # how often `run` reports the runs of the looks in flight
 _NOTHING = object()  # a thread with nothing to do now
+LEASE_HEARTBEAT_S = 5.0
 LLM_BACKOFF_S = (5.0, 300.0)  # the first and the longest wait before asking an unreachable endpoint again
 
 
@@ -80,13 +81,19 @@ class Loop:
         self.lab, self.opts = lab, opts
         self.say = progress or (lambda msg: log.info(msg))
         self.store = runner.open_store(lab, opts.db)
-        self.records = Records(self.store)
-        self.policy = choose_policy(lab, self.store, opts.offline, opts.policy)
         self.stop = threading.Event()
-        self.svc = Services(lab, self.store, self.records, Workspace(lab), self.policy, opts.supervised, opts.smoke,
-                            stop=self.stop)
-        self.checkpointer = open_checkpointer(self.svc)
-        self.graph = build_graph(self.svc, self.checkpointer)
+        self.stop_reason = ""
+        self._take_lease()  # before anything else is set up: a second driver leaves here, in one line
+        try:
+            self.records = Records(self.store)
+            self.policy = choose_policy(lab, self.store, opts.offline, opts.policy)
+            self.svc = Services(lab, self.store, self.records, Workspace(lab), self.policy, opts.supervised,
+                                opts.smoke, stop=self.stop)
+            self.checkpointer = open_checkpointer(self.svc)
+            self.graph = build_graph(self.svc, self.checkpointer)
+        except BaseException:  # an unknown --policy, an unreachable checkpointer: the lab stays free
+            self._release_lease()
+            raise
         self.started = 0  # hypotheses this run worked on: started, or resumed after a crash
         self.t0 = time.monotonic()
         self.backoff_until = 0.0
@@ -96,14 +103,50 @@ class Loop:
         self.llm_down_since: float | None = None
         self.llm_waiting: set[int] = set()  # threads stopped at a node that needs the endpoint
         self._budget_said = False
-        self.stop_reason = ""
 
     def close(self) -> None:
-        """Stop the smoke runs' worker and release the checkpointer's connection (the store stays readable)."""
+        """Stop the smoke runs' worker, release the checkpointer's connection and the lab's lease
+        (the store stays readable)."""
         self.svc.experiment.close()
         conn = getattr(self.checkpointer, "conn", None)
         if conn is not None:
             conn.close()
+        self._release_lease()
+
+    # -------------------------------------------------------------- the lab's lease
+
+    def _release_lease(self) -> None:
+        from pipeline import lease
+
+        self._lease_stop.set()
+        lease.release(self.store, self.owner)
+
+    def _take_lease(self) -> None:
+        """One driver per lab (`pipeline.lease`): take it, or a dead holder's; refresh it while we live."""
+        from pipeline import lease
+        from pipeline.store import Owner
+
+        self.owner = Owner.current()
+        dead = lease.acquire(self.store, self.owner)
+        if dead is not None:
+            self.say(f"took over the lab from pid {dead.pid} on {dead.host}, which died "
+                     f"(its last heartbeat {time.time() - dead.heartbeat_at:.0f} s ago)")
+        self._lease_stop = threading.Event()
+
+        def beat() -> None:
+            while not self._lease_stop.wait(LEASE_HEARTBEAT_S):
+                try:
+                    ours = lease.refresh(self.store, self.owner)
+                except Exception as e:  # a database hiccup: the next beat retries
+                    log.warning("lease heartbeat failed: %s", e)
+                    continue
+                if not ours and not self.stop.is_set():
+                    msg = "this driver lost the lab's lease to another (it stalled past the lease's staleness): stopping"
+                    self.say(msg)
+                    self.stop_reason = "lease lost"
+                    self.stop.set()
+
+        threading.Thread(target=beat, name="autoresearch-lease", daemon=True).start()
 
     # -------------------------------------------------------------- signals
 

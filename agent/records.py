@@ -12,7 +12,7 @@ from typing import Any, Literal
 from sqlalchemy import JSON, Column, Text
 from sqlmodel import Field, SQLModel, select
 
-from pipeline.store import Store
+from pipeline.store import Store, create_schema
 
 Origin = Literal["human", "llm", "offline"]
 # queued → proposing → implementing → measuring → deciding → summarizing → done
@@ -89,7 +89,7 @@ class Records:
 
     def __init__(self, store: Store):
         self.store = store
-        SQLModel.metadata.create_all(store.engine)
+        create_schema(store.engine, [Hypothesis.__table__, ReviewComment.__table__, LoopEvent.__table__])
 
     def get(self, hid: int) -> Hypothesis:
         with self.store.session() as s:

@@ -28,6 +28,13 @@ def print_status(st: dict[str, Any]) -> None:
     if st.get("sandbox") != "on":
         con.print(f"[bold red]{st.get('sandbox')}[/bold red]: this lab opted out of the sandbox ([run] sandbox = \"off\"); "
                   "branch code can read the sealed labels, the store and the network")
+    d = st.get("driver")
+    if d:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["since"]))
+        state = "running" if d["alive"] else "[bold red]dead[/bold red] (the next `run` takes over)"
+        con.print(f"driver: {d['host']} pid {d['pid']} since {since}, heartbeat {d['heartbeat_age_s']:.0f} s ago, {state}")
+    else:
+        con.print("driver: none")
     q = st["queue"]
     con.print(f"runs: {q['queued']} queued, {q['running']} running, {q['done']} done, {q['failed']} failed")
     for r in st["running"][:10]:

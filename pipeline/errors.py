@@ -14,6 +14,10 @@ something (a method failure, an infrastructure failure).
     │   ├── SealedPathError          a stage argument points into the seal
     │   ├── StageCommandError        a stage command cannot be rendered
     │   ├── GateInputError, PowerInputError, SimInputError
+    │   └── LabBusy                  another live driver holds the lab's lease
+    ├── ServiceUnavailable           one line, exit code 1: a service does not answer
+    │   ├── StoreUnavailable         the store's database
+    │   └── RayUnavailable           the Ray cluster at --ray-address
     ├── PredictionsError             predictions.csv unusable: a method failure of the run
     ├── SmokeFailed                  a candidate's pipeline failed on tiny data (fed back for repair)
     ├── Interrupted                  the loop is stopping during a smoke run
@@ -108,6 +112,23 @@ class WorktreeError(RuntimeError):
 
 class UnknownCommitError(WorktreeError):
     """The revision names no commit in the lab's repository."""
+
+
+class ServiceUnavailable(Exception):
+    """A service the command needs cannot be reached (the store's database, a Ray cluster): one
+    line on the CLI, exit code 1."""
+
+
+class StoreUnavailable(ServiceUnavailable):
+    """The store's database does not answer."""
+
+
+class RayUnavailable(ServiceUnavailable):
+    """No Ray cluster at the address given."""
+
+
+class LabBusy(UserError):
+    """Another live driver holds this lab's lease."""
 
 
 class StoreError(RuntimeError):

@@ -199,7 +199,7 @@ class Driver:
             return
         isolation.require(self.lab)  # refuse to run branch code where the sandbox cannot start
         self._started = True
-        requeued = self.store.reconcile(self.stale_s, reclaim=self.owner)
+        requeued = self.store.reconcile(self.stale_s, reclaim=self.owner, heartbeat_s=self.heartbeat_s)
         if requeued:
             log.warning("re-queued %d run(s) left running by a dead driver: %s", len(requeued), requeued)
         self._last_reconcile = time.monotonic()
@@ -283,7 +283,7 @@ class Driver:
         self.start()
         if time.monotonic() - self._last_reconcile > self.stale_s / 2:
             self._last_reconcile = time.monotonic()
-            self.store.reconcile(self.stale_s)
+            self.store.reconcile(self.stale_s, heartbeat_s=self.heartbeat_s)
         self._fill()
         if self.flights:
             for res in self.executor.poll(timeout):

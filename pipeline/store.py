@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from sqlalchemy import JSON, Column, UniqueConstraint, event, func, update
+from sqlalchemy import JSON, Column, UniqueConstraint, event, func, text, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlmodel import Field, Session, SQLModel, create_engine, select
 
-from pipeline.errors import StoreError
+from pipeline.errors import StoreError, StoreUnavailable
 
 if TYPE_CHECKING:
     from pipeline.lab import Lab
@@ -230,6 +230,33 @@ class Goodput:
         return out
 
 
+_SCHEMA_LOCK_KEY = 7_272_741  # PostgreSQL advisory lock: one process at a time creates tables
+
+
+def create_schema(engine: Engine, tables: list[Any] | None = None) -> None:
+    """Create the missing tables (all registered ones, or `tables`), safely when several processes
+    start at the same instant: under an advisory lock on PostgreSQL, a file lock beside a SQLite
+    file. An unreachable database is `StoreUnavailable`: one line, not a traceback."""
+    try:
+        if engine.dialect.name == "postgresql":
+            with engine.begin() as conn:
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SCHEMA_LOCK_KEY})
+                SQLModel.metadata.create_all(conn, tables=tables)
+            return
+        path = engine.url.database
+        if not path or path == ":memory:":
+            SQLModel.metadata.create_all(engine, tables=tables)
+            return
+        import fcntl
+
+        with open(f"{path}.schema-lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            SQLModel.metadata.create_all(engine, tables=tables)
+    except OperationalError as e:
+        raise StoreUnavailable(f"cannot reach the store at {engine.url.render_as_string(hide_password=True)}: "
+                               f"{str(e.orig).strip().splitlines()[0] if e.orig else e}") from None
+
+
 def default_url(lab: "Lab") -> str:
     return f"sqlite:///{lab.state / 'autoresearch.db'}"
 
@@ -265,7 +292,7 @@ class Store:
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
         if create:
-            SQLModel.metadata.create_all(self.engine)
+            create_schema(self.engine)
 
     @classmethod
     def for_lab(cls, lab: "Lab", url: str | None = None) -> "Store":
@@ -413,12 +440,15 @@ class Store:
             s.commit()
             return res.rowcount == 1
 
-    def reconcile(self, stale_s: float = 120.0, *, max_requeues: int = 5, reclaim: Owner | None = None) -> list[int]:
+    def reconcile(self, stale_s: float = 120.0, *, max_requeues: int = 5, reclaim: Owner | None = None,
+                  heartbeat_s: float = 5.0) -> list[int]:
         """Take back runs left "running" by a dead driver: re-queue them under the same key.
 
         Dead means: on this host, the owner process is gone (or its pid was recycled); on another
         host, its heartbeat is older than `stale_s`. Their unfinished stage executions become
-        "lost" (counted as compute lost to infrastructure). A run lost more than `max_requeues`
+        "lost", counted as compute lost to infrastructure from their start to the driver's death: at
+        most the first heartbeat it missed (`heartbeat_s` after its last), which is the figure kept.
+        A run lost more than `max_requeues`
         times is failed as an infrastructure failure instead of looping forever (a stage that
         takes the whole machine down with it). `reclaim` names a live owner whose claims are
         known to be orphaned too: a new driver in the process of one that failed without closing.
@@ -440,11 +470,15 @@ class Store:
                 )
                 for ex in lost_execs:
                     ex.outcome = "lost"
-                    # it died between its last heartbeat and the next: count up to the last one
-                    ex.finished_at = max(run.heartbeat_at or t, ex.started_at)
-                    ex.wall_s = max(0.0, ex.finished_at - ex.started_at)
-                    ex.cpu_s = ex.wall_s  # unknown once its process is gone: assume it kept a core busy
-                    ex.detail = f"driver {owner.host}:{owner.pid} died (cpu_s estimated from wall time)"
+                    # the driver died between its last heartbeat and the one it missed: the stage's
+                    # work is lost up to then (never past now); a core kept busy all along
+                    last = run.heartbeat_at or ex.started_at
+                    ex.finished_at = max(ex.started_at, min(t, max(last, ex.started_at) + heartbeat_s))
+                    ex.wall_s = ex.finished_at - ex.started_at
+                    ex.cpu_s = ex.wall_s
+                    lo = max(0.0, last - ex.started_at)
+                    ex.detail = (f"driver {owner.host}:{owner.pid} died: {lo:.1f}-{ex.wall_s:.1f} s of work lost "
+                                 "(between its last heartbeat and the one it missed; cpu_s = the upper bound)")
                     s.add(ex)
                 giving_up = run.requeues + 1 > max_requeues
                 values: dict[str, Any] = dict(

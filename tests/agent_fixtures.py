@@ -161,6 +161,7 @@ class RunProcess:
     """`autoresearch run` as a real process, its output in files (a full pipe would block it)."""
 
     def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None, tag: str = "run"):
+        self.t0 = time.monotonic()
         self.root = root
         self.out_path = root.parent / f"{tag}.out"
         self.err_path = root.parent / f"{tag}.err"

@@ -72,6 +72,12 @@ def test_kill_9_mid_batch_then_restart_completes_every_run_exactly_once(tmp_path
     lost = [e for e in store.stage_execs(ids) if e.outcome == "lost"]
     assert lost and {e.run_id for e in lost} <= {r.id for r in orphaned}
     assert runner.goodput(store).requeues == len(orphaned)
+    # honest goodput: the work the dead driver's stages had done counts as lost, from each one's start
+    # to the heartbeat the driver missed (never 0 s for a stage that was running)
+    assert all(e.cpu_s > 0 and e.finished_at > e.started_at for e in lost), [(e.cpu_s, e.detail) for e in lost]
+    assert all("of work lost" in (e.detail or "") for e in lost)
+    g = runner.goodput(store)
+    assert g.infra_lost_cpu_s == sum(e.cpu_s for e in lost) > 0 and g.goodput < 1.0
 
     # the same batch, never interrupted, in a clone of the lab: identical metrics
     clone = tmp_path / "clone"

@@ -31,9 +31,33 @@ from pipeline.executors.base import (
     StageJob,
     thread_env,
 )
+from pipeline.errors import RayUnavailable
 
 if TYPE_CHECKING:
     from pipeline.worktrees import Worktrees
+
+
+AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
+             "RAY_AUTH_MODE=disabled, or give both the same token")
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in one line, at once, when nothing listens at a `host:port` or `ray://host:port`
+    address (Ray itself retries a wrong address for minutes)."""
+    import socket
+
+    if address == "auto" or address.startswith("local"):
+        return
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise RayUnavailable(f"Ray address {address!r}: expected host:port (or ray://host:port)")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise RayUnavailable(f"cannot connect to Ray at {address}: {e.strerror or e} "
+                             "(is the cluster up? `ray start --head` prints its address)") from None
 
 
 class RayExecutor:
@@ -53,11 +77,15 @@ class RayExecutor:
         self._owns_ray = False
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS") or None
+            if address:
+                check_reachable(address)
             kwargs = {"include_dashboard": False, "log_to_driver": False, **(init_kwargs or {})}
             try:
                 ray.init(address=address, **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as e:
-                raise ExecutorError(f"cannot connect to Ray at {address or 'a new local instance'}: {e}") from None
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise RayUnavailable(f"cannot connect to Ray at {address or 'a new local instance'}: {first}"
+                                     + (f" ({AUTH_HINT})" if "auth" in str(e).lower() else "")) from None
             self._owns_ray = True
         ray.cloudpickle.register_pickle_by_value(ray_task)  # nodes need Ray, not our package
         resources = ray.cluster_resources()

@@ -1,0 +1,120 @@
+"""One driver per lab: a lease row in the store (holder host, pid, start time, heartbeat).
+
+Two drivers on one lab would drive the same hypotheses (seen: a real gain abandoned by one while
+the other escalated it, and a tag conflict). `acquire` takes the lease or raises `LabBusy` naming
+the holder; a holder that is dead — on this host its process is gone (or its pid was recycled), on
+another its heartbeat is older than `stale_s` — is taken over. The taking is a compare-and-swap on
+the row, so of two drivers starting at the same instant exactly one wins. The holder refreshes the
+heartbeat (`refresh`) and deletes the row on a clean stop (`release`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete, update
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Field, SQLModel
+
+from pipeline.errors import LabBusy
+from pipeline.store import Owner, Store, create_schema
+
+KEY = "driver"
+STALE_S = 120.0
+
+
+class Lease(SQLModel, table=True):
+    __tablename__ = "lease"
+    key: str = Field(primary_key=True)
+    host: str
+    pid: int
+    started: float  # the holder's process start time: a recycled pid is not the holder
+    acquired_at: float
+    heartbeat_at: float
+
+
+@dataclass(frozen=True)
+class Holder:
+    host: str
+    pid: int
+    acquired_at: float
+    heartbeat_at: float
+    alive: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"host": self.host, "pid": self.pid, "since": self.acquired_at,
+                "heartbeat_age_s": round(time.time() - self.heartbeat_at, 1), "alive": self.alive}
+
+    def describe(self) -> str:
+        return (f"{self.host} pid {self.pid} since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.acquired_at))}"
+                f" (heartbeat {time.time() - self.heartbeat_at:.0f} s ago)")
+
+
+def _alive(row: Lease, stale_s: float) -> bool:
+    by_pid = Owner(row.host, row.pid, row.started).alive()
+    return by_pid if by_pid is not None else time.time() - row.heartbeat_at < stale_s
+
+
+def holder(store: Store, stale_s: float = STALE_S) -> Holder | None:
+    """Who holds the lab's lease now (alive or not), or None."""
+    create_schema(store.engine, [Lease.__table__])
+    with store.session() as s:
+        row = s.get(Lease, KEY)
+    if row is None:
+        return None
+    return Holder(row.host, row.pid, row.acquired_at, row.heartbeat_at, _alive(row, stale_s))
+
+
+def acquire(store: Store, owner: Owner, stale_s: float = STALE_S) -> Holder | None:
+    """Take the lab's lease for `owner`; returns the dead holder taken over from, if any.
+
+    Raises `LabBusy` (one line naming the holder) when a live driver holds it.
+    """
+    create_schema(store.engine, [Lease.__table__])
+    for _ in range(5):
+        t = time.time()
+        with store.session() as s:
+            row = s.get(Lease, KEY)
+            if row is None:
+                s.add(Lease(key=KEY, host=owner.host, pid=owner.pid, started=owner.started, acquired_at=t,
+                            heartbeat_at=t))
+                try:
+                    s.commit()
+                    return None
+                except IntegrityError:  # another driver inserted it first: look again
+                    s.rollback()
+                    continue
+            old = Holder(row.host, row.pid, row.acquired_at, row.heartbeat_at, _alive(row, stale_s))
+            if Owner(row.host, row.pid, row.started).same(owner):
+                return None  # ours already (a second Loop in this process)
+            if old.alive:
+                raise LabBusy(f"this lab is already driven by {old.describe()}; stop that `autoresearch run` "
+                              "first (a second driver would decide the same hypotheses twice)")
+            res = s.exec(update(Lease).where(  # type: ignore[call-overload]
+                Lease.key == KEY, Lease.pid == row.pid, Lease.host == row.host,  # type: ignore[arg-type]
+                Lease.heartbeat_at == row.heartbeat_at).values(  # type: ignore[arg-type]
+                host=owner.host, pid=owner.pid, started=owner.started, acquired_at=t, heartbeat_at=t))
+            if res.rowcount == 1:
+                s.commit()
+                return old
+            s.rollback()  # someone else took it over in between: look again
+    raise LabBusy("could not take this lab's driver lease (other drivers keep taking it); try again")
+
+
+def refresh(store: Store, owner: Owner) -> bool:
+    """The holder's heartbeat; False if the lease is no longer ours (taken over after we stalled)."""
+    with store.session() as s:
+        res = s.exec(update(Lease).where(  # type: ignore[call-overload]
+            Lease.key == KEY, Lease.pid == owner.pid, Lease.host == owner.host).values(  # type: ignore[arg-type]
+            heartbeat_at=time.time()))
+        s.commit()
+        return res.rowcount == 1
+
+
+def release(store: Store, owner: Owner) -> None:
+    with store.session() as s:
+        s.exec(delete(Lease).where(Lease.key == KEY, Lease.pid == owner.pid,  # type: ignore[call-overload]
+                                   Lease.host == owner.host))  # type: ignore[arg-type]
+        s.commit()
