@@ -15,7 +15,7 @@ from typing import Any
 
 from agent.errors import ReviewError
 from agent.records import ACTIVE, Hypothesis, Records
-from pipeline import isolation, lease, runner
+from pipeline import disk, isolation, lease, runner
 from pipeline.errors import UserError
 from pipeline.lab import Lab, load_lab
 
@@ -128,6 +128,7 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
         ],
         "in_flight": [h.id for h in hyps if h.status in ACTIVE],
         "driver": driver.as_dict() if driver is not None else None,
+        "disk": disk.usage(lab, store),
         "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == "reject").items())),
         "compute": runner.goodput(store).as_dict(),
         "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day,

@@ -35,6 +35,11 @@ def print_status(st: dict[str, Any]) -> None:
         con.print(f"driver: {d['host']} pid {d['pid']} since {since}, heartbeat {d['heartbeat_age_s']:.0f} s ago, {state}")
     else:
         con.print("driver: none")
+    dk = st.get("disk")
+    if dk:
+        cap = f" of {dk['cache_max_gb']:g} GB" if dk.get("cache_max_gb") else " (unbounded)"
+        con.print(f"disk: cache {dk['cache_mb']:.0f} MB{cap}, worktrees {dk['worktrees_mb']:.0f} MB, "
+                  f"views {dk['views_mb']:.0f} MB, logs {dk['logs_mb']:.0f} MB of {dk['logs_max_mb']} MB")
     q = st["queue"]
     con.print(f"runs: {q['queued']} queued, {q['running']} running, {q['done']} done, {q['failed']} failed")
     for r in st["running"][:10]:

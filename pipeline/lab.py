@@ -78,6 +78,8 @@ class RunSection(_Strict):
     out_max_mb: int = Field(default=4096, gt=0)  # size of a stage's {out}
     tmp_max_mb: int = Field(default=1024, gt=0)  # size of a stage's private /tmp
     max_procs: int = Field(default=256, ge=8)  # processes (and threads) one stage may run
+    cache_max_gb: float | None = Field(default=50.0, gt=0)  # the stage cache, LRU-evicted past it
+    logs_max_mb: int = Field(default=2048, gt=0)  # stage logs, oldest removed past it
 
 
 # Seeds (the scheme is pipeline.experiment's): challengers of a baseline with g promotions use

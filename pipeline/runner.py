@@ -46,6 +46,7 @@ from typing import Any
 
 from pipeline import isolation
 from pipeline.dag import Cache, StageNode, check_not_sealed, input_digests, plan_run, render
+from pipeline.disk import DiskKeeper
 from pipeline.executors import Executor, StageJob, classify, make_executor
 from pipeline.harness import Harness, Prepared, PredictionsError
 from pipeline.lab import Lab, load_lab
@@ -173,6 +174,8 @@ class Driver:
         self.cache = Cache(lab.state / "cache")
         self.logs = lab.state / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.disk = DiskKeeper(lab, store, self.cache, self.logs)
+        self._published = 0
         self.stages = lab.stages_in_order()
         self.active: dict[int, _Active] = {}
         self.flights: dict[str, _Flight] = {}  # by key
@@ -206,8 +209,18 @@ class Driver:
         for line in self.worktrees.repair():
             log.info("worktrees: %s", line)
         self.cache.clear_tmp()
+        self.disk.adopt_untracked()
+        self._bound_disk()
         self._hb_thread = threading.Thread(target=self._heartbeat, name="autoresearch-heartbeat", daemon=True)
         self._hb_thread.start()
+
+    def _bound_disk(self, logs: bool = True) -> None:
+        """Keep the cache under `[run] cache_max_gb` and the logs under `logs_max_mb`, never touching
+        what this driver's runs hold (their inputs, their flights' logs) or what is in flight."""
+        held = {p.name for a in self.active.values() for p in a.done.values()} | set(self.flights)
+        self.disk.bound(held)
+        if logs:
+            self.disk.rotate_logs(keep=[fl.job.log_path for fl in self.flights.values()])
 
     def _heartbeat(self) -> None:
         while not self._hb_stop.wait(self.heartbeat_s):
@@ -390,6 +403,7 @@ class Driver:
             if self.cache.has(node.key):
                 self.store.stage_served(run_id, node.name, node.key, "cache_hit", executor=self.executor.name,
                                         saved_cpu_s=self.store.cache_cost(node.key))
+                self.disk.used(node.key)
                 a.done[node.name] = self.cache.path(node.key)
                 continue
             a.pending.add(node.name)
@@ -474,6 +488,7 @@ class Driver:
             final = self.cache.publish(fl.tmp, key)
             self.store.stage_finished(fl.exec_id, "ok", **common)
             self.store.cache_published(key, name, fl.job.commit, res.cpu_s, res.wall_s)
+            self.disk.published(key)
             for rid in live:
                 a = self.active[rid]
                 a.pending.discard(name)
@@ -485,6 +500,8 @@ class Driver:
                                             saved_cpu_s=res.cpu_s)
             for rid in live:
                 self._advance(rid)
+            self._published += 1
+            self._bound_disk(logs=self._published % 50 == 0)
             return
         self.cache.discard(fl.tmp)
         how = f"exit code {res.exit_code}" if res.exit_code is not None else (

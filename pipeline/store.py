@@ -143,6 +143,16 @@ class CacheEntry(SQLModel, table=True):
     created_at: float = Field(default_factory=now)
 
 
+class CacheUse(SQLModel, table=True):
+    """A cache entry's size on disk and when it was last used: what LRU eviction reads."""
+
+    __tablename__ = "cache_use"
+    key: str = Field(primary_key=True)
+    size_bytes: int = 0
+    used_at: float = Field(default_factory=now, index=True)
+    evicted_at: float | None = None
+
+
 class GateRecord(SQLModel, table=True):
     """The gate's output at one look of one hypothesis; `payload` is the gate's own JSON record."""
 
@@ -552,6 +562,53 @@ class Store:
                     s.commit()
                 except IntegrityError:
                     s.rollback()
+
+    def cache_touch(self, key: str, size_bytes: int | None = None, used_at: float | None = None) -> None:
+        """Note a use of a cache entry (a hit, or its publication with its size)."""
+        t = used_at if used_at is not None else now()
+        with self.session() as s:
+            row = s.get(CacheUse, key)
+            if row is None:
+                row = CacheUse(key=key, size_bytes=size_bytes or 0, used_at=t)
+            else:
+                row.used_at = max(row.used_at, t)
+                if size_bytes is not None:
+                    row.size_bytes, row.evicted_at = size_bytes, None
+            s.add(row)
+            try:
+                s.commit()
+            except IntegrityError:
+                s.rollback()
+
+    def cache_uses(self) -> list[CacheUse]:
+        """The entries on disk, least recently used first."""
+        with self.session() as s:
+            return list(s.exec(select(CacheUse).where(CacheUse.evicted_at.is_(None))  # type: ignore[union-attr]
+                               .order_by(CacheUse.used_at)))
+
+    def cache_evicted(self, key: str) -> None:
+        with self.session() as s:
+            row = s.get(CacheUse, key)
+            if row is not None:
+                row.evicted_at = now()
+                s.add(row)
+                s.commit()
+
+    def keys_of(self, commits: Iterable[str]) -> set[str]:
+        """Every stage key the runs of these commits used (executed, shared or served)."""
+        commits = list(commits)
+        if not commits:
+            return set()
+        with self.session() as s:
+            q = select(StageExec.key).join(Run, Run.id == StageExec.run_id).where(  # type: ignore[arg-type]
+                Run.commit.in_(commits))  # type: ignore[attr-defined]
+            return set(s.exec(q))
+
+    def commits_in_flight(self) -> set[str]:
+        """Commits with runs queued or running."""
+        with self.session() as s:
+            q = select(Run.commit).where(Run.status.in_(("queued", "running"))).distinct()  # type: ignore[attr-defined]
+            return set(s.exec(q))
 
     def cache_cost(self, key: str) -> float:
         with self.session() as s:

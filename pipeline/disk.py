@@ -1,0 +1,160 @@
+"""Bounded disk: the stage cache under `[run] cache_max_gb` by LRU eviction, stage logs under
+`[run] logs_max_mb` by age, and what each of the lab's folders holds (for `status`).
+
+Eviction never takes an entry that is needed: the keys of the current baseline's runs, of every
+commit with runs queued or running (an in-flight hypothesis, a champion's fresh runs), and the ones
+the driver's own active runs hold as inputs. An entry evicted anyway (a later hypothesis needs an
+old one) is not missing, only recomputed: the driver looks an output up on disk, never in the store.
+Each eviction is atomic (the folder is renamed away, then removed), so no stage sees half of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.dag import Cache
+    from pipeline.lab import Lab
+    from pipeline.store import Store
+
+log = logging.getLogger("autoresearch.disk")
+
+GB = 1 << 30
+MB = 1 << 20
+LOW_WATER = 0.9  # evict down to this fraction of the cap, so that not every publication evicts
+
+
+def tree_bytes(path: Path) -> int:
+    """Apparent size of the regular files under `path` (symlinks not followed)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if not os.path.islink(os.path.join(root, name)):
+                total += st.st_size
+    return total
+
+
+class DiskKeeper:
+    def __init__(self, lab: Lab, store: Store, cache: Cache, logs: Path):
+        self.lab, self.store, self.cache, self.logs = lab, store, cache, logs
+        run = lab.config.run
+        self.cache_max = int(run.cache_max_gb * GB) if run.cache_max_gb is not None else None
+        self.logs_max = run.logs_max_mb * MB
+        self.evicted = 0
+
+    # --- the cache ------------------------------------------------------------------------------
+
+    def adopt_untracked(self) -> int:
+        """Entries on disk the store has no size for (made by an earlier version): measure them once."""
+        known = {u.key for u in self.store.cache_uses()}
+        n = 0
+        for p in self.cache.root.iterdir():
+            if p.name.startswith(".") or not p.is_dir() or p.name in known:
+                continue
+            self.store.cache_touch(p.name, tree_bytes(p), used_at=p.stat().st_mtime)
+            n += 1
+        return n
+
+    def published(self, key: str) -> None:
+        self.store.cache_touch(key, tree_bytes(self.cache.path(key)))
+
+    def used(self, key: str) -> None:
+        self.store.cache_touch(key)
+
+    def protected(self, held: Iterable[str]) -> set[str]:
+        from pipeline.errors import WorktreeError
+        from pipeline.lab import BASELINE_BRANCH
+        from pipeline.runner import resolve_commit
+
+        commits = set(self.store.commits_in_flight())
+        try:
+            commits.add(resolve_commit(self.lab, BASELINE_BRANCH))
+        except WorktreeError:  # no baseline branch (a bare benchmark run): nothing more to keep
+            pass
+        return self.store.keys_of(commits) | set(held)
+
+    def bound(self, held: Iterable[str]) -> int:
+        """Evict least recently used entries until the cache is under its low-water mark; returns
+        how many. `held`: keys this driver is using right now (inputs of active runs, flights)."""
+        if self.cache_max is None:
+            return 0
+        uses = self.store.cache_uses()
+        total = sum(u.size_bytes for u in uses)
+        if total <= self.cache_max:
+            return 0
+        keep = self.protected(held)
+        target = int(self.cache_max * LOW_WATER)
+        n = 0
+        for u in uses:  # least recently used first
+            if total <= target:
+                break
+            if u.key in keep:
+                continue
+            self._evict(u.key)
+            total -= u.size_bytes
+            n += 1
+        if n:
+            self.evicted += n
+            state = "" if total <= self.cache_max else (
+                f"; still {total / GB:.2f} GB: the rest is needed by the baseline or runs in flight")
+            log.info("cache: evicted %d least recently used entr%s (cap %.2f GB)%s", n, "y" if n == 1 else "ies",
+                     self.cache_max / GB, state)
+        return n
+
+    def _evict(self, key: str) -> None:
+        path = self.cache.path(key)
+        if path.is_dir():
+            gone = self.cache.tmp_root / f"evict-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(path, gone)  # atomic: the entry is there whole, or not at all
+            except OSError:
+                return
+            shutil.rmtree(gone, ignore_errors=True)
+        self.store.cache_evicted(key)
+
+    # --- logs -----------------------------------------------------------------------------------
+
+    def rotate_logs(self, keep: Iterable[Path] = ()) -> int:
+        """Remove the oldest stage logs while they hold more than `logs_max_mb` (never one in use)."""
+        keep = {Path(p) for p in keep}
+        files = []
+        for p in self.logs.glob("*.log"):
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in files)
+        n = 0
+        for _, size, p in sorted(files):
+            if total <= self.logs_max:
+                break
+            if p in keep:
+                continue
+            p.unlink(missing_ok=True)
+            total -= size
+            n += 1
+        return n
+
+
+def usage(lab: Lab, store: Store) -> dict[str, float | None]:
+    """MB on disk per folder of the lab's state, and the caps."""
+    state = lab.state
+    cache_bytes = sum(u.size_bytes for u in store.cache_uses())
+    out: dict[str, float | None] = {"cache_mb": round(cache_bytes / MB, 3)}
+    for name in ("worktrees", "views", "logs"):
+        p = state / name
+        out[f"{name}_mb"] = round(tree_bytes(p) / MB, 3) if p.is_dir() else 0.0
+    out["cache_max_gb"] = lab.config.run.cache_max_gb
+    out["logs_max_mb"] = lab.config.run.logs_max_mb
+    return out
