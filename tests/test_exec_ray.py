@@ -59,7 +59,7 @@ def test_the_same_batch_gives_the_same_metrics_on_local_and_ray(local_ray, tmp_p
         if name == "local":
             executor = LocalExecutor(preload=("numpy",), slots=2)
         else:
-            executor = RayExecutor(Worktrees(the_lab.root, the_lab.state), cpus=1)
+            executor = RayExecutor(Worktrees(the_lab.root, the_lab.state), cpus=1, preload=("numpy",))
             assert executor.slots == 2
         with runner.Driver(the_lab, store, executor, harness=TinyHarness()) as d:
             d.drive(until=ids, timeout_s=120)

@@ -42,8 +42,11 @@ def _ray(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: t
     from pipeline.worktrees import Worktrees
 
     run = lab.config.run
+    from pipeline.executors.local import DEFAULT_PRELOAD
+
     return RayExecutor(Worktrees(lab.root, lab.state), address=ray_address, cpus=run.cpus, gpus=run.gpus,
-                       slots=workers)
+                       slots=workers, preload=DEFAULT_PRELOAD if preload is None else preload,
+                       memory_mb=run.memory_mb)
 
 
 # name → factory: `--executor NAME`. A new executor is one module and one line here (or, from a

@@ -1,13 +1,16 @@
 """The Ray executor: the same stage jobs on a Ray cluster (`--executor ray --ray-address ...`).
 
+Each slot is a warm worker actor (`ray_task.WarmWorker`, holding `run.cpus` CPUs and `run.gpus`
+GPUs): it starts the local executor's warm worker on its node once — torch and peft imported once
+— and forks one child per stage, so dispatch costs what it costs locally, not a cold interpreter.
 The stage's code view (the commit's files it may see) and each input folder (dataset, upstream
 outputs) travel as tars put in the object store once per folder; a node unpacks each at most
-once. The stage runs in the same sandbox as locally (child.py, with sandbox.py's source shipped
-along), over the node's local copies. The stage's output comes back as a tar and is unpacked into the
+once. The stage runs in the same sandbox as locally (child.py, sandbox.py and zygote.py shipped as
+source), over the node's local copies. The stage's output comes back as a tar and is unpacked into the
 driver's private output folder, so publishing to the cache is the same as for local runs.
 
-Failures Ray reports (worker crashed, node died, object lost) are infrastructure failures; the
-stage's own exit status is classified exactly as locally. Ray's own retries are off: the driver
+Failures Ray reports (actor died, node died, object lost) are infrastructure failures, and the slot
+gets a fresh actor; the stage's own exit status is classified exactly as locally. Ray's own retries are off: the driver
 retries with the same seed and counts it.
 """
 
@@ -18,10 +21,11 @@ import inspect
 import io
 import os
 import tarfile
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.executors import child, ray_task, sandbox
+from pipeline.executors import child, ray_task, sandbox, zygote
 from pipeline.executors.base import (
     SECRET_EXTRA,
     SECRET_NAME,
@@ -32,6 +36,7 @@ from pipeline.executors.base import (
     thread_env,
 )
 from pipeline.errors import RayUnavailable
+from pipeline.executors.local import DEFAULT_PRELOAD
 
 if TYPE_CHECKING:
     from pipeline.worktrees import Worktrees
@@ -66,14 +71,15 @@ class RayExecutor:
     name = "ray"
 
     def __init__(self, worktrees: "Worktrees", *, address: str | None = None, cpus: int = 1, gpus: int = 0,
-                 slots: int | None = None, init_kwargs: dict[str, Any] | None = None):
+                 slots: int | None = None, init_kwargs: dict[str, Any] | None = None,
+                 preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD, memory_mb: int | None = None):
         try:
             import ray
         except ImportError:
             raise ExecutorError("the ray executor needs Ray: pip install 'ray[default]'") from None
         self.ray = ray
         self.worktrees = worktrees
-        self.cpus, self.gpus = cpus, gpus
+        self.cpus, self.gpus, self.memory_mb = cpus, gpus, memory_mb
         self._owns_ray = False
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS") or None
@@ -93,11 +99,25 @@ class RayExecutor:
         if gpus:
             by_cpu = min(by_cpu, int(resources.get("GPU", 0)) // gpus)
         self._slots = slots if slots is not None else max(1, by_cpu)
-        self._remote = ray.remote(ray_task.run_stage)
-        self._child_src = inspect.getsource(child)
-        self._sandbox_src = inspect.getsource(sandbox)
+        self._sources = {"child": inspect.getsource(child), "sandbox": inspect.getsource(sandbox),
+                         "zygote": inspect.getsource(zygote)}
+        self._preload = list(preload)
+        self._actor_cls = ray.remote(ray_task.WarmWorker)
         self._inputs: dict[str, tuple[str, Any]] = {}
-        self._refs: dict[str, tuple[Any, StageJob]] = {}
+        self._refs: dict[str, tuple[Any, StageJob, Any]] = {}  # job id → (ref, job, its worker)
+        self._waiting: deque[tuple[StageJob, dict[str, Any], list[Any], list[Any]]] = deque()
+        self._cancelled: list[JobResult] = []
+        self._idle: deque[Any] = deque(self._new_worker() for _ in range(self._slots))
+        ray.get([w.warm.remote() for w in self._idle])  # each imports torch and peft once, in parallel
+
+    def _new_worker(self) -> Any:
+        """A warm worker actor: it holds `run.cpus` CPUs and `run.gpus` GPUs of a node (Ray sets the
+        actor's CUDA_VISIBLE_DEVICES, which its stages inherit) for as long as the executor lives."""
+        options: dict[str, Any] = {"num_cpus": self.cpus, "num_gpus": self.gpus, "max_restarts": 0,
+                                   "max_concurrency": 2}  # a cancel may arrive while a stage runs
+        if self.memory_mb:
+            options["memory"] = self.memory_mb * 2**20
+        return self._actor_cls.options(**options).remote(self._sources, self._preload)
 
     @property
     def slots(self) -> int:
@@ -117,7 +137,7 @@ class RayExecutor:
         return self._inputs[key]
 
     def submit(self, job: StageJob) -> None:
-        if job.job_id in self._refs:
+        if job.job_id in self._refs or any(w[0].job_id == job.job_id for w in self._waiting):
             raise ExecutorError(f"job {job.job_id} already submitted")
         mounts = []
         for folder in job.inputs:
@@ -126,39 +146,48 @@ class RayExecutor:
         tree_id, tree_ref = self._input(job.cwd)  # the stage's code view, not the whole commit
         spec = {
             "job_id": job.job_id, "tree_id": tree_id, "argv": job.argv, "cwd": str(job.cwd),
-            "sandbox": job.sandbox, "sandbox_src": self._sandbox_src, "gpus": job.gpus,
+            "sandbox": job.sandbox, "gpus": job.gpus,
             "out": str(job.out), "timeout_s": job.timeout_s, "cpus": job.cpus, "memory_mb": job.memory_mb,
-            "env": thread_env(job.cpus), "child_src": self._child_src,
+            "env": thread_env(job.cpus),
             "secret_names": [SECRET_NAME.pattern], "secret_extra": sorted(SECRET_EXTRA),
             "secret_value": SECRET_VALUE.pattern,
         }
-        options: dict[str, Any] = {"num_cpus": job.cpus, "num_gpus": job.gpus, "max_retries": 0,
-                                   "name": f"stage-{job.job_id[:12]}"}
-        if job.memory_mb:
-            options["memory"] = job.memory_mb * 2**20
-        ref = self._remote.options(**options).remote(spec, [tree_ref], mounts)
-        self._refs[job.job_id] = (ref, job)
+        self._waiting.append((job, spec, [tree_ref], mounts))
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._waiting and self._idle:
+            job, spec, tree, mounts = self._waiting.popleft()
+            worker = self._idle.popleft()
+            self._refs[job.job_id] = (worker.run.remote(spec, tree, mounts), job, worker)
 
     def poll(self, timeout: float = 0.0) -> list[JobResult]:
+        done, self._cancelled = self._cancelled, []
         if not self._refs:
-            return []
+            return done
         ray = self.ray
-        by_ref = {ref: job_id for job_id, (ref, _) in self._refs.items()}
-        ready, rest = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
+        by_ref = {ref: job_id for job_id, (ref, _, _) in self._refs.items()}
+        ready, rest = ray.wait(list(by_ref), num_returns=1, timeout=0 if done else timeout)
         if ready and rest:
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
-        return [self._collect(by_ref[ref]) for ref in ready]
+        done += [self._collect(by_ref[ref]) for ref in ready]
+        self._dispatch()
+        return done
 
     def _collect(self, job_id: str) -> JobResult:
-        ref, job = self._refs.pop(job_id)
+        ref, job, worker = self._refs.pop(job_id)
         ray = self.ray
         try:
             res: dict[str, Any] = ray.get(ref)
-        except ray.exceptions.TaskCancelledError:
-            return JobResult(job_id, "cancelled", detail="cancelled")
-        except ray.exceptions.RayError as e:  # worker crashed, node died, object lost, our task failed
+        except ray.exceptions.RayError as e:  # the actor or its node died, an object was lost
+            try:
+                ray.kill(worker)
+            except (ray.exceptions.RayError, ValueError):  # already gone with its node
+                pass
+            self._idle.append(self._new_worker())  # the slot gets a fresh warm worker
             return JobResult(job_id, "infra", detail=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        self._idle.append(worker)
         job.log_path.parent.mkdir(parents=True, exist_ok=True)
         job.log_path.write_bytes(res["log"])
         if res["status"] == "ok":
@@ -166,17 +195,32 @@ class RayExecutor:
             with tarfile.open(fileobj=io.BytesIO(res["out"])) as tar:
                 tar.extractall(job.out, filter="data")
         return JobResult(job_id, res["status"], exit_code=res["exit_code"], signal=res["signal"],
-                         cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]), host=res["host"])
+                         cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]), host=res["host"],
+                         detail=res.get("detail"))
 
     def cancel(self, job_id: str) -> None:
+        for i, (job, *_rest) in enumerate(self._waiting):
+            if job.job_id == job_id:
+                del self._waiting[i]
+                self._cancelled.append(JobResult(job_id, "cancelled", detail="cancelled"))
+                return
         entry = self._refs.get(job_id)
         if entry is not None:
-            self.ray.cancel(entry[0])
+            entry[2].cancel.remote(job_id)  # its warm worker kills the stage; run() then returns
 
     def close(self) -> None:
         for job_id in list(self._refs):
             self.cancel(job_id)
+        if self._refs:
+            self.ray.wait([r for r, _, _ in self._refs.values()], num_returns=len(self._refs), timeout=10)
+        for worker in [*self._idle, *(w for _, _, w in self._refs.values())]:
+            try:
+                self.ray.kill(worker)
+            except (self.ray.exceptions.RayError, ValueError):  # its node is gone
+                pass
         self._refs.clear()
+        self._idle.clear()
+        self._waiting.clear()
         self._inputs.clear()
         if self._owns_ray:
             self.ray.shutdown()

@@ -1,23 +1,27 @@
-"""What runs inside a Ray worker for one stage. Standard library only, shipped by value.
+"""What runs on a Ray node: a warm worker actor per slot. Standard library only, shipped by value.
 
 The Ray executor registers this module with cloudpickle's pickle-by-value, so a cluster node needs
-Ray and Python, not our package. The function unpacks the commit's tree and the stage's input
-folders into a node-local cache (once per node), rewrites the driver's paths in argv to the local
-copies, runs the stage through `child.py`'s source (the same setup as the local executor), and
-returns the output folder and the log as tar bytes.
+Ray and Python, not our package. Each `WarmWorker` actor starts, once, the same warm worker the
+local executor uses (`zygote.py`, with `child.py` and `sandbox.py`, shipped as source files into a
+node-local folder): it imports torch and peft once and forks one child per stage, so a Ray stage
+starts in milliseconds instead of a cold interpreter's seconds. For each stage the actor unpacks
+the stage's code view and input folders into a node-local cache (once per node), rewrites the
+driver's paths in argv to the local copies, hands the stage to its warm worker (same sandbox, same
+scrubbed environment as locally), and returns the output folder and the log as tar bytes.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any
@@ -61,84 +65,142 @@ def scrub(env: dict[str, str], names: list[str], extra: list[str], value_pattern
     return {k: v for k, v in env.items() if not rx.search(k) and k not in extra and not vx.search(v)}
 
 
-def run_stage(job: dict[str, Any], tree: list[Any], mounts: list[tuple[str, str, list[Any]]]) -> dict[str, Any]:
-    """Run one stage on this node. `tree` and each mount carry an ObjectRef in a one-item list,
-    so Ray does not fetch archives this node already unpacked."""
-    started = time.monotonic()
-    cwd = _materialise("tree", job["tree_id"], tree)
-    path_map = {job["cwd"]: cwd}
-    for driver_path, ident, box in mounts:
-        path_map[driver_path] = _materialise("input", ident, box)
-    work = os.path.join(NODE_CACHE, "jobs", job["job_id"])
-    out = os.path.join(work, "out")
-    os.makedirs(out)
-    path_map[job["out"]] = out
-    log = os.path.join(work, "stage.log")
+class WarmWorker:
+    """One slot of the cluster: a warm worker process on this node, fed one stage at a time.
 
-    def local(arg: str) -> str:
-        for src in sorted(path_map, key=len, reverse=True):  # longest first: nested paths map right
-            arg = arg.replace(src, path_map[src])
-        return arg
+    `sources`: {"child", "sandbox", "zygote"} → module source, written once per node and version;
+    `preload`: modules the warm worker imports (those missing on this node are skipped)."""
 
-    env = scrub(dict(os.environ), job["secret_names"], job["secret_extra"], job["secret_value"])
-    env.update(job["env"])
-    sandbox = job.get("sandbox")
-    if sandbox is not None:  # the same mounts, at this node's copies
-        sandbox = {**sandbox, "ro": [local(p) for p in sandbox["ro"]], "rw": [local(p) for p in sandbox["rw"]],
-                   "out": local(sandbox["out"]) if sandbox.get("out") else None, "gpus": job.get("gpus", 0)}
-    spec = {"argv": [local(a) for a in job["argv"]], "cwd": cwd, "env": env, "log": log,
-            "cpus": job["cpus"], "memory_mb": job["memory_mb"], "strip_sys_path": [],
-            "sandbox": sandbox, "sandbox_src": job.get("sandbox_src")}
-    import json
+    def __init__(self, sources: dict[str, str], preload: list[str]):
+        import hashlib
 
-    proc = subprocess.Popen([sys.executable, "-c", job["child_src"], json.dumps(spec)],
-                            start_new_session=True, env=env, cwd=cwd,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = started + float(job["timeout_s"])
-    reason = None
-    status_code = 0
-    rusage = None
-    try:
+        digest = hashlib.sha256("".join(sources[k] for k in sorted(sources)).encode()).hexdigest()[:16]
+        self.pkg = os.path.join(NODE_CACHE, f"worker-{digest}")
+        if not os.path.isdir(self.pkg):
+            tmp = f"{self.pkg}.tmp-{uuid.uuid4().hex[:8]}"
+            os.makedirs(tmp)
+            for name, src in sources.items():
+                with open(os.path.join(tmp, f"_ar_{name}.py"), "w") as fh:
+                    fh.write(_standalone(src))
+            try:
+                os.rename(tmp, self.pkg)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        self.preload = preload
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.buf = b""
+        self.current: str | None = None
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        if self.proc is not None and self.proc.poll() is None:
+            return self.proc
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)  # the worker's own modules come from self.pkg, nothing else of ours
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(self.pkg, "_ar_zygote.py"),
+             json.dumps({"preload": self.preload, "optional": True})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=self.pkg)
+        self.buf = b""
         while True:
-            pid, status_code, rusage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if reason is None and time.monotonic() > deadline:
-                reason = "timeout"
-                os.killpg(proc.pid, signal.SIGTERM)
-                deadline = time.monotonic() + 2.0
-            elif reason is not None and time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-            time.sleep(0.02)
-    except BaseException:  # ray.cancel raises KeyboardInterrupt here: take the stage down with us
+            msg = self._next()
+            if msg is None:
+                raise RuntimeError("the warm worker did not start on this node")
+            if msg.get("event") == "ready":
+                return self.proc
+
+    def _next(self) -> dict[str, Any] | None:
+        assert self.proc is not None and self.proc.stdout is not None
+        while b"\n" not in self.buf:
+            data = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not data:
+                return None
+            self.buf += data
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        with self.lock:
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+            self.proc.stdin.flush()
+
+    def warm(self) -> int:
+        """Start the warm worker now (it imports torch and peft); its pid."""
+        return self._start().pid
+
+    def run(self, job: dict[str, Any], tree: list[Any], mounts: list[tuple[str, str, list[Any]]]) -> dict[str, Any]:
+        """Run one stage on this node. `tree` and each mount carry an ObjectRef in a one-item list,
+        so Ray does not fetch archives this node already unpacked."""
+        started = time.monotonic()
+        proc = self._start()
+        cwd = _materialise("tree", job["tree_id"], tree)
+        path_map = {job["cwd"]: cwd}
+        for driver_path, ident, box in mounts:
+            path_map[driver_path] = _materialise("input", ident, box)
+        work = os.path.join(NODE_CACHE, "jobs", job["job_id"])
+        out = os.path.join(work, "out")
+        os.makedirs(out)
+        path_map[job["out"]] = out
+        log = os.path.join(work, "stage.log")
+
+        def local(arg: str) -> str:
+            for src in sorted(path_map, key=len, reverse=True):  # longest first: nested paths map right
+                arg = arg.replace(src, path_map[src])
+            return arg
+
+        env = scrub(dict(os.environ), job["secret_names"], job["secret_extra"], job["secret_value"])
+        env.pop("PYTHONPATH", None)
+        env.update(job["env"])
+        sandbox = job.get("sandbox")
+        if sandbox is not None:  # the same mounts, at this node's copies
+            sandbox = {**sandbox, "ro": [local(p) for p in sandbox["ro"]], "rw": [local(p) for p in sandbox["rw"]],
+                       "out": local(sandbox["out"]) if sandbox.get("out") else None, "gpus": job.get("gpus", 0)}
+        spec = {"argv": [local(a) for a in job["argv"]], "cwd": cwd, "env": env, "log": log,
+                "cpus": job["cpus"], "memory_mb": job["memory_mb"], "strip_sys_path": [self.pkg],
+                "sandbox": sandbox}
+        self.current = job["job_id"]
+        result: dict[str, Any] = {"cpu_s": 0.0, "wall_s": 0.0, "exit_code": None, "signal": None,
+                                  "host": _host(), "status": "infra"}
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        raise
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.returncode = 0  # reaped by wait4 above; keep Popen from waiting again
-    result: dict[str, Any] = {
-        "cpu_s": (rusage.ru_utime + rusage.ru_stime) if rusage else 0.0,
-        "wall_s": time.monotonic() - started, "exit_code": None, "signal": None, "host": socket.gethostname(),
-    }
-    if os.WIFEXITED(status_code):
-        result["exit_code"] = os.WEXITSTATUS(status_code)
-        result["status"] = "ok" if result["exit_code"] == 0 else "exit"
-    else:
-        result["signal"] = os.WTERMSIG(status_code)
-        result["status"] = "signal"
-    if reason:
-        result["status"] = reason
-    result["out"] = pack(out) if result["status"] == "ok" else b""
-    result["log"] = b""
-    if os.path.exists(log):
-        with open(log, "rb") as fh:
-            fh.seek(max(0, os.path.getsize(log) - MAX_LOG_BYTES))
-            result["log"] = fh.read()
-    shutil.rmtree(work, ignore_errors=True)
-    return result
+            self._send({"op": "run", "id": job["job_id"], "spec": spec, "timeout_s": float(job["timeout_s"])})
+            while True:
+                msg = self._next()
+                if msg is None:  # the warm worker died under the stage: infrastructure
+                    proc.kill()
+                    result["detail"] = "the warm worker on this node died"
+                    break
+                if msg.get("event") == "exit" and msg.get("id") == job["job_id"]:
+                    result.update({k: msg[k] for k in ("cpu_s", "wall_s", "exit_code", "signal", "status")})
+                    break
+        finally:
+            self.current = None
+        result["wall_s"] = result["wall_s"] or time.monotonic() - started
+        result["out"] = pack(out) if result["status"] == "ok" else b""
+        result["log"] = b""
+        if os.path.exists(log):
+            with open(log, "rb") as fh:
+                fh.seek(max(0, os.path.getsize(log) - MAX_LOG_BYTES))
+                result["log"] = fh.read()
+        shutil.rmtree(work, ignore_errors=True)
+        return result
+
+    def cancel(self, job_id: str) -> None:
+        if self.current == job_id and self.proc is not None and self.proc.poll() is None:
+            self._send({"op": "cancel", "id": job_id})
+
+
+def _host() -> str:
+    """This node, as the store records it: the host name and Ray's node id (nodes may share a host)."""
+    try:
+        import ray
+
+        return f"{socket.gethostname()}/ray-{ray.get_runtime_context().get_node_id()[:8]}"
+    except Exception:  # outside a Ray worker
+        return socket.gethostname()
+
+
+def _standalone(src: str) -> str:
+    """A module of ours made to import its siblings from its own folder (no package on the node)."""
+    return (src.replace("from pipeline.executors import child, sandbox", "import _ar_child as child, _ar_sandbox as sandbox")
+            .replace("from pipeline.executors import sandbox as _sandbox", "import _ar_sandbox as _sandbox"))

@@ -191,7 +191,12 @@ def main() -> None:
     # so the worker must not die under a stage that is about to finish.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in config.get("preload", []):
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            if not config.get("optional"):  # on a Ray node, a library it lacks is the stage's to need
+                raise
+            print(f"warm worker: {name} is not installed here; stages import what they need", file=sys.stderr)
     # Objects imported so far live for ever: keep the children's garbage collector from walking
     # them, which would touch (and so copy) every page shared with this process.
     gc.collect()

@@ -1,0 +1,90 @@
+"""A real Ray cluster started as separate processes: `ray start --head --port P`, plus a second node
+with `ray start --address` and a temp dir of its own. Stopped by the pids of the processes these
+commands started (found by their temp dirs, with their children), never by `ray stop`, which
+would end every Ray on the machine.
+
+Ray 2.60 turns token authentication on: the cluster and every driver here run with
+`RAY_AUTH_MODE=disabled` (the README says the same to users).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RAY = str(Path(sys.executable).with_name("ray"))
+ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayCluster:
+    def __init__(self, head_cpus: int = 1, worker_cpus: int = 1):
+        self.dirs: list[str] = []
+        self.env = {**os.environ, **ENV}
+        port = free_port()
+        out = self._start(["--head", f"--port={port}", f"--num-cpus={head_cpus}", "--include-dashboard=false"])
+        m = re.search(r"ray start --address='([^']+)'", out)
+        if m is None:
+            self.stop()
+            raise RuntimeError(f"`ray start --head` printed no address:\n{out[-2000:]}")
+        self.address = m.group(1)  # the node's address, not 127.0.0.1
+        if worker_cpus:
+            self._start([f"--address={self.address}", f"--num-cpus={worker_cpus}"])
+
+    def _start(self, args: list[str]) -> str:
+        tmp = tempfile.mkdtemp(prefix="ar-ray-")
+        self.dirs.append(tmp)
+        proc = subprocess.run([RAY, "start", *args, f"--temp-dir={tmp}", "--disable-usage-stats"],
+                              env=self.env, capture_output=True, text=True, timeout=180)
+        if proc.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"ray start {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        return proc.stdout + proc.stderr
+
+    def processes(self) -> list:
+        import psutil
+
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                cmd = " ".join(p.info["cmdline"] or [])
+            except psutil.Error:
+                continue
+            if any(d in cmd for d in self.dirs):
+                found.append(p)
+        for p in list(found):
+            try:
+                found += p.children(recursive=True)
+            except psutil.Error:
+                pass
+        return list({p.pid: p for p in found}.values())
+
+    def stop(self) -> None:
+        import psutil
+
+        procs = self.processes()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=20)
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def __enter__(self) -> "RayCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
