@@ -204,11 +204,13 @@ def run_cmd(
     policy: Optional[str] = typer.Option(None, "--policy",
                                          help="A policy by name (llm, offline); default: the LLM if configured."),
     supervised: bool = typer.Option(False, "--supervised", help="Hold promotions until a human approves them."),
+    as_json: bool = typer.Option(False, "--json", help="End with the run's outcome as JSON instead of a table."),
 ) -> None:
     """The autonomous loop: propose, implement, measure, decide, summarize."""
     import logging
 
     from agent.loop import Loop, LoopOptions
+    from agent.terminal import RunDisplay
     from pipeline.errors import UserError as _UserError
     from pipeline.executors import EXECUTORS
     from pipeline.lab import load_lab
@@ -220,32 +222,20 @@ def run_cmd(
     opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever, executor=executor,
                        workers=workers, ray_address=ray_address, offline=offline, policy=policy, supervised=supervised,
                        db=Ctx.db)
-    loop = Loop(lab, opts, progress=_progress_printer())
+    display = RunDisplay()
+    loop = Loop(lab, opts, progress=display.say, looks=display.looks if display.tty else None)
     loop.install_signals()
     try:
         out = loop.run()
     finally:
+        display.close()
         loop.close()
-    emit_json(out)
+    if as_json:
+        emit_json(out)
+    else:
+        display.decided(out["this_run"], out.get("stopped"))
     if out.get("stopped") == "LLM unreachable":
         raise typer.Exit(1)  # said in one line by the loop; the store holds no hypothesis for it
-
-
-def _progress_printer():
-    """Progress lines on stderr: rich on a terminal; one plain timestamped line each in a log file."""
-    if sys.stderr.isatty():
-        from rich.console import Console
-
-        console = Console(stderr=True)
-        return lambda msg: console.log(msg, markup=False, highlight=False)
-
-    def plain(msg: str) -> None:
-        import time
-
-        sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
-        sys.stderr.flush()
-
-    return plain
 
 
 @app.command("status")

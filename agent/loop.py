@@ -74,12 +74,17 @@ def choose_policy(lab: Lab, store: Any, offline: bool, name: str | None = None):
 
 
 class Loop:
-    def __init__(self, lab: Lab, opts: LoopOptions, progress: Callable[[str], None] | None = None):
+    def __init__(self, lab: Lab, opts: LoopOptions, progress: Callable[[str], None] | None = None,
+                 looks: Callable[[dict[int, dict[str, Any]]], None] | None = None):
+        """`progress` gets the loop's messages; `looks`, if given, where each look in flight stands
+        (runs done, running, total, ETA), every half second while runs execute (a terminal's bars)."""
         from agent.graph import Services, build_graph, open_checkpointer
         from agent.workspace import Workspace
 
         self.lab, self.opts = lab, opts
         self.say = progress or (lambda msg: log.info(msg))
+        self.on_looks = looks
+        self.touched: list[int] = []  # the hypotheses this run worked on, in order
         self.store = runner.open_store(lab, opts.db)
         self.stop = threading.Event()
         self.stop_reason = ""
@@ -285,6 +290,8 @@ class Loop:
 
         config = self._thread(h)
         before = (h.status, h.look, h.verdict)
+        if h.id not in self.touched:
+            self.touched.append(h.id)
         for _ in range(len(self.lab.config.gate.looks) + 3):  # each step ends at an interrupt or the end
             step = self._step(h)
             if step is _NOTHING or self.stop.is_set():
@@ -484,10 +491,15 @@ class Loop:
                     continue
 
                 last_said = [time.monotonic()]
+                last_shown = [0.0]
 
                 def one_look_complete() -> bool:
                     runs = {h: self.store.runs(ids) for h, ids in waiting.items()}
-                    if time.monotonic() - last_said[0] > PROGRESS_EVERY_S:
+                    if self.on_looks is not None:
+                        if time.monotonic() - last_shown[0] > 0.5:
+                            last_shown[0] = time.monotonic()
+                            self.on_looks(self._look_state(runs, executor.slots))
+                    elif time.monotonic() - last_said[0] > PROGRESS_EVERY_S:
                         last_said[0] = time.monotonic()
                         self.say("runs: " + "; ".join(
                             f"#{h} {sum(r.status in ('done', 'failed') for r in rs)}/{len(rs)} finished, "
@@ -495,13 +507,44 @@ class Loop:
                     return any(all(r.status in ("done", "failed") for r in rs) for rs in runs.values())
 
                 driver.drive(until=one_look_complete, stop=self.stop)
+                if self.on_looks is not None:
+                    self.on_looks({})
         finally:
             if clock is not None:
                 clock.cancel()
             driver.close()
             self.say("loop stopped" + (f" ({self.stop_reason})" if self.stop_reason else ""))
         return {"started": self.started, "hypotheses": [h.id for h in self.records.all()],
-                "stopped": self.stop_reason or None}
+                "stopped": self.stop_reason or None,
+                "this_run": [self._row(self.records.get(hid)) for hid in self.touched if self._exists(hid)]}
+
+    def _exists(self, hid: int) -> bool:
+        from pipeline.errors import UserError
+
+        try:
+            self.records.get(hid)
+            return True
+        except UserError:  # withdrawn: a proposal the LLM could not give
+            return False
+
+    @staticmethod
+    def _row(h: Hypothesis) -> dict[str, Any]:
+        return {"id": h.id, "title": h.title, "status": h.status, "look": h.look, "verdict": h.verdict,
+                "decision": h.decision, "promoted_tag": h.promoted_tag}
+
+    def _look_state(self, runs: dict[int, list[Any]], slots: int) -> dict[int, dict[str, Any]]:
+        """Per hypothesis waiting for a look: runs done, running and planned, and an ETA from the
+        wall time of the look's finished runs (the slots working in parallel)."""
+        out = {}
+        for hid, rs in runs.items():
+            done = [r for r in rs if r.status in ("done", "failed")]
+            walls = [r.finished_at - r.started_at for r in done if r.finished_at and r.started_at]
+            left = len(rs) - len(done)
+            eta = left * (sum(walls) / len(walls)) / max(1, slots) if walls else None
+            h = self.records.get(hid)
+            out[hid] = {"title": h.title, "look": h.look, "done": len(done), "total": len(rs),
+                        "running": sum(r.status == "running" for r in rs), "eta_s": eta}
+        return out
 
     def _idle_wait(self) -> float:
         """Until the next poll, or sooner if the LLM's back-off ends first."""

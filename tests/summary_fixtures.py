@@ -98,7 +98,7 @@ def cli(root: Path, *args: str, check: bool = True, env: dict[str, str] | None =
 
 def run_loop(root: Path, max_hypotheses: int = 2, *extra: str) -> subprocess.CompletedProcess:
     t0 = time.monotonic()
-    proc = cli(root, "run", "--offline", "--max-hypotheses", str(max_hypotheses), *extra,
+    proc = cli(root, "run", "--offline", "--json", "--max-hypotheses", str(max_hypotheses), *extra,
                env={"OPENAI_API_KEY": "", "OPENAI_BASE_URL": ""})
     proc.elapsed = time.monotonic() - t0  # type: ignore[attr-defined]
     return proc

@@ -28,7 +28,7 @@ def test_seeds_by_priority_branches_as_is_noops_never_promoted_then_offline_prop
     bad = cli(lab, "seed", "--branch", "res/does-not-exist")
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown branch")
 
-    run = cli(lab, "run", "--offline", "--max-hypotheses", "5", "--workers", "2", timeout=400)
+    run = cli(lab, "run", "--offline", "--json", "--max-hypotheses", "5", "--workers", "2", timeout=400)
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout)
     assert out["started"] == 5 and len(out["hypotheses"]) == 5  # the budget: five hypotheses, no more

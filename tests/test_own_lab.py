@@ -226,7 +226,7 @@ def test_own_lab_runs_offline_measures_gates_promotes_the_true_gain_and_abandons
     assert cli(root, "check").returncode == 0
 
     started = time.monotonic()
-    run = cli(root, "run", "--offline", "--max-hypotheses", "3", timeout=240)
+    run = cli(root, "run", "--offline", "--json", "--max-hypotheses", "3", timeout=240)
     wall = time.monotonic() - started
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout)

@@ -109,7 +109,9 @@ def pretrain(args):
     p = cfg["pretrain"]
     opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
     steps = p["epochs"] * math.ceil(len(tokens) / p["batch_size"])
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=p["lr"], total_steps=steps, pct_start=0.1)
+    # OneCycleLR divides by (pct_start * steps - 1): exactly 0 at 10 steps with 0.1, so a small run warms up longer
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=p["lr"], total_steps=steps,
+                                                pct_start=0.1 if steps >= 20 else 0.3)
     start, n_tokens = time.time(), 0
     model.train()
     for epoch in range(p["epochs"]):
