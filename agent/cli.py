@@ -205,6 +205,8 @@ def run_cmd(
                                          help="A policy by name (llm, offline); default: the LLM if configured."),
     supervised: bool = typer.Option(False, "--supervised", help="Hold promotions until a human approves them."),
     as_json: bool = typer.Option(False, "--json", help="End with the run's outcome as JSON instead of a table."),
+    pause_on_plateau: bool = typer.Option(False, "--pause-on-plateau",
+                                          help="Stop when [agent] plateau_after hypotheses in a row were not promoted."),
 ) -> None:
     """The autonomous loop: propose, implement, measure, decide, summarize."""
     import logging
@@ -221,7 +223,7 @@ def run_cmd(
     lab = load_lab(Ctx.repo)
     opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever, executor=executor,
                        workers=workers, ray_address=ray_address, offline=offline, policy=policy, supervised=supervised,
-                       db=Ctx.db)
+                       pause_on_plateau=pause_on_plateau, db=Ctx.db)
     display = RunDisplay()
     loop = Loop(lab, opts, progress=display.say, looks=display.looks if display.tty else None)
     loop.install_signals()

@@ -118,7 +118,15 @@ def build_context(svc: Services) -> Context:
         tried_states=tried_states,
         baseline_states=baseline_states,
         key_costs=search_key_costs(lab),
+        plateau=plateau_of(svc),
     )
+
+
+def plateau_of(svc: Services) -> int | None:
+    """How many measured hypotheses in a row went without a promotion, once that reaches
+    `[agent] plateau_after`; else None."""
+    n = svc.records.since_promotion()
+    return n if n >= svc.lab.config.agent.plateau_after else None
 
 
 def search_key_costs(lab: Lab) -> dict[str, int]:

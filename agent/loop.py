@@ -51,6 +51,7 @@ class LoopOptions:
     policy: str | None = None  # a name in agent.policy.POLICIES; None: the first configured one
     supervised: bool = False
     smoke: bool = True
+    pause_on_plateau: bool = False
     db: str | None = None
     idle_poll_s: float = 10.0
 
@@ -225,6 +226,26 @@ class Loop:
                    "the cap resets at UTC midnight")
             self.records.event("budget", msg)
             self.say(msg)
+        return True
+
+    def plateau(self) -> bool:
+        """`[agent] plateau_after` measured hypotheses in a row without a promotion: said once per
+        baseline (an event in `status` and the digest); True when reached."""
+        n = self.records.since_promotion()
+        after = self.lab.config.agent.plateau_after
+        if n < after:
+            return False
+        base = self.svc.workspace.baseline_head()
+        said = [e for e in self.records.events(50) if e.kind == "plateau"]
+        if not any(base[:10] in e.message for e in said):
+            msg = (f"plateau: {n} measured hypotheses in a row without a promotion (baseline {base[:10]}, "
+                   f"[agent] plateau_after = {after}); the LLM policy is told so in its next proposal")
+            self.records.event("plateau", msg)
+            self.say(msg)
+        if self.opts.pause_on_plateau and not self.stop.is_set():
+            self.stop_reason = "plateau"
+            self.say("stopping: --pause-on-plateau (seed a new direction, then run again)")
+            self.stop.set()
         return True
 
     def guard(self) -> None:
@@ -454,6 +475,8 @@ class Loop:
                 self.release_holds()
                 self.note_reverifications()
                 self.guard()
+                if self.plateau() and self.stop.is_set():
+                    break
                 in_flight = self.records.all(ACTIVE)
                 while len(in_flight) < self.lab.config.agent.max_in_flight and self.may_start():
                     h = self.next_hypothesis()

@@ -55,6 +55,7 @@ class Context:
     tried_states: list[dict[str, Any]] = field(default_factory=list)  # the hypotheses' search values
     key_costs: dict[str, int] = field(default_factory=dict)  # search key -> stages its change re-runs
     baseline_states: list[dict[str, Any]] = field(default_factory=list)  # earlier baselines' search values
+    plateau: int | None = None  # measured hypotheses in a row without a promotion, once past [agent] plateau_after
 
 
 @dataclass
@@ -317,6 +318,7 @@ class LLMPolicy:
             ctx, "propose", program=ctx.program, metric=ctx.metric, tasks=prompts.md_list(ctx.tasks),
             baseline=ctx.baseline, files=_md_files(ctx.files), history=history_table(ctx.history),
             comments=prompts.md_list(ctx.comments) if ctx.comments else prompts.phrase("none"),
+            plateau=prompts.phrase("plateau", n=ctx.plateau) if ctx.plateau else "",
         )
         out = self.client.complete_json("propose", msgs, PROPOSAL_SCHEMA, "hypothesis")
         tasks = [t for t in out["tasks_expected"] if t in ctx.tasks] or list(ctx.tasks)

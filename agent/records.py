@@ -135,6 +135,18 @@ class Records:
                 q = q.where(Hypothesis.updated_at >= since)
             return list(s.exec(q))
 
+    def since_promotion(self) -> int:
+        """Measured hypotheses decided in a row since the last promotion (rejections before any run
+        do not count: they measured nothing)."""
+        done = sorted((h for h in self.all(("done",)) if h.finished_at), key=lambda h: h.finished_at or 0)
+        n = 0
+        for h in reversed(done):
+            if h.promoted_tag:
+                break
+            if h.verdict is not None:
+                n += 1
+        return n
+
     def next_queued(self) -> Hypothesis | None:
         """Human seeds first, by priority, then oldest."""
         with self.store.session() as s:

@@ -62,6 +62,10 @@ def print_status(st: dict[str, Any]) -> None:
     if st["llm"].get("unreachable_since"):
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["llm"]["unreachable_since"]))
         con.print(f"LLM unreachable since {since}: no proposals until it answers (seeds and runs go on)")
+    pl = st.get("plateau")
+    if pl and pl["since_promotion"] >= pl["after"]:
+        con.print(f"[bold yellow]plateau[/bold yellow]: {pl['since_promotion']} measured hypotheses in a row without "
+                  f"a promotion ([agent] plateau_after = {pl['after']})")
     for e in st["events"]:
         con.print(f"[yellow]{escape(e['kind'])}[/yellow]: {escape(e['message'])}")
 
@@ -123,6 +127,10 @@ def digest_markdown(d: dict[str, Any]) -> str:
     if held:
         lines.append("- held for approval (promotion waits for `autoresearch review ID --approve`): "
                      + ", ".join(f"#{h['id']} {h['title']}" for h in held))
+    pl = d.get("plateau")
+    if pl and pl["since_promotion"] >= pl["after"]:
+        lines.append(f"- **plateau**: {pl['since_promotion']} measured hypotheses in a row without a promotion "
+                     f"(`[agent] plateau_after` = {pl['after']}); `run --pause-on-plateau` stops the loop there")
     lines.append("- awaiting review: " + (", ".join(f"#{i}" for i in d["awaiting_review"]) or "nothing")
                  + (" (`autoresearch review` lists them)" if d["awaiting_review"] else ""))
     if d.get("progress_chart"):

@@ -97,6 +97,7 @@ class AgentSection(_Strict):
     max_in_flight: int = Field(default=1, ge=1)
     max_usd_per_day: float = Field(default=20.0, ge=0)
     repair_rounds: int = Field(default=2, ge=0)
+    plateau_after: int = Field(default=20, ge=1)  # measured hypotheses in a row without a promotion
     request_timeout_s: float = Field(default=120.0, gt=0)  # one LLM request; a slow local model needs more
     request_attempts: int = Field(default=6, ge=1, le=20)  # per request, on 429/5xx/timeouts/refused connections
     # the bound on each LLM answer, by purpose; unset purposes keep the client's defaults
