@@ -25,6 +25,10 @@ app = typer.Typer(
 )
 
 
+export_app = typer.Typer(no_args_is_help=True, help="Export the lab's hypotheses and runs to other tools.")
+app.add_typer(export_app, name="export")
+
+
 class Ctx:
     repo: Path = Path(".")
     db: str | None = None
@@ -205,6 +209,8 @@ def run_cmd(
                                          help="A policy by name (llm, offline); default: the LLM if configured."),
     supervised: bool = typer.Option(False, "--supervised", help="Hold promotions until a human approves them."),
     as_json: bool = typer.Option(False, "--json", help="End with the run's outcome as JSON instead of a table."),
+    mlflow: Optional[str] = typer.Option(None, "--mlflow", help="Export each hypothesis to this MLflow tracking URI "
+                                                                  "as it is decided."),
     pause_on_plateau: bool = typer.Option(False, "--pause-on-plateau",
                                           help="Stop when [agent] plateau_after hypotheses in a row were not promoted."),
 ) -> None:
@@ -223,7 +229,7 @@ def run_cmd(
     lab = load_lab(Ctx.repo)
     opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever, executor=executor,
                        workers=workers, ray_address=ray_address, offline=offline, policy=policy, supervised=supervised,
-                       pause_on_plateau=pause_on_plateau, db=Ctx.db)
+                       pause_on_plateau=pause_on_plateau, mlflow=mlflow, db=Ctx.db)
     display = RunDisplay()
     loop = Loop(lab, opts, progress=display.say, looks=display.looks if display.tty else None)
     loop.install_signals()
@@ -238,6 +244,24 @@ def run_cmd(
         display.decided(out["this_run"], out.get("stopped"))
     if out.get("stopped") == "LLM unreachable":
         raise typer.Exit(1)  # said in one line by the loop; the store holds no hypothesis for it
+
+
+@export_app.command("mlflow")
+def export_mlflow(
+    tracking_uri: Optional[str] = typer.Option(
+        os.environ.get("MLFLOW_TRACKING_URI"), "--tracking-uri",
+        help="MLflow tracking URI (env MLFLOW_TRACKING_URI; default sqlite:///<lab>/runs/mlflow.db)."),
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="Experiment name (default autoresearch/<lab>)."),
+) -> None:
+    """One MLflow run per hypothesis (changed config keys, verdict, decision, Δs, summary, forest plot)
+    and a nested run per (task, seed); idempotent."""
+    from agent.commands import open_lab_store
+    from agent.mlflow_export import default_tracking_uri, export
+
+    lab, store, _rec = open_lab_store(Ctx.repo, Ctx.db)
+    uri = tracking_uri or default_tracking_uri(lab)
+    out = export(lab, store, uri, experiment)
+    emit_json({"tracking_uri": uri, **out})
 
 
 @app.command("status")

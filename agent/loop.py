@@ -52,6 +52,7 @@ class LoopOptions:
     supervised: bool = False
     smoke: bool = True
     pause_on_plateau: bool = False
+    mlflow: str | None = None  # a tracking URI: each hypothesis is exported as it is decided
     db: str | None = None
     idle_poll_s: float = 10.0
 
@@ -85,6 +86,7 @@ class Loop:
         self.lab, self.opts = lab, opts
         self.say = progress or (lambda msg: log.info(msg))
         self.on_looks = looks
+        self._exporter: Any = None
         self.touched: list[int] = []  # the hypotheses this run worked on, in order
         self.store = runner.open_store(lab, opts.db)
         self.stop = threading.Event()
@@ -339,6 +341,8 @@ class Loop:
         h = self.records.get(h.id)
         if self.llm_down_since is not None and h.title and before[0] == "proposing":
             self._llm_back()
+        if self.opts.mlflow and h.status == "done" and before[0] != "done":
+            self._export(h)
         if (h.status, h.look, h.verdict) != before:
             self.report(h)
         return h
@@ -369,6 +373,22 @@ class Loop:
         # a new thread; or one that ended while its hypothesis is active, which only a lab driven by an
         # earlier version has (its threads ended at every wait): the nodes pass what the store says is done
         return {"hypothesis_id": h.id}
+
+    def _export(self, h: Hypothesis) -> None:
+        """`run --mlflow URI`: the decided hypothesis to MLflow; a tracking server that fails is said
+        and retried at the next decision (`export mlflow` catches up), never a stop of the loop."""
+        from pipeline.errors import ServiceUnavailable
+
+        try:
+            if self._exporter is None:
+                from agent.mlflow_export import Exporter
+
+                self._exporter = Exporter(self.lab, self.store, self.opts.mlflow or "")
+            self._exporter.export(h)
+        except ServiceUnavailable as e:
+            self._exporter = None
+            self.records.event("mlflow", f"#{h.id} not exported: {e}")
+            self.say(f"#{h.id} not exported to MLflow: {e}")
 
     def _llm_failed(self, h: Hypothesis, e: LLMError) -> Hypothesis:
         """The endpoint down or refusing requests (`LLMUnavailable`, `LLMRequestRejected`), or the

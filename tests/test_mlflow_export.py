@@ -1,0 +1,155 @@
+"""`autoresearch export mlflow` to a real tracking store — a `sqlite:///` backend, and an
+`mlflow server` process on 127.0.0.1 — read back with `MlflowClient.search_runs`: counts, params,
+tags and metrics equal the store's; a second export changes nothing; an unreachable server is one
+line. A real loop decides the hypotheses first (real runs, real results)."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from summary_fixtures import cli, make_lab, run_loop, services
+
+
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def decided_lab(tmp_path_factory) -> Path:
+    root = make_lab(tmp_path_factory.mktemp("mlflow") / "lab")
+    proc = run_loop(root, 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+def export(root: Path, uri: str) -> dict:
+    out = cli(root, "export", "mlflow", "--tracking-uri", uri)
+    return json.loads(out.stdout)
+
+
+def check_matches_store(root: Path, uri: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from agent.mlflow_export import HYP_TAG, RUN_TAG, changed_keys
+
+    svc = services(root)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(f"autoresearch/{svc.lab.config.lab.name}")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = {r.data.tags[HYP_TAG]: r for r in runs if HYP_TAG in r.data.tags}
+    hyps = svc.records.all()
+    assert sorted(parents) == sorted(str(h.id) for h in hyps)
+    for h in hyps:
+        r = parents[str(h.id)]
+        tags = r.data.tags
+        assert (tags["verdict"], tags["decision"], tags["commit"], tags["origin"]) == (
+            h.verdict or "", h.decision or "", h.commit or "", h.origin or "")
+        assert r.data.params == changed_keys(svc.workspace, h.base_commit, h.commit) and r.data.params
+        (key,) = r.data.params  # the offline policy changes one [search_space] key
+        assert key in (h.change or {})
+        gate = svc.store.gate_records(str(h.id), kind="verdict")[-1].payload
+        for t in gate["tasks"]:
+            assert math.isclose(r.data.metrics[f"delta.{t['task']}"], t["delta"], rel_tol=1e-12)
+        assert math.isclose(r.data.metrics["horizontal_delta_sigma"], gate["horizontal"]["delta"], rel_tol=1e-12)
+        assert {a.path for a in client.list_artifacts(r.info.run_id)} == {"summary.md", "forest.png"}
+        assert r.info.status == "FINISHED"
+        nested = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == r.info.run_id]
+        results = svc.store.results_for(h.commit)
+        assert len(nested) == len(results) > 0
+        by_key = {x.data.tags[RUN_TAG]: x for x in nested}
+        for res in results:
+            x = by_key[f"{h.commit[:12]}:{res.task}:{res.seed}"]
+            assert math.isclose(x.data.metrics["auc"], res.value, rel_tol=1e-12)
+            assert math.isclose(x.data.metrics["cpu_s"], res.cpu_s, rel_tol=1e-12)
+
+
+def metric_points(uri: str) -> int:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    n = 0
+    for exp in client.search_experiments():
+        for r in client.search_runs([exp.experiment_id], max_results=1000):
+            n += sum(len(client.get_metric_history(r.info.run_id, k)) for k in r.data.metrics)
+    return n
+
+
+def test_export_to_a_sqlite_tracking_store_equals_the_store_and_is_idempotent(decided_lab: Path, tmp_path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = export(decided_lab, uri)
+    assert first["created"] > 2
+    check_matches_store(decided_lab, uri)
+    points = metric_points(uri)
+    again = export(decided_lab, uri)
+    assert (again["created"], again["updated"]) == (0, 0)
+    assert metric_points(uri) == points  # nothing logged twice
+    check_matches_store(decided_lab, uri)
+
+
+def test_export_to_an_mlflow_server_process(decided_lab: Path, tmp_path) -> None:
+    port = free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination",
+         str(tmp_path / "artifacts"), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"), start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "mlflow server did not come up"
+                time.sleep(0.5)
+        first = export(decided_lab, uri)
+        assert first["created"] > 2
+        check_matches_store(decided_lab, uri)
+        again = export(decided_lab, uri)
+        assert (again["created"], again["updated"]) == (0, 0)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def test_an_unreachable_tracking_server_is_one_line(decided_lab: Path) -> None:
+    out = cli(decided_lab, "export", "mlflow", "--tracking-uri", f"http://127.0.0.1:{free_port()}", check=False)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "cannot reach" in out.stderr
+
+
+def test_run_with_mlflow_exports_each_hypothesis_as_it_is_decided(lab: Path, tmp_path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from agent_fixtures import make_loop
+
+    uri = f"sqlite:///{tmp_path / 'live.db'}"
+    loop = make_loop(lab, offline=True, max_hypotheses=1, mlflow=uri)
+    try:
+        loop.run()
+    finally:
+        loop.close()
+    (h,) = loop.records.all()
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(f"autoresearch/{loop.lab.config.lab.name}")
+    parents = client.search_runs([exp.experiment_id], filter_string=f"tags.`autoresearch.hypothesis` = '{h.id}'")
+    assert len(parents) == 1 and parents[0].data.tags["decision"] == h.decision and h.status == "done"
