@@ -246,6 +246,20 @@ def run_cmd(
         raise typer.Exit(1)  # said in one line by the loop; the store holds no hypothesis for it
 
 
+@app.command("serve")
+def serve_cmd(
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (other than loopback needs a token)."),
+    port: int = typer.Option(8765, "--port", min=1, max=65535),
+    token: Optional[str] = typer.Option(os.environ.get("AUTORESEARCH_TOKEN"), "--token",
+                                        help="Access token off loopback (env AUTORESEARCH_TOKEN)."),
+    generate_token: bool = typer.Option(False, "--generate-token", help="Off loopback: make a token and print it."),
+) -> None:
+    """The review page in a browser: overview, hypotheses, summaries, approve/reject/comment."""
+    from agent.web import serve
+
+    serve(Ctx.repo, Ctx.db, host, port, token, generate_token, say=lambda m: typer.echo(m, err=True))
+
+
 @export_app.command("mlflow")
 def export_mlflow(
     tracking_uri: Optional[str] = typer.Option(
