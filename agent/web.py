@@ -76,9 +76,16 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
         history = [{"tag": t, "commit": ws.repo.commit(t).hexsha[:10],
                     "when": ws.repo.commit(t).committed_date} for t in ws.baseline_tags()]
         recent = [h for h in st["hypotheses"] if h["verdict"]][-10:][::-1]
+        flying = []  # each hypothesis in flight: its challenger runs so far, done of queued
+        for hid in st["in_flight"]:
+            h = rec.get(hid)
+            runs = store.runs(commit=h.commit) if h.commit else []
+            flying.append({"id": h.id, "title": h.title, "status": h.status, "look": h.look,
+                           "done": sum(r.status in ("done", "failed") for r in runs), "total": len(runs),
+                           "running": sum(r.status == "running" for r in runs)})
         from agent.pictures import progress_path
 
-        return page(request, "overview.html", st=st, history=history[::-1], recent=recent,
+        return page(request, "overview.html", st=st, history=history[::-1], recent=recent, flying=flying,
                     chart=progress_path(lab).is_file(), refresh=10)
 
     async def hypotheses(request: Request) -> Response:
