@@ -10,7 +10,9 @@ JavaScript build; pages refresh themselves.
   very function `autoresearch review` calls, so the loop sees the same rows (a comment joins the
   next prompts; an approval releases a supervised or plausibility hold at the loop's next pass).
 
-Security: loopback by default; any other host needs a token (`--token`, `AUTORESEARCH_TOKEN`, or
+Security: loopback by default, answering only requests addressed to a loopback name (a DNS name
+rebound to 127.0.0.1 gets 400, so another site's page cannot read a form's CSRF token); any other
+host needs a token (`--token`, `AUTORESEARCH_TOKEN`, or
 `--generate-token`, printed once), asked for once and kept in an HttpOnly cookie. Every form
 carries a CSRF token (double-submit: a random cookie, SameSite=Strict, and the same value in the
 form, compared in constant time); a POST without it is refused. No secret and no store URL is ever
@@ -194,7 +196,12 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
     routes = [Route("/", overview), Route("/hypotheses", hypotheses), Route("/hypotheses/{hid:int}", hypothesis),
               Route("/hypotheses/{hid:int}/review", review, methods=["POST"]),
               Route("/files/{name}", picture), Route("/logs/{eid:int}", stage_log)]
-    return Starlette(routes=routes, middleware=[Middleware(BaseHTTPMiddleware, dispatch=gate)],
+    middleware = [Middleware(BaseHTTPMiddleware, dispatch=gate)]
+    if token is None:  # loopback: only loopback names, or a rebound DNS name would make a page same-origin
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "::1"]))
+    return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={Exception: error_page, HTTPException: error_page})
 
 

@@ -94,6 +94,16 @@ def browser():
         driver.quit()
 
 
+def wait_text(driver, element_id: str, ok, timeout: float = 20) -> None:
+    """Until the element (on the page the last click led to) has text that `ok` accepts."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, timeout, ignored_exceptions=(StaleElementReferenceException, NoSuchElementException)).until(
+        lambda d: ok(d.find_element(By.ID, element_id).text))
+
+
 def shot(driver, name: str) -> None:
     where = os.environ.get("AUTORESEARCH_SCREENSHOTS")
     if where:
@@ -129,9 +139,9 @@ def test_review_in_a_browser_steers_the_loop(lab: Path, llm: RoutedOpenAI, brows
 
         browser.find_element(By.ID, "comment").send_keys(COMMENT)
         browser.find_element(By.ID, "do-comment").click()
-        assert COMMENT in browser.find_element(By.ID, "comments").text
+        wait_text(browser, "comments", lambda t: COMMENT in t)  # the POST, its redirect, the new page
         browser.find_element(By.ID, "do-approve").click()
-        assert browser.find_element(By.ID, "review").text == "approved"
+        wait_text(browser, "review", lambda t: t == "approved")
 
         # the loop: releases the approved hold (promotion), then proposes with the comment in its prompt
         llm.on("hypothesis", content(proposal("Raise the LoRA rank")))
@@ -165,6 +175,10 @@ def test_a_post_without_the_csrf_token_is_refused(lab: Path) -> None:
             urllib.request.urlopen(urllib.request.Request(f"{server.url}/hypotheses/{h.id}/review", data=data))
         assert e.value.code == 403 and b"CSRF" in e.value.read()
         assert not svc.records.comments(h.id)  # nothing was written
+        rebound = urllib.request.Request(f"{server.url}/hypotheses/{h.id}", headers={"Host": "evil.example:80"})
+        with pytest.raises(urllib.error.HTTPError) as e:  # DNS rebinding: another site's name for 127.0.0.1
+            urllib.request.urlopen(rebound)
+        assert e.value.code == 400
         page = urllib.request.urlopen(f"{server.url}/").read().decode()
         assert "postgresql" not in page and "sqlite" not in page and "OPENAI" not in page
     finally:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from pipeline.worktrees import Worktrees
 
 
+WARM_TIMEOUT_S = 300.0  # a node importing torch and peft takes seconds; a worker Ray cannot place, for ever
 AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
              "RAY_AUTH_MODE=disabled, or give both the same token")
 
@@ -108,7 +109,13 @@ class RayExecutor:
         self._waiting: deque[tuple[StageJob, dict[str, Any], list[Any], list[Any]]] = deque()
         self._cancelled: list[JobResult] = []
         self._idle: deque[Any] = deque(self._new_worker() for _ in range(self._slots))
-        ray.get([w.warm.remote() for w in self._idle])  # each imports torch and peft once, in parallel
+        try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
+            ray.get([w.warm.remote() for w in self._idle], timeout=WARM_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise RayUnavailable(
+                f"the cluster did not start {self._slots} warm worker(s) of {cpus} CPU / {gpus} GPU each in "
+                f"{WARM_TIMEOUT_S:.0f} s (resources: {dict(resources)}); lower --workers or [run] cpus/gpus") from None
 
     def _new_worker(self) -> Any:
         """A warm worker actor: it holds `run.cpus` CPUs and `run.gpus` GPUs of a node (Ray sets the
@@ -192,8 +199,14 @@ class RayExecutor:
         job.log_path.write_bytes(res["log"])
         if res["status"] == "ok":
             job.out.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(fileobj=io.BytesIO(res["out"])) as tar:
-                tar.extractall(job.out, filter="data")
+            try:
+                with tarfile.open(fileobj=io.BytesIO(res["out"])) as tar:
+                    tar.extractall(job.out, filter="data")
+            except (tarfile.TarError, OSError) as e:  # a link out of {out}, a device: the stage's doing
+                with open(job.log_path, "ab") as log:
+                    log.write(f"\nray executor: output not kept: {e}\n".encode())
+                return JobResult(job_id, "exit", exit_code=1, cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]),
+                                 host=res["host"], detail=f"output not kept: {str(e)[:200]}")
         return JobResult(job_id, res["status"], exit_code=res["exit_code"], signal=res["signal"],
                          cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]), host=res["host"],
                          detail=res.get("detail"))

@@ -26,7 +26,16 @@ import time
 import uuid
 from typing import Any
 
-NODE_CACHE = os.path.join(tempfile.gettempdir(), "autoresearch-ray")
+NODE_CACHE = os.path.join(tempfile.gettempdir(), f"autoresearch-ray-{os.getuid()}")
+
+
+def _own_cache() -> None:
+    """The node cache is ours alone (0700, owned by us): in a shared /tmp another user must not be
+    able to plant the warm worker's sources or a stage's inputs."""
+    os.makedirs(NODE_CACHE, mode=0o700, exist_ok=True)
+    st = os.lstat(NODE_CACHE)
+    if st.st_uid != os.getuid() or (st.st_mode & 0o077) or os.path.islink(NODE_CACHE):
+        raise RuntimeError(f"{NODE_CACHE} is not ours alone (owner {st.st_uid}, mode {oct(st.st_mode)}): refusing it")
 MAX_LOG_BYTES = 8 << 20
 
 
@@ -74,6 +83,7 @@ class WarmWorker:
     def __init__(self, sources: dict[str, str], preload: list[str]):
         import hashlib
 
+        _own_cache()
         digest = hashlib.sha256("".join(sources[k] for k in sorted(sources)).encode()).hexdigest()[:16]
         self.pkg = os.path.join(NODE_CACHE, f"worker-{digest}")
         if not os.path.isdir(self.pkg):
