@@ -174,11 +174,10 @@ def review(repo: Path, db: str | None, hid: int | None, approve: bool, reject: b
     if comment:
         rec.comment(hid, "comment", comment)
     if approve or reject:
-        if h.review not in ("pending", "none"):
-            raise ReviewError(f"hypothesis {hid} was already {h.review}")
-        action = "approve" if approve else "reject"
-        rec.comment(hid, action, comment or "")
-        h = rec.update(hid, review="approved" if approve else "rejected")
+        if not rec.decide_review(hid, "approved" if approve else "rejected"):
+            raise ReviewError(f"hypothesis {hid} was already {rec.get(hid).review}")
+        rec.comment(hid, "approve" if approve else "reject", comment or "")
+        h = rec.get(hid)
     return {"id": hid, "review": h.review, "status": h.status,
             "note": ("the running loop promotes it at its next pass" if h.status == "held" and h.review == "approved"
                      else "")}

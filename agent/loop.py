@@ -86,7 +86,6 @@ class Loop:
         self.lab, self.opts = lab, opts
         self.say = progress or (lambda msg: log.info(msg))
         self.on_looks = looks
-        self._exporter: Any = None
         self.touched: list[int] = []  # the hypotheses this run worked on, in order
         self.store = runner.open_store(lab, opts.db)
         self.stop = threading.Event()
@@ -99,6 +98,11 @@ class Loop:
                                 opts.smoke, stop=self.stop)
             self.checkpointer = open_checkpointer(self.svc)
             self.graph = build_graph(self.svc, self.checkpointer)
+            self._exporter = None
+            if opts.mlflow:  # no MLflow installed, or its server down: one line now, not at the first decision
+                from agent.mlflow_export import Exporter
+
+                self._exporter = Exporter(lab, self.store, opts.mlflow)
         except BaseException:  # an unknown --policy, an unreachable checkpointer: the lab stays free
             self._release_lease()
             raise
@@ -244,7 +248,8 @@ class Loop:
                    f"[agent] plateau_after = {after}); the LLM policy is told so in its next proposal")
             self.records.event("plateau", msg)
             self.say(msg)
-        if self.opts.pause_on_plateau and not self.stop.is_set():
+        # a human seed queued is the new direction the pause asks for: it runs (and counts, if it fails)
+        if self.opts.pause_on_plateau and not self.stop.is_set() and self.records.next_queued() is None:
             self.stop_reason = "plateau"
             self.say("stopping: --pause-on-plateau (seed a new direction, then run again)")
             self.stop.set()
@@ -315,12 +320,19 @@ class Loop:
         before = (h.status, h.look, h.verdict)
         if h.id not in self.touched:
             self.touched.append(h.id)
+        from sqlalchemy.exc import OperationalError
+
         for _ in range(len(self.lab.config.gate.looks) + 3):  # each step ends at an interrupt or the end
-            step = self._step(h)
-            if step is _NOTHING or self.stop.is_set():
-                break
             try:
+                step = self._step(h)
+                if step is _NOTHING or self.stop.is_set():
+                    break
                 self.graph.invoke(step, config)
+            except OperationalError as e:  # the store's database went away: infrastructure, not the idea's
+                self.say(f"#{h.id}: the store did not answer ({str(e.orig or e).splitlines()[0][:200]}); "
+                         "the thread waits at its checkpoint")
+                self.stop.wait(self.opts.idle_poll_s)
+                return h
             except Interrupted:
                 break  # stopping: the next start resumes it
             except LLMError as e:
@@ -339,8 +351,8 @@ class Loop:
             if h.status == "done":
                 break
         h = self.records.get(h.id)
-        if self.llm_down_since is not None and h.title and before[0] == "proposing":
-            self._llm_back()
+        if h.title and before[0] in ("proposing", "implementing") and h.status != before[0]:
+            self._llm_back()  # a proposal or an implementation came: the endpoint answers
         if self.opts.mlflow and h.status == "done" and before[0] != "done":
             self._export(h)
         if (h.status, h.look, h.verdict) != before:
@@ -385,7 +397,7 @@ class Loop:
 
                 self._exporter = Exporter(self.lab, self.store, self.opts.mlflow or "")
             self._exporter.export(h)
-        except ServiceUnavailable as e:
+        except (ServiceUnavailable, OSError) as e:  # the server down, an artifact store refusing a file
             self._exporter = None
             self.records.event("mlflow", f"#{h.id} not exported: {e}")
             self.say(f"#{h.id} not exported to MLflow: {e}")
@@ -417,7 +429,13 @@ class Loop:
         return h
 
     def _llm_back(self) -> None:
-        down = time.time() - (self.llm_down_since or time.time())
+        """The endpoint answered: said once, whoever saw it go down (this process or one before it)."""
+        from agent.commands import llm_unreachable_since
+
+        since = self.llm_down_since or llm_unreachable_since(self.records)
+        if since is None:
+            return
+        down = time.time() - since
         self.llm_down_since, self.llm_backoff_s, self.llm_retry_at = None, 0.0, 0.0
         msg = f"LLM reachable again after {down:.0f} s"
         self.records.event("llm_up", msg)

@@ -118,6 +118,18 @@ class Records:
             s.refresh(h)
             return h
 
+    def decide_review(self, hid: int, review: str) -> bool:
+        """Set the review to `review` only if none was given yet (an approve from the page and a
+        reject from the CLI at the same moment: exactly one wins). False if another answer was first."""
+        from sqlalchemy import update
+
+        with self.store.session() as s:
+            res = s.exec(update(Hypothesis).where(  # type: ignore[call-overload]
+                Hypothesis.id == hid, Hypothesis.review.in_(("pending", "none"))).values(  # type: ignore[attr-defined]
+                review=review, updated_at=now()))
+            s.commit()
+            return res.rowcount == 1
+
     def delete(self, hid: int) -> None:
         """Withdraw a hypothesis that never was one (a proposal the LLM could not give)."""
         with self.store.session() as s:

@@ -41,6 +41,13 @@ def test_a_plateau_is_an_event_in_status_and_digest_and_pauses_the_loop(lab: Pat
     assert "plateau" in cli(lab, "status").stdout
     digest = cli(lab, "digest")
     assert "**plateau**: 2 measured hypotheses in a row" in digest.stdout, digest.stdout
+    # a human seed is the new direction the pause asks for: with one queued, the loop does not stop
+    assert cli(lab, "seed", "Try a different architecture", "--title", "New direction").returncode == 0
+    again = Loop(svc.lab, LoopOptions(offline=True, smoke=False, pause_on_plateau=True), progress=said.append)
+    try:
+        assert again.plateau() is True and not again.stop.is_set()
+    finally:
+        again.close()
 
 
 def test_the_llm_is_told_of_the_plateau_in_its_proposal_prompt(lab: Path, llm: RoutedOpenAI) -> None:
