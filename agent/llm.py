@@ -229,6 +229,7 @@ class LLMClient:
         self._sleep = sleep
         self._clock = clock
         self._mode_index = 0
+        self._tokens_key = "max_tokens"  # the widest-supported name; "max_completion_tokens" once refused
 
     @classmethod
     def from_env(cls, configured_model: str, ledger: Ledger, **kwargs: Any) -> LLMClient:
@@ -285,8 +286,8 @@ class LLMClient:
     def _body(self, mode: Mode, purpose: str, messages: list[Mapping[str, Any]],
               schema: Mapping[str, Any] | None = None, name: str = "") -> dict[str, Any]:
         # every request bounds its answer: a small local model left unbounded rambles until the timeout
-        body: dict[str, Any] = {"model": self.model, "messages": messages,
-                                "max_tokens": self.max_output_tokens.get(purpose, DEFAULT_MAX_OUTPUT_TOKENS["default"])}
+        body: dict[str, Any] = {"model": self.model, "messages": messages, self._tokens_key:
+                                self.max_output_tokens.get(purpose, DEFAULT_MAX_OUTPUT_TOKENS["default"])}
         if self.temperature is not None:
             body["temperature"] = self.temperature
         if schema is not None and mode == "json_schema":
@@ -371,6 +372,12 @@ class LLMClient:
                 last_error = f"HTTP {status}: {message}"
                 call.status_code, call.response_text = status, text
                 self._record(call, started, error=last_error)
+                if status in (400, 422) and "max_tokens" in body and "max_completion_tokens" in f"{message} {text}":
+                    # OpenAI's reasoning models take the bound under its newer name: use it from now on
+                    self._tokens_key = "max_completion_tokens"
+                    body["max_completion_tokens"] = body.pop("max_tokens")
+                    request_json = json.dumps(body, ensure_ascii=False)
+                    continue
                 rejected = _mode_rejection(mode, status, f"{message} {text}")
                 if rejected is not None:
                     raise _ModeRejected(last_error, explicit=rejected) from None

@@ -412,3 +412,17 @@ def test_every_phrase_is_used_and_every_placeholder_filled() -> None:
     assert set(keys) <= used, sorted(set(keys) - used)
     with pytest.raises(MissingPlaceholder, match="look"):
         prompts.phrase("look", index=1, count=3)
+
+
+def test_an_endpoint_that_wants_max_completion_tokens_gets_it(fake_openai: FakeOpenAI, ledger: Ledger) -> None:
+    """OpenAI's reasoning models refuse `max_tokens` (400, naming `max_completion_tokens`): the client
+    sends the bound under that name from then on, without falling back to another output mode."""
+    refuse = error(400, "Unsupported parameter: 'max_tokens' is not supported with this model. "
+                        "Use 'max_completion_tokens' instead.", param="max_tokens", code="unsupported_parameter")
+    fake_openai.script(refuse, content(GOOD), content(GOOD))
+    client = make_client(fake_openai, ledger)
+    assert ask(client) == GOOD and ask(client) == GOOD
+    first, second, third = fake_openai.requests
+    assert first["max_tokens"] == 2000 and "max_completion_tokens" not in first
+    assert second["max_completion_tokens"] == 2000 and "max_tokens" not in second
+    assert third["max_completion_tokens"] == 2000 and "response_format" in third  # still json_schema mode
