@@ -66,8 +66,13 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
         resp.set_cookie(CSRF_COOKIE, csrf, httponly=True, samesite="strict")
         return resp
 
+    opened: list[tuple[Any, Any, Any]] = []
+
     def lab_store() -> tuple[Any, Any, Any]:
-        return commands.open_lab_store(repo, db)
+        """One lab, store and records for the app's life (pages refresh every few seconds)."""
+        if not opened:
+            opened.append(commands.open_lab_store(repo, db))
+        return opened[0]
 
     async def overview(request: Request) -> Response:
         st = commands.status(repo, db)

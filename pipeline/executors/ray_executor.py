@@ -21,7 +21,7 @@ import inspect
 import io
 import os
 import tarfile
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from pipeline.worktrees import Worktrees
 
 
+MAX_PINNED_INPUTS = 256  # input folders kept in the object store for reuse by later stages
 WARM_TIMEOUT_S = 300.0  # a node importing torch and peft takes seconds; a worker Ray cannot place, for ever
 AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
              "RAY_AUTH_MODE=disabled, or give both the same token")
@@ -104,7 +105,9 @@ class RayExecutor:
                          "zygote": inspect.getsource(zygote)}
         self._preload = list(preload)
         self._actor_cls = ray.remote(ray_task.WarmWorker)
-        self._inputs: dict[str, tuple[str, Any]] = {}
+        # input folder → (id, object ref), least recently used first: a loop that runs for weeks must
+        # not pin every checkpoint it ever shipped in the object store
+        self._inputs: OrderedDict[str, tuple[str, Any]] = OrderedDict()
         self._refs: dict[str, tuple[Any, StageJob, Any]] = {}  # job id → (ref, job, its worker)
         self._waiting: deque[tuple[StageJob, dict[str, Any], list[Any], list[Any]]] = deque()
         self._cancelled: list[JobResult] = []
@@ -135,12 +138,16 @@ class RayExecutor:
         by key) never change once written; the id still hashes names, sizes and mtimes, so a node's
         unpacked copy can never stand for different content at a reused path."""
         key = str(folder.resolve())
-        if key not in self._inputs:
+        if key in self._inputs:
+            self._inputs.move_to_end(key)
+        else:
             h = hashlib.sha256(key.encode())
             for p in sorted(folder.rglob("*")):
                 st = p.lstat()  # a symlink (even a dangling one) counts as itself
                 h.update(f"{p.relative_to(folder)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
             self._inputs[key] = (h.hexdigest()[:24], self.ray.put(ray_task.pack(key)))
+            while len(self._inputs) > MAX_PINNED_INPUTS:  # a job in flight holds its own refs
+                self._inputs.popitem(last=False)
         return self._inputs[key]
 
     def submit(self, job: StageJob) -> None:
