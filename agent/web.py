@@ -74,7 +74,7 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
             opened.append(commands.open_lab_store(repo, db))
         return opened[0]
 
-    async def overview(request: Request) -> Response:
+    def overview(request: Request) -> Response:
         st = commands.status(repo, db)
         lab, store, rec = lab_store()
         from agent.workspace import Workspace
@@ -95,7 +95,7 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
         return page(request, "overview.html", st=st, history=history[::-1], recent=recent, flying=flying,
                     chart=progress_path(lab).is_file(), refresh=10)
 
-    async def hypotheses(request: Request) -> Response:
+    def hypotheses(request: Request) -> Response:
         _lab, _store, rec = lab_store()
         q = request.query_params
         rows = rec.all()
@@ -107,7 +107,7 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
             rows = [h for h in rows if h.review == "pending"]
         return page(request, "hypotheses.html", rows=rows[::-1], q=dict(q))
 
-    async def hypothesis(request: Request) -> Response:
+    def hypothesis(request: Request) -> Response:
         from agent.pictures import forest_path
         from agent.summary import summary_path
         from agent.workspace import Workspace
@@ -148,10 +148,13 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
             raise HTTPException(400, f"unknown action {action!r}")
         if action == "comment" and not text:
             raise HTTPException(400, "an empty comment")
-        commands.review(repo, db, hid, approve=action == "approve", reject=action == "reject", comment=text)
+        from starlette.concurrency import run_in_threadpool
+
+        await run_in_threadpool(commands.review, repo, db, hid, approve=action == "approve", reject=action == "reject",
+                                comment=text)  # the database and git off the event loop, like the pages
         return RedirectResponse(f"/hypotheses/{hid}", status_code=303)
 
-    async def picture(request: Request) -> Response:
+    def picture(request: Request) -> Response:
         from agent.pictures import summaries_dir
 
         name = request.path_params["name"]
@@ -161,7 +164,7 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
             raise HTTPException(404, "no such picture")
         return FileResponse(path, media_type="image/png", headers={"Cache-Control": "no-store"})
 
-    async def stage_log(request: Request) -> Response:
+    def stage_log(request: Request) -> Response:
         from pipeline.store import StageExec
 
         lab, store, _rec = lab_store()
