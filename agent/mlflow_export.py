@@ -76,7 +76,13 @@ class Exporter:
         self.client = MlflowClient(tracking_uri=tracking_uri)
         name = experiment or f"autoresearch/{lab.config.lab.name}"
         exp = self._call(self.client.get_experiment_by_name, name, what=f"the tracking server at {tracking_uri}")
-        self.experiment_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
+        if exp is not None:
+            self.experiment_id = exp.experiment_id
+        else:  # a SQLite store keeps its artifacts beside it, not in ./mlruns of whatever folder we run in
+            where = None
+            if tracking_uri.startswith("sqlite:///"):
+                where = (Path(tracking_uri[len("sqlite:///"):]).resolve().parent / "mlflow-artifacts").as_uri()
+            self.experiment_id = self.client.create_experiment(name, artifact_location=where)
         self.created = self.updated = 0
 
     @staticmethod

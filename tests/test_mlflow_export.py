@@ -96,6 +96,8 @@ def test_export_to_a_sqlite_tracking_store_equals_the_store_and_is_idempotent(de
     again = export(decided_lab, uri)
     assert (again["created"], again["updated"]) == (0, 0)
     assert metric_points(uri) == points  # nothing logged twice
+    assert (tmp_path / "mlflow-artifacts").is_dir()  # the artifacts beside the store, not in ./mlruns
+    assert not (Path.cwd() / "mlruns").exists() and not (decided_lab / "mlruns").exists()
     check_matches_store(decided_lab, uri)
 
 
