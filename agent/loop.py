@@ -314,14 +314,14 @@ class Loop:
         look's runs are all in, or a human reviewed the hold — until it waits for something that has
         not come. An unexpected error is recorded, and after MAX_GRAPH_FAILURES of them the
         hypothesis is given up: one broken idea must not stop the loop."""
+        from sqlalchemy.exc import OperationalError
+
         from pipeline.smoke import Interrupted
 
         config = self._thread(h)
         before = (h.status, h.look, h.verdict)
         if h.id not in self.touched:
             self.touched.append(h.id)
-        from sqlalchemy.exc import OperationalError
-
         for _ in range(len(self.lab.config.gate.looks) + 3):  # each step ends at an interrupt or the end
             try:
                 step = self._step(h)
