@@ -298,11 +298,12 @@ class Loop:
     def _thread(self, h: Hypothesis) -> dict[str, Any]:
         return {"configurable": {"thread_id": str(h.id)}}
 
-    def waits_for(self, h: Hypothesis) -> dict[str, Any] | None:
-        """What the hypothesis's thread is paused on (its interrupt's payload), or None."""
+    def waits_for(self, h: Hypothesis, snap: Any = None) -> dict[str, Any] | None:
+        """What the hypothesis's thread is paused on (its interrupt's payload), or None; `snap`: its
+        state, if read already."""
         from agent.graph import HOLD
 
-        snap = self.graph.get_state(self._thread(h))
+        snap = snap if snap is not None else self.graph.get_state(self._thread(h))
         if not snap.interrupts:
             return None
         value = snap.interrupts[0].value
@@ -372,7 +373,7 @@ class Loop:
             self.llm_waiting.discard(h.id)
         snap = self.graph.get_state(self._thread(h))
         if snap.interrupts:
-            waits = self.waits_for(h) or {}
+            waits = self.waits_for(h, snap) or {}
             if waits.get("kind") == LOOK:
                 done = self.svc.experiment.finished(list(waits.get("runs", [])))
                 return Command(resume="finished") if done else _NOTHING
@@ -575,18 +576,9 @@ class Loop:
                 clock.cancel()
             driver.close()
             self.say("loop stopped" + (f" ({self.stop_reason})" if self.stop_reason else ""))
-        return {"started": self.started, "hypotheses": [h.id for h in self.records.all()],
-                "stopped": self.stop_reason or None,
-                "this_run": [self._row(self.records.get(hid)) for hid in self.touched if self._exists(hid)]}
-
-    def _exists(self, hid: int) -> bool:
-        from pipeline.errors import UserError
-
-        try:
-            self.records.get(hid)
-            return True
-        except UserError:  # withdrawn: a proposal the LLM could not give
-            return False
+        hyps = {h.id: h for h in self.records.all()}  # a withdrawn proposal is not among them
+        return {"started": self.started, "hypotheses": list(hyps), "stopped": self.stop_reason or None,
+                "this_run": [self._row(hyps[hid]) for hid in self.touched if hid in hyps]}
 
     @staticmethod
     def _row(h: Hypothesis) -> dict[str, Any]:

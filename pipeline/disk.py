@@ -86,12 +86,10 @@ class DiskKeeper:
     def bound(self, held: Iterable[str]) -> int:
         """Evict least recently used entries until the cache is under its low-water mark; returns
         how many. `held`: keys this driver is using right now (inputs of active runs, flights)."""
-        if self.cache_max is None:
+        if self.cache_max is None or self.store.cache_bytes() <= self.cache_max:
             return 0
         uses = self.store.cache_uses()
         total = sum(u.size_bytes for u in uses)
-        if total <= self.cache_max:
-            return 0
         keep = self.protected(held)
         target = int(self.cache_max * LOW_WATER)
         n = 0
@@ -150,8 +148,7 @@ class DiskKeeper:
 def usage(lab: Lab, store: Store) -> dict[str, float | None]:
     """MB on disk per folder of the lab's state, and the caps."""
     state = lab.state
-    cache_bytes = sum(u.size_bytes for u in store.cache_uses())
-    out: dict[str, float | None] = {"cache_mb": round(cache_bytes / MB, 3)}
+    out: dict[str, float | None] = {"cache_mb": round(store.cache_bytes() / MB, 3)}
     for name in ("worktrees", "views", "logs"):
         p = state / name
         out[f"{name}_mb"] = round(tree_bytes(p) / MB, 3) if p.is_dir() else 0.0

@@ -586,6 +586,13 @@ class Store:
             return list(s.exec(select(CacheUse).where(CacheUse.evicted_at.is_(None))  # type: ignore[union-attr]
                                .order_by(CacheUse.used_at)))
 
+    def cache_bytes(self) -> int:
+        """The size of the entries on disk (one aggregate: checked after every publication)."""
+        with self.session() as s:
+            q = select(func.coalesce(func.sum(CacheUse.size_bytes), 0)).where(
+                CacheUse.evicted_at.is_(None))  # type: ignore[union-attr]
+            return int(s.exec(q).one())
+
     def cache_evicted(self, key: str) -> None:
         with self.session() as s:
             row = s.get(CacheUse, key)
