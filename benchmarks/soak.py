@@ -29,7 +29,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from agent_fixtures import DUMMY_KEY, SUMMARY, asked_name, cli_env, copy_lab, make_template  # noqa: E402
+from agent_fixtures import DUMMY_KEY, SUMMARY, asked_name, cli_env, copy_lab, free_port, make_template  # noqa: E402
 from fake_openai import FakeOpenAI, Step, content, garbage, server_error, stall  # noqa: E402
 
 PG_ADMIN = os.environ.get("AUTORESEARCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
@@ -137,10 +136,6 @@ class FlakyModel(FakeOpenAI):
                 "notes": f"finetune.{key} = {value}"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fresh_database() -> tuple[str, Any]:

@@ -35,6 +35,15 @@ def git(root: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout.strip()
 
 
+def free_port() -> int:
+    """A port on loopback nobody listens on now (connections to it are refused until one binds it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # ----------------------------------------------------------------------------- labs
 
 def make_template(root: Path) -> Path:

@@ -4,17 +4,12 @@ endpoint's case is in test_llm_outage.py. Real processes, real sockets."""
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
-from agent_fixtures import cli
+from agent_fixtures import cli, free_port
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_line_exit_1(proc, *expected: str) -> str:
@@ -28,7 +23,7 @@ def one_line_exit_1(proc, *expected: str) -> str:
 
 
 def test_an_unreachable_postgresql_store_is_one_line(lab: Path) -> None:
-    url = f"postgresql+psycopg://postgres:hunter2@127.0.0.1:{closed_port()}/test"
+    url = f"postgresql+psycopg://postgres:hunter2@127.0.0.1:{free_port()}/test"
     for args in (("status",), ("run", "--offline", "--max-hypotheses", "1")):
         line = one_line_exit_1(cli(lab, "--db", url, *args), "cannot reach the store", "127.0.0.1")
         assert "hunter2" not in line  # a password in the URL is never printed
@@ -37,7 +32,7 @@ def test_an_unreachable_postgresql_store_is_one_line(lab: Path) -> None:
 def test_a_wrong_ray_address_is_one_line_at_once(lab: Path) -> None:
     t0 = time.monotonic()
     proc = cli(lab, "run", "--offline", "--max-hypotheses", "1", "--executor", "ray",
-               "--ray-address", f"127.0.0.1:{closed_port()}")
+               "--ray-address", f"127.0.0.1:{free_port()}")
     one_line_exit_1(proc, "cannot connect to Ray at 127.0.0.1:")
     assert time.monotonic() - t0 < 60  # not Ray's minutes of retries
     proc = cli(lab, "run", "--offline", "--max-hypotheses", "1", "--executor", "ray", "--ray-address", "nonsense")

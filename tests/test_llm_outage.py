@@ -11,12 +11,12 @@ port where nothing listens).
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from pathlib import Path
 
 from agent_fixtures import (
+    free_port,
     DUMMY_KEY,
     LR_EDIT,
     RoutedOpenAI,
@@ -33,11 +33,6 @@ from fake_openai import content, server_error
 FAST_RETRIES = ("model = \"gpt-4.1-mini\"", "model = \"gpt-4.1-mini\"\nrequest_attempts = 2\nrequest_timeout_s = 5")
 
 
-def closed_port() -> int:
-    """A port on loopback where nothing listens (connections are refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond, timeout: float = 240.0, what: str = "") -> None:
@@ -49,7 +44,7 @@ def wait_for(cond, timeout: float = 240.0, what: str = "") -> None:
 
 def test_endpoint_refusing_connections_creates_nothing_and_run_says_so_in_one_line(lab: Path) -> None:
     set_research(lab, *FAST_RETRIES)
-    env = cli_env(OPENAI_BASE_URL=f"http://127.0.0.1:{closed_port()}/v1", OPENAI_API_KEY=DUMMY_KEY)
+    env = cli_env(OPENAI_BASE_URL=f"http://127.0.0.1:{free_port()}/v1", OPENAI_API_KEY=DUMMY_KEY)
     proc = cli(lab, "run", "--max-hypotheses", "2", env=env, timeout=300)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from agent_fixtures import free_port
 from summary_fixtures import cli, make_lab, run_loop, services
 
 
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

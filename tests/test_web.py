@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import REPO, RoutedOpenAI, cli, cli_env, edit, edits, llm_env, proposal, user_texts
+from agent_fixtures import REPO, RoutedOpenAI, cli, cli_env, edit, edits, free_port, llm_env, proposal, user_texts
 from fake_openai import content
 from summary_fixtures import BETTER, SAME, decided, implemented, measured, services
 
@@ -38,10 +37,6 @@ if not (CHROMIUM and CHROMEDRIVER):
 COMMENT = "Try a larger LoRA rank next, the adapters look starved"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
