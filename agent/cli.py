@@ -107,13 +107,14 @@ def gate_sim_cmd(
     tasks: int = typer.Option(8, "--tasks", help="Tasks per hypothesis."),
     rho: float = typer.Option(0.0, "--rho", help="Cross-task correlation of a seed's runs (shared pretraining)."),
     trials: int = typer.Option(20_000, "--trials", help="Simulated hypotheses."),
-    baseline_runs: int = typer.Option(5, "--baseline-runs", help="Baseline runs per task."),
+    baseline_runs: int = typer.Option(10, "--baseline-runs", help="Baseline runs per task."),
     looks: str = typer.Option("2,5,10", "--looks", help="Planned challenger run counts, comma-separated."),
     alpha: float = typer.Option(0.025, "--alpha", help="One-sided level."),
     futility_p: float = typer.Option(0.30, "--futility-p", help="Escalate only while the one-sided p is below this."),
     harm_q: float = typer.Option(0.10, "--harm-q", help="Benjamini-Hochberg q for per-task wins and harms."),
     history: int = typer.Option(0, "--history", help="Extra baseline-commit runs per task (variance prior)."),
     affected: Optional[int] = typer.Option(None, "--affected", help="Tasks carrying the effect (default: all)."),
+    trim: float = typer.Option(0.125, "--trim", help="Horizontal statistic: share of tasks trimmed at each end."),
     seed: int = typer.Option(0, "--seed", help="RNG seed."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
@@ -132,7 +133,7 @@ def gate_sim_cmd(
     result = simulate(
         protocol=protocol, effect=effect, tasks=tasks, rho=rho, trials=trials, baseline_runs=baseline_runs,
         looks=planned, alpha=alpha, futility_p=futility_p, harm_q=harm_q, history=history, affected=affected,
-        seed=seed,
+        horizontal_trim=trim, seed=seed,
     )
     if as_json:
         emit_json(result.to_json())

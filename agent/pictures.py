@@ -138,7 +138,7 @@ def forest_xlabel(metric: str, higher_is_better: bool, level: float, kind: str =
             f"{'higher' if higher_is_better else 'lower'} is better ({better})")
 
 
-HORIZONTAL_XLABEL = "horizontal Δ in σ units, oriented: + is better (per seed, IQM over tasks of metric ÷ task σ)"
+HORIZONTAL_XLABEL = "horizontal Δ in σ units, oriented: + is better (per seed, trimmed mean over tasks of metric ÷ task σ)"
 
 
 def progress_ylabel(metric: str, higher_is_better: bool) -> str:

@@ -2,11 +2,11 @@
 
     .venv/bin/python benchmarks/gate_sim.py [--trials 200000] [--json]
 
-Checks, for the default design (8 tasks, 5 baseline runs, looks 2/5/10, α = 0.025 one-sided,
+Checks, for the default design (8 tasks, 10 baseline runs, trim 0.125, looks 2/5/10, α = 0.025 one-sided,
 futility_p = 0.30, no extra baseline history):
 - sequential: one-sided false-improvement rate ≤ 0.027 over all looks — per task, for the
   horizontal test and for the `improvement` verdict — at cross-task correlation 0 and 0.6;
-- power at δ = 2σ with 5 baseline and up to 10 challenger runs ≥ 0.88 (a single task through the
+- power at δ = 2σ with 10 baseline and up to 10 challenger runs ≥ 0.88 (a single task through the
   whole gate, and each task's own sequential test over the looks when 8 tasks all improve);
 - mean challenger runs per null hypothesis ≤ 4;
 - one task improving hugely (10σ) and the rest not at all is not called an `improvement`;

@@ -105,3 +105,18 @@ def test_variance_ratio_p_is_the_f_test():
     y = rng.normal(0, 3, size=6)
     p = variance_ratio_p(np.array(1.5), np.array(9), summarize(y))
     assert p == pytest.approx(stats.f.sf(np.var(y, ddof=1) / 1.5, 5, 9))
+
+
+def test_trimmed_mean_matches_scipy_and_bounds_one_task():
+    from pipeline.gate.stats import trimmed_mean
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(50, 8))
+    assert trimmed_mean(x, trim=0.125) == pytest.approx(stats.trim_mean(x, 0.125, axis=1))
+    assert trimmed_mean(x, trim=0.0) == pytest.approx(x.mean(axis=1))
+    big = x.copy()
+    big[:, 0] = 100.0
+    # one task moved to +100 moves the statistic no further than the other tasks' largest value
+    assert np.all(trimmed_mean(big, trim=0.125) <= x[:, 1:].max(axis=1) + 1e-12)
+    with pytest.raises(ValueError):
+        trimmed_mean(x, trim=0.5)

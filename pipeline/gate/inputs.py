@@ -38,11 +38,15 @@ class GateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     protocol: str = "sequential"
-    baseline_runs: int = Field(default=5, ge=2)
+    # the baseline is measured once and serves every challenger of it: 10 runs cost ~0.5 run per
+    # hypothesis over a baseline's ~20 challengers and lift power at 0.5σ from 0.46 to 0.66 (gate-sim)
+    baseline_runs: int = Field(default=10, ge=2)
     looks: tuple[int, ...] = (2, 5, 10)
     alpha: float = Field(default=0.025, gt=0, lt=0.5)  # one-sided, improvement side
     futility_p: float = Field(default=0.30, gt=0, lt=1)
     harm_q: float = Field(default=0.10, gt=0, lt=1)
+    # the horizontal statistic's trim at each end of the tasks (0.25: the interquartile mean)
+    horizontal_trim: float = Field(default=0.125, ge=0, lt=0.5)
     implausible_fraction: float = Field(default=0.5, gt=0, le=1)
     implausible_sigma: float | None = Field(default=None, gt=0)
     higher_is_better: bool = True

@@ -130,7 +130,7 @@ def most_improved(delta: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.
     It stands out when it lies beyond the upper Tukey fence (Q3 + 1.5·IQR) of all tasks' Δ/σ_task
     (with 2 or 3 tasks there are no quartiles to speak of, so the top task always stands out).
     Only then must the horizontal test also cross without it: one task moving far more than the
-    rest is exactly the case where a per-seed IQM is pulled up (asymmetric trimming of the other
+    rest is exactly the case where a per-seed trimmed mean is pulled up (asymmetric trimming of the other
     tasks), while leaving out the top task when nothing stands out would throw away power, since
     removing the largest of several similar effects biases the rest downward.
     """
@@ -250,11 +250,11 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
 
     # horizontal
     scale, scale_df = task_scale(base_arm, hist_arm)
-    hb, hc = horizontal_values(base, chal, base_arm.mean, scale)
+    hb, hc = horizontal_values(base, chal, base_arm.mean, scale, cfg.horizontal_trim)
     top_arr, stands_out = most_improved(test.delta, scale)
     top = int(top_arr)
     breadth_vals = (
-        horizontal_values(without_task(base, top), without_task(chal, top), base_arm.mean, scale)
+        horizontal_values(without_task(base, top), without_task(chal, top), base_arm.mean, scale, cfg.horizontal_trim)
         if len(names) > 1
         else None
     )

@@ -67,7 +67,7 @@ class TaskResult(_Record):
 
 
 class HorizontalResult(_Record):
-    """The horizontal test: per-seed IQM over tasks of (metric - baseline level) / σ_task, in σ units,
+    """The horizontal test: per-seed trimmed mean over tasks of (metric - baseline level) / σ_task, in σ units,
     oriented so that + is better (a lower-is-better metric is negated first)."""
 
     baseline_seeds: int

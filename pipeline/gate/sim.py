@@ -18,6 +18,7 @@ Rates reported (each over trials; a task rate over trial × task pairs):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -31,6 +32,7 @@ from pipeline.gate.protocols import (
     task_scale,
 )
 from pipeline.gate.stats import (
+    HORIZONTAL_TRIM,
     PRIOR_DF_CAP,
     history_prior,
     horizontal_values,
@@ -58,6 +60,7 @@ class SimResult(BaseModel):
     futility_p: float
     harm_q: float
     history: int
+    horizontal_trim: float
     seed: int
     improvement_rate: float
     horizontal_rate: float
@@ -82,7 +85,8 @@ class SimResult(BaseModel):
 
 
 def _check(protocol: str, effect: float, tasks: int, rho: float, trials: int, baseline_runs: int,
-           looks: tuple[int, ...], alpha: float, futility_p: float, history: int, affected: int) -> None:
+           looks: tuple[int, ...], alpha: float, futility_p: float, history: int, affected: int,
+           horizontal_trim: float) -> None:
     problems = [
         (protocol not in PROTOCOLS, f"--protocol: expected one of {', '.join(sorted(PROTOCOLS))}"),
         (not math.isfinite(effect), "--effect: expected a finite number (σ units)"),
@@ -96,6 +100,7 @@ def _check(protocol: str, effect: float, tasks: int, rho: float, trials: int, ba
         (not (0 < futility_p <= 1), "--futility-p: expected a number in (0, 1]"),
         (history < 0, "--history: expected 0 or more extra baseline runs"),
         (not (0 <= affected <= tasks), "--affected: expected between 0 and --tasks"),
+        (not (0 <= horizontal_trim < 0.5), "--trim: expected a share in [0, 0.5)"),
     ]
     for bad, message in problems:
         if bad:
@@ -108,26 +113,23 @@ def simulate(
     tasks: int = 8,
     rho: float = 0.0,
     trials: int = 20_000,
-    baseline_runs: int = 5,
+    baseline_runs: int = 10,
     looks: tuple[int, ...] = (2, 5, 10),
     alpha: float = 0.025,
     futility_p: float = 0.30,
     harm_q: float = 0.10,
     history: int = 0,
     affected: int | None = None,
+    horizontal_trim: float = HORIZONTAL_TRIM,
     seed: int = 0,
     chunk: int = 20_000,
 ) -> SimResult:
     """Simulate `trials` hypotheses through the protocol; see the module docstring for the rates."""
     looks = tuple(int(x) for x in looks)
     affected = tasks if affected is None else affected
-    _check(protocol, effect, tasks, rho, trials, baseline_runs, looks, alpha, futility_p, history, affected)
+    _check(protocol, effect, tasks, rho, trials, baseline_runs, looks, alpha, futility_p, history, affected,
+           horizontal_trim)
     n, J, last = baseline_runs, tasks, looks[-1]
-    prior_df = history - 1 if history >= 2 else 0
-    weight = float(min(prior_df, PRIOR_DF_CAP))
-    proto = get_protocol(protocol)
-    tb = proto.boundaries(n, looks, last, alpha, prior_df, weight if proto.moderated else 0.0)
-    hbnd = proto.boundaries(n, looks, last, alpha)
     shift = np.where(np.arange(J) < affected, effect, 0.0)
     rng = np.random.default_rng(seed)
 
@@ -145,46 +147,17 @@ def simulate(
         b = min(chunk, trials - done)
         base, chal = draw(b, n), draw(b, last) + shift[None, :, None]
         hist = draw(b, history) if history else None
-        base_arm = summarize(base)
-        hist_arm = summarize(hist) if hist is not None else None
-        prior = history_prior(hist, base_arm.mean.shape) if proto.moderated else None
-        scale, _ = task_scale(base_arm, hist_arm)
-        hb, hc = horizontal_values(base, chal, base_arm.mean, scale)
-
-        active = np.ones(b, dtype=bool)
-        code = np.full(b, -1, dtype=np.int8)
-        stop = np.full(b, last)
-        cross, cross_all = np.zeros((b, J), bool), np.zeros((b, J), bool)
-        hx, hx_all = np.zeros(b, bool), np.zeros(b, bool)
-        for k, mk in enumerate(looks):
-            test = pooled_t(base_arm, summarize(chal[..., :mk]), prior)
-            tl = task_look(test, np.float64(tb.nominal[k]), protocol, alpha, harm_q)
-            breadth, required = None, True
-            if J > 1:
-                top, required = most_improved(test.delta, scale)
-                breadth = horizontal_values(without_task(base, top), without_task(chal[..., :mk], top), base_arm.mean, scale)
-            hl = horizontal_look(hb, hc[:, :mk], hbnd.upper[k], breadth, required)
-            hit = test.t >= tb.upper[k]
-            cross_all |= hit
-            cross |= hit & active[:, None]
-            hx_all |= hl.up
-            hx |= hl.up & active
-            now = decide(
-                wins=tl.wins, harms=tl.harms, horizontal_up=hl.up, horizontal_breadth=hl.breadth_up,
-                horizontal_down=hl.down, horizontal_p=hl.p_up, failures=np.zeros(b, int),
-                last=k == len(looks) - 1, futility_p=futility_p,
-            )
-            stopping = active & (now != CODE[Verdict.escalate])
-            code[stopping] = now[stopping]
-            stop[stopping] = mk
-            active &= ~stopping
+        path = look_path(protocol, base, chal, looks, alpha=alpha, futility_p=futility_p, harm_q=harm_q,
+                         horizontal_trim=horizontal_trim, history=hist)
+        code, k_stop = path.first_stop()
+        reached = np.arange(len(looks))[None, :] <= k_stop[:, None]  # (b, K): looks this trial took
         verdicts += np.bincount(code, minlength=len(ORDER))
         sums["improvement"] += int((code == CODE[Verdict.improvement]).sum())
-        sums["h"] += int(hx.sum())
-        sums["h_all"] += int(hx_all.sum())
-        sums["runs"] += int(stop.sum())
-        task_hits += cross.sum(axis=0)
-        task_hits_all += cross_all.sum(axis=0)
+        sums["h"] += int((path.horizontal_up & reached).any(axis=1).sum())
+        sums["h_all"] += int(path.horizontal_up.any(axis=1).sum())
+        sums["runs"] += int(np.asarray(looks)[k_stop].sum())
+        task_hits += (path.task_up & reached[..., None]).any(axis=1).sum(axis=0)
+        task_hits_all += path.task_up.any(axis=1).sum(axis=0)
         done += b
 
     def task_rate(hits: np.ndarray, cols: slice) -> float | None:
@@ -195,7 +168,7 @@ def simulate(
     return SimResult(
         protocol=protocol, effect=effect, tasks=J, affected=affected, rho=rho, trials=trials,
         baseline_runs=n, looks=list(looks), alpha=alpha, futility_p=futility_p, harm_q=harm_q,
-        history=history, seed=seed,
+        history=history, horizontal_trim=horizontal_trim, seed=seed,
         improvement_rate=sums["improvement"] / trials,
         horizontal_rate=sums["h"] / trials,
         horizontal_rate_all_looks=sums["h_all"] / trials,
@@ -206,3 +179,87 @@ def simulate(
         mean_challenger_runs=sums["runs"] / trials,
         verdict_rates={v.value: float(verdicts[i] / trials) for i, v in enumerate(ORDER)},
     )
+
+
+@dataclass(frozen=True)
+class LookPath:
+    """A batch of hypotheses judged at every planned look, as if each look were taken.
+
+    Arrays are (b, K) or (b, K, tasks), oriented so that + is better: the verdict code at each
+    look, whether the horizontal test and each task's test crossed their improvement boundaries,
+    and the horizontal Δ (σ units) and per-task Δ (metric units) at each look.
+    """
+
+    looks: tuple[int, ...]
+    codes: np.ndarray
+    horizontal_up: np.ndarray
+    task_up: np.ndarray
+    horizontal_delta: np.ndarray
+    task_delta: np.ndarray
+
+    def first_stop(self) -> tuple[np.ndarray, np.ndarray]:
+        """The verdict where each hypothesis stops (its first verdict other than `escalate`, or the
+        last look's) and the index of that look: what the loop's escalate-or-decide rule does."""
+        going = self.codes == CODE[Verdict.escalate]
+        going[:, -1] = False
+        k_stop = np.argmin(going, axis=1)  # the first look that does not escalate
+        return self.codes[np.arange(len(k_stop)), k_stop], k_stop
+
+
+def look_path(
+    protocol: str,
+    base: np.ndarray,
+    chal: np.ndarray,
+    looks: tuple[int, ...],
+    *,
+    alpha: float = 0.025,
+    futility_p: float = 0.30,
+    harm_q: float = 0.10,
+    horizontal_trim: float = HORIZONTAL_TRIM,
+    history: np.ndarray | None = None,
+    scale: np.ndarray | None = None,
+) -> LookPath:
+    """Judge a batch of hypotheses at every look with the statistics and verdict table `evaluate`
+    uses: `base` (b, tasks, n) baseline runs, `chal` (b, tasks, ≥ looks[-1]) challenger runs by seed,
+    `history` (b, tasks, h) extra baseline-commit runs (the variance prior), all oriented so that +
+    is better. `scale` (b, tasks) overrides σ_task (default: from the baseline's runs and history).
+    Runs have no failures here (NaN is a failed run, as in `evaluate`, but failures are not counted).
+    """
+    looks = tuple(int(x) for x in looks)
+    b, J, n = base.shape
+    proto = get_protocol(protocol)
+    hist_arm = summarize(history) if history is not None and history.shape[-1] else None
+    prior_df = int(hist_arm.count.max()) - 1 if hist_arm is not None else 0
+    prior_df = max(prior_df, 0)
+    weight = float(min(prior_df, PRIOR_DF_CAP))
+    tb = proto.boundaries(n, looks, looks[-1], alpha, prior_df, weight if proto.moderated else 0.0)
+    hbnd = proto.boundaries(n, looks, looks[-1], alpha)
+    base_arm = summarize(base)
+    prior = history_prior(history, base_arm.mean.shape) if proto.moderated and hist_arm is not None else None
+    if scale is None:
+        scale, _ = task_scale(base_arm, hist_arm)
+    hb, hc = horizontal_values(base, chal, base_arm.mean, scale, horizontal_trim)
+    K = len(looks)
+    codes = np.empty((b, K), dtype=np.int8)
+    h_up, t_up = np.zeros((b, K), bool), np.zeros((b, K, J), bool)
+    h_delta, t_delta = np.zeros((b, K)), np.zeros((b, K, J))
+    for k, mk in enumerate(looks):
+        test = pooled_t(base_arm, summarize(chal[..., :mk]), prior)
+        tl = task_look(test, np.float64(tb.nominal[k]), protocol, alpha, harm_q)
+        breadth, required = None, True
+        if J > 1:
+            top, required = most_improved(test.delta, scale)
+            breadth = horizontal_values(without_task(base, top), without_task(chal[..., :mk], top), base_arm.mean,
+                                        scale, horizontal_trim)
+        hl = horizontal_look(hb, hc[:, :mk], hbnd.upper[k], breadth, required)
+        codes[:, k] = decide(
+            wins=tl.wins, harms=tl.harms, horizontal_up=hl.up, horizontal_breadth=hl.breadth_up,
+            horizontal_down=hl.down, horizontal_p=hl.p_up, failures=np.zeros(b, int),
+            last=k == K - 1, futility_p=futility_p,
+        )
+        h_up[:, k] = hl.up
+        t_up[:, k] = test.t >= tb.upper[k]
+        h_delta[:, k] = hl.test.delta
+        t_delta[:, k] = test.delta
+    return LookPath(looks=looks, codes=codes, horizontal_up=h_up, task_up=t_up, horizontal_delta=h_delta,
+                    task_delta=t_delta)

@@ -13,7 +13,7 @@ import numpy as np
 from scipy import stats
 
 PRIOR_DF_CAP = 30  # the baseline history can weigh at most as much as 30 df (DESIGN §6)
-IQM_LOW, IQM_HIGH = 0.25, 0.75
+HORIZONTAL_TRIM = 0.125  # the horizontal statistic drops this share of tasks at each end (0.25: the IQM)
 
 
 @dataclass(frozen=True)
@@ -113,30 +113,39 @@ def variance_ratio_p(base_var: np.ndarray, base_df: np.ndarray, chal: Arm) -> np
     return np.where((chal.count > 1) & (base_df > 0) & (base_var > 0), p, np.nan)
 
 
-def iqm(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Interquartile mean along `axis`, ignoring NaN, with fractional weights at the quartiles.
+def trimmed_mean(x: np.ndarray, axis: int = -1, trim: float = HORIZONTAL_TRIM) -> np.ndarray:
+    """Trimmed mean along `axis` (`trim` of the values dropped at each end), ignoring NaN, with
+    fractional weights at the cut points.
 
     Each of the c sorted values owns the slice [i/c, (i+1)/c] of the distribution and gets weight
-    equal to its overlap with [0.25, 0.75] (normalised). For c ≥ 4 the largest and smallest values
-    get zero weight, so one task that moves hugely cannot move the horizontal statistic much.
+    equal to its overlap with [trim, 1 - trim] (normalised). With trim 0.125 and 8 tasks the
+    largest and smallest values get zero weight, so one task that moves hugely cannot move the
+    horizontal statistic much; trim 0.25 is the interquartile mean, trim 0 the plain mean.
     """
+    if not 0.0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5), got {trim}")
     x = np.moveaxis(np.asarray(x, dtype=float), axis, -1)
     srt = np.sort(x, axis=-1)  # NaN sorts last
     count = np.isfinite(srt).sum(axis=-1, keepdims=True)
     i = np.arange(srt.shape[-1])
     with np.errstate(invalid="ignore", divide="ignore"):
-        lo = np.maximum(i / count, IQM_LOW)
-        hi = np.minimum((i + 1) / count, IQM_HIGH)
-        w = np.clip(hi - lo, 0.0, None) / (IQM_HIGH - IQM_LOW)
+        lo = np.maximum(i / count, trim)
+        hi = np.minimum((i + 1) / count, 1.0 - trim)
+        w = np.clip(hi - lo, 0.0, None) / (1.0 - 2.0 * trim)
         w = np.where(i < count, w, 0.0)
         out = (np.where(w > 0, srt, 0.0) * w).sum(axis=-1)
     return np.where(count[..., 0] > 0, out, np.nan)
 
 
+def iqm(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Interquartile mean along `axis` (the 25 %-trimmed mean), ignoring NaN."""
+    return trimmed_mean(x, axis, 0.25)
+
+
 def horizontal_values(
-    base: np.ndarray, chal: np.ndarray, center: np.ndarray, scale: np.ndarray
+    base: np.ndarray, chal: np.ndarray, center: np.ndarray, scale: np.ndarray, trim: float = HORIZONTAL_TRIM
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-seed horizontal values: IQM over tasks of (metric - task's baseline level) / σ_task.
+    """Per-seed horizontal values: trimmed mean over tasks of (metric - task's baseline level) / σ_task.
 
     `base` is (..., tasks, n), `chal` (..., tasks, m), `center` and `scale` (..., tasks) come from
     the baseline only, so a seed's value never changes as the challenger adds runs: the sequential
@@ -149,8 +158,8 @@ def horizontal_values(
         good = np.isfinite(scale) & (scale > 0)
         s = np.where(good, scale, np.nan)[..., None]
         c = center[..., None]
-        hb = iqm((base - c) / s, axis=-2)
-        hc = iqm((chal - c) / s, axis=-2)
+        hb = trimmed_mean((base - c) / s, axis=-2, trim=trim)
+        hc = trimmed_mean((chal - c) / s, axis=-2, trim=trim)
     return hb, hc
 
 
