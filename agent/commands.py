@@ -113,6 +113,8 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
         base, tags = None, []
     ledger = Ledger(store.engine)
     driver = lease.holder(store)
+    from agent.progress import split_progress
+
     return {
         "lab": lab.config.lab.name,
         "sandbox": "on" if isolation.is_sandboxed(lab) else isolation.UNSANDBOXED,
@@ -130,6 +132,7 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
         "driver": driver.as_dict() if driver is not None else None,
         "disk": disk.usage(lab, store),
         "plateau": {"since_promotion": rec.since_promotion(), "after": lab.config.agent.plateau_after},
+        "progress": split_progress(lab, store, rec),
         "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == "reject").items())),
         "compute": runner.goodput(store).as_dict(),
         "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day,

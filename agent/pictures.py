@@ -195,10 +195,14 @@ def draw_forest(result: Any, path: Path, title: str, metric: str = "metric") -> 
     return _save(fig, path)
 
 
-def draw_progress(points: list[Point], path: Path, lab_name: str, metric: str, higher_is_better: bool) -> Path:
-    """The baseline's level across hypotheses, each hypothesis a dot coloured by decision."""
-    fig = _figure(9.0, 4.8)
-    ax = fig.add_subplot(1, 1, 1)
+def draw_progress(points: list[Point], path: Path, lab_name: str, metric: str, higher_is_better: bool,
+                  splits: dict | None = None) -> Path:
+    """The baseline's level across hypotheses, each hypothesis a dot coloured by decision; below it,
+    with a holdout and at least one champion, the cumulative gain on the gate split and on the holdout."""
+    champions = [p for p in (splits or {}).get("points", [])]
+    two = len(champions) >= 2
+    fig = _figure(9.0, 7.2 if two else 4.8)
+    ax = fig.add_subplot(2, 1, 1) if two else fig.add_subplot(1, 1, 1)
     measured = [p for p in points if p.base is not None]
     xs, base = [], []
     current = None
@@ -238,8 +242,29 @@ def draw_progress(points: list[Point], path: Path, lab_name: str, metric: str, h
     ax.grid(alpha=0.3)
     if seen or xs:
         ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
-    fig.subplots_adjust(left=0.1, right=0.82, top=0.9, bottom=0.12)
+    if two:
+        _draw_splits(fig.add_subplot(2, 1, 2), champions, metric)
+        fig.subplots_adjust(left=0.1, right=0.82, top=0.94, bottom=0.08, hspace=0.45)
+    else:
+        fig.subplots_adjust(left=0.1, right=0.82, top=0.9, bottom=0.12)
     return _save(fig, path)
+
+
+def _draw_splits(ax: Any, champions: list[dict], metric: str) -> None:
+    """Cumulative gain of each champion over the first baseline, on its own runs: gate split vs holdout."""
+    xs = list(range(len(champions)))
+    ax.plot(xs, [c["gate_gain"] for c in champions], marker="o", color="#1f77b4", label="gate split (decided on)")
+    hold = [(x, c["holdout_gain"]) for x, c in zip(xs, champions) if c["holdout_gain"] is not None]
+    if hold:
+        ax.plot([x for x, _ in hold], [y for _, y in hold], marker="s", color="#d62728", label="holdout (never seen)")
+    ax.axhline(0.0, color="#888888", lw=0.8)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([c["label"].removeprefix("baseline/") for c in champions], fontsize=8)
+    ax.set_xlabel("champion (measured on its own baseline-seed runs)")
+    ax.set_ylabel(f"gain in {metric} since start\n(+ is better)", fontsize=9)
+    ax.set_title("test-reuse check: progress on the split the gate decides on vs a sealed holdout", fontsize=9, loc="left")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
 
 
 # ----------------------------------------------------------------------------- lab-level entry points
@@ -248,7 +273,11 @@ def write_forest(lab: Any, hid: int, title: str, result: Any) -> Path:
     return draw_forest(result, forest_path(lab, hid), f"#{hid} {title}"[:90], lab.config.benchmark.metric)
 
 
-def write_progress(lab: Any, store: Any, records: Any) -> Path:
+def write_progress(lab: Any, store: Any, records: Any, splits: dict | None = None) -> Path:
+    from agent.progress import split_progress
+
     bench = lab.config.benchmark
+    if splits is None:
+        splits = split_progress(lab, store, records)
     return draw_progress(progress_points(store, records), progress_path(lab), lab.config.lab.name, bench.metric,
-                         bench.higher_is_better)
+                         bench.higher_is_better, splits)

@@ -364,8 +364,10 @@ def digest_extras(lab: Any, store: Any, records: Any, since: float) -> dict[str,
     Redraws `runs/summaries/progress.png` so the digest links a current picture.
     """
     from agent import pictures
+    from agent.progress import split_progress
 
     points = pictures.progress_points(store, records)
+    splits = split_progress(lab, store, records)
     hyps = {h.id: h for h in records.all()}
     promotions = []
     for p in points:
@@ -376,7 +378,7 @@ def digest_extras(lab: Any, store: Any, records: Any, since: float) -> dict[str,
     tags = [p.tag for p in points if p.tag]
     now = _level_now([p for p in points if p.base is not None])
     try:
-        chart = str(pictures.write_progress(lab, store, records))
+        chart = str(pictures.write_progress(lab, store, records, splits))
     except Exception as e:
         log.warning("progress chart not drawn: %s: %s", type(e).__name__, e)
         chart = None
@@ -390,6 +392,7 @@ def digest_extras(lab: Any, store: Any, records: Any, since: float) -> dict[str,
             "higher_is_better": lab.config.benchmark.higher_is_better,
         },
         "held": [{"id": h.id, "title": h.title, "verdict": h.verdict} for h in hyps.values() if h.status == "held"],
+        "split_progress": splits,
         "progress_chart": chart,
     }
 

@@ -62,12 +62,29 @@ def print_status(st: dict[str, Any]) -> None:
     if st["llm"].get("unreachable_since"):
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["llm"]["unreachable_since"]))
         con.print(f"LLM unreachable since {since}: no proposals until it answers (seeds and runs go on)")
+    pr = st.get("progress")
+    if pr and pr["points"]:
+        con.print(progress_line(pr, metric["name"] if metric else "metric"))
     pl = st.get("plateau")
     if pl and pl["since_promotion"] >= pl["after"]:
         con.print(f"[bold yellow]plateau[/bold yellow]: {pl['since_promotion']} measured hypotheses in a row without "
                   f"a promotion ([agent] plateau_after = {pl['after']})")
     for e in st["events"]:
         con.print(f"[yellow]{escape(e['kind'])}[/yellow]: {escape(e['message'])}")
+
+
+def progress_line(pr: dict[str, Any], metric: str) -> str:
+    """Cumulative gain since the first baseline, on the gate split and on the sealed holdout."""
+    n = len(pr["points"]) - 1
+    if pr["gate_gain"] is None:
+        p = pr["points"][0]
+        hold = f"{p['holdout']:.4f}" if p["holdout"] is not None else "none"
+        return (f"progress: no champion measured yet; the first baseline's mean {metric} on its own runs: "
+                f"gate split {p['gate']:.4f}, holdout {hold}")
+    line = f"progress over {n} champion(s), {metric} on their own runs: gate split {pr['gate_gain']:+.4f}"
+    if pr["holdout_gain"] is None:
+        return line + ", holdout: none (the harness has no holdout, or the champion's runs are not in yet)"
+    return line + f", holdout {pr['holdout_gain']:+.4f} (test-reuse gap {pr['reuse_gap']:+.4f})"
 
 
 def report_markdown(repo: Path, h: Any, gate_md: str) -> str:
@@ -117,6 +134,12 @@ def digest_markdown(d: dict[str, Any]) -> str:
             lines.append(f"  - #{p['id']} → {p['tag']}: horizontal Δ {_num(p['horizontal_delta'], 3, True)}σ "
                          f"[{_num(lo, 3, True)}, {_num(hi, 3, True)}] (+ = better), mean {metric} "
                          f"{_num(p['level_before'])} → {_num(p['level_after'])}")
+    pr = d.get("split_progress")
+    if pr and pr["points"]:
+        lines.append("- " + progress_line(pr, base.get("metric", "metric") if base else "metric"))
+        for p in pr["points"][1:]:
+            hold = _num(p["holdout_gain"], 4, True) if p["holdout_gain"] is not None else "—"
+            lines.append(f"  - {p['label']} ({p['commit']}): gate split {_num(p['gate_gain'], 4, True)}, holdout {hold}")
     c = d["compute"]
     lines.append(f"- compute: useful {_secs(c['useful_cpu_s'])}, goodput {c['goodput']:.1%}, "
                  f"saved by cache {_secs(c['saved_by_cache_cpu_s'])}, failed methods {_secs(c['method_failed_cpu_s'])}, "

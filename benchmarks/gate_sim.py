@@ -96,7 +96,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
-        print(f"gate-sim must-show numbers, {n} trials per line (8 tasks, 5 baseline runs, looks 2/5/10, α=0.025)")
+        print(f"gate-sim must-show numbers, {n} trials per line (8 tasks, 10 baseline runs, trim 0.125, looks 2/5/10, α=0.025)")
         for label, value, op, limit, ok in checks:
             print(f"  {'PASS' if ok else 'FAIL'}  {label}: {value:.4f} (target {op} {limit})")
         print("fixed protocol (the reference post's re-tested nominal t), same null data model:")

@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(f"prior: " + ", ".join(f"{c} {s:.0%} {list(z)}σ" for c, s, z in PRIOR))
+        print("prior: " + ", ".join(f"{c} {s:.0%} {list(z)}σ" for c, s, z in PRIOR))
         print(f"noise: {noise['source']} (median σ {sigma_median:.4f}, measured ρ {noise['rho_measured']:.3f} over "
               f"{noise['seeds']} seeds); {args.campaigns} campaigns × {args.hypotheses} hypotheses per rule")
         print(table(rows, sigma_median))

@@ -142,6 +142,32 @@ class Experiment:
                 "shrinkage": fresh_mean - sel_mean,
                 "tasks_worse": sum(sign * (r["fresh"] - r["selected"]) < 0 for r in rows), "fresh_seeds": seeds}
 
+    def standing(self, commit: str) -> dict[str, Any] | None:
+        """A baseline commit measured on its own runs (baseline seeds, never the runs it was selected
+        on): the mean over tasks on the gate split and, on the same runs, on the sealed holdout
+        (None without one). For status, the digest and the chart only: nothing that decides reads it."""
+        lab = self.lab
+        sha = runner.resolve_commit(lab, commit)
+        tasks = lab.tasks()
+        gate = runner.results(self.store, lab, sha, tasks)
+        hold = self.store.holdout_scores(sha)
+        g_means, h_means, runs = [], [], 0
+        for t in tasks:
+            seeds = [s for s, v in gate.get(t, {}).items() if s >= BASELINE_SEED0 and v is not None]
+            paired = [s for s in seeds if s in hold.get(t, {})]
+            use = paired or seeds
+            if not use:
+                continue
+            runs += len(use)
+            g_means.append(sum(gate[t][s] for s in use) / len(use))
+            if paired:
+                h_means.append(sum(hold[t][s] for s in paired) / len(paired))
+        if not g_means:
+            return None
+        return {"commit": sha, "gate": sum(g_means) / len(g_means),
+                "holdout": sum(h_means) / len(h_means) if len(h_means) == len(g_means) else None,
+                "tasks": len(g_means), "runs": runs}
+
     def release(self, commit: str) -> None:
         """A decided challenger's worktree is not needed any more (its tag keeps the commit)."""
         from pipeline.worktrees import Worktrees

@@ -49,7 +49,8 @@ from pipeline.dag import Cache, StageNode, check_not_sealed, input_digests, plan
 from pipeline.disk import DiskKeeper
 from pipeline.executors import Executor, StageJob, classify, make_executor
 from pipeline.harness import Harness, Prepared, PredictionsError
-from pipeline.lab import Lab, load_lab
+from pipeline.harness.base import HOLDOUT_SPLIT
+from pipeline.lab import BASELINE_SEED0, Lab, load_lab
 from pipeline.store import Claim, Goodput, Owner, Result, Store
 from pipeline.worktrees import WorktreeError, Worktrees
 
@@ -552,7 +553,22 @@ class Driver:
         if not math.isfinite(value):
             self._finish(run_id, "method_failure", None, "nan", f"metric is {value}")
             return
+        if run.seed >= BASELINE_SEED0:
+            self._score_holdout(run, predictions)
         self._finish(run_id, "ok", float(value), None, None)
+
+    def _score_holdout(self, run: Any, predictions: Path) -> None:
+        """A baseline's own run (a champion's) is also scored on the sealed holdout split, into a
+        table nothing that decides reads; challenger runs never are (DESIGN §4)."""
+        try:
+            if not self.harness.has_holdout(self.prepared()):
+                return
+            value = self.harness.score(self.prepared(), run.task, predictions, self.lab.config.benchmark.metric,
+                                       split=HOLDOUT_SPLIT)
+            if math.isfinite(value):
+                self.store.holdout_put(run.id, run.commit, run.task, run.seed, float(value))
+        except Exception as e:  # the holdout is a report: its failure never fails the run
+            log.warning("holdout not scored for run %s: %s: %s", run.id, type(e).__name__, e)
 
     def _finish(self, run_id: int, outcome: str, value: float | None, kind: str | None, detail: str | None) -> None:
         a = self.active.pop(run_id, None)

@@ -131,6 +131,20 @@ class Result(SQLModel, table=True):
     created_at: float = Field(default_factory=now)
 
 
+class HoldoutScore(SQLModel, table=True):
+    """A baseline run's score on the sealed holdout split (DESIGN §4). Only a baseline's own runs
+    (baseline seeds: the champions) are scored on it; it is read by status, the digest and the
+    progress chart, never by the gate, the agent or a prompt."""
+
+    __tablename__ = "holdout_score"
+    run_id: int = Field(foreign_key="run.id", primary_key=True)
+    commit: str = Field(index=True, max_length=64)
+    task: str
+    seed: int
+    value: float
+    created_at: float = Field(default_factory=now)
+
+
 class CacheEntry(SQLModel, table=True):
     """A published stage output: what it cost, so later hits can count the compute they saved."""
 
@@ -661,6 +675,20 @@ class Store:
             if tasks is not None:
                 q = q.where(Result.task.in_(list(tasks)))  # type: ignore[attr-defined]
             return list(s.exec(q))
+
+    def holdout_put(self, run_id: int, commit: str, task: str, seed: int, value: float) -> None:
+        with self.session() as s:
+            if s.get(HoldoutScore, run_id) is None:
+                s.add(HoldoutScore(run_id=run_id, commit=commit, task=task, seed=seed, value=value))
+                s.commit()
+
+    def holdout_scores(self, commit: str) -> dict[str, dict[int, float]]:
+        """{task: {seed: holdout score}} of a commit's holdout-scored runs."""
+        out: dict[str, dict[int, float]] = {}
+        with self.session() as s:
+            for r in s.exec(select(HoldoutScore).where(HoldoutScore.commit == commit)):
+                out.setdefault(r.task, {})[r.seed] = r.value
+        return out
 
     def stage_execs(self, run_ids: Iterable[int] | None = None) -> list[StageExec]:
         with self.session() as s:

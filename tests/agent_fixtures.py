@@ -55,7 +55,7 @@ def make_template(root: Path) -> Path:
     init_lab(root)
     research = (root / "research.toml").read_text()
     research = research.replace("data_seed = 0", f"data_seed = 0\ncustomers = 300\ntasks = {json.dumps(TASKS)}")
-    research = research.replace("baseline_runs = 5", "baseline_runs = 3")
+    research = research.replace("baseline_runs = 10", "baseline_runs = 3")
     research = research.replace("looks = [2, 5, 10]", "looks = [2, 3]")
     (root / "research.toml").write_text(research)
     config = (root / "config.toml").read_text()

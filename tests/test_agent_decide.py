@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from agent_fixtures import (
     BASELINE,
     LR_EDIT,
@@ -103,6 +105,33 @@ def test_an_improvement_is_promoted_merged_tagged_and_the_new_baseline_queued(la
     from agent.commands import status
 
     assert status(lab, None)["baseline"] == {"commit": h.commit, "tag": "baseline/v1"}
+
+
+def test_status_and_digest_set_the_gate_split_beside_the_holdout_champion_by_champion(lab: Path) -> None:
+    seed_lr(lab)
+    loop = make_loop(lab, offline=True)
+    try:
+        h = measured(loop, [0.700, 0.703])
+        assert h.decision == "promote"
+        plant(loop.store, h.commit, [0.690, 0.690, 0.690])  # the champion's fresh runs, on its own seeds
+        for commit, value in ((h.base_commit, 0.610), (h.commit, 0.630)):  # what the runner's holdout scorer wrote
+            for r in loop.store.runs(commit=commit):
+                if r.seed >= 1_000_000:
+                    loop.store.holdout_put(r.id, r.commit, r.task, r.seed, value)
+    finally:
+        loop.close()
+    from agent.commands import digest, status
+    from agent.views import digest_markdown
+
+    pr = status(lab, None)["progress"]
+    assert [p["label"] for p in pr["points"]] == ["start", "baseline/v1"]
+    base_gate = (sum(BASE_VALUES) / 3 + sum(BASE_VALUES) / 3 + 0.05) / 2
+    assert pr["points"][0]["gate"] == pytest.approx(base_gate) and pr["points"][1]["gate"] == pytest.approx(0.690)
+    assert pr["gate_gain"] == pytest.approx(0.690 - base_gate)
+    assert pr["holdout_gain"] == pytest.approx(0.020)
+    assert pr["reuse_gap"] == pytest.approx(0.690 - base_gate - 0.020)
+    md = digest_markdown(digest(lab, None, "1d"))
+    assert f"gate split {0.690 - base_gate:+.4f}, holdout +0.0200" in md
 
 
 def test_a_promotion_after_the_baseline_moved_is_a_merge_commit(lab: Path) -> None:

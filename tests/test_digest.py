@@ -88,7 +88,7 @@ def test_a_real_loop_leaves_summaries_pictures_and_a_digest(tmp_path):
     assert progress_path(svc.lab).stat().st_size > 10_000
 
     md = cli(root, "digest").stdout
-    assert f"- hypotheses touched: 2" in md and "awaiting review: #1, #2" in md
+    assert "- hypotheses touched: 2" in md and "awaiting review: #1, #2" in md
     assert f"Progress chart: {progress_path(svc.lab)}" in md
     measured_ids = [h.id for h in hyps if h.verdict]
     if measured_ids:

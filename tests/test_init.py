@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import git
-import pytest
 
 from pipeline.lab import BASELINE_BRANCH, load_lab
 

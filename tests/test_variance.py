@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 
 def test_variance_study_on_the_tiny_lab(lab):

@@ -1,6 +1,5 @@
 """Hypothesis branches on a real lab repo: checked edits, plumbing commits, tags, promotion."""
 
-import git
 import pytest
 
 from agent.labinit import init_lab

@@ -6,7 +6,7 @@ the `GateResult` (`result.model_dump(mode="json")` is JSON-safe).
 Input (`GateInput`, a pydantic model; a plain dict of the same shape is accepted)::
 
     {
-      "config": {"protocol": "sequential", "baseline_runs": 5, "looks": [2, 5, 10],
+      "config": {"protocol": "sequential", "baseline_runs": 10, "looks": [2, 5, 10],
                  "alpha": 0.025, "futility_p": 0.30, "harm_q": 0.10, "higher_is_better": true},
       "tasks": [
         {"task": "default_90d",

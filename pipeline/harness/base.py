@@ -26,7 +26,18 @@ class Prepared:
     sealed: Path
 
 
+GATE_SPLIT, HOLDOUT_SPLIT = "gate", "holdout"
+
+
 class Harness:
+    """A benchmark: tasks, data preparation and the sealed scorer.
+
+    A harness may seal two test splits (DESIGN §4): `gate`, what every run is scored on and the
+    gate decides with, and `holdout`, scored only for a baseline's own runs (champions), never shown
+    to the gate, the agent or its prompts. Runs predict every test id; which ids are holdout is
+    sealed, so branch code cannot treat them differently.
+    """
+
     name: str = ""
     suites: dict[str, list[str]] = {}
     metrics: set[str] = {"auc"}
@@ -70,13 +81,27 @@ class Harness:
     def test_labels(self, prepared: Prepared, task: str) -> np.ndarray:  # pragma: no cover
         raise NotImplementedError
 
-    def score(self, prepared: Prepared, task: str, predictions: Path, metric: str = "auc") -> float:
-        """Score a run's predictions.csv (columns id,score) against the sealed test labels."""
+    def holdout_mask(self, prepared: Prepared) -> np.ndarray | None:
+        """Which of `test_ids` are the sealed holdout split (None: this harness has no holdout)."""
+        return None
+
+    def has_holdout(self, prepared: Prepared) -> bool:
+        return self.holdout_mask(prepared) is not None
+
+    def score(self, prepared: Prepared, task: str, predictions: Path, metric: str = "auc",
+              split: str = GATE_SPLIT) -> float:
+        """Score a run's predictions.csv (columns id,score, every test id) on one sealed split."""
+        mask = self.holdout_mask(prepared)
+        if split not in (GATE_SPLIT, HOLDOUT_SPLIT) or (split == HOLDOUT_SPLIT and mask is None):
+            raise ValueError(f"no split {split!r} in {prepared.dataset_id}")
+        if metric != "auc":
+            raise ValueError(f"unknown metric {metric!r}")
         ids = self.test_ids(prepared)
         labels = self.test_labels(prepared, task)
         scores = read_predictions(predictions, ids)
-        if metric != "auc":
-            raise ValueError(f"unknown metric {metric!r}")
+        if mask is not None:
+            keep = mask if split == HOLDOUT_SPLIT else ~mask
+            labels, scores = labels[keep], scores[keep]
         return auc(labels, scores)
 
 

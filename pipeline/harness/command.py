@@ -9,7 +9,8 @@ a challenger, whose diff may not touch them anyway. Both commands run in the san
   (what only the scorer sees) as its only writable folders;
 - `score` once per run, reading only `{predictions}` (a regular file the stage wrote) and
   `{sealed}`; its last line of stdout is `{"value": x}`. A missing or non-finite value is a method
-  failure of the run. `{split}` is passed (`gate`) when the command names it.
+  failure of the run. A command that names `{split}` has a holdout (DESIGN §4): it is called with
+  `gate` for every run, and with `holdout` for a baseline's own runs only (champions).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pipeline.errors import (
     UnknownTaskError,
     UserError,
 )
-from pipeline.harness.base import Harness, PredictionsError, Prepared, check_regular
+from pipeline.harness.base import GATE_SPLIT, HOLDOUT_SPLIT, Harness, PredictionsError, Prepared, check_regular
 
 if TYPE_CHECKING:
     from pipeline.lab import Lab, ResearchConfig
@@ -40,7 +41,6 @@ TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 PREPARE_PLACEHOLDERS = {"data_seed", "data", "sealed"}
 SCORE_PLACEHOLDERS = {"task", "predictions", "sealed", "split"}
 SCORE_TIMEOUT_S = 300.0
-GATE_SPLIT = "gate"
 
 
 class CommandHarness(Harness):
@@ -152,8 +152,17 @@ class CommandHarness(Harness):
                 os.replace(tmp, final)
         return prepared
 
-    def score(self, prepared: Prepared, task: str, predictions: Path, metric: str = "") -> float:
+    def has_holdout(self, prepared: Prepared | None = None) -> bool:
+        """The lab's scorer takes `{split}`: it can score the holdout."""
+        from pipeline.lab import PLACEHOLDER
+
+        return "split" in PLACEHOLDER.findall(self._lab().config.benchmark.score or "")
+
+    def score(self, prepared: Prepared, task: str, predictions: Path, metric: str = "",
+              split: str = GATE_SPLIT) -> float:
         """Run the lab's `score` in the sandbox; its last line of stdout is {"value": x}."""
+        if split not in (GATE_SPLIT, HOLDOUT_SPLIT) or (split == HOLDOUT_SPLIT and not self.has_holdout()):
+            raise ValueError(f"no split {split!r}: [benchmark] score does not take {{split}}")
         from pipeline.dag import render
         from pipeline.isolation import run_once
 
@@ -161,7 +170,7 @@ class CommandHarness(Harness):
         predictions = Path(predictions)
         check_regular(predictions)
         argv = render(lab.config.benchmark.score or "", {"task": task, "predictions": str(predictions),
-                                                         "sealed": str(prepared.sealed), "split": GATE_SPLIT})
+                                                         "sealed": str(prepared.sealed), "split": split})
         logs = lab.state / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=logs, prefix=".score-") as tmp:

@@ -2,7 +2,8 @@
 
 `prepare` writes the public data a stage sees as `{data}` (train/val labels, test features only)
 and, in a separate folder that no stage argument reaches, the sealed test labels that only
-`score` reads.
+`score` reads, with the sealed partition of the test rows into the `gate` split (2/3) and the
+`holdout` split (1/3, scored only for champions; DESIGN §4).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import numpy as np
 from pipeline.harness.base import Harness, Prepared
 from pipeline.harness.transactions import data as gen
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: the test rows are partitioned into gate and holdout
+HOLDOUT_FRACTION = 1 / 3
 
 
 class TransactionsHarness(Harness):
@@ -36,7 +38,7 @@ class TransactionsHarness(Harness):
         state_dir = Path(state_dir)
         did = self.dataset_id(suite, data_seed, customers)
         prepared = Prepared(did, state_dir / "data" / did, state_dir / "sealed" / did)
-        if (prepared.public / "meta.json").is_file() and (prepared.sealed / "test_labels.npz").is_file():
+        if (prepared.public / "meta.json").is_file() and (prepared.sealed / "splits.npz").is_file():
             return prepared
         (state_dir / "data").mkdir(parents=True, exist_ok=True)
         with open(state_dir / "data" / f".{did}.lock", "w") as lock:
@@ -50,6 +52,9 @@ class TransactionsHarness(Harness):
         test = ds.split == 2
         sealed_tmp = Path(tempfile.mkdtemp(dir=_mk(prepared.sealed.parent)))  # mkdtemp makes it 0700
         np.savez(sealed_tmp / "test_labels.npz", ids=ds.ids[test], **{t: y[test] for t, y in ds.labels.items()})
+        # the holdout rows: drawn from their own stream, so the data itself does not change with them
+        holdout = np.random.default_rng([data_seed, 4242]).random(int(test.sum())) < HOLDOUT_FRACTION
+        np.savez(sealed_tmp / "splits.npz", holdout=holdout)
         shutil.rmtree(prepared.sealed, ignore_errors=True)
         os.replace(sealed_tmp, prepared.sealed)
 
@@ -88,6 +93,10 @@ class TransactionsHarness(Harness):
 
                 raise UnknownTaskError(f"unknown task {task!r} for dataset {prepared.dataset_id}")
             return z[task]
+
+    def holdout_mask(self, prepared: Prepared) -> np.ndarray | None:
+        with np.load(prepared.sealed / "splits.npz") as z:
+            return z["holdout"]
 
 
 def _mk(path: Path) -> Path:

@@ -35,3 +35,6 @@ test = split == 2
 np.savez(a.out / "train.npz", x=x[~test], split=split[~test], **{t: y[~test] for t, y in labels.items()})
 np.savez(a.out / "test.npz", id=ids[test], x=x[test])
 np.savez(a.sealed / "test_labels.npz", id=ids[test], **{t: y[test] for t, y in labels.items()})
+# a third of the test rows are the holdout: scored only for champions, never seen by the gate
+holdout = np.random.default_rng([a.seed, 4242]).random(int(test.sum())) < 1 / 3
+np.savez(a.sealed / "splits.npz", holdout=holdout)

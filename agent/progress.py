@@ -1,0 +1,64 @@
+"""Progress champion by champion, on the gate split and on the sealed holdout (DESIGN §4).
+
+The gate decides on the `gate` split every time, so over many promotions the baseline can fit that
+split's noise (adaptive overfitting, test-set reuse). A harness with a `holdout` split scores each
+baseline's own runs on it too (`pipeline.runner`, table `holdout_score`); here the first baseline
+and every champion since are measured on their own runs on both splits, and the cumulative gains are
+set side by side. The gap between them is the test-reuse gap.
+
+Read by `status`, the digest, the progress chart and the web page only: nothing here reaches the gate,
+the agent's context or a prompt (tests/test_holdout.py checks it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def champions(records: Any) -> list[tuple[str, str, int | None]]:
+    """(label, commit, hypothesis id) of the first baseline and of each promotion since, in order."""
+    hyps = sorted((h for h in records.all() if h.base_commit), key=lambda h: h.id)
+    if not hyps:
+        return []
+    out: list[tuple[str, str, int | None]] = [("start", hyps[0].base_commit, None)]
+    for h in hyps:
+        if h.decision == "promote" and h.promoted_tag and h.commit:
+            out.append((h.promoted_tag, h.promoted_tag, h.id))
+    return out
+
+
+def split_progress(lab: Any, store: Any, records: Any) -> dict[str, Any]:
+    """The champions' levels on both splits and the cumulative gains since the first baseline.
+
+    A champion's level is the mean over tasks of its own baseline-seed runs (the fresh runs it
+    re-verified on), so the gate-split figure is already free of the selection on seeds; what is left
+    between the two gains is the reuse of the gate's test rows. `holdout` is None where the harness
+    has none or a champion's runs are not in yet.
+    """
+    from pipeline.experiment import Experiment
+
+    exp = Experiment(lab, store)
+    points = []
+    for label, rev, hid in champions(records):
+        try:
+            st = exp.standing(rev)
+        except Exception:  # a tag that is gone, a commit not in this clone: skip the point
+            st = None
+        if st is None:
+            continue
+        points.append({"label": label, "hypothesis": hid, "commit": st["commit"][:10], "gate": st["gate"],
+                       "holdout": st["holdout"], "runs": st["runs"]})
+    sign = 1.0 if lab.config.benchmark.higher_is_better else -1.0
+    out: dict[str, Any] = {"points": points, "gate_gain": None, "holdout_gain": None, "reuse_gap": None,
+                           "oriented": "+ is better"}
+    if len(points) >= 2:
+        first, last = points[0], points[-1]
+        out["gate_gain"] = sign * (last["gate"] - first["gate"])
+        if first["holdout"] is not None and last["holdout"] is not None:
+            out["holdout_gain"] = sign * (last["holdout"] - first["holdout"])
+            out["reuse_gap"] = out["gate_gain"] - out["holdout_gain"]
+    for p in points:
+        p["gate_gain"] = sign * (p["gate"] - points[0]["gate"])
+        p["holdout_gain"] = (sign * (p["holdout"] - points[0]["holdout"])
+                             if p["holdout"] is not None and points[0]["holdout"] is not None else None)
+    return out
