@@ -2,7 +2,7 @@
 
 `PLANTED` are real gains the template baseline leaves on the table (proved by
 `benchmarks/headroom.py`); `NOOPS` are behaviour-preserving edits that a sound gate must never
-promote. Each edit is a search/replace on one template file, the same shape the agent produces.
+promote; `HARMS` are changes that can only lose (planted-truth campaigns, `benchmarks/planted.py`). Each edit is a search/replace on one template file, the same shape the agent produces.
 """
 
 from __future__ import annotations
@@ -47,8 +47,28 @@ NOOPS: dict[str, list[Edit]] = {
             "        x_l = x0\n        for cross in self.layers:\n            x_l = x0 * cross(x_l) + x_l\n        return x_l\n",
         ),
     ],
+    # a comment in the training script: every stage's input digest changes, so the pipeline reruns
+    # from pretraining, but not one number the model computes does
+    "train_comment": [
+        Edit("train.py", "    def predict(rows):\n", "    # batched inference over the given rows, in eval mode\n    def predict(rows):\n"),
+    ],
 }
 
+
+# Known harms, for planted-truth campaigns (benchmarks/planted.py): changes that can only lose.
+HARMS: dict[str, list[Edit]] = {
+    # Keep 2 events per source instead of 24: most of the behavioural history is thrown away.
+    "truncate_history": [Edit("config.toml", "max_events = 24 ", "max_events = 2 ")],
+    # Noise as large as the scores' own spread added to every prediction: ranking can only get worse.
+    "jitter_predictions": [
+        Edit(
+            "train.py",
+            "    scores = predict(test)\n",
+            "    scores = predict(test)\n"
+            "    scores = scores + np.random.default_rng(args.seed).normal(0.0, scores.std(), len(scores))\n",
+        ),
+    ],
+}
 
 class EditError(Exception):
     """The search text is not in the file exactly once."""

@@ -1,0 +1,148 @@
+"""A planted-truth campaign on the real pipeline (issue 12): known gains, no-ops and harms, scored.
+
+    .venv/bin/python benchmarks/planted.py [--lab runs/planted-lab] [--workers 2] [--json OUT]
+
+Builds a demo lab (`autoresearch init`, the small suite cut to four tasks on which every planted
+gain of `benchmarks/headroom.py` is positive), then plays a researcher: for each hypothesis of
+`CAMPAIGN` in turn it branches off the *current* baseline with the variant's edits
+(`pipeline.harness.transactions.variants`: PLANTED gains, NOOPS, HARMS), seeds the branch
+(`autoresearch seed --branch`) and runs the loop on it (`autoresearch run --offline
+--max-hypotheses 1`): the real CLI, git, store, warm workers, sandbox, sealed scorer and gate. At
+the end `autoresearch variance --runs N` finishes the last champion's own runs, so its holdout
+score is in.
+
+Prints the truth × decision table, each hypothesis's verdict, look and horizontal Δ, the wall time,
+and from `status --json` the final champion's gain on the gate split beside its gain on the sealed
+holdout (the test-reuse gap). Truth: gains as measured by headroom.py on the template baseline (5
+seeds; one tested after another promotion is still called a gain), no-ops behaviour-preserving
+(tests/test_template.py), harms by construction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.harness.transactions.variants import HARMS, NOOPS, PLANTED, apply_edit  # noqa: E402
+
+TASKS = ["default_90d", "churn_60d", "fraud_alert", "betting_limit"]
+BASELINE = "autoresearch/baseline"
+# In order; harms and no-ops first and between the gains, so each is tested against a baseline
+# that has already moved as well as against the first one.
+CAMPAIGN: list[tuple[str, str]] = [
+    ("noop", "config_comment"),
+    ("harm", "truncate_history"),
+    ("gain", "bureau_features"),
+    ("noop", "cross_network_rename"),
+    ("harm", "jitter_predictions"),
+    ("gain", "finetune_lr"),
+    ("noop", "train_comment"),
+    ("gain", "lora_rank_16"),
+]
+VARIANTS = {"gain": PLANTED, "noop": NOOPS, "harm": HARMS}
+
+
+def sh(*args: str, cwd: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
+    done = subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args[:4])} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return done
+
+
+def cli(lab: Path, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    return sh(str(ROOT / ".venv" / "bin" / "autoresearch"), "--repo", str(lab), *args, cwd=lab, timeout=timeout)
+
+
+def make_lab(lab: Path) -> None:
+    if lab.exists():
+        shutil.rmtree(lab)
+    sh(str(ROOT / ".venv" / "bin" / "autoresearch"), "init", str(lab), "--suite", "small", cwd=ROOT)
+    research = lab / "research.toml"
+    text = research.read_text()
+    assert "data_seed = 0\n" in text
+    research.write_text(text.replace("data_seed = 0\n", f"data_seed = 0\ntasks = {json.dumps(TASKS)}\n", 1))
+    sh("git", "commit", "-qam", "planted campaign: four tasks", cwd=lab)
+    sh("git", "branch", "-f", BASELINE, "HEAD", cwd=lab)
+
+
+def branch(lab: Path, name: str, kind: str, variant: str) -> None:
+    """A researcher's branch off the current baseline with the variant's edits."""
+    wt = lab.parent / f".wt-{lab.name}-{variant}"
+    sh("git", "worktree", "add", "-q", "-b", name, str(wt), BASELINE, cwd=lab)
+    try:
+        for edit in VARIANTS[kind][variant]:
+            apply_edit(wt, edit)
+        sh("git", "commit", "-qam", f"{kind}: {variant}", cwd=wt)
+    finally:
+        sh("git", "worktree", "remove", "--force", str(wt), cwd=lab)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lab", type=Path, default=ROOT / "runs" / "planted-lab")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    lab = args.lab.resolve()
+    t0 = time.time()
+    make_lab(lab)
+    rows: list[dict[str, Any]] = []
+    for kind, variant in CAMPAIGN:
+        t = time.time()
+        name = f"res/{variant}"
+        branch(lab, name, kind, variant)
+        hid = int(cli(lab, "seed", "--branch", name, "--title", f"{kind}: {variant}").stdout.strip())
+        cli(lab, "run", "--offline", "--max-hypotheses", "1", "--workers", str(args.workers), timeout=7200)
+        rep = json.loads(cli(lab, "report", str(hid), "--json").stdout)
+        h, gate = rep["hypothesis"], rep.get("gate") or {}
+        hz = gate.get("horizontal") or {}
+        rows.append({"id": hid, "truth": kind, "variant": variant, "verdict": h.get("verdict"),
+                     "decision": h.get("decision"), "look": h.get("look"), "tag": h.get("promoted_tag"),
+                     "horizontal_delta": hz.get("delta"), "horizontal_t": hz.get("t"),
+                     "seconds": round(time.time() - t, 1)})
+        print(f"#{hid} {kind:<4} {variant:<22} {h.get('verdict')!s:<13} {h.get('decision')!s:<8} look {h.get('look')} "
+              f"Δh {hz.get('delta') if hz.get('delta') is None else round(hz['delta'], 3)}σ  ({rows[-1]['seconds']:.0f} s)",
+              flush=True)
+    cli(lab, "variance", "--runs", "10", "--json", timeout=7200)  # the last champion's own runs, holdout included
+    st = json.loads(cli(lab, "status", "--json").stdout)
+    wall = time.time() - t0
+
+    decisions = ["promote", "abandon", "refine", "hold", "reject"]
+    table = {k: {d: 0 for d in decisions} for k in VARIANTS}
+    for r in rows:
+        table[r["truth"]][r["decision"] if r["decision"] in decisions else "hold"] += 1
+    print(f"\ntruth × decision ({len(rows)} hypotheses, tasks {', '.join(TASKS)}):")
+    print(f"{'':<6}" + "".join(f"{d:>9}" for d in decisions))
+    for k, counts in table.items():
+        print(f"{k:<6}" + "".join(f"{counts[d]:>9}" for d in decisions))
+    pr = st.get("progress") or {}
+    print("\nchampions on their own runs (mean AUC over tasks):")
+    for p in pr.get("points", []):
+        hold = "—" if p["holdout"] is None else f"{p['holdout']:.4f} ({p['holdout_gain']:+.4f})"
+        print(f"  {p['label']:<12} {p['commit']}  gate split {p['gate']:.4f} ({p['gate_gain']:+.4f})  holdout {hold}"
+              f"  {p['runs']} runs")
+    if pr.get("reuse_gap") is not None:
+        print(f"test-reuse gap of the final champion: gate-split gain {pr['gate_gain']:+.4f} − holdout gain "
+              f"{pr['holdout_gain']:+.4f} = {pr['reuse_gap']:+.4f} AUC")
+    print(f"wall time {wall / 60:.1f} min on {os.cpu_count()} cores, {args.workers} workers")
+    if args.json:
+        args.json.write_text(json.dumps({"tasks": TASKS, "campaign": rows, "confusion": table, "progress": pr,
+                                         "compute": st.get("compute"), "wall_s": round(wall, 1),
+                                         "cores": os.cpu_count(), "workers": args.workers,
+                                         "command": "benchmarks/planted.py " + " ".join(argv or sys.argv[1:])},
+                                        indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
