@@ -26,6 +26,7 @@ from typing import Any, Callable
 from agent.errors import BudgetExceeded, LLMError
 from agent.records import ACTIVE, Hypothesis, Records
 from pipeline import runner
+from pipeline.errors import MixedDatasets
 from pipeline.lab import Lab
 
 log = logging.getLogger("autoresearch.loop")
@@ -338,6 +339,8 @@ class Loop:
                 break  # stopping: the next start resumes it
             except LLMError as e:
                 return self._llm_failed(h, e)
+            except MixedDatasets:  # the user's to fix: the loop stops, the thread waits at its checkpoint
+                raise
             except Exception as e:  # a bug in a node, git refusing, a database error: recorded, counted
                 log.exception("hypothesis %s: graph failed", h.id)
                 n = self.failures[h.id] = self.failures.get(h.id, 0) + 1

@@ -12,19 +12,27 @@ the agent's context or a prompt (tests/test_holdout.py checks it).
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
+
+log = logging.getLogger("autoresearch.progress")
 
 
 def champions(records: Any) -> list[tuple[str, str, int | None]]:
-    """(label, commit, hypothesis id) of the first baseline and of each promotion since, in order."""
+    """(label, revision, hypothesis id) of the first baseline and of each promotion since, in the
+    order of promotion (the tag's number: with hypotheses in flight together, ids need not be)."""
     hyps = sorted((h for h in records.all() if h.base_commit), key=lambda h: h.id)
     if not hyps:
         return []
-    out: list[tuple[str, str, int | None]] = [("start", hyps[0].base_commit, None)]
-    for h in hyps:
-        if h.decision == "promote" and h.promoted_tag and h.commit:
-            out.append((h.promoted_tag, h.promoted_tag, h.id))
-    return out
+    promoted = [h for h in hyps if h.decision == "promote" and h.promoted_tag and h.commit]
+
+    def number(h: Any) -> int:
+        m = re.fullmatch(r"baseline/v(\d+)", h.promoted_tag)
+        return int(m.group(1)) if m else 1 << 30
+
+    start = [("start", hyps[0].base_commit, None)]
+    return start + [(h.promoted_tag, h.promoted_tag, h.id) for h in sorted(promoted, key=number)]
 
 
 def split_progress(lab: Any, store: Any, records: Any) -> dict[str, Any]:
@@ -37,14 +45,19 @@ def split_progress(lab: Any, store: Any, records: Any) -> dict[str, Any]:
     """
     from pipeline.experiment import Experiment
 
+    from pipeline.errors import WorktreeError
+
     exp = Experiment(lab, store)
     points = []
     for label, rev, hid in champions(records):
         try:
             st = exp.standing(rev)
-        except Exception:  # a tag that is gone, a commit not in this clone: skip the point
+        except WorktreeError as e:  # a tag deleted by hand, a commit not in this clone: no point for it
+            log.warning("progress: %s (%s) left out: %s", label, rev, e)
             st = None
         if st is None:
+            if label == "start":  # gains "since the first baseline" need the first baseline
+                break
             continue
         points.append({"label": label, "hypothesis": hid, "commit": st["commit"][:10], "gate": st["gate"],
                        "holdout": st["holdout"], "runs": st["runs"]})

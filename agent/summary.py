@@ -66,10 +66,11 @@ def latest_result(svc: Any, h: Hypothesis) -> Any:
 def compute_line(svc: Any, h: Hypothesis) -> str:
     if not h.commit:
         return "none"
-    from pipeline.lab import BASELINE_SEED0
+    from pipeline.lab import SEED_BLOCK
 
-    # a promoted champion's own re-verification runs (baseline seeds) are not challenger runs
-    runs = [r for r in svc.store.runs(commit=h.commit) if r.seed < BASELINE_SEED0]
+    # a promoted champion's own re-verification runs (the next seed block) are not challenger runs
+    block = svc.experiment.challenger_seeds(h.base_commit, SEED_BLOCK) if h.base_commit else range(0)
+    runs = [r for r in svc.store.runs(commit=h.commit) if r.seed in block]
     execs = svc.store.stage_execs([r.id for r in runs]) if runs else []
     cpu = sum((e.cpu_s or 0.0) for e in execs if e.outcome not in ("cache_hit", "shared"))
     done = sum(r.status == "done" for r in runs)

@@ -65,6 +65,9 @@ def print_status(st: dict[str, Any]) -> None:
     pr = st.get("progress")
     if pr and pr["points"]:
         con.print(progress_line(pr, metric["name"] if metric else "metric"))
+        for p in pr["points"][1:]:
+            hold = f"{p['holdout_gain']:+.4f}" if p["holdout_gain"] is not None else "—"
+            con.print(f"  {escape(p['label'])} ({p['commit']}): gate split {p['gate_gain']:+.4f}, holdout {hold}")
     pl = st.get("plateau")
     if pl and pl["since_promotion"] >= pl["after"]:
         con.print(f"[bold yellow]plateau[/bold yellow]: {pl['since_promotion']} measured hypotheses in a row without "

@@ -13,14 +13,24 @@ abandon otherwise). Each campaign keeps its baseline: its runs are drawn once an
 challenger until a promotion, which moves the baseline's true level by the promoted effect and
 draws the new baseline's fresh runs (their cost is counted).
 
-Noise: per run, task j, seed s: σ_j·(√ρ·c_s + √(1-ρ)·e_js) — per-task σ from the noise file (the
-gate standardises by σ_task, so effects are in σ units), ρ the cross-task correlation (tasks share a
-seed's pretraining). The defaults are the bundled suite's measured ρ = 0.02 (`autoresearch variance
---runs 10` on the demo lab) and a pessimistic ρ = 0.6.
+Noise: per run, task j, seed s: σ_j·(√ρ·c_s + √(1-ρ)·e_js), per-task σ_j from the noise file
+(effects are drawn in σ_j units; the gate standardises by σ_task, and results are reported in σ
+units, i.e. over the median σ), ρ the cross-task correlation (tasks share a seed's pretraining): the
+bundled suite's ρ = 0.02 (`autoresearch variance --runs 10` on the demo lab) and a pessimistic 0.6
+by default. Seeds (the shock c_s is a seed's pretraining, common to every task): in this product a
+baseline and its challengers run on one seed block and share a seed's pretraining through the cache
+unless the challenger changes pretraining (`PRETRAIN_SHARE` of hypotheses do; they draw their own
+c_s), so c_s is drawn once per baseline (`block`). Before issue 12 the baseline had seeds of its own
+and only the challengers shared theirs (`separate`): a baseline whose challenger seeds were unlucky
+held every challenger back until a large gain broke through, and such baselines last longest.
+The reference post's and karpathy's rules run every run on fresh seeds (`fresh`); `--fresh-seeds`
+gives every rule fresh seeds, to compare the statistics alone. The task noise e_js is fresh for
+every run. Every rule sees the same hypotheses in the same order (one stream for the population,
+another per rule for the noise).
 
 Rules:
-- `sequential`  — this product's default gate (10 baseline runs, looks 2/5/10, trim 0.125);
-- `sequential-v1` — the same gate as it was before issue 12 (5 baseline runs, interquartile mean);
+- `sequential`  — this product's default gate (10 baseline runs, looks 2/5/10, trim 0.125, `block` seeds);
+- `sequential-v1` — the gate as it was before issue 12 (5 baseline runs, interquartile mean, `separate` seeds);
 - `fixed-5v2`   — the seed's protocol: pooled t at nominal α, 5 baseline runs, 2 challenger runs,
                   re-tested at 5 and 10 (same verdict table and escalation);
 - `fixed-10`    — pooled t at nominal α, one look at 10 runs against 10 baseline runs;
@@ -63,6 +73,7 @@ PRIOR: tuple[tuple[str, float, tuple[float, ...]], ...] = (
     ("harm", 0.08, (-0.5, -1.0, -2.0)),        # every task gets worse
     ("one_task_harm", 0.04, (-3.0,)),          # one task gets much worse
 )
+PRETRAIN_SHARE = 0.4  # hypotheses that change pretraining: their seeds' pretraining is their own
 TARGETS = {  # issue 12, for the `sequential` rule
     0.02: {"horizontal>=1": 0.95, "horizontal@0.5": 0.60},
     0.6: {"horizontal@2": 0.90, "horizontal@1": 0.60},
@@ -78,14 +89,15 @@ class Rule:
     baseline_runs: int
     looks: tuple[int, ...]
     trim: float = 0.125
+    seeds: str = "fresh"  # block | separate | fresh (see the module docstring)
 
 
 RULES = (
-    Rule("sequential", "sequential", 10, (2, 5, 10), 0.125),
-    Rule("sequential-v1", "sequential", 5, (2, 5, 10), 0.25),
-    Rule("fixed-5v2", "fixed", 5, (2, 5, 10), 0.25),
-    Rule("fixed-10", "fixed", 10, (10,), 0.125),
-    Rule("keep-discard", None, 1, (1,)),
+    Rule("sequential", "sequential", 10, (2, 5, 10), 0.125, "block"),
+    Rule("sequential-v1", "sequential", 5, (2, 5, 10), 0.25, "separate"),
+    Rule("fixed-5v2", "fixed", 5, (2, 5, 10), 0.25, "fresh"),
+    Rule("fixed-10", "fixed", 10, (10,), 0.125, "fresh"),
+    Rule("keep-discard", None, 1, (1,), 0.125, "fresh"),
 )
 
 
@@ -104,12 +116,15 @@ def read_noise(path: Path) -> dict[str, Any]:
             "rho_measured": doc.get("mean_cross_task_correlation"), "seeds": doc.get("runs")}
 
 
-def draw_runs(rng: np.random.Generator, mu: np.ndarray, seeds: int, rho: float) -> np.ndarray:
-    """(B, J, seeds) runs around the true levels `mu` (B, J), in σ units, cross-task correlation ρ."""
+def draw_runs(rng: np.random.Generator, mu: np.ndarray, sigma: np.ndarray, seeds: int, rho: float,
+              common: np.ndarray | None = None) -> np.ndarray:
+    """(B, J, seeds) runs around the true levels `mu` (B, J), per-task σ, cross-task correlation ρ;
+    `common` (B, 1, seeds): the seeds' shared shocks, if they are shared with other runs."""
     b, j = mu.shape
-    common = rng.standard_normal((b, 1, seeds))
+    if common is None:
+        common = rng.standard_normal((b, 1, seeds))
     own = rng.standard_normal((b, j, seeds))
-    return mu[..., None] + math.sqrt(rho) * common + math.sqrt(1 - rho) * own
+    return mu[..., None] + sigma[None, :, None] * (math.sqrt(rho) * common[..., :seeds] + math.sqrt(1 - rho) * own)
 
 
 def draw_hypotheses(rng: np.random.Generator, b: int, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -128,14 +143,20 @@ def draw_hypotheses(rng: np.random.Generator, b: int, j: int) -> tuple[np.ndarra
     return cls, size, effect
 
 
-def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int) -> dict[str, Any]:
+def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int, sigma: np.ndarray,
+             rule_index: int = 0, fresh_seeds: bool = False) -> dict[str, Any]:
     """Run `campaigns` independent campaigns of `hypotheses` each through one rule, vectorised over campaigns."""
     from agent.graph import allowed_decisions
 
-    rng = np.random.default_rng(seed)
+    population = np.random.default_rng([seed, 1])  # the same hypotheses for every rule
+    rng = np.random.default_rng([seed, 2, rule_index])  # this rule's noise
     B, J = campaigns, TASKS
-    mu = np.zeros((B, J))  # the current baseline's true level (σ units)
-    base = draw_runs(rng, mu, rule.baseline_runs, rho)
+    sigma = np.asarray(sigma, dtype=float)[:J]
+    unit = float(np.median(sigma))  # results in σ units: over the median σ
+    seeds = "fresh" if fresh_seeds else rule.seeds
+    mu = np.zeros((B, J))  # the current baseline's true level (metric units)
+    shocks = rng.standard_normal((B, 1, max(rule.looks[-1], rule.baseline_runs)))  # this baseline's seed block
+    base = draw_runs(rng, mu, sigma, rule.baseline_runs, rho, shocks if seeds == "block" else None)
     runs_chal = np.zeros(B)
     runs_base = np.full(B, float(rule.baseline_runs))
     measured = np.zeros(B)  # Σ of the Δ the rule saw at its promotions (mean over tasks)
@@ -146,10 +167,15 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int)
     improvement_code = ORDER.index(next(v for v in ORDER if v.value == "improvement"))
 
     for _ in range(hypotheses):
-        cls, size, effect = draw_hypotheses(rng, B, J)
-        chal = draw_runs(rng, mu + effect, rule.looks[-1], rho)
+        cls, size, effect = draw_hypotheses(population, B, J)
+        own_pretraining = population.random(B) < PRETRAIN_SHARE
+        effect = effect * sigma[None, :]
+        chal = draw_runs(rng, mu + effect, sigma, rule.looks[-1], rho)
+        if seeds in ("block", "separate"):  # shared pretraining: the block's shocks instead of fresh ones
+            shared = draw_runs(rng, mu + effect, sigma, rule.looks[-1], rho, shocks)
+            chal = np.where(own_pretraining[:, None, None], chal, shared)
         if rule.protocol is None:  # keep/discard: one run, one number, no test
-            value = chal[..., 0].mean(axis=1)
+            value = (chal[..., 0] / sigma).mean(axis=1)
             promote = value > best_seen
             spent = np.ones(B)
             seen = value - best_seen
@@ -162,7 +188,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int)
             ])
             assert np.array_equal(promote, code == improvement_code)
             spent = np.asarray(rule.looks, dtype=float)[k_stop]
-            seen = path.task_delta[np.arange(B), k_stop].mean(axis=1)
+            seen = (path.task_delta[np.arange(B), k_stop] / sigma).mean(axis=1)
             promoted_classes += np.bincount(code[promote], minlength=len(ORDER))
         runs_chal += spent
         for i in range(B):
@@ -176,8 +202,9 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int)
         mu = np.where(promote[:, None], mu + effect, mu)
         if rule.protocol is None:
             best_seen = np.where(promote, value, best_seen)
-        elif promote.any():  # the new baseline's fresh runs
-            fresh = draw_runs(rng, mu, rule.baseline_runs, rho)
+        elif promote.any():  # the new baseline's fresh runs on a new seed block
+            shocks = np.where(promote[:, None, None], rng.standard_normal(shocks.shape), shocks)
+            fresh = draw_runs(rng, mu, sigma, rule.baseline_runs, rho, shocks if seeds == "block" else None)
             base = np.where(promote[:, None, None], fresh, base)
             runs_base += promote * rule.baseline_runs
 
@@ -193,7 +220,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int)
         return float(key.split("@")[1])
 
     hyp_by_class = {name: sum(v[0] for k, v in counts.items() if cls_of(k) == name) for name, _, _ in PRIOR}
-    true_gain = mu.mean(axis=1)  # the final baseline's true improvement over the first, σ units
+    true_gain = (mu / sigma).mean(axis=1)  # the final baseline's true improvement over the first, σ units
     total_runs = runs_chal + runs_base
     out = {
         "rule": rule.name,
@@ -202,6 +229,8 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int)
         "looks": list(rule.looks),
         "trim": rule.trim if rule.protocol else None,
         "rho": rho,
+        "seeds": seeds,
+        "sigma_unit": unit,
         "campaigns": campaigns,
         "hypotheses": hypotheses,
         "promoted": {
@@ -273,17 +302,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rho", type=float, nargs="+", default=[0.02, 0.6])
     ap.add_argument("--noise", type=Path, default=ROOT / "benchmarks" / "results" / "headroom.json")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fresh-seeds", action="store_true", help="challengers draw fresh seed shocks (no shared seeds)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     noise = read_noise(args.noise)
-    sigma_median = float(np.median(noise["sigma"])) if noise.get("sigma") else None
+    sigma = np.array(noise["sigma"], dtype=float)
+    if len(sigma) < TASKS or not np.all(sigma > 0):
+        raise SystemExit(f"{args.noise}: expected a positive σ for at least {TASKS} tasks")
+    sigma_median = float(np.median(sigma))
     t0 = time.perf_counter()
     rows = []
     for rho in args.rho:
         for i, rule in enumerate(RULES):
             t = time.perf_counter()
-            rows.append(campaign(rule, rho, args.campaigns, args.hypotheses, seed=args.seed + 1000 * i))
+            rows.append(campaign(rule, rho, args.campaigns, args.hypotheses, args.seed, sigma, i, args.fresh_seeds))
             print(f"  [{rule.name} ρ={rho}: {time.perf_counter() - t:.1f}s]", file=sys.stderr)
     misses = check(rows)
     doc = {
@@ -303,8 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print("prior: " + ", ".join(f"{c} {s:.0%} {list(z)}σ" for c, s, z in PRIOR))
-        print(f"noise: {noise['source']} (median σ {sigma_median:.4f}, measured ρ {noise['rho_measured']:.3f} over "
-              f"{noise['seeds']} seeds); {args.campaigns} campaigns × {args.hypotheses} hypotheses per rule")
+        print(f"noise: per-task σ from {noise['source']} (median {sigma_median:.4f}; the file's own ρ over its "
+              f"{noise['seeds']} seeds: {noise['rho_measured']:.3f}); seeds "
+              f"{'fresh for every rule' if args.fresh_seeds else 'per rule (block / separate / fresh)'}, "
+              f"{PRETRAIN_SHARE:.0%} of hypotheses change pretraining; "
+              f"{args.campaigns} campaigns × {args.hypotheses} hypotheses per rule")
         print(table(rows, sigma_median))
         print("\ntargets (sequential):", "all met" if not misses else "; ".join(misses))
     return 1 if misses else 0

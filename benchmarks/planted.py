@@ -107,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         h, gate = rep["hypothesis"], rep.get("gate") or {}
         hz = gate.get("horizontal") or {}
         rows.append({"id": hid, "truth": kind, "variant": variant, "verdict": h.get("verdict"),
-                     "decision": h.get("decision"), "look": h.get("look"), "tag": h.get("promoted_tag"),
+                     "decision": h.get("decision"), "look": gate.get("look"), "tag": h.get("promoted_tag"),
                      "horizontal_delta": hz.get("delta"), "horizontal_t": hz.get("t"),
                      "seconds": round(time.time() - t, 1)})
-        print(f"#{hid} {kind:<4} {variant:<22} {h.get('verdict')!s:<13} {h.get('decision')!s:<8} look {h.get('look')} "
+        print(f"#{hid} {kind:<4} {variant:<22} {h.get('verdict')!s:<13} {h.get('decision')!s:<8} look {gate.get('look')} "
               f"Δh {hz.get('delta') if hz.get('delta') is None else round(hz['delta'], 3)}σ  ({rows[-1]['seconds']:.0f} s)",
               flush=True)
     cli(lab, "variance", "--runs", "10", "--json", timeout=7200)  # the last champion's own runs, holdout included

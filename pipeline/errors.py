@@ -127,6 +127,11 @@ class RayUnavailable(ServiceUnavailable):
     """No Ray cluster at the address given."""
 
 
+class MixedDatasets(UserError):
+    """A comparison would mix runs measured on different datasets (a new generator version,
+    data_seed, size or trusted commit under an old store): refused, never judged."""
+
+
 class LabBusy(UserError):
     """Another live driver holds this lab's lease."""
 

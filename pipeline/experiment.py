@@ -13,40 +13,52 @@ picks a seed, builds a gate input or touches an executor. One object per lab and
     exp.release(commit)                               # a decided challenger's worktree goes
     exp.close()
 
-Seeds. A baseline's own runs use seeds BASELINE_SEED0, BASELINE_SEED0 + 1, ...; the challengers of
-a baseline that has had g promotions use g * SEED_BLOCK, g * SEED_BLOCK + 1, ... So the two arms of
-a comparison never share a seed; a promoted champion re-verifies on seeds it was not selected on;
-and its own challengers never replay the lucky seeds it was selected on (with deterministic
-training, a no-op of the champion would reproduce them run for run). Challengers of one baseline
-share their seeds, hence their seed-scoped stages (pretraining) through the cache.
+Seeds. A baseline that has had g promotions owns the seed block g * SEED_BLOCK, g * SEED_BLOCK + 1,
+...: its own runs use the first `baseline_runs` seeds of it and its challengers the first `look`
+seeds. So a challenger and its baseline share seed k, and with it every seed-scoped stage
+(pretraining) through the cache whenever the challenger does not change that stage: the seed's
+shock, common to every task, is then the same in both arms instead of noise between them (at a
+cross-task correlation of 0.6 that is most of a run's noise; `benchmarks/loop_quality.py`), and a
+baseline whose seeds happen to be unlucky is unlucky for its challengers too, instead of holding
+them back until a large gain breaks through. A promoted champion re-verifies on the next block,
+seeds it was not selected on; its own challengers use that block too, so they never replay the
+lucky seeds it was selected on (with deterministic training a no-op of the champion reproduces the
+champion's runs exactly: Δ = 0, never promoted). The pooled t ignores the pairing, so it is
+conservative where the arms share a shock.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Any
 
 from pipeline import runner
-from pipeline.lab import BASELINE_SEED0, SEED_BLOCK, Lab
+from pipeline.lab import SEED_BLOCK, SEED_BLOCKS, Lab
 
 BASELINE_TAGS = "baseline/v*"  # one tag per promotion: the generation of a baseline is how many it holds
 
 
-def baseline_seeds(n: int) -> range:
-    """The seeds of a baseline's own first `n` runs (disjoint from every challenger's)."""
-    return range(BASELINE_SEED0, BASELINE_SEED0 + n)
+def seed_block(generation: int) -> range:
+    """The seeds owned by a baseline with `generation` promotions: its own runs and its challengers'."""
+    start = (generation % SEED_BLOCKS) * SEED_BLOCK
+    return range(start, start + SEED_BLOCK)
+
+
+def baseline_seeds(n: int, generation: int = 0) -> range:
+    """The seeds of the first `n` own runs of a baseline with `generation` promotions."""
+    return seed_block(generation)[:n]
 
 
 def challenger_seeds(n_runs: int, generation: int = 0) -> range:
-    """The seeds of the first `n_runs` runs of a challenger of a baseline with `generation` promotions."""
-    start = (generation % (BASELINE_SEED0 // SEED_BLOCK)) * SEED_BLOCK
-    return range(start, start + n_runs)
+    """The seeds of the first `n_runs` runs of a challenger of a baseline with `generation` promotions
+    (the same block as the baseline's: seed k of one arm pairs with seed k of the other)."""
+    return seed_block(generation)[:n_runs]
 
 
-@functools.lru_cache(maxsize=256)
 def generation(root: str, commit: str) -> int:
-    """How many promotions (tags baseline/v*) the commit's history holds: 0 for the first baseline."""
+    """How many promotions (tags baseline/v*) the commit's history holds: 0 for the first baseline.
+
+    Not cached: a challenger's commit gains a generation when it is promoted (fast-forward)."""
     import git
 
     return len(git.Repo(root).git.tag("--merged", commit, "--list", BASELINE_TAGS).split())
@@ -62,20 +74,28 @@ class Experiment:
 
     # --- seeds ---------------------------------------------------------------------------------
 
-    def baseline_seeds(self, n: int | None = None) -> range:
-        return baseline_seeds(self.lab.config.gate.baseline_runs if n is None else n)
+    def generation(self, commit: str) -> int:
+        return generation(str(self.lab.root), commit)
+
+    def baseline_seeds(self, base_commit: str, n: int | None = None, *, gen: int | None = None) -> range:
+        """A baseline's own seeds (`baseline_runs` of them unless `n`)."""
+        g = self.generation(base_commit) if gen is None else gen
+        return baseline_seeds(self.lab.config.gate.baseline_runs if n is None else n, g)
 
     def challenger_seeds(self, base_commit: str, look: int) -> range:
-        return challenger_seeds(look, generation(str(self.lab.root), base_commit))
+        return challenger_seeds(look, self.generation(base_commit))
 
     # --- looks ---------------------------------------------------------------------------------
 
     def queue_look(self, base_commit: str, commit: str, look: int, label: str | None = None) -> list[int]:
         """Queue (idempotently) the baseline's runs and the challenger's runs for a look."""
         tasks = self.lab.tasks()
-        ids = runner.ensure_runs(self.store, self.lab, base_commit, tasks, self.baseline_seeds(), label="baseline")
-        ids += runner.ensure_runs(self.store, self.lab, commit, tasks, self.challenger_seeds(base_commit, look),
-                                  label=label, priority=1)
+        g = self.generation(base_commit)
+        self.store.mark_baseline(runner.resolve_commit(self.lab, base_commit))
+        ids = runner.ensure_runs(self.store, self.lab, base_commit, tasks, self.baseline_seeds(base_commit, gen=g),
+                                 label="baseline")
+        ids += runner.ensure_runs(self.store, self.lab, commit, tasks, challenger_seeds(look, g), label=label,
+                                  priority=1)
         return ids
 
     def finished(self, ids: list[int]) -> bool:
@@ -87,20 +107,23 @@ class Experiment:
 
         cfg = self.lab.config
         tasks = self.lab.tasks()
+        g = self.generation(base_commit)
+        seeds, own = challenger_seeds(look, g), self.baseline_seeds(base_commit, gen=g)
+        block = seed_block(g)
+        self._one_dataset(base_commit, commit, set(own), set(seeds))
         base = runner.results(self.store, self.lab, base_commit, tasks)
         chal = runner.results(self.store, self.lab, commit, tasks)
-        seeds = self.challenger_seeds(base_commit, look)
         inp = {
             "config": cfg.gate.model_dump(),
             "tasks": [
                 {
                     "task": t,
-                    "baseline": [base.get(t, {}).get(s) for s in self.baseline_seeds()],
+                    "baseline": [base.get(t, {}).get(s) for s in own],
                     # an infrastructure failure that exhausted its retries has no result: counted as failed
                     "challenger": [chal.get(t, {}).get(s) for s in seeds],
-                    # the variance prior: every run of the baseline commit on baseline seeds (gate runs and
-                    # variance studies), not the runs a promoted champion was selected on
-                    "history": [v for s, v in sorted(base.get(t, {}).items()) if s >= BASELINE_SEED0],
+                    # the variance prior: every run of the baseline commit on its own block (gate runs and
+                    # variance studies), not the runs a promoted champion was selected on (the block before)
+                    "history": [v for s, v in sorted(base.get(t, {}).items()) if s in block],
                 }
                 for t in tasks
             ],
@@ -109,13 +132,28 @@ class Experiment:
         }
         return evaluate(inp)
 
+    def _one_dataset(self, base_commit: str, commit: str, base_seeds: set[int], chal_seeds: set[int]) -> None:
+        """Both arms measured on one dataset, or `MixedDatasets` (one line; the look waits)."""
+        from pipeline.errors import MixedDatasets
+
+        seen = {r.dataset_id for sha, seeds in ((base_commit, base_seeds), (commit, chal_seeds))
+                for r in self.store.results_for(runner.resolve_commit(self.lab, sha))
+                if r.seed in seeds and r.dataset_id and r.outcome != "infra_failure"}
+        if len(seen) > 1:
+            raise MixedDatasets(
+                f"the runs of this comparison were measured on different datasets ({', '.join(sorted(seen))}): the data "
+                "changed under this store (a new generator version, data_seed, size or trusted commit); "
+                "use a fresh store (--db, or move runs/autoresearch.db aside) to measure on the new data")
+
     # --- champions -----------------------------------------------------------------------------
 
     def queue_champion(self, commit: str, label: str) -> list[int]:
-        """A new champion's own runs, on the baseline seeds no challenger uses: it re-verifies on
-        seeds it was not selected on (a fast-forward keeps the commit, so its challenger runs stay
-        as history)."""
-        return runner.ensure_runs(self.store, self.lab, commit, self.lab.tasks(), self.baseline_seeds(), label=label)
+        """A new champion's own runs, on its generation's block: it re-verifies on seeds it was not
+        selected on (a fast-forward keeps the commit, so its challenger runs stay in the store, on
+        the block before)."""
+        self.store.mark_baseline(runner.resolve_commit(self.lab, commit))
+        return runner.ensure_runs(self.store, self.lab, commit, self.lab.tasks(), self.baseline_seeds(commit),
+                                  label=label)
 
     def reverification(self, champion: str, commit: str, base_commit: str, look: int) -> dict[str, Any] | None:
         """How a champion (`champion`, e.g. its tag) did on its fresh baseline seeds, against the
@@ -125,7 +163,8 @@ class Experiment:
         tasks = lab.tasks()
         fresh = runner.results(self.store, lab, runner.resolve_commit(lab, champion), tasks)
         chosen = runner.results(self.store, lab, commit, tasks)
-        seeds, picked = list(self.baseline_seeds()), list(self.challenger_seeds(base_commit, look))
+        g = self.generation(base_commit)  # the champion's generation is one more than its baseline's
+        seeds, picked = list(self.baseline_seeds(base_commit, gen=g + 1)), list(challenger_seeds(look, g))
         if any(s not in fresh.get(t, {}) for t in tasks for s in seeds):
             return None
         rows, sign = [], 1.0 if cfg.benchmark.higher_is_better else -1.0
@@ -143,27 +182,26 @@ class Experiment:
                 "tasks_worse": sum(sign * (r["fresh"] - r["selected"]) < 0 for r in rows), "fresh_seeds": seeds}
 
     def standing(self, commit: str) -> dict[str, Any] | None:
-        """A baseline commit measured on its own runs (baseline seeds, never the runs it was selected
+        """A baseline commit measured on its own runs (its own block, never the runs it was selected
         on): the mean over tasks on the gate split and, on the same runs, on the sealed holdout
         (None without one). For status, the digest and the chart only: nothing that decides reads it."""
         lab = self.lab
         sha = runner.resolve_commit(lab, commit)
         tasks = lab.tasks()
+        block = seed_block(self.generation(sha))
         gate = runner.results(self.store, lab, sha, tasks)
         hold = self.store.holdout_scores(sha)
         g_means, h_means, runs = [], [], 0
         for t in tasks:
-            seeds = [s for s, v in gate.get(t, {}).items() if s >= BASELINE_SEED0 and v is not None]
+            seeds = [s for s, v in gate.get(t, {}).items() if s in block and v is not None]
             paired = [s for s in seeds if s in hold.get(t, {})]
             use = paired or seeds
-            if not use:
-                continue
+            if not use:  # a level over some of the tasks is not comparable with one over all of them
+                return None
             runs += len(use)
             g_means.append(sum(gate[t][s] for s in use) / len(use))
             if paired:
                 h_means.append(sum(hold[t][s] for s in paired) / len(paired))
-        if not g_means:
-            return None
         return {"commit": sha, "gate": sum(g_means) / len(g_means),
                 "holdout": sum(h_means) / len(h_means) if len(h_means) == len(g_means) else None,
                 "tasks": len(g_means), "runs": runs}

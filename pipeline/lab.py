@@ -82,10 +82,10 @@ class RunSection(_Strict):
     logs_max_mb: int = Field(default=2048, gt=0)  # stage logs, oldest removed past it
 
 
-# Seeds (the scheme is pipeline.experiment's): challengers of a baseline with g promotions use
-# g * SEED_BLOCK + i, a baseline's own runs BASELINE_SEED0 + i; the bounds below keep them apart.
+# Seeds (the scheme is pipeline.experiment's): a baseline with g promotions owns the block
+# g * SEED_BLOCK + i (g modulo SEED_BLOCKS): its own runs and its challengers' first seeds.
 SEED_BLOCK = 1000
-BASELINE_SEED0 = 1_000_000
+SEED_BLOCKS = 1000
 
 
 # `[gate]` is the gate's own configuration model (one model, one set of bounds)

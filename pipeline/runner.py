@@ -50,7 +50,7 @@ from pipeline.disk import DiskKeeper
 from pipeline.executors import Executor, StageJob, classify, make_executor
 from pipeline.harness import Harness, Prepared, PredictionsError
 from pipeline.harness.base import HOLDOUT_SPLIT
-from pipeline.lab import BASELINE_SEED0, Lab, load_lab
+from pipeline.lab import Lab, load_lab
 from pipeline.store import Claim, Goodput, Owner, Result, Store
 from pipeline.worktrees import WorktreeError, Worktrees
 
@@ -553,13 +553,13 @@ class Driver:
         if not math.isfinite(value):
             self._finish(run_id, "method_failure", None, "nan", f"metric is {value}")
             return
-        if run.seed >= BASELINE_SEED0:
+        if self.store.is_baseline(run.commit):
             self._score_holdout(run, predictions)
         self._finish(run_id, "ok", float(value), None, None)
 
     def _score_holdout(self, run: Any, predictions: Path) -> None:
-        """A baseline's own run (a champion's) is also scored on the sealed holdout split, into a
-        table nothing that decides reads; challenger runs never are (DESIGN §4)."""
+        """A baseline's run (the first baseline's, a champion's) is also scored on the sealed holdout
+        split, into a table nothing that decides reads; a challenger's never is (DESIGN §4)."""
         try:
             if not self.harness.has_holdout(self.prepared()):
                 return

@@ -131,6 +131,15 @@ class Result(SQLModel, table=True):
     created_at: float = Field(default_factory=now)
 
 
+class BaselineCommit(SQLModel, table=True):
+    """A commit measured as a baseline (its own runs, re-verification, variance study): only its runs
+    are scored on a harness's sealed holdout."""
+
+    __tablename__ = "baseline_commit"
+    commit: str = Field(primary_key=True, max_length=64)
+    marked_at: float = Field(default_factory=now)
+
+
 class HoldoutScore(SQLModel, table=True):
     """A baseline run's score on the sealed holdout split (DESIGN §4). Only a baseline's own runs
     (baseline seeds: the champions) are scored on it; it is read by status, the digest and the
@@ -675,6 +684,19 @@ class Store:
             if tasks is not None:
                 q = q.where(Result.task.in_(list(tasks)))  # type: ignore[attr-defined]
             return list(s.exec(q))
+
+    def mark_baseline(self, commit: str) -> None:
+        with self.session() as s:
+            if s.get(BaselineCommit, commit) is None:
+                s.add(BaselineCommit(commit=commit))
+                try:
+                    s.commit()
+                except IntegrityError:  # another driver marked it first
+                    s.rollback()
+
+    def is_baseline(self, commit: str) -> bool:
+        with self.session() as s:
+            return s.get(BaselineCommit, commit) is not None
 
     def holdout_put(self, run_id: int, commit: str, task: str, seed: int, value: float) -> None:
         with self.session() as s:

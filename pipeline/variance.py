@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import runner
-from pipeline.experiment import baseline_seeds
+from pipeline.experiment import Experiment
 from pipeline.lab import BASELINE_BRANCH, Lab
 
 
@@ -22,7 +22,9 @@ def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASEL
 
     tasks = lab.tasks()
     sha = runner.resolve_commit(lab, commit)
-    seeds = baseline_seeds(runs)  # the baseline's own seeds: its gate runs are reused
+    exp = Experiment(lab, store)
+    seeds = exp.baseline_seeds(sha, runs)  # the baseline's own seeds: its gate runs are reused
+    store.mark_baseline(sha)
     ids = runner.ensure_runs(store, lab, sha, tasks, seeds, label="variance study")
     with runner.Driver(lab, store, executor) as driver:
         driver.drive(until=ids, stop=stop)

@@ -31,7 +31,8 @@ from fake_openai import content
 BASE_VALUES = [0.600, 0.604, 0.598]
 
 
-def plant(store, commit: str, values: list[float], shift: dict[str, float] | None = None) -> None:
+def plant(store, commit: str, values: list[float], shift: dict[str, float] | None = None,
+          dataset: str | None = None) -> None:
     """Finish the queued runs of `commit` with `values[seed]` (+ a per-task shift), like an executor."""
     from pipeline.lab import SEED_BLOCK
     from pipeline.store import Owner, Result
@@ -40,7 +41,8 @@ def plant(store, commit: str, values: list[float], shift: dict[str, float] | Non
     for claim in store.claim(owner, 100, commits=[commit]):
         run = claim.run
         value = values[run.seed % SEED_BLOCK] + (shift or {}).get(run.task, 0.0)
-        assert store.finish(claim, Result(run_id=run.id, commit=run.commit, task=run.task, seed=run.seed, value=value))
+        assert store.finish(claim, Result(run_id=run.id, commit=run.commit, task=run.task, seed=run.seed, value=value,
+                                          dataset_id=dataset))
 
 
 def measured(loop, challenger: list[float]):
@@ -95,12 +97,12 @@ def test_an_improvement_is_promoted_merged_tagged_and_the_new_baseline_queued(la
     assert h.base_commit == base_before
     assert git(lab, "rev-parse", BASELINE) == h.commit == git(lab, "rev-parse", "baseline/v1^{commit}")
     assert git(lab, "rev-parse", "exp/1^{commit}") == git(lab, "rev-parse", h.branch) == h.commit
-    # the new champion re-verifies on fresh seeds: its challenger runs (seeds 0, 1) stay as history and
-    # every (task, baseline seed) is queued anew; no baseline seed is one it was selected on
+    # the new champion re-verifies on fresh seeds, the next block: its challenger runs (seeds 0, 1) stay
+    # in the store and every (task, own seed) is queued anew; none is a seed it was selected on
     runs = loop.store.runs(commit=h.commit)
     assert sorted((r.task, r.seed) for r in runs if r.status != "queued") == sorted((t, s) for t in TASKS for s in (0, 1))
     assert sorted((r.task, r.seed) for r in runs if r.status == "queued") == sorted(
-        (t, s) for t in TASKS for s in (1_000_000, 1_000_001, 1_000_002))
+        (t, s) for t in TASKS for s in (1000, 1001, 1002))
     # the next hypothesis branches off the new baseline
     from agent.commands import status
 
@@ -114,9 +116,11 @@ def test_status_and_digest_set_the_gate_split_beside_the_holdout_champion_by_cha
         h = measured(loop, [0.700, 0.703])
         assert h.decision == "promote"
         plant(loop.store, h.commit, [0.690, 0.690, 0.690])  # the champion's fresh runs, on its own seeds
-        for commit, value in ((h.base_commit, 0.610), (h.commit, 0.630)):  # what the runner's holdout scorer wrote
+        # what the runner's holdout scorer wrote: each baseline's own runs (its own seed block)
+        for commit, value, own in ((h.base_commit, 0.610, (0, 1, 2)), (h.commit, 0.630, (1000, 1001, 1002))):
+            assert loop.store.is_baseline(commit)
             for r in loop.store.runs(commit=commit):
-                if r.seed >= 1_000_000:
+                if r.seed in own:
                     loop.store.holdout_put(r.id, r.commit, r.task, r.seed, value)
     finally:
         loop.close()
@@ -132,6 +136,24 @@ def test_status_and_digest_set_the_gate_split_beside_the_holdout_champion_by_cha
     assert pr["reuse_gap"] == pytest.approx(0.690 - base_gate - 0.020)
     md = digest_markdown(digest(lab, None, "1d"))
     assert f"gate split {0.690 - base_gate:+.4f}, holdout +0.0200" in md
+
+
+def test_a_comparison_across_two_datasets_is_refused_in_one_line_and_loses_nothing(lab: Path) -> None:
+    from pipeline.errors import MixedDatasets
+
+    seed_lr(lab)
+    loop = make_loop(lab, offline=True)
+    try:
+        h = one_pass(loop)
+        plant(loop.store, h.base_commit, BASE_VALUES, dataset="transactions-v1-small-d0-n300")  # an older store
+        plant(loop.store, h.commit, [0.700, 0.703], dataset="transactions-v2-small-d0-n300")
+        with pytest.raises(MixedDatasets, match="different datasets"):
+            loop.advance(h)
+        again = loop.records.get(h.id)
+        assert (again.status, again.verdict, again.decision) == ("measuring", None, None)
+        assert not loop.store.gate_records(str(h.id), kind="verdict")
+    finally:
+        loop.close()
 
 
 def test_a_promotion_after_the_baseline_moved_is_a_merge_commit(lab: Path) -> None:
@@ -276,12 +298,12 @@ def test_a_promoted_champion_is_re_verified_on_fresh_seeds_and_its_shrinkage_rec
         assert h2.base_commit == h.commit and h2.status == "measuring"
         runs = loop.store.runs(loop.pending_runs(h2))
         assert sorted({(r.commit, r.seed) for r in runs}) == sorted(
-            [(h.commit, s) for s in (1_000_000, 1_000_001, 1_000_002)] + [(h2.commit, s) for s in (1000, 1001)])
+            [(h.commit, s) for s in (1000, 1001, 1002)] + [(h2.commit, s) for s in (1000, 1001)])
     finally:
         loop.close()
     (rec,) = loop.store.gate_records(str(h.id), kind="reverify")
     r = rec.payload
-    assert r["tag"] == "baseline/v1" and r["fresh_seeds"] == [1_000_000, 1_000_001, 1_000_002]
+    assert r["tag"] == "baseline/v1" and r["fresh_seeds"] == [1000, 1001, 1002]
     assert abs(r["selected_mean"] - (0.7015 + 0.025)) < 1e-9 and abs(r["fresh_mean"] - (0.692 + 0.025)) < 1e-9
     assert abs(r["shrinkage"] - (0.692 - 0.7015)) < 1e-9 and r["tasks_worse"] == 2
     events = [e.message for e in loop.records.events() if e.kind == "reverified"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 
 from pipeline.errors import UserError
@@ -64,3 +66,31 @@ def test_bad_settings_are_user_errors(kwargs):
     with pytest.raises(SimInputError) as e:
         simulate(trials=10, **kwargs)
     assert isinstance(e.value, UserError)
+
+
+@pytest.mark.parametrize("protocol,hib,trim,tasks", [("sequential", True, 0.125, 8), ("sequential", False, 0.25, 3),
+                                                     ("fixed", True, 0.125, 4)])
+def test_look_path_judges_every_look_as_evaluate_does(protocol, hib, trim, tasks):
+    """The simulator's batched looks are the gate's: verdict and horizontal Δ equal `evaluate`'s at each look."""
+    from pipeline.gate import evaluate
+    from pipeline.gate.sim import look_path
+    from pipeline.gate.verdict import ORDER
+
+    rng = np.random.default_rng(11)
+    b, n, looks = 40, 5, (2, 4, 6)
+    effect = rng.choice([0.0, 0.8, 2.0], size=(b, 1, 1))
+    base = rng.normal(size=(b, tasks, n))
+    chal = rng.normal(size=(b, tasks, looks[-1])) + effect
+    sign = 1.0 if hib else -1.0
+    path = look_path(protocol, base, chal, looks, horizontal_trim=trim)
+    for i in range(b):
+        for k, m in enumerate(looks):
+            r = evaluate({
+                "config": {"protocol": protocol, "baseline_runs": n, "looks": list(looks), "horizontal_trim": trim,
+                           "higher_is_better": hib},
+                "tasks": [{"task": f"t{j}", "baseline": list(sign * base[i, j]), "challenger": list(sign * chal[i, j, :m])}
+                          for j in range(tasks)],
+                "looks_done": [x for x in looks if x < m], "at_look": True,
+            })
+            assert r.verdict == ORDER[path.codes[i, k]], (i, k)
+            assert r.horizontal.delta == pytest.approx(path.horizontal_delta[i, k])

@@ -120,3 +120,17 @@ def test_trimmed_mean_matches_scipy_and_bounds_one_task():
     assert np.all(trimmed_mean(big, trim=0.125) <= x[:, 1:].max(axis=1) + 1e-12)
     with pytest.raises(ValueError):
         trimmed_mean(x, trim=0.5)
+
+
+@pytest.mark.parametrize("values,trim,want", [
+    ([1.0, 3.0], 0.125, 2.0),                                  # two tasks: the plain mean
+    ([0.0, 1.0, 5.0], 0.125, (0.0 * 5 + 1.0 * 8 + 5.0 * 5) / 18),  # three: weights 5/18, 8/18, 5/18
+    ([0.0, 1.0, 2.0, 9.0], 0.125, (0.0 + 2 * 1.0 + 2 * 2.0 + 9.0) / 6),  # four: 1/6, 1/3, 1/3, 1/6
+    ([0.0, np.nan, 1.0, 2.0, 9.0], 0.125, (0.0 + 2 * 1.0 + 2 * 2.0 + 9.0) / 6),  # NaN left out
+    ([np.nan, np.nan], 0.125, np.nan),
+])
+def test_trimmed_mean_at_few_tasks(values, trim, want):
+    from pipeline.gate.stats import trimmed_mean
+
+    got = float(trimmed_mean(np.array(values), trim=trim))
+    assert (np.isnan(got) and np.isnan(want)) or got == pytest.approx(want)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,15 +17,23 @@ def test_loop_quality_small_population(tmp_path):
          "--rho", "0.02", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )
-    assert done.returncode in (0, 1), done.stderr
+    assert done.returncode in (0, 1), done.stderr  # 1: a target missed, which a population this small may do
     doc = json.loads(out.read_text())
     rules = {r["rule"]: r for r in doc["rules"]}
     assert set(rules) == {"sequential", "sequential-v1", "fixed-5v2", "fixed-10", "keep-discard"}
-    seq, kd, f10 = rules["sequential"], rules["keep-discard"], rules["fixed-10"]
-    # a null is promoted by one noisy run far more often than by the gate
-    assert kd["promoted"]["null"] > 5 * max(seq["promoted"]["null"], 0.01)
-    assert seq["promoted"]["horizontal@3"] > 0.95 and seq["promoted"]["harm"] < 0.02
-    # the sequential gate stops nulls early: far fewer runs than a fixed 10
-    assert seq["challenger_runs_per_null"] < 0.5 * f10["challenger_runs_per_null"] == 5.0
-    assert kd["challenger_runs_per_hypothesis"] == 1.0
-    assert seq["drift"]["true"] > 0
+    seq, v1, kd, f10 = (rules[k] for k in ("sequential", "sequential-v1", "keep-discard", "fixed-10"))
+    assert (seq["seeds"], v1["seeds"], kd["seeds"]) == ("block", "separate", "fresh")
+    # a null is promoted by one noisy run far more often than by the gate, and so is a harm
+    assert kd["promoted"]["null"] > 0.10 and seq["promoted"]["null"] < 0.04
+    assert kd["promoted"]["harm"] > seq["promoted"]["harm"] == 0.0
+    # large gains always get through; the gate stops nulls early: under half the runs of a fixed 10
+    assert seq["promoted"]["horizontal@3"] > 0.95
+    assert f10["challenger_runs_per_null"] == 10.0 and seq["challenger_runs_per_null"] < 5.0
+    # the baseline's runs are counted: 10 at the start and 10 per promotion (a mean over campaigns)
+    promotions = (seq["baseline_runs_per_hypothesis"] * seq["hypotheses"] - 10) / 10
+    assert promotions >= 1
+    assert seq["runs_per_hypothesis"] == pytest.approx(seq["challenger_runs_per_hypothesis"]
+                                                       + seq["baseline_runs_per_hypothesis"])
+    # the campaign banks real improvement, and the gate's measured drift exceeds the true one
+    # (promotions are selected on lucky runs): the winner's curse, measured
+    assert seq["drift"]["true"] > 1 and seq["drift"]["measured"] > seq["drift"]["true"]

@@ -228,7 +228,7 @@ def test_re_verification_of_a_logloss_champion_calls_a_rise_worse(svc, monkeypat
     h, _ = _measure(svc, {"default": -8.0, "churn": -8.0, "fraud": -8.0})
     h = svc.records.update(h.id, promoted_tag="baseline/v1")
     tasks = svc.lab.tasks()
-    fresh_seeds = list(svc.experiment.baseline_seeds())
+    fresh_seeds = list(svc.experiment.baseline_seeds(h.base_commit, gen=svc.experiment.generation(h.base_commit) + 1))
     picked = list(svc.experiment.challenger_seeds(h.base_commit, h.look))
 
     def plant(fresh_shift: float):

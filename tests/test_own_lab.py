@@ -264,11 +264,11 @@ def test_own_lab_runs_offline_measures_gates_promotes_the_true_gain_and_abandons
 
         # measured: one finite result per (task, challenger seed) of its look, and its baseline's runs
         results = store.results_for(h.commit)
-        challenger = [r for r in results if r.seed < 1_000_000]
+        challenger = [r for r in results if r.seed in range(h.look)]  # a first-generation challenger
         assert h.look in (2, 3) and len(challenger) == h.look * len(TASKS), (h.id, len(challenger))
         assert {r.task for r in challenger} == set(TASKS)
         assert all(math.isfinite(r.value) for r in challenger)
-        baseline = [r for r in store.results_for(h.base_commit) if r.seed >= 1_000_000]
+        baseline = [r for r in store.results_for(h.base_commit) if r.seed < 1000]
         assert len(baseline) >= 3 * len(TASKS)
         base_results[h.base_commit] = baseline
 
