@@ -249,8 +249,11 @@ def test_own_lab_runs_offline_measures_gates_promotes_the_true_gain_and_abandons
         assert set(targets.files) == {"id", *TASKS}
         assert list(test["id"]) == list(targets["id"]) and 800 < len(test["id"]) < 1200
 
+    from pipeline.experiment import Experiment, seed_block
+
     lab = open_lab(root)
     store = runner.open_store(lab)
+    exp = Experiment(lab, store)
     hs = sorted(records(root).all(), key=lambda h: h.id)
     assert [h.id for h in hs] == out["hypotheses"]
     base_results = {}
@@ -264,11 +267,12 @@ def test_own_lab_runs_offline_measures_gates_promotes_the_true_gain_and_abandons
 
         # measured: one finite result per (task, challenger seed) of its look, and its baseline's runs
         results = store.results_for(h.commit)
-        challenger = [r for r in results if r.seed in range(h.look)]  # a first-generation challenger
+        challenger = [r for r in results if r.seed in exp.challenger_seeds(h.base_commit, h.look)]
         assert h.look in (2, 3) and len(challenger) == h.look * len(TASKS), (h.id, len(challenger))
         assert {r.task for r in challenger} == set(TASKS)
         assert all(math.isfinite(r.value) for r in challenger)
-        baseline = [r for r in store.results_for(h.base_commit) if r.seed < 1000]
+        own = seed_block(exp.generation(h.base_commit))  # the baseline's own runs: its block
+        baseline = [r for r in store.results_for(h.base_commit) if r.seed in own]
         assert len(baseline) >= 3 * len(TASKS)
         base_results[h.base_commit] = baseline
 
