@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/planted.py [--lab runs/planted-lab] [--workers 2] [--json OUT]
 
-Builds a demo lab (`autoresearch init`, the small suite cut to four tasks on which every planted
-gain of `benchmarks/headroom.py` is positive), then plays a researcher: for each hypothesis of
+Builds a demo lab (`autoresearch init`, the small suite's 8 tasks, on which `benchmarks/headroom.py`
+measured the planted gains; `--tasks` cuts it down), then plays a researcher: for each hypothesis of
 `CAMPAIGN` in turn it branches off the *current* baseline with the variant's edits
 (`pipeline.harness.transactions.variants`: PLANTED gains, NOOPS, HARMS), seeds the branch
 (`autoresearch seed --branch`) and runs the loop on it (`autoresearch run --offline
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.harness.transactions.variants import HARMS, NOOPS, PLANTED, apply_edit  # noqa: E402
 
-TASKS = ["default_90d", "churn_60d", "fraud_alert", "betting_limit"]
+TASKS: list[str] | None = None  # None: the suite's tasks
 BASELINE = "autoresearch/baseline"
 # In order; harms and no-ops first and between the gains, so each is tested against a baseline
 # that has already moved as well as against the first one.
@@ -63,15 +63,16 @@ def cli(lab: Path, *args: str, timeout: float | None = None) -> subprocess.Compl
     return sh(str(ROOT / ".venv" / "bin" / "autoresearch"), "--repo", str(lab), *args, cwd=lab, timeout=timeout)
 
 
-def make_lab(lab: Path) -> None:
+def make_lab(lab: Path, tasks: list[str] | None) -> None:
     if lab.exists():
         shutil.rmtree(lab)
     sh(str(ROOT / ".venv" / "bin" / "autoresearch"), "init", str(lab), "--suite", "small", cwd=ROOT)
-    research = lab / "research.toml"
-    text = research.read_text()
-    assert "data_seed = 0\n" in text
-    research.write_text(text.replace("data_seed = 0\n", f"data_seed = 0\ntasks = {json.dumps(TASKS)}\n", 1))
-    sh("git", "commit", "-qam", "planted campaign: four tasks", cwd=lab)
+    if tasks:
+        research = lab / "research.toml"
+        text = research.read_text()
+        assert "data_seed = 0\n" in text
+        research.write_text(text.replace("data_seed = 0\n", f"data_seed = 0\ntasks = {json.dumps(tasks)}\n", 1))
+        sh("git", "commit", "-qam", f"planted campaign: {len(tasks)} tasks", cwd=lab)
     sh("git", "branch", "-f", BASELINE, "HEAD", cwd=lab)
 
 
@@ -91,11 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lab", type=Path, default=ROOT / "runs" / "planted-lab")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--tasks", default="", help="comma-separated subset of the small suite (default: all 8)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     lab = args.lab.resolve()
+    tasks = [t for t in args.tasks.split(",") if t] or TASKS
     t0 = time.time()
-    make_lab(lab)
+    make_lab(lab, tasks)
+    tasks = json.loads(cli(lab, "check", "--json").stdout).get("tasks") if tasks is None else tasks
     rows: list[dict[str, Any]] = []
     for kind, variant in CAMPAIGN:
         t = time.time()
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     table = {k: {d: 0 for d in decisions} for k in VARIANTS}
     for r in rows:
         table[r["truth"]][r["decision"] if r["decision"] in decisions else "hold"] += 1
-    print(f"\ntruth × decision ({len(rows)} hypotheses, tasks {', '.join(TASKS)}):")
+    print(f"\ntruth × decision ({len(rows)} hypotheses, tasks {', '.join(tasks or [])}):")
     print(f"{'':<6}" + "".join(f"{d:>9}" for d in decisions))
     for k, counts in table.items():
         print(f"{k:<6}" + "".join(f"{counts[d]:>9}" for d in decisions))
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{pr['holdout_gain']:+.4f} = {pr['reuse_gap']:+.4f} AUC")
     print(f"wall time {wall / 60:.1f} min on {os.cpu_count()} cores, {args.workers} workers")
     if args.json:
-        args.json.write_text(json.dumps({"tasks": TASKS, "campaign": rows, "confusion": table, "progress": pr,
+        args.json.write_text(json.dumps({"tasks": tasks, "campaign": rows, "confusion": table, "progress": pr,
                                          "compute": st.get("compute"), "wall_s": round(wall, 1),
                                          "cores": os.cpu_count(), "workers": args.workers,
                                          "command": "benchmarks/planted.py " + " ".join(argv or sys.argv[1:])},
