@@ -104,6 +104,7 @@ RULES = (
 def read_noise(path: Path) -> dict[str, Any]:
     """Per-task σ (and the measured ρ) from headroom.json's baseline AUCs or a `variance --json` study."""
     doc = json.loads(path.read_text())
+    path = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
     if "auc" in doc:  # benchmarks/headroom.py: tasks × seeds of the template baseline
         runs = np.array(doc["auc"]["baseline"], dtype=float)
         sigma = runs.std(axis=1, ddof=1)
