@@ -141,9 +141,9 @@ class BaselineCommit(SQLModel, table=True):
 
 
 class HoldoutScore(SQLModel, table=True):
-    """A baseline run's score on the sealed holdout split (DESIGN §4). Only a baseline's own runs
-    (baseline seeds: the champions) are scored on it; it is read by status, the digest and the
-    progress chart, never by the gate, the agent or a prompt."""
+    """A baseline run's score on the sealed holdout split (DESIGN §4). Only the runs of commits in
+    `baseline_commit` (the first baseline, the champions) are scored on it; it is read by status,
+    the digest and the progress chart, never by the gate, the agent or a prompt."""
 
     __tablename__ = "holdout_score"
     run_id: int = Field(foreign_key="run.id", primary_key=True)
