@@ -253,16 +253,17 @@ def draw_progress(points: list[Point], path: Path, lab_name: str, metric: str, h
 def _draw_splits(ax: Any, champions: list[dict], metric: str) -> None:
     """Cumulative gain of each champion over the first baseline, on its own runs: gate split vs holdout."""
     xs = list(range(len(champions)))
-    ax.plot(xs, [c["gate_gain"] for c in champions], marker="o", color="#1f77b4", label="gate split (decided on)")
+    ax.plot(xs, [c["gate_gain"] for c in champions], marker="o", color="#1f77b4", label="gate split")
     hold = [(x, c["holdout_gain"]) for x, c in zip(xs, champions) if c["holdout_gain"] is not None]
     if hold:
-        ax.plot([x for x, _ in hold], [y for _, y in hold], marker="s", color="#d62728", label="holdout (never seen)")
+        ax.plot([x for x, _ in hold], [y for _, y in hold], marker="s", color="#d62728", label="holdout")
     ax.axhline(0.0, color="#888888", lw=0.8)
     ax.set_xticks(xs)
     ax.set_xticklabels([c["label"].removeprefix("baseline/") for c in champions], fontsize=8)
-    ax.set_xlabel("champion (measured on its own baseline-seed runs)")
+    ax.set_xlabel("champion (each measured on its own runs)")
     ax.set_ylabel(f"gain in {metric} since start\n(+ is better)", fontsize=9)
-    ax.set_title("test-reuse check: progress on the split the gate decides on vs a sealed holdout", fontsize=9, loc="left")
+    ax.set_title("test-reuse check: gain on the split the gate decides on vs on a sealed holdout it never sees",
+                 fontsize=9, loc="left")
     ax.grid(alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
 
