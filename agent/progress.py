@@ -38,14 +38,14 @@ def champions(records: Any) -> list[tuple[str, str, int | None]]:
 def split_progress(lab: Any, store: Any, records: Any) -> dict[str, Any]:
     """The champions' levels on both splits and the cumulative gains since the first baseline.
 
-    A champion's level is the mean over tasks of its own baseline-seed runs (the fresh runs it
+    A champion's level is the mean over tasks of its own runs (its seed block: the fresh runs it
     re-verified on), so the gate-split figure is already free of the selection on seeds; what is left
     between the two gains is the reuse of the gate's test rows. `holdout` is None where the harness
-    has none or a champion's runs are not in yet.
+    has none; a champion whose own runs are not all in yet has no point (the gains then run to the
+    latest champion that has one).
     """
-    from pipeline.experiment import Experiment
-
     from pipeline.errors import WorktreeError
+    from pipeline.experiment import Experiment
 
     exp = Experiment(lab, store)
     points = []
