@@ -131,7 +131,7 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
         "in_flight": [h.id for h in hyps if h.status in ACTIVE],
         "driver": driver.as_dict() if driver is not None else None,
         "disk": disk.usage(lab, store),
-        "plateau": {"since_promotion": rec.since_promotion(), "after": lab.config.agent.plateau_after},
+        "plateau": _plateau(lab, rec),
         "progress": split_progress(lab, store, rec),
         "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == "reject").items())),
         "compute": runner.goodput(store).as_dict(),
@@ -139,6 +139,10 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
                 "unreachable_since": llm_unreachable_since(rec)},
         "events": [{"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(5)],
     }
+
+
+def _plateau(lab: Any, rec: Records) -> dict[str, int]:
+    return {"since_promotion": rec.since_promotion(), "after": lab.config.agent.plateau_after}
 
 
 def llm_unreachable_since(rec: Records) -> float | None:
@@ -204,7 +208,7 @@ def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
         "rejected": [{"id": h.id, "title": h.title, "why": h.reject_kind} for h in done if h.decision == "reject"],
         "in_flight": [{"id": h.id, "title": h.title, "status": h.status} for h in hyps if h.status in ACTIVE],
         "awaiting_review": [h.id for h in rec.all() if h.review == "pending"],
-        "plateau": {"since_promotion": rec.since_promotion(), "after": lab.config.agent.plateau_after},
+        "plateau": _plateau(lab, rec),
         "compute": runner.goodput(store, since=t0).as_dict(),
         "llm_usd": round(Ledger(store.engine).spent_usd(t0), 4),
         **digest_extras(lab, store, rec, t0),  # baseline progress, holds, the progress chart (agent.summary)

@@ -238,10 +238,12 @@ class Loop:
     def plateau(self) -> bool:
         """`[agent] plateau_after` measured hypotheses in a row without a promotion: said once per
         baseline (an event in `status` and the digest); True when reached."""
-        n = self.records.since_promotion()
-        after = self.lab.config.agent.plateau_after
-        if n < after:
+        from agent.graph import plateau_of
+
+        n = plateau_of(self.svc)
+        if n is None:
             return False
+        after = self.lab.config.agent.plateau_after
         base = self.svc.workspace.baseline_head()
         said = [e for e in self.records.events(50) if e.kind == "plateau"]
         if not any(base[:10] in e.message for e in said):

@@ -199,7 +199,7 @@ def draw_progress(points: list[Point], path: Path, lab_name: str, metric: str, h
                   splits: dict | None = None) -> Path:
     """The baseline's level across hypotheses, each hypothesis a dot coloured by decision; below it,
     with a holdout and at least one champion, the cumulative gain on the gate split and on the holdout."""
-    champions = [p for p in (splits or {}).get("points", [])]
+    champions = (splits or {}).get("points", [])
     two = len(champions) >= 2
     fig = _figure(9.0, 7.2 if two else 4.8)
     ax = fig.add_subplot(2, 1, 1) if two else fig.add_subplot(1, 1, 1)

@@ -64,14 +64,13 @@ def split_progress(lab: Any, store: Any, records: Any) -> dict[str, Any]:
     sign = 1.0 if lab.config.benchmark.higher_is_better else -1.0
     out: dict[str, Any] = {"points": points, "gate_gain": None, "holdout_gain": None, "reuse_gap": None,
                            "oriented": "+ is better"}
-    if len(points) >= 2:
-        first, last = points[0], points[-1]
-        out["gate_gain"] = sign * (last["gate"] - first["gate"])
-        if first["holdout"] is not None and last["holdout"] is not None:
-            out["holdout_gain"] = sign * (last["holdout"] - first["holdout"])
-            out["reuse_gap"] = out["gate_gain"] - out["holdout_gain"]
     for p in points:
         p["gate_gain"] = sign * (p["gate"] - points[0]["gate"])
         p["holdout_gain"] = (sign * (p["holdout"] - points[0]["holdout"])
                              if p["holdout"] is not None and points[0]["holdout"] is not None else None)
+    if len(points) >= 2:  # the headline: the latest champion's gains
+        last = points[-1]
+        out["gate_gain"], out["holdout_gain"] = last["gate_gain"], last["holdout_gain"]
+        if last["holdout_gain"] is not None:
+            out["reuse_gap"] = last["gate_gain"] - last["holdout_gain"]
     return out

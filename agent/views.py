@@ -66,8 +66,7 @@ def print_status(st: dict[str, Any]) -> None:
     if pr and pr["points"]:
         con.print(progress_line(pr, metric["name"] if metric else "metric"))
         for p in pr["points"][1:]:
-            hold = f"{p['holdout_gain']:+.4f}" if p["holdout_gain"] is not None else "—"
-            con.print(f"  {escape(p['label'])} ({p['commit']}): gate split {p['gate_gain']:+.4f}, holdout {hold}")
+            con.print(f"  {escape(champion_line(p))}")
     pl = st.get("plateau")
     if pl and pl["since_promotion"] >= pl["after"]:
         con.print(f"[bold yellow]plateau[/bold yellow]: {pl['since_promotion']} measured hypotheses in a row without "
@@ -88,6 +87,12 @@ def progress_line(pr: dict[str, Any], metric: str) -> str:
     if pr["holdout_gain"] is None:
         return line + ", holdout: none (the harness has no holdout, or the champion's runs are not in yet)"
     return line + f", holdout {pr['holdout_gain']:+.4f} (test-reuse gap {pr['reuse_gap']:+.4f})"
+
+
+def champion_line(p: dict[str, Any]) -> str:
+    """One champion's gains since the first baseline, on the gate split and on the holdout."""
+    hold = f"{p['holdout_gain']:+.4f}" if p["holdout_gain"] is not None else "—"
+    return f"{p['label']} ({p['commit']}): gate split {p['gate_gain']:+.4f}, holdout {hold}"
 
 
 def report_markdown(repo: Path, h: Any, gate_md: str) -> str:
@@ -140,9 +145,7 @@ def digest_markdown(d: dict[str, Any]) -> str:
     pr = d.get("split_progress")
     if pr and pr["points"]:
         lines.append("- " + progress_line(pr, base.get("metric", "metric") if base else "metric"))
-        for p in pr["points"][1:]:
-            hold = _num(p["holdout_gain"], 4, True) if p["holdout_gain"] is not None else "—"
-            lines.append(f"  - {p['label']} ({p['commit']}): gate split {_num(p['gate_gain'], 4, True)}, holdout {hold}")
+        lines += [f"  - {champion_line(p)}" for p in pr["points"][1:]]
     c = d["compute"]
     lines.append(f"- compute: useful {_secs(c['useful_cpu_s'])}, goodput {c['goodput']:.1%}, "
                  f"saved by cache {_secs(c['saved_by_cache_cpu_s'])}, failed methods {_secs(c['method_failed_cpu_s'])}, "

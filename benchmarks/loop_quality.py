@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.gate.sim import look_path  # noqa: E402
-from pipeline.gate.verdict import ORDER  # noqa: E402
+from pipeline.gate.verdict import CODE, ORDER, Verdict  # noqa: E402
 
 TASKS = 8
 HORIZONTAL_SIZES = (0.5, 1.0, 2.0, 3.0)
@@ -165,16 +165,17 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
     counts: dict[str, list[int]] = {}  # key → [hypotheses, promoted]
     runs_by_class: dict[str, float] = {}
     promoted_classes = np.zeros(len(ORDER))
-    improvement_code = ORDER.index(next(v for v in ORDER if v.value == "improvement"))
+    improvement_code = CODE[Verdict.improvement]
 
     for _ in range(hypotheses):
         cls, size, effect = draw_hypotheses(population, B, J)
         own_pretraining = population.random(B) < PRETRAIN_SHARE
         effect = effect * sigma[None, :]
-        chal = draw_runs(rng, mu + effect, sigma, rule.looks[-1], rho)
-        if seeds in ("block", "separate"):  # shared pretraining: the block's shocks instead of fresh ones
-            shared = draw_runs(rng, mu + effect, sigma, rule.looks[-1], rho, shocks)
-            chal = np.where(own_pretraining[:, None, None], chal, shared)
+        common = None  # fresh seed shocks
+        if seeds in ("block", "separate"):  # shared pretraining: the block's shocks, unless changed
+            fresh = rng.standard_normal(shocks.shape)
+            common = np.where(own_pretraining[:, None, None], fresh, shocks)
+        chal = draw_runs(rng, mu + effect, sigma, rule.looks[-1], rho, common)
         if rule.protocol is None:  # keep/discard: one run, one number, no test
             value = (chal[..., 0] / sigma).mean(axis=1)
             promote = value > best_seen

@@ -64,6 +64,19 @@ def generation(root: str, commit: str) -> int:
     return len(git.Repo(root).git.tag("--merged", commit, "--list", BASELINE_TAGS).split())
 
 
+def _one_dataset(rows: list[Any]) -> None:
+    """The result rows of a comparison all measured on one dataset, or `MixedDatasets` (one line; the
+    look waits at its checkpoint)."""
+    from pipeline.errors import MixedDatasets
+
+    seen = {r.dataset_id for r in rows if r.dataset_id and r.outcome != "infra_failure"}
+    if len(seen) > 1:
+        raise MixedDatasets(
+            f"the runs of this comparison were measured on different datasets ({', '.join(sorted(seen))}): the data "
+            "changed under this store (a new generator version, data_seed, size or trusted commit); "
+            "use a fresh store (--db, or move runs/autoresearch.db aside) to measure on the new data")
+
+
 class Experiment:
     """The measurement protocol of one lab, over one store."""
 
@@ -110,9 +123,10 @@ class Experiment:
         g = self.generation(base_commit)
         seeds, own = challenger_seeds(look, g), self.baseline_seeds(base_commit, gen=g)
         block = seed_block(g)
-        self._one_dataset(base_commit, commit, set(own), set(seeds))
-        base = runner.results(self.store, self.lab, base_commit, tasks)
-        chal = runner.results(self.store, self.lab, commit, tasks)
+        base_rows = runner.run_results(self.store, runner.resolve_commit(self.lab, base_commit), tasks)
+        chal_rows = runner.run_results(self.store, runner.resolve_commit(self.lab, commit), tasks)
+        _one_dataset([r for r in base_rows if r.seed in own] + [r for r in chal_rows if r.seed in seeds])
+        base, chal = runner.by_task(base_rows, tasks), runner.by_task(chal_rows, tasks)
         inp = {
             "config": cfg.gate.model_dump(),
             "tasks": [
@@ -131,19 +145,6 @@ class Experiment:
             "at_look": True,
         }
         return evaluate(inp)
-
-    def _one_dataset(self, base_commit: str, commit: str, base_seeds: set[int], chal_seeds: set[int]) -> None:
-        """Both arms measured on one dataset, or `MixedDatasets` (one line; the look waits)."""
-        from pipeline.errors import MixedDatasets
-
-        seen = {r.dataset_id for sha, seeds in ((base_commit, base_seeds), (commit, chal_seeds))
-                for r in self.store.results_for(runner.resolve_commit(self.lab, sha))
-                if r.seed in seeds and r.dataset_id and r.outcome != "infra_failure"}
-        if len(seen) > 1:
-            raise MixedDatasets(
-                f"the runs of this comparison were measured on different datasets ({', '.join(sorted(seen))}): the data "
-                "changed under this store (a new generator version, data_seed, size or trusted commit); "
-                "use a fresh store (--db, or move runs/autoresearch.db aside) to measure on the new data")
 
     # --- champions -----------------------------------------------------------------------------
 

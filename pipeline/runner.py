@@ -57,7 +57,7 @@ from pipeline.worktrees import WorktreeError, Worktrees
 log = logging.getLogger("autoresearch.runner")
 
 __all__ = [
-    "open_store", "ensure_runs", "Driver", "results", "run_results", "goodput",
+    "open_store", "ensure_runs", "Driver", "results", "by_task", "run_results", "goodput",
     "make_executor", "open_lab", "resolve_commit",
 ]
 
@@ -113,8 +113,13 @@ def results(store: Store, lab: Lab | None, commit: str, tasks: Iterable[str] | N
     Infrastructure failures are left out; unfinished runs are absent.
     """
     sha = resolve_commit(lab, commit) if lab is not None else commit
+    return by_task(store.results_for(sha, tasks), tasks)
+
+
+def by_task(rows: Iterable[Result], tasks: Iterable[str] | None = None) -> dict[str, dict[int, float | None]]:
+    """Result rows as {task: {seed: metric, or None for a method failure}}, infrastructure failures left out."""
     out: dict[str, dict[int, float | None]] = {t: {} for t in (tasks or [])}
-    for r in store.results_for(sha, tasks):
+    for r in rows:
         if r.outcome == "infra_failure":
             continue
         out.setdefault(r.task, {})[r.seed] = r.value

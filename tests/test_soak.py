@@ -25,6 +25,7 @@ def test_five_minutes_of_chaos_lose_nothing_duplicate_nothing_and_resume_fast() 
     except psycopg.OperationalError as e:
         if os.environ.get("CI"):
             pytest.fail(f"PostgreSQL is required in CI: {e}")
+        # platform limit: a developer machine without the PostgreSQL service; CI fails above instead
         pytest.skip(f"platform limit: no PostgreSQL service ({e})")
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), "--minutes", "5", "--kill-every",
                            "35", "--outage-every", "110", "--json"], capture_output=True, text=True, timeout=900)
