@@ -96,7 +96,11 @@ def seed(repo: Path, db: str | None, text: str | None, title: str | None, priori
 # ----------------------------------------------------------------------------- status
 
 def status(repo: Path, db: str | None) -> dict[str, Any]:
-    lab, store, rec = open_lab_store(repo, db)
+    return status_of(*open_lab_store(repo, db))
+
+
+def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
+    """`status` over a lab, store and records already open (the review page keeps them open)."""
     from agent.ledger import Ledger
 
     hyps = rec.all()

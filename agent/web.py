@@ -75,8 +75,8 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
         return opened[0]
 
     def overview(request: Request) -> Response:
-        st = commands.status(repo, db)
         lab, store, rec = lab_store()
+        st = commands.status_of(lab, store, rec)
         from agent.workspace import Workspace
 
         ws = Workspace(lab)

@@ -36,6 +36,8 @@ def _own_cache() -> None:
     st = os.lstat(NODE_CACHE)
     if st.st_uid != os.getuid() or (st.st_mode & 0o077) or os.path.islink(NODE_CACHE):
         raise RuntimeError(f"{NODE_CACHE} is not ours alone (owner {st.st_uid}, mode {oct(st.st_mode)}): refusing it")
+
+
 MAX_LOG_BYTES = 8 << 20
 
 
