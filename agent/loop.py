@@ -343,6 +343,10 @@ class Loop:
                 return self._llm_failed(h, e)
             except MixedDatasets:  # the user's to fix: the loop stops, the thread waits at its checkpoint
                 raise
+            except BrokenPipeError as e:  # a helper process killed under us (git's persistent cat-file)
+                self.svc.workspace.repo.git.clear_cache()  # gitpython starts fresh helpers on next use
+                self.say(f"#{h.id}: a helper process died ({e}); restarted, the thread waits at its checkpoint")
+                return h
             except Exception as e:  # a bug in a node, git refusing, a database error: recorded, counted
                 log.exception("hypothesis %s: graph failed", h.id)
                 n = self.failures[h.id] = self.failures.get(h.id, 0) + 1

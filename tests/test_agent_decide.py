@@ -309,3 +309,25 @@ def test_a_promoted_champion_is_re_verified_on_fresh_seeds_and_its_shrinkage_rec
     events = [e.message for e in loop.records.events() if e.kind == "reverified"]
     assert events == ["baseline/v1 re-verified on 3 fresh seeds: mean auc 0.7170 vs 0.7265 on the runs it was "
                       "selected on (-0.0095, worse: higher is better; 2/2 tasks worse)"]
+
+
+def test_a_git_helper_killed_under_the_loop_is_infrastructure_not_the_ideas_failure(lab: Path) -> None:
+    """gitpython keeps `git cat-file` helpers open; one killed (OOM killer, an operator, the soak's
+    chaos) left the workspace's repo answering BrokenPipeError for ever, each a failure of the idea."""
+    import psutil
+
+    seed_lr(lab)
+    loop = make_loop(lab, offline=True)
+    try:
+        loop.svc.workspace.repo.commit(BASELINE).tree["config.toml"].data_stream.read()  # helpers started
+        helpers = [p for p in psutil.Process().children(recursive=True) if "cat-file" in " ".join(p.cmdline())]
+        assert helpers
+        for p in helpers:
+            p.kill()
+        psutil.wait_procs(helpers, timeout=5)
+        h = one_pass(loop)
+        h = h if h.status == "measuring" else loop.advance(h)  # the pass that met the dead helper waits
+        assert h.status == "measuring", h.reject_reason
+        assert loop.failures == {} and not [e for e in loop.records.events() if e.kind == "error"]
+    finally:
+        loop.close()
