@@ -230,6 +230,7 @@ class Soak:
                 if self.proc is None or self.proc.poll() is not None:
                     continue
                 driver = psutil.Process(self.proc.pid)
+                stage: int | None = None
                 workers = [p for p in driver.children(recursive=True) if p.is_running()]
                 if workers and self.rng.random() < 0.4:
                     warm = [p for p in workers if "zygote" in " ".join(_cmd(p))]
@@ -237,21 +238,29 @@ class Soak:
                     what = "warm worker" if warm else "worker"
                 else:
                     target, what = driver, "driver"
-                    if self.rng.random() < 0.5:  # the worst moment: stages of this driver mid-flight
-                        self._wait_for_stage(driver.pid, 15)
+                    # the worst moment: stages of this driver mid-flight. Until one such kill has
+                    # landed, every driver kill waits for a running stage, so a short soak has one
+                    owed = not any(k["mid_stage"] for k in self.kills)
+                    if owed or self.rng.random() < 0.5:
+                        stage = self._wait_for_stage(driver.pid, 60 if owed else 15)
                 try:
                     target.send_signal(signal.SIGKILL)
                 except psutil.Error:
                     continue
+                mid_stage = False
                 if what == "driver":
                     self.proc.wait()
                     try:  # its warm worker dies with it (PDEATHSIG); make sure no stage of it goes on
                         os.killpg(self.proc.pid, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
-                self.kills.append({"at": time.time(), "what": what, "pid": target.pid})
+                    # landed mid-stage for certain: the stage seen running is still recorded running
+                    # by the dead driver (the next one reconciles it only after this lock is released)
+                    mid_stage = stage is not None and self._still_running(stage)
+                self.kills.append({"at": time.time(), "what": what, "pid": target.pid, "mid_stage": mid_stage})
 
-    def _wait_for_stage(self, pid: int, timeout: float) -> None:
+    def _wait_for_stage(self, pid: int, timeout: float) -> int | None:
+        """The id of a stage execution of driver `pid` that is running now, waiting up to `timeout`."""
         from sqlmodel import select
 
         from pipeline.store import Run, StageExec, Store
@@ -263,9 +272,22 @@ class Soak:
                 with store.session() as s:
                     q = select(StageExec.id).join(Run, Run.id == StageExec.run_id).where(
                         StageExec.outcome == "running", Run.owner_pid == pid)
-                    if s.exec(q).first() is not None:
-                        return
+                    found = s.exec(q).first()
+                if found is not None:
+                    return int(found)
                 time.sleep(0.2)
+            return None
+        finally:
+            store.dispose()
+
+    def _still_running(self, stage_id: int) -> bool:
+        from pipeline.store import StageExec, Store
+
+        store = Store(self.db, create=False)
+        try:
+            with store.session() as s:
+                row = s.get(StageExec, stage_id)
+                return row is not None and row.outcome == "running"
         finally:
             store.dispose()
 
@@ -348,7 +370,8 @@ class Soak:
             "promotions": sum(bool(h["promoted_tag"]) for h in hyps),
             "rejected": status["rejected"],
             "kills": {"total": len(self.kills), **{w: sum(k["what"] == w for k in self.kills)
-                                                    for w in ("driver", "warm worker", "worker")}},
+                                                    for w in ("driver", "warm worker", "worker")},
+                      "mid_stage": sum(k["mid_stage"] for k in self.kills)},
             "llm_outages": len(self.model.outages),
             "llm_faults": self.model.faults,
             "runs_lost": int(lost),

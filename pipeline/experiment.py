@@ -4,7 +4,7 @@ The agent hands in commits and gets back run ids, gate results and re-verificati
 picks a seed, builds a gate input or touches an executor. One object per lab and store:
 
     exp = Experiment(lab, store)
-    ids = exp.queue_look(base, commit, look)          # the baseline's runs and the challenger's, idempotent
+    ids = exp.queue_look(base, commit, look)          # the runs a look needs of both arms, idempotent
     if exp.finished(ids):
         result = exp.judge_look(base, commit, look)   # pipeline.gate.GateResult
     exp.queue_champion(commit, tag)                   # a promoted champion's fresh baseline runs
@@ -14,17 +14,19 @@ picks a seed, builds a gate input or touches an executor. One object per lab and
     exp.close()
 
 Seeds. A baseline that has had g promotions owns the seed block g * SEED_BLOCK, g * SEED_BLOCK + 1,
-...: its own runs use the first `baseline_runs` seeds of it and its challengers the first `look`
-seeds. So a challenger and its baseline share seed k, and with it every seed-scoped stage
-(pretraining) through the cache whenever the challenger does not change that stage: the seed's
-shock, common to every task, is then the same in both arms instead of noise between them (at a
-cross-task correlation of 0.6 that is most of a run's noise; `benchmarks/loop_quality.py`), and a
-baseline whose seeds happen to be unlucky is unlucky for its challengers too, instead of holding
-them back until a large gain breaks through. A promoted champion re-verifies on the next block,
-seeds it was not selected on; its own challengers use that block too, so they never replay the
+...: its own runs and its challengers' use the first seeds of it. So a challenger and its baseline
+share seed k, and with it every seed-scoped stage (pretraining) through the cache whenever the
+challenger does not change that stage, and the fine-tuning seed: the arms are common random
+numbers, and the default protocol (`paired`) tests the differences of seed k. With it the
+baseline is lazy: its seed k is run only when a challenger first reaches seed k (at least 2
+seeds, for a task's σ), and serves every challenger of its generation. A promoted champion
+re-verifies on the next block, seeds it was not selected on: the first seeds of that block are
+its re-verification and its own challengers' first baseline runs at once; they never replay the
 lucky seeds it was selected on (with deterministic training a no-op of the champion reproduces the
-champion's runs exactly: Δ = 0, never promoted). The pooled t ignores the pairing, so it is
-conservative where the arms share a shock.
+champion's runs exactly: Δ = 0, never promoted). Every (challenger, baseline) pair is recorded
+(`Comparison`): their paired differences are the lab's history, the prior of the paired test's
+variance. The two-sample protocols (`sequential`, `fixed`) run every baseline seed up front and
+ignore the pairing (conservative where the arms share a shock).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pipeline import runner
 from pipeline.lab import SEED_BLOCK, SEED_BLOCKS, Lab
 
 BASELINE_TAGS = "baseline/v*"  # one tag per promotion: the generation of a baseline is how many it holds
+MIN_BASELINE_RUNS = 2  # a lazy baseline still runs 2 seeds at the first look: a task's σ needs a variance
 
 
 def seed_block(generation: int) -> range:
@@ -100,15 +103,32 @@ class Experiment:
 
     # --- looks ---------------------------------------------------------------------------------
 
+    def paired(self) -> bool:
+        from pipeline.gate.protocol import get_protocol
+
+        return get_protocol(self.lab.config.gate.protocol).paired
+
+    def look_baseline_seeds(self, base_commit: str, look: int, *, gen: int | None = None) -> range:
+        """The baseline seeds a look needs. `paired` (the lazy baseline): seed k only once a challenger
+        reaches seed k, and at least 2 (a task's σ needs a variance), so the baseline grows with the
+        deepest look asked of it; the two-sample protocols: all `baseline_runs` up front."""
+        if not self.paired():
+            return self.baseline_seeds(base_commit, gen=gen)
+        return self.baseline_seeds(base_commit, min(max(look, MIN_BASELINE_RUNS), self.lab.config.gate.baseline_runs),
+                                   gen=gen)
+
     def queue_look(self, base_commit: str, commit: str, look: int, label: str | None = None) -> list[int]:
         """Queue (idempotently) the baseline's runs and the challenger's runs for a look."""
         tasks = self.lab.tasks()
         g = self.generation(base_commit)
-        self.store.mark_baseline(runner.resolve_commit(self.lab, base_commit))
-        ids = runner.ensure_runs(self.store, self.lab, base_commit, tasks, self.baseline_seeds(base_commit, gen=g),
+        base_sha, sha = runner.resolve_commit(self.lab, base_commit), runner.resolve_commit(self.lab, commit)
+        self.store.mark_baseline(base_sha)
+        ids = runner.ensure_runs(self.store, self.lab, base_commit, tasks, self.look_baseline_seeds(base_commit, look, gen=g),
                                  label="baseline")
         ids += runner.ensure_runs(self.store, self.lab, commit, tasks, challenger_seeds(look, g), label=label,
                                   priority=1)
+        if sha != base_sha:
+            self.store.mark_comparison(sha, base_sha)
         return ids
 
     def finished(self, ids: list[int]) -> bool:
@@ -121,10 +141,11 @@ class Experiment:
         cfg = self.lab.config
         tasks = self.lab.tasks()
         g = self.generation(base_commit)
-        seeds, own = challenger_seeds(look, g), self.baseline_seeds(base_commit, gen=g)
+        base_sha, sha = runner.resolve_commit(self.lab, base_commit), runner.resolve_commit(self.lab, commit)
+        seeds, own = challenger_seeds(look, g), self.look_baseline_seeds(base_commit, look, gen=g)
         block = seed_block(g)
-        base_rows = runner.run_results(self.store, runner.resolve_commit(self.lab, base_commit), tasks)
-        chal_rows = runner.run_results(self.store, runner.resolve_commit(self.lab, commit), tasks)
+        base_rows = runner.run_results(self.store, base_sha, tasks)
+        chal_rows = runner.run_results(self.store, sha, tasks)
         _one_dataset([r for r in base_rows if r.seed in own] + [r for r in chal_rows if r.seed in seeds])
         base, chal = runner.by_task(base_rows, tasks), runner.by_task(chal_rows, tasks)
         inp = {
@@ -135,16 +156,50 @@ class Experiment:
                     "baseline": [base.get(t, {}).get(s) for s in own],
                     # an infrastructure failure that exhausted its retries has no result: counted as failed
                     "challenger": [chal.get(t, {}).get(s) for s in seeds],
-                    # the variance prior: every run of the baseline commit on its own block (gate runs and
-                    # variance studies), not the runs a promoted champion was selected on (the block before)
+                    # the variance prior (and a task's σ): every run of the baseline commit on its own block
+                    # (gate runs, deeper looks of its other challengers, variance studies), not the runs a
+                    # promoted champion was selected on (the block before)
                     "history": [v for s, v in sorted(base.get(t, {}).items()) if s in block],
                 }
                 for t in tasks
             ],
+            "pair_history": self.pair_history(tasks, exclude=(sha, base_sha)) if self.paired() else [],
             "looks_done": [n for n in cfg.gate.looks if n < look],
             "at_look": True,
         }
         return evaluate(inp)
+
+    def pairs(self, challenger: str, baseline: str, tasks: list[str],
+              rows: dict[str, list[Any]] | None = None) -> dict[str, list[float | None]]:
+        """{task: [challenger_k - baseline_k]} over the seeds both arms measured (None: a failed run)."""
+        if rows is None:
+            rows = {c: runner.run_results(self.store, c, tasks) for c in (challenger, baseline)}
+        chal, base = runner.by_task(rows[challenger], tasks), runner.by_task(rows[baseline], tasks)
+        out: dict[str, list[float | None]] = {}
+        for t in tasks:
+            common = sorted(set(chal.get(t, {})) & set(base.get(t, {})))
+            out[t] = [None if (c := chal[t][k]) is None or (b := base[t][k]) is None else c - b for k in common]
+        return out
+
+    def pair_history(self, tasks: list[str], exclude: tuple[str, str] | None = None) -> list[dict[str, list[float | None]]]:
+        """The lab's earlier comparisons as paired differences (the `paired` protocol's prior), from
+        one read of the store; comparisons measured on another dataset than the newest are left out."""
+        comps = [c for c in self.store.comparisons() if c != exclude]
+        if not comps:
+            return []
+        commits = {x for c in comps for x in c}
+        rows: dict[str, list[Any]] = {c: [] for c in commits}
+        for r in self.store.results_of(commits, tasks):
+            rows[r.commit].append(r)
+        latest = max((r for rs in rows.values() for r in rs if r.dataset_id), key=lambda r: r.created_at, default=None)
+        if latest is not None:
+            rows = {c: [r for r in rs if r.dataset_id in (None, latest.dataset_id)] for c, rs in rows.items()}
+        out = []
+        for chal, base in comps:
+            d = self.pairs(chal, base, tasks, rows)
+            if any(len(v) >= 2 for v in d.values()):
+                out.append(d)
+        return out
 
     # --- champions -----------------------------------------------------------------------------
 
@@ -153,8 +208,8 @@ class Experiment:
         selected on (a fast-forward keeps the commit, so its challenger runs stay in the store, on
         the block before)."""
         self.store.mark_baseline(runner.resolve_commit(self.lab, commit))
-        return runner.ensure_runs(self.store, self.lab, commit, self.lab.tasks(), self.baseline_seeds(commit),
-                                  label=label)
+        seeds = self.look_baseline_seeds(commit, self.lab.config.gate.looks[0])  # lazy: the first look's
+        return runner.ensure_runs(self.store, self.lab, commit, self.lab.tasks(), seeds, label=label)
 
     def reverification(self, champion: str, commit: str, base_commit: str, look: int) -> dict[str, Any] | None:
         """How a champion (`champion`, e.g. its tag) did on its fresh baseline seeds, against the
@@ -165,7 +220,8 @@ class Experiment:
         fresh = runner.results(self.store, lab, runner.resolve_commit(lab, champion), tasks)
         chosen = runner.results(self.store, lab, commit, tasks)
         g = self.generation(base_commit)  # the champion's generation is one more than its baseline's
-        seeds, picked = list(self.baseline_seeds(base_commit, gen=g + 1)), list(challenger_seeds(look, g))
+        seeds = list(self.look_baseline_seeds(base_commit, self.lab.config.gate.looks[0], gen=g + 1))
+        picked = list(challenger_seeds(look, g))
         if any(s not in fresh.get(t, {}) for t in tasks for s in seeds):
             return None
         rows, sign = [], 1.0 if cfg.benchmark.higher_is_better else -1.0

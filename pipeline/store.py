@@ -140,6 +140,15 @@ class BaselineCommit(SQLModel, table=True):
     marked_at: float = Field(default_factory=now)
 
 
+class Comparison(SQLModel, table=True):
+    """A challenger commit measured against a baseline commit on the baseline's seed block: the
+    lab's history of paired differences (the `paired` protocol's prior, `variance --pair`)."""
+
+    challenger: str = Field(primary_key=True, max_length=64)
+    baseline: str = Field(primary_key=True, max_length=64)
+    created_at: float = Field(default_factory=now)
+
+
 class HoldoutScore(SQLModel, table=True):
     """A baseline run's score on the sealed holdout split (DESIGN §4). Only the runs of commits in
     `baseline_commit` (the first baseline, the champions) are scored on it; it is read by status,
@@ -693,6 +702,31 @@ class Store:
                     s.commit()
                 except IntegrityError:  # another driver marked it first
                     s.rollback()
+
+    def mark_comparison(self, challenger: str, baseline: str) -> None:
+        with self.session() as s:
+            if s.get(Comparison, (challenger, baseline)) is None:
+                s.add(Comparison(challenger=challenger, baseline=baseline))
+                try:
+                    s.commit()
+                except IntegrityError:  # another driver recorded it first
+                    s.rollback()
+
+    def comparisons(self) -> list[tuple[str, str]]:
+        """(challenger, baseline) of every comparison, oldest first."""
+        with self.session() as s:
+            return [(c.challenger, c.baseline) for c in s.exec(select(Comparison).order_by(Comparison.created_at))]
+
+    def results_of(self, commits: Iterable[str], tasks: Iterable[str] | None = None) -> list[Result]:
+        """Every result row of several commits in one read."""
+        commits = list(commits)
+        if not commits:
+            return []
+        with self.session() as s:
+            q = select(Result).where(Result.commit.in_(commits))  # type: ignore[attr-defined]
+            if tasks is not None:
+                q = q.where(Result.task.in_(list(tasks)))  # type: ignore[attr-defined]
+            return list(s.exec(q))
 
     def is_baseline(self, commit: str) -> bool:
         with self.session() as s:

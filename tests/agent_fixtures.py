@@ -146,8 +146,12 @@ def one_pass(loop: Any) -> Any:
 # ----------------------------------------------------------------------------- the CLI
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of a CLI subprocess: no LLM endpoint unless given, this checkout importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AUTORESEARCH_"))}
+    """The environment of a CLI subprocess: no LLM endpoint unless given, this checkout importable.
+
+    Built from this process's environment (so the session's NO_PROXY and git config set in conftest.py
+    pass through), less the host's LLM, lab, Ray cluster and MLflow settings."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OPENAI_", "AUTORESEARCH_")) and k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
     env.update(extra)

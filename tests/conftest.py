@@ -1,3 +1,43 @@
+import pytest as _pytest_llm
+
+# --- a hermetic host environment for the whole session (owner: tests) ------------------------------
+import os as _os
+import subprocess as _subprocess
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            _os.environ.pop(k, None)
+        else:
+            _os.environ[k] = v
+
+
+@_pytest_llm.fixture(scope="session", autouse=True)
+def _no_proxy_for_loopback():
+    """Loopback requests never go to a host proxy (urllib honours HTTP(S)_PROXY otherwise)."""
+    saved = {k: _os.environ.get(k) for k in ("NO_PROXY", "no_proxy")}
+    _os.environ["NO_PROXY"] = _os.environ["no_proxy"] = "127.0.0.1,localhost"
+    yield
+    _restore_env(saved)
+
+
+@_pytest_llm.fixture(scope="session", autouse=True)
+def _hermetic_git(tmp_path_factory: _pytest_llm.TempPathFactory):
+    """git reads a temporary global config (an identity, no signing) and no system config."""
+    config = tmp_path_factory.mktemp("gitconfig") / "config"
+    config.write_text("")
+    for key, value in (("user.name", "autoresearch tests"), ("user.email", "tests@autoresearch.invalid"),
+                       ("commit.gpgsign", "false")):
+        _subprocess.run(["git", "config", "--file", str(config), key, value], check=True)
+    saved = {k: _os.environ.get(k) for k in ("GIT_CONFIG_GLOBAL", "GIT_CONFIG_NOSYSTEM")}
+    _os.environ["GIT_CONFIG_GLOBAL"] = str(config)
+    _os.environ["GIT_CONFIG_NOSYSTEM"] = "1"
+    yield config
+    _restore_env(saved)
+# --- end hermetic host environment ------------------------------------------------------------------
+
+
 # --- fake OpenAI server fixture (owner: LLM client; see tests/fake_openai.py) ----------------------
 import pytest as _pytest_llm
 

@@ -37,7 +37,8 @@ def decided_once(lab: Path, *db: str) -> None:
 
 
 def test_a_second_run_ten_seconds_later_refuses_and_a_dead_holders_lease_is_taken_over(lab: Path) -> None:
-    first = RunProcess(lab, "--offline", "--max-hypotheses", "2", tag="first")
+    # --forever: the first holds the lease until killed (a count could let it finish before the check)
+    first = RunProcess(lab, "--offline", "--forever", tag="first")
     try:
         holder = first.wait_until("the lease", lambda: lease_of(lab), timeout=120)
         assert holder["pid"] == first.pid and holder["alive"] is True

@@ -81,7 +81,7 @@ def test_a_finetune_only_change_reruns_zero_pretrain_stages(lab) -> None:
 
 
 def test_method_failures_are_results_with_their_kind(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path / "lab", timeout_s=1.5)
+    lab = make_lab(tmp_path / "lab", timeout_s=10)  # every stage's limit: only `hang` waits it out
     store = runner.open_store(lab)
     failing = ["crash", "hang", "nan", "garbage", "missing", "segv"]
     run_batch(lab, store, BASE, ["a", *failing], [0])
@@ -175,14 +175,21 @@ def test_a_stage_argument_into_the_sealed_labels_is_refused(lab) -> None:
 
 
 def test_graceful_stop_requeues_and_a_new_driver_finishes(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path / "lab", finetune_sleep=1.0)
+    lab = make_lab(tmp_path / "lab", finetune_sleep=3.0)
     store = runner.open_store(lab)
     harness = TinyHarness()
     ids = runner.ensure_runs(store, lab, BASE, TASKS, [0], harness=harness)
     stop = threading.Event()
     with runner.Driver(lab, store, local(), harness=harness) as d:
-        threading.Timer(0.8, stop.set).start()
-        d.drive(until=ids, stop=stop, timeout_s=30)
+
+        def finetune_in_flight() -> bool:
+            # stop (the event drive() honours) once a finetune stage runs (it sleeps 3 s): the stop lands mid-stage
+            if any(fl.node.name == "finetune" for fl in d.flights.values()):
+                stop.set()
+            return store.count_unfinished(ids) == 0
+
+        d.drive(until=finetune_in_flight, stop=stop, timeout_s=30, poll_s=0.05)
+        assert stop.is_set()
     counts = store.queue_counts()
     assert counts["running"] == 0 and counts["queued"] >= 1
     assert any(e.outcome == "cancelled" for e in store.stage_execs(ids))

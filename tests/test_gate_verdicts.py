@@ -38,7 +38,10 @@ def dataset(
     sign: float = 1.0,
     **gate,
 ) -> dict:
-    """Tasks with the given effects (in σ units, + = better), m challenger and n baseline runs."""
+    """Tasks with the given effects (in σ units, + = better), m challenger and n baseline runs, on
+    unrelated seeds (the two-sample protocols' verdict table: `sequential` unless `protocol` says;
+    the paired protocol's verdicts are tests/test_gate_paired.py's)."""
+    gate.setdefault("protocol", "sequential")
     tasks = []
     for j, eff in enumerate(effects):
         level = LEVELS[j % len(LEVELS)]

@@ -27,7 +27,7 @@ def test_template_config_loads(lab):
     loaded = load_lab(lab)
     assert loaded.config.lab.editable == ["model.py", "train.py", "config.toml"]
     assert [s.name for s in loaded.stages_in_order()] == ["pretrain", "finetune"]
-    assert loaded.config.gate.looks == (2, 5, 10)
+    assert loaded.config.gate.looks == (1, 2, 5, 10) and loaded.config.gate.protocol == "paired"
     assert len(loaded.tasks()) == 8
 
 
@@ -43,8 +43,12 @@ CASES = [
     ("unknown nested key", lambda t: edit(t, "cpus = 1", "cpus = 1\ncpu_count = 3"), "run.cpu_count", "unknown key"),
     ("wrong type", lambda t: edit(t, "alpha = 0.025", 'alpha = "small"'), "gate.alpha", "number"),
     ("out of range", lambda t: edit(t, "alpha = 0.025", "alpha = 0.9"), "gate.alpha", "less than 0.5"),
-    ("bad looks", lambda t: edit(t, "looks = [2, 5, 10]", "looks = [5, 2]"), "gate.looks", "increasing"),
-    ("bad protocol", lambda t: edit(t, 'protocol = "sequential"', 'protocol = "bayes"'), "gate.protocol", "sequential"),
+    ("bad looks", lambda t: edit(t, "looks = [1, 2, 5, 10]", "looks = [5, 2]"), "gate.looks", "increasing"),
+    ("a two-sample look at 1 run", lambda t: edit(t, 'protocol = "paired"', 'protocol = "sequential"'), "gate",
+     "first look at 2 runs or more"),
+    ("a look past the baseline", lambda t: edit(t, "baseline_runs = 10", "baseline_runs = 5"), "gate",
+     "needs as many baseline runs"),
+    ("bad protocol", lambda t: edit(t, 'protocol = "paired"', 'protocol = "bayes"'), "gate.protocol", "sequential"),
     ("missing lab.name", lambda t: edit(t, 'name = "transactions"\n', ""), "lab.name", "required"),
     ("unknown needs", lambda t: edit(t, 'needs = ["pretrain"]', 'needs = ["pretrian"]'), "stage[1].needs", "unknown stage 'pretrian'"),
     ("cycle", lambda t: edit(t, 'scope = "seed"\n', 'scope = "run"\nneeds = ["finetune"]\n'), "stage.needs", "cycle"),

@@ -30,7 +30,8 @@ def _pattern(k: int, shift: int) -> list[float]:
 def logloss_input(effects: dict[str, float], m: int, n: int = 5, higher_is_better: bool = False,
                   failed: dict[str, list[int]] | None = None, **gate) -> dict:
     """Raw metric values: challenger = baseline level + effect·σ (effect in raw units of σ, so a
-    negative effect is a *decrease* of the metric)."""
+    negative effect is a *decrease* of the metric). On unrelated seeds: `sequential` unless `protocol` says."""
+    gate.setdefault("protocol", "sequential")
     tasks = []
     for j, (task, eff) in enumerate(effects.items()):
         level = LEVELS[task]
@@ -71,10 +72,11 @@ def test_one_task_rising_is_a_harm_on_that_task():
     assert any("harm on churn" in reason for reason in r.reasons)
 
 
-def test_lower_is_better_mirrors_higher_is_better_exactly():
+@pytest.mark.parametrize("protocol", ["sequential", "paired"])
+def test_lower_is_better_mirrors_higher_is_better_exactly(protocol):
     """The same data negated and judged the other way round: the same t, p, q, MDE and verdict."""
-    low = logloss_input({"default": -1.0, "churn": -1.5, "fraud": -0.5}, m=2)
-    high = {"config": {"higher_is_better": True},
+    low = logloss_input({"default": -1.0, "churn": -1.5, "fraud": -0.5}, m=2, protocol=protocol)
+    high = {"config": {"higher_is_better": True, "protocol": protocol},
             "tasks": [{k: ([-v for v in t[k]] if isinstance(t[k], list) else t[k]) for k in t} for t in low["tasks"]]}
     a, b = evaluate(low), evaluate(high)
     assert a.verdict is b.verdict is Verdict.escalate
@@ -155,7 +157,7 @@ def svc(tmp_path):
     s.store.engine.dispose()
 
 
-def _measure(svc, effects: dict[str, float], look: int = 2):
+def _measure(svc, effects: dict[str, float], look: int = 5):
     from summary_fixtures import implemented
 
     h = implemented(svc)

@@ -137,7 +137,10 @@ def test_a_registered_policy_drives_the_real_loop(monkeypatch, tmp_path: Path) -
     assert h.verdict == "improvement" and h.decision == "promote", (h.verdict, h.decision)
 
 
-class Bonferroni:
+from pipeline.gate.protocol.base import GateProtocol  # noqa: E402
+
+
+class Bonferroni(GateProtocol):
     """A toy gate protocol: the fixed protocol's boundaries, per-task calls at α / tasks."""
 
     name = "bonferroni"

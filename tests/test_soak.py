@@ -37,5 +37,9 @@ def test_five_minutes_of_chaos_lose_nothing_duplicate_nothing_and_resume_fast() 
     assert out["hypotheses_decided"] >= 3
     assert out["runs_lost"] == 0 and out["runs_duplicated"] == 0
     assert out["resume_s"]["max"] <= 10, out["resume_s"]
-    assert out["infra_lost_cpu_s"] > 0 and out["goodput"] < 1  # the killed stages' work is counted as lost
+    # the chaos thread kills the driver while a stage is known to run (seen running in the store
+    # before the kill, still recorded running after it), until one such kill has landed: that
+    # stage's work is counted as lost, never as zero
+    assert out["kills"]["mid_stage"] >= 1, out["kills"]
+    assert out["infra_lost_cpu_s"] > 0 and out["goodput"] < 1
     assert out["disk"]["cache_mb"] <= out["disk_cache_mb"]["cap_mb"] * 1.5  # beyond the cap only what is needed

@@ -132,16 +132,20 @@ def null_t_paths(
     return out
 
 
-def calibrate(paths: np.ndarray, increments: np.ndarray) -> np.ndarray:
+def calibrate(paths: np.ndarray, increments: np.ndarray, usable: np.ndarray | None = None) -> np.ndarray:
     """Upper boundaries such that the first-crossing probability at look k equals increments[k].
 
-    Works on the reflected sample (paths and -paths, equally likely under a symmetric null).
+    Works on the reflected sample (paths and -paths, equally likely under a symmetric null). A look
+    that is not `usable` (no statistic there) gets +inf and stops no path.
     """
     sample = np.concatenate([paths, -paths])
     total = sample.shape[0]
     alive = np.ones(total, dtype=bool)
     upper = np.empty(sample.shape[1])
     for k in range(sample.shape[1]):
+        if usable is not None and not usable[k]:
+            upper[k] = np.inf
+            continue
         vals = sample[alive, k]
         want = increments[k] * total  # how many paths should first cross here
         count = int(round(want))
@@ -213,4 +217,78 @@ def fixed_boundaries(
         upper=upper,
         df=dfs,
         nominal=tuple(alpha for _ in looks),
+    )
+
+
+# ---------------------------------------------------------------- the paired protocol's boundaries
+
+
+def paired_df(n_pairs: int, prior_weight: float) -> float:
+    """df of a paired (one-sample) t on `n_pairs` differences whose variance is moderated by a prior
+    of weight `prior_weight`: the prior's weight plus the pairs' own n - 1."""
+    return prior_weight + max(n_pairs - 1, 0)
+
+
+def null_paired_paths(looks: tuple[int, ...], prior_df: int, prior_weight: float, sims: int, seed: int) -> np.ndarray:
+    """Exact draws of a paired t at each look under the null (σ_d = 1), shape (sims, len(looks)).
+
+    From sufficient statistics, block by block: the running mean and within-sum of squares of the
+    differences, plus the prior's χ²_{prior_df}/prior_df entering with weight `prior_weight`. A
+    look with no df (one pair, no prior) is -inf: it can never cross.
+    """
+    rng = np.random.default_rng(seed)
+    prior_ss = prior_weight * rng.chisquare(prior_df, sims) / prior_df if prior_df > 0 and prior_weight > 0 else 0.0
+    out = np.empty((sims, len(looks)))
+    m_prev, mean, ss = 0, np.zeros(sims), np.zeros(sims)
+    for k, m in enumerate(looks):
+        r = m - m_prev
+        block_mean = rng.standard_normal(sims) / math.sqrt(r)
+        block_ss = rng.chisquare(r - 1, sims) if r > 1 else 0.0
+        if m_prev:
+            ss = ss + block_ss + (m_prev * r / m) * (mean - block_mean) ** 2
+            mean = (m_prev * mean + r * block_mean) / m
+        else:
+            ss, mean = ss + block_ss, block_mean
+        df = paired_df(m, prior_weight)
+        out[:, k] = mean / np.sqrt((prior_ss + ss) / df / m) if df >= 1 else -np.inf
+        m_prev = m
+    return out
+
+
+@lru_cache(maxsize=512)
+def paired_boundaries(
+    looks: tuple[int, ...],
+    planned_max: int,
+    alpha: float,
+    prior_df: int = 0,
+    prior_weight: float = 0.0,
+    sims: int = CALIBRATION_SIMS,
+    seed: int = CALIBRATION_SEED,
+) -> Boundaries:
+    """Lan-DeMets O'Brien-Fleming boundaries for a paired t, calibrated on the t scale, cached.
+
+    The information of m pairs is m / σ_d², so a look's fraction is m / max(plan, m). A look with
+    no df spends nothing (its boundary is +inf); what it would have spent goes to the next look.
+    """
+    looks = normalize_schedule(looks)
+    final = max(planned_max, looks[-1])
+    fractions = np.array([m / final for m in looks], dtype=float)
+    spent = obf_spending(fractions, alpha)
+    if looks[-1] >= planned_max:
+        spent[-1] = alpha
+    dfs = tuple(paired_df(m, prior_weight) for m in looks)
+    usable = np.array([df >= 1 for df in dfs])
+    spent = np.where(usable, spent, 0.0)
+    spent = np.maximum.accumulate(spent)
+    increments = np.diff(np.concatenate([[0.0], spent]))
+    paths = null_paired_paths(looks, prior_df, prior_weight, sims, seed)
+    upper = calibrate(np.where(np.isfinite(paths), paths, np.nan), increments, usable)
+    nominal = tuple(float(stats.t.sf(u, df)) if df >= 1 else 0.0 for u, df in zip(upper, dfs))
+    return Boundaries(
+        looks=looks,
+        fractions=tuple(float(f) for f in fractions),
+        spent=tuple(float(s) for s in spent),
+        upper=tuple(float(u) for u in upper),
+        df=dfs,
+        nominal=nominal,
     )

@@ -26,6 +26,8 @@ from pydantic import (
 
 from pipeline.errors import GateInputError
 
+TWO_SAMPLE_LOOKS = (2, 5, 10)
+
 
 class GateConfig(BaseModel):
     """The gate's configuration: research.toml's `[gate]` section, one model for both (the lab's
@@ -37,12 +39,15 @@ class GateConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    protocol: str = "sequential"
-    # the baseline is measured once and serves every challenger of it (benchmarks/loop_quality.py:
-    # ~1 baseline run per hypothesis); 10 instead of 5, with the trimmed mean below, lift power at
-    # 0.5σ from 0.42 to 0.66 at equal error (gate-sim, ρ 0.02)
+    # `paired`: the arms share seed k, so the test is on the paired differences (DESIGN §6)
+    protocol: str = "paired"
+    # at most: the baseline is measured once and serves every challenger of it; with `paired` its
+    # seed k is run only when a challenger first needs seed k (the lazy baseline). 10 instead of 5,
+    # with the trimmed mean below, lifted `sequential`'s power at 0.5σ from 0.42 to 0.66 (gate-sim, ρ 0.02)
     baseline_runs: int = Field(default=10, ge=2)
-    looks: tuple[int, ...] = (2, 5, 10)
+    # challenger runs per task at each look; default (1, 2, 5, 10) for `paired` (a look at one pair
+    # can stop a hypothesis, never promote it), (2, 5, 10) for the two-sample protocols
+    looks: tuple[int, ...] = (1, 2, 5, 10)
     alpha: float = Field(default=0.025, gt=0, lt=0.5)  # one-sided, improvement side
     futility_p: float = Field(default=0.30, gt=0, lt=1)
     harm_q: float = Field(default=0.10, gt=0, lt=1)
@@ -59,12 +64,30 @@ class GateConfig(BaseModel):
 
         return check_name(name)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_looks(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("looks") is None and data.get("protocol", "paired") != "paired":
+            return {**data, "looks": TWO_SAMPLE_LOOKS}
+        return data
+
     @field_validator("looks")
     @classmethod
     def _increasing(cls, looks: tuple[int, ...]) -> tuple[int, ...]:
-        if not looks or looks[0] < 2 or any(b <= a for a, b in zip(looks, looks[1:])):
-            raise ValueError("expected strictly increasing run counts, the first at least 2")
+        if not looks or looks[0] < 1 or any(b <= a for a, b in zip(looks, looks[1:])):
+            raise ValueError("expected strictly increasing run counts, the first at least 1 (2 unless paired)")
         return tuple(looks)
+
+    @model_validator(mode="after")
+    def _fits_protocol(self) -> "GateConfig":
+        looks = self.looks
+        if looks[0] < 2 and self.protocol != "paired":  # a two-sample variance needs 2 challenger runs
+            raise ValueError(f"looks: expected the first look at 2 runs or more with protocol {self.protocol!r} "
+                             "(only \"paired\" looks at 1)")
+        if looks[-1] > self.baseline_runs and self.protocol == "paired":
+            raise ValueError(f"looks: the last look ({looks[-1]}) needs as many baseline runs: "
+                             f"baseline_runs is {self.baseline_runs}")
+        return self
 
 
 def _value(v: float | None) -> float:
@@ -125,6 +148,9 @@ class GateInput(BaseModel):
 
     config: GateConfig = GateConfig()
     tasks: list[TaskRuns] = Field(min_length=1)
+    # `paired`: the lab's earlier comparisons, each {task: [challenger_k - baseline_k by seed]}
+    # (None = no pair), the variance prior of the paired differences
+    pair_history: list[dict[str, list[float | None]]] = Field(default_factory=list)
     looks_done: list[int] | None = None  # earlier looks' challenger counts; default: planned looks below now
     at_look: bool | None = None  # None: a look iff all tasks have the same count and it is planned
 

@@ -36,6 +36,8 @@ def implausible(result: GateResult, config: Any) -> str | None:
                 reasons.append(f"task {t.task}: {b:.4f} → {c:.4f} closes {gained / remaining:.0%} of the distance "
                                f"to the perfect {perfect:g} in one hypothesis "
                                f"(more than [gate] implausible_fraction = {gate.implausible_fraction:g})")
+    if result.seed_spread is not None and result.seed_spread.held:
+        reasons.append(result.seed_spread.reason or "seeds must vary")
     h = result.horizontal
     if gate.implausible_sigma is not None and h.delta is not None and h.delta > gate.implausible_sigma:
         reasons.append(f"horizontal Δ {h.delta:+.2f}σ exceeds [gate] implausible_sigma = {gate.implausible_sigma:g}")

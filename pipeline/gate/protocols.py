@@ -22,18 +22,20 @@ from typing import Any
 import numpy as np
 from scipy import stats as sps
 
-from pipeline.gate.boundaries import Boundaries, degrees_of_freedom, normalize_schedule
+from pipeline.gate.boundaries import Boundaries, normalize_schedule
 from pipeline.gate.inputs import GateConfig, GateInput, TaskRuns, parse_input
 from pipeline.gate.power import DEFAULT_POWER, mde_at
 from pipeline.gate.protocol import get_protocol
 from pipeline.gate.report import (
     FailureReport,
+    SeedSpread,
     GateResult,
     HorizontalResult,
     TaskResult,
     WelchResult,
 )
 from pipeline.gate.stats import (
+    MAX_PAIR_RHO,
     Arm,
     Prior,
     TwoSample,
@@ -41,8 +43,12 @@ from pipeline.gate.stats import (
     history_prior,
     horizontal_values,
     one_sided_p,
+    pair_prior,
+    paired_horizontal,
+    paired_t,
     pooled_t,
     sequential_p,
+    spread_ratio_p,
     summarize,
     variance_ratio_p,
     welch_t,
@@ -100,28 +106,35 @@ class HorizontalLook:
 
 
 def horizontal_look(
-    hb: np.ndarray,
-    hc: np.ndarray,
+    test: TwoSample,
     upper: np.ndarray | float,
-    breadth_values: tuple[np.ndarray, np.ndarray] | None,
+    breadth: TwoSample | None,
     breadth_required: np.ndarray | bool = True,
+    futility: TwoSample | None = None,
 ) -> HorizontalLook:
-    """Pooled t on per-seed horizontal values, boundary crossing both ways, and the breadth check.
+    """Boundary crossings of the horizontal test both ways, and the breadth check.
 
-    The breadth check repeats the test with the most-improved task left out; it must pass only
-    where that task stands out (`breadth_required`); with one task there is nothing to leave out.
+    `test` is the horizontal test (pooled t on per-seed values, or the paired t on their paired
+    differences), `breadth` the same test with the most-improved task left out: it must cross too
+    only where that task stands out (`breadth_required`); with one task there is nothing to leave
+    out (None). The futility rule's p comes from `futility` when given (the paired protocol's
+    moderated test), else from `test`.
     """
-    test = pooled_t(summarize(hb), summarize(hc))
     with np.errstate(invalid="ignore"):
         up, down = test.t >= upper, test.t <= -np.asarray(upper)
-        if breadth_values is None:
-            breadth, breadth_up = None, up
+        if breadth is None:
+            breadth_up = up
         else:
-            breadth = pooled_t(summarize(breadth_values[0]), summarize(breadth_values[1]))
             breadth_up = (breadth.t >= upper) | ~np.asarray(breadth_required, dtype=bool)
+    f = futility if futility is not None else test
     return HorizontalLook(
-        test=test, p_up=one_sided_p(test.t, test.df), up=up, down=down, breadth=breadth, breadth_up=breadth_up
+        test=test, p_up=one_sided_p(f.t, f.df), up=up, down=down, breadth=breadth, breadth_up=breadth_up
     )
+
+
+def two_sample_horizontal(hb: np.ndarray, hc: np.ndarray) -> TwoSample:
+    """The two-sample protocols' horizontal test: pooled t on the arms' per-seed horizontal values."""
+    return pooled_t(summarize(hb), summarize(hc))
 
 
 def most_improved(delta: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -207,10 +220,70 @@ def _boundaries(
     cfg: GateConfig, n: int, counts: tuple[int, ...], planned_max: int, prior_df: int, weight: float
 ) -> Boundaries | None:
     counts = tuple(c for c in counts if c >= 1)
-    if n < 1 or not counts or degrees_of_freedom(n, counts[-1], weight) < 1:
+    proto = get_protocol(cfg.protocol)
+    if n < 1 or not counts or proto.df(n, counts[-1], weight) < 1:
         return None
     sched = normalize_schedule(counts)
-    return get_protocol(cfg.protocol).boundaries(n, sched, planned_max, cfg.alpha, int(prior_df), float(weight))
+    return proto.boundaries(n, sched, planned_max, cfg.alpha, int(prior_df), float(weight))
+
+
+@dataclass(frozen=True)
+class _Tests:
+    """Per-task tests and the horizontal tests at one look, whichever protocol made them."""
+
+    test: TwoSample  # per task
+    counts: np.ndarray  # per task: the runs (two-sample: challenger runs; paired: pairs) the test stands on
+    paired: np.ndarray | None  # (tasks, seeds) paired differences, NaN where no pair (paired protocol only)
+    h: TwoSample  # horizontal: what the boundaries judge
+    h_futility: TwoSample  # horizontal: what the futility rule judges (paired: moderated by the history)
+    h_breadth: TwoSample | None  # horizontal with one task left out
+    h_values: np.ndarray  # per seed: the challenger's values (two-sample) or the paired differences
+    prior: Prior | None
+
+
+def _pair_history(inp: GateInput, names: list[str], sign: float) -> np.ndarray | None:
+    """(tasks, comparisons, seeds) paired differences of the lab's earlier comparisons, oriented."""
+    if not inp.pair_history:
+        return None
+    width = max((len(v) for c in inp.pair_history for v in c.values()), default=0)
+    if width == 0:
+        return None
+    out = np.full((len(names), len(inp.pair_history), width), np.nan)
+    for i, comp in enumerate(inp.pair_history):
+        for j, name in enumerate(names):
+            row = [math.nan if v is None else float(v) for v in comp.get(name, [])]
+            out[j, i, : len(row)] = row
+    return sign * out
+
+
+def paired_tests(
+    base: np.ndarray, chal: np.ndarray, scale: np.ndarray, hb: np.ndarray, trim: float, history: np.ndarray | None
+) -> tuple[TwoSample, np.ndarray, TwoSample, TwoSample, np.ndarray, Prior]:
+    """The paired protocol's statistics: per-task moderated paired t, the horizontal paired t on
+    the hypothesis's own pairs (boundaries) and moderated by the history (futility).
+
+    Arrays (..., tasks, seeds), oriented; `history` (..., tasks, comparisons, seeds) of earlier
+    paired differences. Returns (task test, d, horizontal test, horizontal futility test,
+    per-seed horizontal differences, the per-task prior).
+    """
+    m = chal.shape[-1]
+    d = chal - base[..., :m] if base.shape[-1] >= m else chal - _widen(base, m)
+    floor = 2.0 * (1.0 - MAX_PAIR_RHO) * scale**2
+    prior = pair_prior(history, d.shape[:-1])
+    test = paired_t(d, prior, floor)
+    hd = paired_horizontal(d, scale, trim)
+    h_floor = 2.0 * (1.0 - MAX_PAIR_RHO) * np.nan_to_num(summarize(hb).var, nan=0.0)
+    h = paired_t(hd, None, h_floor)
+    h_hist = paired_horizontal(np.moveaxis(history, -3, -2), scale[..., None, :], trim) if history is not None else None
+    h_prior = pair_prior(h_hist, hd.shape[:-1]) if h_hist is not None else None
+    h_fut = paired_t(hd, h_prior, h_floor) if h_prior is not None else h
+    return test, d, h, h_fut, hd, prior
+
+
+def _widen(x: np.ndarray, width: int) -> np.ndarray:
+    out = np.full(x.shape[:-1] + (width,), np.nan)
+    out[..., : x.shape[-1]] = x
+    return out
 
 
 def evaluate(inp: GateInput | dict[str, Any]) -> GateResult:
@@ -220,6 +293,7 @@ def evaluate(inp: GateInput | dict[str, Any]) -> GateResult:
 
 def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
     cfg = inp.config
+    proto = get_protocol(cfg.protocol)
     sign = 1.0 if cfg.higher_is_better else -1.0
     names = [t.task for t in inp.tasks]
     sched = _schedule(inp)
@@ -233,14 +307,41 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
 
     base_arm, chal_arm = summarize(base), summarize(chal)
     hist_arm = summarize(hist) if hist is not None else None
-    prior: Prior | None = history_prior(hist, base_arm.mean.shape) if get_protocol(cfg.protocol).moderated else None
-    test = pooled_t(base_arm, chal_arm, prior)
+    scale, scale_df = task_scale(base_arm, hist_arm)
+    hb, hc = horizontal_values(base, chal, base_arm.mean, scale, cfg.horizontal_trim)
+    pairs_dropped = np.zeros(len(names), dtype=int)
+    if proto.paired:
+        test, d, h, h_fut, h_values, prior = paired_tests(base, chal, scale, hb, cfg.horizontal_trim,
+                                                          _pair_history(inp, names, sign))
+        counts = np.isfinite(d).sum(axis=-1)
+        pairs_dropped = chal_arm.count - counts  # a challenger run whose baseline seed has no result
+        top_arr, stands_out = most_improved(test.delta, scale)
+        top = int(top_arr)
+        h_breadth = None
+        if len(names) > 1:
+            h_breadth = paired_tests(without_task(base, top), without_task(chal, top), scale, hb,
+                                     cfg.horizontal_trim, None)[2]
+        task_values = d
+    else:
+        prior = history_prior(hist, base_arm.mean.shape) if proto.moderated else None
+        test = pooled_t(base_arm, chal_arm, prior)
+        counts = chal_arm.count
+        top_arr, stands_out = most_improved(test.delta, scale)
+        top = int(top_arr)
+        h = h_fut = two_sample_horizontal(hb, hc)
+        h_breadth = None
+        if len(names) > 1:
+            bb, bc = horizontal_values(without_task(base, top), without_task(chal, top), base_arm.mean, scale,
+                                       cfg.horizontal_trim)
+            h_breadth = two_sample_horizontal(bb, bc)
+        h_values, task_values = hc, chal
     weight = prior.weight if prior is not None else np.zeros(len(names))
     prior_df = prior.df if prior is not None else np.zeros(len(names), dtype=int)
 
-    # per-task boundaries: each task's own schedule (failed runs add no information)
+    # per-task boundaries: each task's own schedule (failed runs and dropped pairs add no information)
     bounds = [
-        _boundaries(cfg, int(base_arm.count[j]), _counts_at(chal[j], sched.seeds), sched.planned[-1] - int(failed[j]),
+        _boundaries(cfg, int(base_arm.count[j]), _counts_at(task_values[j], sched.seeds),
+                    sched.planned[-1] - int(m - counts[j]) if proto.paired else sched.planned[-1] - int(failed[j]),
                     int(prior_df[j]), float(weight[j]))
         for j in range(len(names))
     ]
@@ -248,19 +349,14 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
     nominal = np.array([b.nominal[-1] if b else np.nan for b in bounds])
     tl = task_look(test, nominal, cfg.protocol, cfg.alpha, cfg.harm_q)
 
-    # horizontal
-    scale, scale_df = task_scale(base_arm, hist_arm)
-    hb, hc = horizontal_values(base, chal, base_arm.mean, scale, cfg.horizontal_trim)
-    top_arr, stands_out = most_improved(test.delta, scale)
-    top = int(top_arr)
-    breadth_vals = (
-        horizontal_values(without_task(base, top), without_task(chal, top), base_arm.mean, scale, cfg.horizontal_trim)
-        if len(names) > 1
-        else None
-    )
-    hbounds = _boundaries(cfg, int(np.isfinite(hb).sum()), _counts_at(hc, sched.seeds), sched.planned[-1], 0, 0.0)
+    # horizontal: its boundaries never borrow a prior
+    hbounds = _boundaries(cfg, int(np.isfinite(hb).sum()), _counts_at(h_values, sched.seeds), sched.planned[-1], 0,
+                          0.0)
     h_upper = hbounds.upper[-1] if hbounds else np.inf
-    hl = horizontal_look(hb, hc, h_upper, breadth_vals, bool(stands_out))
+    hl = horizontal_look(h, h_upper, h_breadth, bool(stands_out), h_fut)
+    # one pair and no history: no variance yet, so no futility either: the next look decides
+    no_variance = bool(proto.paired and int(np.isfinite(h_values).sum()) >= 1 and not np.isfinite(hl.p_up))
+    futility_p_value = np.atleast_1d(0.0 if no_variance else hl.p_up)
 
     total_failed = int(failed.sum())
     code = decide(
@@ -269,7 +365,7 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
         horizontal_up=np.atleast_1d(hl.up),
         horizontal_breadth=np.atleast_1d(hl.breadth_up),
         horizontal_down=np.atleast_1d(hl.down),
-        horizontal_p=np.atleast_1d(hl.p_up),
+        horizontal_p=futility_p_value,
         failures=np.array([total_failed]),
         last=sched.last,
         futility_p=cfg.futility_p,
@@ -279,22 +375,24 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
     # unstable challengers: F-test against the baseline commit's variance, Welch beside
     f_p = variance_ratio_p(scale**2, scale_df, chal_arm)
     welch = welch_t(base_arm, chal_arm)
+    spread = _seed_spread(hb, hc)
 
     tasks = [
         _task_record(
             j, name, sign, cfg, sched, m, test, tl, base_arm, chal_arm, failed, upper, bounds, prior_df, weight, f_p,
-            welch,
+            welch, int(counts[j]), int(pairs_dropped[j]),
         )
         for j, name in enumerate(names)
     ]
+    ci = _interval(float(hl.test.delta), h_upper * float(hl.test.se), 1.0)
     horizontal = HorizontalResult(
         baseline_seeds=int(np.isfinite(hb).sum()),
         challenger_seeds=int(np.isfinite(hc).sum()),
         baseline_mean=float(np.nanmean(hb)) if np.isfinite(hb).any() else None,
         challenger_mean=float(np.nanmean(hc)) if np.isfinite(hc).any() else None,
         delta=hl.test.delta,
-        ci_low=_interval(float(hl.test.delta), h_upper * float(hl.test.se), 1.0)[0],
-        ci_high=_interval(float(hl.test.delta), h_upper * float(hl.test.se), 1.0)[1],
+        ci_low=ci[0],
+        ci_high=ci[1],
         df=hl.test.df,
         t=hl.test.t,
         boundary=h_upper,
@@ -302,7 +400,8 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
         breadth_t=hl.breadth.t if hl.breadth is not None else None,
         breadth_task=names[top] if hl.breadth is not None else None,
         breadth_required=bool(stands_out) if hl.breadth is not None else False,
-        mde_next=_horizontal_mde(cfg, sched, hb, hc, hl.test),
+        mde_next=_horizontal_mde(cfg, sched, hb, h_values, hl.test),
+        pairs=int(np.isfinite(h_values).sum()) if proto.paired else None,
     )
 
     sensitivity, sens_verdict = None, None
@@ -315,6 +414,14 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
             f"{_fmt(worst.horizontal.delta)}σ, t {_fmt(worst.horizontal.t)}"
         )
 
+    reasons = _reasons(verdict, tl, hl, h_upper, names, total_failed, cfg, sched, top)
+    if verdict is not None and no_variance:
+        reasons.append("one pair and no history of paired differences in this lab: no variance yet, "
+                       f"so no futility test: run to {sched.next_look}")
+    dropped = int(pairs_dropped.sum())
+    if verdict is not None and dropped:
+        reasons.append(f"{dropped} challenger run(s) without a baseline result on the same seed: "
+                       "dropped from the paired tests")
     return GateResult(
         protocol=cfg.protocol,
         alpha=cfg.alpha,
@@ -326,7 +433,7 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
         last_look=sched.last,
         next_look=sched.next_look,
         verdict=verdict,
-        reasons=_reasons(verdict, tl, hl, h_upper, names, total_failed, cfg, sched, top),
+        reasons=reasons,
         tasks=tasks,
         horizontal=horizontal,
         failures=FailureReport(
@@ -335,10 +442,30 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
             sensitivity=sensitivity,
             sensitivity_verdict=sens_verdict,
         ),
+        seed_spread=spread,
         baseline_runs_used=int(base_arm.count.sum()),
         challenger_runs_used=int(sum(len(t.challenger) for t in inp.tasks)),
         mde_power=DEFAULT_POWER,
     )
+
+
+SEED_SPREAD_P = 0.01  # lower-tail F level below which a challenger's seeds "do not vary"
+
+
+def _seed_spread(hb: np.ndarray, hc: np.ndarray) -> SeedSpread | None:
+    """Seeds must vary: the challenger's per-seed horizontal values against the baseline's spread."""
+    ratio, p = spread_ratio_p(hb, hc)
+    if not np.isfinite(p):
+        return None
+    ratio, p = float(ratio), float(p)
+    held = p < SEED_SPREAD_P
+    reason = None
+    if held:
+        what = ("its runs do not vary with the seed" if ratio == 0 else
+                f"its spread across seeds is {ratio:.3g}× the baseline's (lower-tail F p {p:.2g} < {SEED_SPREAD_P})")
+        reason = (f"seeds must vary: {what} while the baseline's do; a branch that ignores or hard-codes the "
+                  "seed repeats one draw, and replication over seeds is what the gate stands on")
+    return SeedSpread(ratio=ratio, p_lower=p, held=held, reason=reason)
 
 
 def _interval(delta: float, half: float, sign: float) -> tuple[float | None, float | None]:
@@ -367,8 +494,11 @@ def _task_record(
     weight: np.ndarray,
     f_p: np.ndarray,
     welch: TwoSample,
+    count: int,
+    pairs_dropped: int,
 ) -> TaskResult:
-    """One task's row: arm means, Δ with its (repeated) interval, p, q, flags, Welch, next-look MDE."""
+    """One task's row: arm means, Δ with its (repeated) interval, p, q, flags, Welch, next-look MDE.
+    `count` is what the test stands on: challenger runs, or pairs for `paired`."""
     ci = _interval(float(test.delta[j]), float(upper[j] * test.se[j]), sign)
     flags = []
     if sched.is_look and tl.wins[j]:
@@ -389,7 +519,7 @@ def _task_record(
         delta=sign * test.delta[j],
         ci_low=ci[0],
         ci_high=ci[1],
-        sigma=test.se[j] / math.sqrt(1 / n + 1 / c) if n and c else None,
+        sigma=test.se[j] / get_protocol(cfg.protocol).se_factor(n, count) if n and count else None,
         prior_df=int(prior_df[j]),
         df=test.df[j],
         t=test.t[j],
@@ -400,7 +530,9 @@ def _task_record(
         flags=flags,
         variance_ratio_p=f_p[j],
         welch=_welch_record(welch, j, sign, cfg.alpha) if unstable else None,
-        mde_next=_task_mde(cfg, sched, bounds[j], test, base, chal, weight[j], prior_df[j], j, m),
+        mde_next=_task_mde(cfg, sched, bounds[j], test, base, count, weight[j], prior_df[j], j, m),
+        pairs=count if get_protocol(cfg.protocol).paired else None,
+        pairs_dropped=pairs_dropped,
     )
 
 
@@ -428,37 +560,44 @@ def _task_mde(
     bounds: Boundaries | None,
     test: TwoSample,
     base: Arm,
-    chal: Arm,
+    count: int,
     weight: float,
     prior_df: int,
     j: int,
     m: int,
 ) -> float | None:
-    """Smallest improvement (metric units) the task's test would detect at the next planned look."""
-    if sched.next_look is None or bounds is None or not np.isfinite(test.se[j]) or chal.count[j] < 1:
+    """Smallest improvement (metric units) the task's test would detect at the next planned look.
+    `count`: the challenger runs (pairs for `paired`) the test stands on now."""
+    if sched.next_look is None or bounds is None or not np.isfinite(test.se[j]) or count < 1:
         return None
-    n, c = int(base.count[j]), int(chal.count[j])
+    proto = get_protocol(cfg.protocol)
+    n, c = int(base.count[j]), count
     m_next = c + (sched.next_look - m)
-    sigma = test.se[j] / math.sqrt(1 / n + 1 / c)
-    crit = _next_crit(cfg, n, bounds.looks + (m_next,), sched.planned[-1] - (m - c), prior_df, weight)
+    n_next = max(n, m_next) if proto.paired else n
+    sigma = test.se[j] / proto.se_factor(n, c)
+    crit = _next_crit(cfg, n_next, bounds.looks + (m_next,), sched.planned[-1] - (m - c), prior_df, weight)
     if crit is None or not np.isfinite(crit) or sigma <= 0:
         return None
-    df = degrees_of_freedom(n, m_next, weight)
-    return mde_at(sigma * math.sqrt(1 / n + 1 / m_next), df, crit, False, DEFAULT_POWER)
+    return mde_at(sigma * proto.se_factor(n_next, m_next), proto.df(n_next, m_next, weight), crit, False,
+                  DEFAULT_POWER)
 
 
 def _horizontal_mde(cfg: GateConfig, sched: _Schedule, hb: np.ndarray, hc: np.ndarray, test: TwoSample) -> float | None:
-    """Smallest horizontal improvement (σ units) detectable at the next planned look."""
+    """Smallest horizontal improvement (σ units) detectable at the next planned look. `hc`: the
+    challenger's per-seed values (for `paired`, the per-seed paired differences)."""
+    proto = get_protocol(cfg.protocol)
     n, c = int(np.isfinite(hb).sum()), int(np.isfinite(hc).sum())
     if sched.next_look is None or c < 1 or not np.isfinite(test.se) or test.se <= 0:
         return None
     m_next = c + (sched.next_look - int(hc.shape[-1]))
-    sigma = float(test.se) / math.sqrt(1 / n + 1 / c)
+    n_next = max(n, m_next) if proto.paired else n
+    sigma = float(test.se) / proto.se_factor(n, c)
     counts = _counts_at(hc, sched.seeds) + (m_next,)
-    crit = _next_crit(cfg, n, counts, sched.planned[-1], 0, 0.0)
+    crit = _next_crit(cfg, n_next, counts, sched.planned[-1], 0, 0.0)
     if crit is None or not np.isfinite(crit):
         return None
-    return mde_at(sigma * math.sqrt(1 / n + 1 / m_next), degrees_of_freedom(n, m_next, 0.0), crit, False, DEFAULT_POWER)
+    return mde_at(sigma * proto.se_factor(n_next, m_next), proto.df(n_next, m_next, 0.0), crit, False,
+                  DEFAULT_POWER)
 
 
 def _worst_case(inp: GateInput) -> GateResult:

@@ -64,6 +64,8 @@ class TaskResult(_Record):
     variance_ratio_p: Num  # one-sided F-test p for challenger variance > baseline variance
     welch: WelchResult | None = None  # present when flagged unstable
     mde_next: Num = None  # minimum detectable improvement (metric units, a size: a decrease if lower is better)
+    pairs: int | None = None  # `paired`: the seeds with a result in both arms (the test's n)
+    pairs_dropped: int = 0  # `paired`: challenger runs whose baseline seed has no result (left out)
 
 
 class HorizontalResult(_Record):
@@ -85,6 +87,17 @@ class HorizontalResult(_Record):
     breadth_task: str | None
     breadth_required: bool  # that task stands out (Tukey fence): `improvement` needs breadth_t to cross too
     mde_next: Num = None  # in σ units
+    pairs: int | None = None  # `paired`: seeds in the test (Δ, t and the interval are on the paired differences)
+
+
+class SeedSpread(_Record):
+    """Seeds must vary: the challenger's spread of per-seed horizontal values over the baseline's, and
+    its lower-tail F-test. `held`: never promoted automatically (DESIGN §6)."""
+
+    ratio: Num
+    p_lower: Num
+    held: bool
+    reason: str | None = None
 
 
 class FailureReport(_Record):
@@ -113,6 +126,7 @@ class GateResult(_Record):
     tasks: list[TaskResult]
     horizontal: HorizontalResult
     failures: FailureReport
+    seed_spread: SeedSpread | None = None  # None: fewer than 2 runs a side, or a baseline that does not vary
     baseline_runs_used: int
     challenger_runs_used: int  # every challenger run at this look, failed ones included
     mde_power: float

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -26,17 +27,22 @@ from pydantic import BaseModel, ConfigDict
 from pipeline.errors import SimInputError
 from pipeline.gate.protocol import PROTOCOLS, get_protocol
 from pipeline.gate.protocols import (
+    SEED_SPREAD_P,
     horizontal_look,
     most_improved,
+    paired_tests,
     task_look,
     task_scale,
+    two_sample_horizontal,
 )
 from pipeline.gate.stats import (
     HORIZONTAL_TRIM,
+    PAIRED_PRIOR_DF_CAP,
     PRIOR_DF_CAP,
     history_prior,
     horizontal_values,
     pooled_t,
+    spread_ratio_p,
     summarize,
     without_task,
 )
@@ -62,7 +68,12 @@ class SimResult(BaseModel):
     history: int
     horizontal_trim: float
     seed: int
-    improvement_rate: float
+    improvement_rate: float  # every `improvement` verdict, held ones included
+    held_rate: float  # `improvement` held for review: its seeds do not vary
+    pair_rho: float
+    history_pair_rho: float | None
+    pair_history: int
+    lazy: bool
     horizontal_rate: float
     horizontal_rate_all_looks: float
     per_task_rate: float | None
@@ -123,36 +134,67 @@ def simulate(
     horizontal_trim: float = HORIZONTAL_TRIM,
     seed: int = 0,
     chunk: int = 20_000,
+    pair_rho: float = 0.0,
+    history_pair_rho: float | None = None,
+    pair_history: int = 10,
+    lazy: bool = True,
 ) -> SimResult:
-    """Simulate `trials` hypotheses through the protocol; see the module docstring for the rates."""
+    """Simulate `trials` hypotheses through the protocol; see the module docstring for the rates.
+
+    `pair_rho`: the correlation of the challenger's seed-k run with the baseline's seed-k run (common
+    random numbers; the two-sample protocols ignore it). `paired` only: `pair_history` earlier
+    comparisons of 2 pairs each, paired at `history_pair_rho` (default: `pair_rho`), are the
+    lab's history behind its prior; `lazy`: the gate sees the baseline seeds a look needs (the
+    first challenger of a baseline), else all `baseline_runs`.
+    """
     looks = tuple(int(x) for x in looks)
     affected = tasks if affected is None else affected
+    hist_rho = pair_rho if history_pair_rho is None else history_pair_rho
     _check(protocol, effect, tasks, rho, trials, baseline_runs, looks, alpha, futility_p, history, affected,
            horizontal_trim)
+    for bad, message in ((not 0 <= pair_rho < 1, "--pair-rho: expected a correlation in [0, 1)"),
+                         (not 0 <= hist_rho < 1, "--history-pair-rho: expected a correlation in [0, 1)"),
+                         (pair_history < 0, "--pair-history: expected 0 or more earlier comparisons"),
+                         (get_protocol(protocol).paired and looks[-1] > baseline_runs,
+                          "--looks: the paired protocol's last look needs as many --baseline-runs")):
+        if bad:
+            raise SimInputError(message)
     n, J, last = baseline_runs, tasks, looks[-1]
     shift = np.where(np.arange(J) < affected, effect, 0.0)
     rng = np.random.default_rng(seed)
+    paired = get_protocol(protocol).paired
 
-    def draw(b: int, seeds: int) -> np.ndarray:
-        common = rng.standard_normal((b, 1, seeds))
-        own = rng.standard_normal((b, J, seeds))
+    def draw(b: int, *seeds: int) -> np.ndarray:
+        common = rng.standard_normal((b, 1, *seeds))
+        own = rng.standard_normal((b, J, *seeds))
         return math.sqrt(rho) * common + math.sqrt(1 - rho) * own
 
-    sums = {"improvement": 0, "h": 0, "h_all": 0, "runs": 0}
+    def challenger(base: np.ndarray, b: int) -> np.ndarray:
+        fresh = draw(b, last)
+        if pair_rho == 0 or base.shape[-1] < last:
+            return fresh
+        return pair_rho * base[..., :last] + math.sqrt(1 - pair_rho**2) * fresh
+
+    sums = {"improvement": 0, "held": 0, "h": 0, "h_all": 0, "runs": 0}
     task_hits = np.zeros(J)
     task_hits_all = np.zeros(J)
     verdicts = np.zeros(len(ORDER))
     done = 0
     while done < trials:
         b = min(chunk, trials - done)
-        base, chal = draw(b, n), draw(b, last) + shift[None, :, None]
+        base = draw(b, n)
+        chal = challenger(base, b) + shift[None, :, None]
         hist = draw(b, history) if history else None
+        # earlier comparisons' paired differences: var 2(1 - ρ_pair) per task, 2 pairs each
+        pairs = math.sqrt(2 * (1 - hist_rho)) * draw(b, pair_history, 2) if paired and pair_history else None
         path = look_path(protocol, base, chal, looks, alpha=alpha, futility_p=futility_p, harm_q=harm_q,
-                         horizontal_trim=horizontal_trim, history=hist)
+                         horizontal_trim=horizontal_trim, history=hist, pair_history=pairs,
+                         base_depth=np.zeros(b, int) if lazy else None)
         code, k_stop = path.first_stop()
         reached = np.arange(len(looks))[None, :] <= k_stop[:, None]  # (b, K): looks this trial took
         verdicts += np.bincount(code, minlength=len(ORDER))
         sums["improvement"] += int((code == CODE[Verdict.improvement]).sum())
+        sums["held"] += int(((code == CODE[Verdict.improvement]) & path.held[np.arange(b), k_stop]).sum())
         sums["h"] += int((path.horizontal_up & reached).any(axis=1).sum())
         sums["h_all"] += int(path.horizontal_up.any(axis=1).sum())
         sums["runs"] += int(np.asarray(looks)[k_stop].sum())
@@ -170,6 +212,9 @@ def simulate(
         baseline_runs=n, looks=list(looks), alpha=alpha, futility_p=futility_p, harm_q=harm_q,
         history=history, horizontal_trim=horizontal_trim, seed=seed,
         improvement_rate=sums["improvement"] / trials,
+        held_rate=sums["held"] / trials,
+        pair_rho=pair_rho, history_pair_rho=hist_rho if paired else None,
+        pair_history=pair_history if paired else 0, lazy=lazy if paired else False,
         horizontal_rate=sums["h"] / trials,
         horizontal_rate_all_looks=sums["h_all"] / trials,
         per_task_rate=task_rate(task_hits, hit_cols),
@@ -196,6 +241,7 @@ class LookPath:
     task_up: np.ndarray
     horizontal_delta: np.ndarray
     task_delta: np.ndarray
+    held: np.ndarray  # (b, K): seeds do not vary (an `improvement` there is held, not promoted)
 
     def first_stop(self) -> tuple[np.ndarray, np.ndarray]:
         """The verdict where each hypothesis stops (its first verdict other than `escalate`, or the
@@ -218,16 +264,26 @@ def look_path(
     horizontal_trim: float = HORIZONTAL_TRIM,
     history: np.ndarray | None = None,
     scale: np.ndarray | None = None,
+    pair_history: np.ndarray | None = None,
+    base_depth: np.ndarray | None = None,
 ) -> LookPath:
     """Judge a batch of hypotheses at every look with the statistics and verdict table `evaluate`
     uses: `base` (b, tasks, n) baseline runs, `chal` (b, tasks, ≥ looks[-1]) challenger runs by seed,
     `history` (b, tasks, h) extra baseline-commit runs (the variance prior), all oriented so that +
     is better. `scale` (b, tasks) overrides σ_task (default: from the baseline's runs and history).
     Runs have no failures here (NaN is a failed run, as in `evaluate`, but failures are not counted).
+
+    `paired` only: `pair_history` (b, tasks, comparisons, seeds) is the lab's earlier paired
+    differences (the prior), and `base_depth` (b,) the baseline seeds already run before this
+    hypothesis (the lazy baseline: at a look of m runs the gate sees max(depth, m, 2) of them; None:
+    all n). A result held because its seeds do not vary is `held` (never promoted automatically).
     """
     looks = tuple(int(x) for x in looks)
     b, J, n = base.shape
     proto = get_protocol(protocol)
+    if proto.paired:
+        return _paired_path(protocol, base, chal, looks, alpha, futility_p, harm_q, horizontal_trim, history,
+                            pair_history, base_depth)
     hist_arm = summarize(history) if history is not None and history.shape[-1] else None
     prior_df = int(hist_arm.count.max()) - 1 if hist_arm is not None else 0
     prior_df = max(prior_df, 0)
@@ -240,26 +296,80 @@ def look_path(
         scale, _ = task_scale(base_arm, hist_arm)
     hb, hc = horizontal_values(base, chal, base_arm.mean, scale, horizontal_trim)
     K = len(looks)
-    codes = np.empty((b, K), dtype=np.int8)
-    h_up, t_up = np.zeros((b, K), bool), np.zeros((b, K, J), bool)
-    h_delta, t_delta = np.zeros((b, K)), np.zeros((b, K, J))
+    out = _Path(b, K, J)
     for k, mk in enumerate(looks):
         test = pooled_t(base_arm, summarize(chal[..., :mk]), prior)
         tl = task_look(test, np.float64(tb.nominal[k]), protocol, alpha, harm_q)
         breadth, required = None, True
         if J > 1:
             top, required = most_improved(test.delta, scale)
-            breadth = horizontal_values(without_task(base, top), without_task(chal[..., :mk], top), base_arm.mean,
-                                        scale, horizontal_trim)
-        hl = horizontal_look(hb, hc[:, :mk], hbnd.upper[k], breadth, required)
-        codes[:, k] = decide(
+            bb, bc = horizontal_values(without_task(base, top), without_task(chal[..., :mk], top), base_arm.mean,
+                                       scale, horizontal_trim)
+            breadth = two_sample_horizontal(bb, bc)
+        hl = horizontal_look(two_sample_horizontal(hb, hc[:, :mk]), hbnd.upper[k], breadth, required)
+        out.record(k, tl, hl, hl.p_up, test, tb.upper[k], k == K - 1, futility_p, spread_ratio_p(hb, hc[:, :mk])[1])
+    return out.finish(looks)
+
+
+def _paired_path(protocol: str, base: np.ndarray, chal: np.ndarray, looks: tuple[int, ...], alpha: float,
+                 futility_p: float, harm_q: float, trim: float, history: np.ndarray | None,
+                 pair_history: np.ndarray | None, base_depth: np.ndarray | None) -> LookPath:
+    b, J, n = base.shape
+    proto = get_protocol(protocol)
+    if pair_history is not None and pair_history.shape[-1] and pair_history.shape[-2]:
+        hist_df = int(np.maximum(np.isfinite(pair_history).sum(axis=-1) - 1, 0).sum(axis=-1).max())
+    else:
+        pair_history, hist_df = None, 0
+    weight = float(min(hist_df, PAIRED_PRIOR_DF_CAP))
+    tb = proto.boundaries(n, looks, looks[-1], alpha, hist_df, weight)
+    hbnd = proto.boundaries(n, looks, looks[-1], alpha)
+    hist_arm = summarize(history) if history is not None and history.shape[-1] else None
+    K = len(looks)
+    out = _Path(b, K, J)
+    seeds = np.arange(n)
+    for k, mk in enumerate(looks):
+        depth = np.full(b, n) if base_depth is None else np.maximum(np.asarray(base_depth), max(mk, 2))
+        visible = np.where((seeds[None, :] < np.minimum(depth, n)[:, None])[:, None, :], base, np.nan)
+        base_arm = summarize(visible)
+        scale, _ = task_scale(base_arm, hist_arm)
+        c = chal[..., :mk]
+        hb, hc = horizontal_values(visible, c, base_arm.mean, scale, trim)
+        test, _, h, h_fut, hd, _ = paired_tests(visible, c, scale, hb, trim, pair_history)
+        tl = task_look(test, np.float64(tb.nominal[k]), protocol, alpha, harm_q)
+        breadth, required = None, True
+        if J > 1:
+            top, required = most_improved(test.delta, scale)
+            breadth = paired_tests(without_task(visible, top), without_task(c, top), scale, hb, trim, None)[2]
+        hl = horizontal_look(h, hbnd.upper[k], breadth, required, h_fut)
+        p_fut = np.where(np.isfinite(hl.p_up) | ~np.isfinite(hd).any(axis=-1), hl.p_up, 0.0)  # no variance yet
+        out.record(k, tl, hl, p_fut, test, tb.upper[k], k == K - 1, futility_p, spread_ratio_p(hb, hc)[1])
+    return out.finish(looks)
+
+
+class _Path:
+    """Accumulates a LookPath look by look."""
+
+    def __init__(self, b: int, K: int, J: int):
+        self.codes = np.empty((b, K), dtype=np.int8)
+        self.h_up, self.t_up = np.zeros((b, K), bool), np.zeros((b, K, J), bool)
+        self.h_delta, self.t_delta = np.zeros((b, K)), np.zeros((b, K, J))
+        self.held = np.zeros((b, K), bool)
+
+    def record(self, k: int, tl: Any, hl: Any, p_fut: np.ndarray, test: Any, task_upper: float, last: bool,
+               futility_p: float, spread_p: np.ndarray) -> None:
+        b = self.codes.shape[0]
+        self.codes[:, k] = decide(
             wins=tl.wins, harms=tl.harms, horizontal_up=hl.up, horizontal_breadth=hl.breadth_up,
-            horizontal_down=hl.down, horizontal_p=hl.p_up, failures=np.zeros(b, int),
-            last=k == K - 1, futility_p=futility_p,
+            horizontal_down=hl.down, horizontal_p=p_fut, failures=np.zeros(b, int),
+            last=last, futility_p=futility_p,
         )
-        h_up[:, k] = hl.up
-        t_up[:, k] = test.t >= tb.upper[k]
-        h_delta[:, k] = hl.test.delta
-        t_delta[:, k] = test.delta
-    return LookPath(looks=looks, codes=codes, horizontal_up=h_up, task_up=t_up, horizontal_delta=h_delta,
-                    task_delta=t_delta)
+        self.h_up[:, k] = hl.up
+        self.t_up[:, k] = test.t >= task_upper
+        self.h_delta[:, k] = hl.test.delta
+        self.t_delta[:, k] = test.delta
+        with np.errstate(invalid="ignore"):
+            self.held[:, k] = spread_p < SEED_SPREAD_P
+
+    def finish(self, looks: tuple[int, ...]) -> LookPath:
+        return LookPath(looks=looks, codes=self.codes, horizontal_up=self.h_up, task_up=self.t_up,
+                        horizontal_delta=self.h_delta, task_delta=self.t_delta, held=self.held)

@@ -201,3 +201,70 @@ def sequential_p(p_one: np.ndarray, nominal: np.ndarray, alpha: float) -> np.nda
     """
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.minimum(1.0, p_one * alpha / nominal)
+
+
+# ---------------------------------------------------------------- paired differences (protocol `paired`)
+
+PAIRED_PRIOR_DF_CAP = 20  # the lab's history of paired differences weighs at most as much as 20 df
+MAX_PAIR_RHO = 0.99  # a paired variance is never taken below 2·(1 - 0.99)·σ²: numerical noise is no gain
+
+
+def paired_t(d: np.ndarray, prior: Prior | None = None, floor: np.ndarray | float = 0.0) -> TwoSample:
+    """One-sample t on paired differences d (..., pairs), NaN where a seed has no pair.
+
+    The variance is the pairs' own sum of squares plus the prior's weight·var (a moderated variance,
+    as in `pooled_t`), never below `floor`. With no pair there is no test; with one pair and no
+    prior there is a Δ but no variance (df 0, t NaN).
+    """
+    arm = summarize(d)
+    ss, df = arm.ss, np.maximum(arm.count - 1.0, 0.0)
+    if prior is not None:
+        ss = ss + prior.weight * prior.var
+        df = df + prior.weight
+    df = np.where(arm.count > 0, df, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        var = np.where(df > 0, ss / np.where(df > 0, df, 1.0), np.nan)
+        var = np.where(np.isfinite(var), np.maximum(var, floor), np.nan)
+        se = np.sqrt(var / arm.count)
+        delta = arm.mean
+        t = np.where(se > 0, delta / np.where(se > 0, se, 1.0), np.where(delta == 0, 0.0, np.sign(delta) * np.inf))
+        t = np.where(np.isfinite(se), t, np.nan)
+    return TwoSample(delta=delta, se=se, df=df, t=t)
+
+
+def pair_prior(d_history: np.ndarray | None, shape: tuple[int, ...]) -> Prior:
+    """The lab's history of paired differences as a variance prior: `d_history` (..., comparisons,
+    pairs) NaN-padded, each earlier comparison centred on its own mean (its true effect is not
+    noise), pooled; weight capped at PAIRED_PRIOR_DF_CAP. `shape` is the prior's shape without it."""
+    if d_history is None or d_history.shape[-1] == 0 or d_history.shape[-2] == 0:
+        zero = np.zeros(shape)
+        return Prior(var=zero, df=zero.astype(int), weight=zero)
+    arm = summarize(d_history)  # per comparison
+    df = np.maximum(arm.count - 1, 0).sum(axis=-1)
+    ss = np.where(arm.count > 1, arm.ss, 0.0).sum(axis=-1)
+    var = np.where(df > 0, ss / np.maximum(df, 1), 0.0)
+    return Prior(var=var, df=df.astype(int), weight=np.minimum(df, PAIRED_PRIOR_DF_CAP).astype(float))
+
+
+def spread_ratio_p(base: np.ndarray, chal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Seeds must vary: the challenger's per-seed spread over the baseline's (variance ratio) and its
+    lower-tail F-test p-value, along the last axis (NaN = no run). A ratio of 0 (every seed gives
+    the same value) while the baseline varies has p = 0; undefined (NaN) with fewer than 2 runs a
+    side or a baseline that does not vary either."""
+    b, c = summarize(base), summarize(chal)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = c.var / b.var
+        p = stats.f.cdf(ratio, c.count - 1, b.count - 1)
+    ok = (c.count > 1) & (b.count > 1) & (b.var > 0)
+    return np.where(ok, ratio, np.nan), np.where(ok, p, np.nan)
+
+
+def paired_horizontal(d: np.ndarray, scale: np.ndarray, trim: float = HORIZONTAL_TRIM) -> np.ndarray:
+    """Per-seed horizontal paired differences: the trimmed mean over tasks of d_k / σ_task.
+
+    `d` is (..., tasks, pairs) with NaN where a task's seed has no pair, `scale` (..., tasks) from
+    the baseline only; returns (..., pairs)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        good = np.isfinite(scale) & (scale > 0)
+        s = np.where(good, scale, np.nan)[..., None]
+        return trimmed_mean(d / s, axis=-2, trim=trim)

@@ -5,7 +5,8 @@ A protocol is one class (`base.GateProtocol`) in a module of this package, regis
 lab's config imports no numpy. The rest of the gate — the pooled t, the horizontal test, failures,
 verdicts — is shared.
 
-- `sequential` (default): moderated variance, group-sequential boundaries, BH on both tails.
+- `paired` (default): the sequential design on the paired differences of seed k (common random numbers).
+- `sequential`: pooled t, moderated variance, group-sequential boundaries, BH on both tails.
 - `fixed`: the original post's pooled t re-tested at every look at the nominal level.
 """
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from pipeline.gate.protocol.base import GateProtocol
 
 PROTOCOLS: dict[str, str] = {
+    "paired": "pipeline.gate.protocol.paired:Paired",
     "sequential": "pipeline.gate.protocol.sequential:Sequential",
     "fixed": "pipeline.gate.protocol.fixed:Fixed",
 }

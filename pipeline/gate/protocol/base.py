@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from pipeline.gate.boundaries import Boundaries
+from pipeline.gate.boundaries import Boundaries, degrees_of_freedom
 
 
 class GateProtocol:
     name: str = ""
-    moderated: bool = False  # whether the per-task variance borrows the baseline's history (a prior)
+    moderated: bool = False  # whether the per-task variance borrows a history (a prior)
+    paired: bool = False  # whether it tests the paired differences of seed k (else two samples)
+
+    def df(self, n_baseline: int, n_challenger: int, prior_weight: float) -> float:
+        """Degrees of freedom of a task's test at these run counts (for `paired`, n_challenger pairs)."""
+        return degrees_of_freedom(n_baseline, n_challenger, prior_weight)
+
+    def se_factor(self, n_baseline: int, n_challenger: int) -> float:
+        """The test's standard error over the per-run σ at these run counts."""
+        return math.sqrt(1 / n_baseline + 1 / n_challenger)
 
     def boundaries(self, n_baseline: int, looks: tuple[int, ...], planned_max: int, alpha: float,
                    prior_df: int = 0, prior_weight: float = 0.0) -> Boundaries:

@@ -1,0 +1,46 @@
+"""Protocol `paired` (default): the arms share seed k (pretraining through the cache, the fine-tuning
+seed), so they are common random numbers and the test is on the paired differences
+d_k = challenger_k - baseline_k.
+
+- per task, a t on the d_k with a moderated variance: the lab's history of paired differences
+  (earlier comparisons, each centred on its own mean) as a prior of at most 20 df, combined with
+  the hypothesis's own; Benjamini-Hochberg on both tails for per-task wins and harms;
+- the horizontal test on the per-seed trimmed means of d_k / σ_task. Its boundaries (improvement
+  and harm) use the hypothesis's own pairs only, so its error rate holds whatever this
+  hypothesis's pair correlation is, also when it pairs worse than the history (it changes
+  pretraining) or not at all; the prior only feeds the futility rule, where an early stop can
+  cost power but never a false promotion. Looks may start at 1 run: a look with one pair can
+  stop a hypothesis (futile) but never promote it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pipeline.gate.boundaries import Boundaries, paired_boundaries, paired_df
+from pipeline.gate.protocol.base import GateProtocol
+
+
+class Paired(GateProtocol):
+    name = "paired"
+    moderated = True
+    paired = True
+
+    def df(self, n_baseline: int, n_challenger: int, prior_weight: float) -> float:
+        return paired_df(n_challenger, prior_weight)
+
+    def se_factor(self, n_baseline: int, n_challenger: int) -> float:
+        return math.sqrt(1 / n_challenger)
+
+    def boundaries(self, n_baseline: int, looks: tuple[int, ...], planned_max: int, alpha: float,
+                   prior_df: int = 0, prior_weight: float = 0.0) -> Boundaries:
+        return paired_boundaries(looks, max(planned_max, looks[-1]), alpha, int(prior_df), float(prior_weight))
+
+    def flags(self, p_up: np.ndarray, p_down: np.ndarray, q: np.ndarray, t: np.ndarray, alpha: float,
+              harm_q: float) -> tuple[np.ndarray, np.ndarray]:
+        return (q <= harm_q) & (t > 0), (q <= harm_q) & (t < 0)
+
+    def harm_rule(self, harm_q: float) -> str:
+        return f"BH q ≤ {harm_q}"

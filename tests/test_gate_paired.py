@@ -1,0 +1,107 @@
+"""The paired protocol (DESIGN §6): tests on d_k = challenger_k - baseline_k, the lab's history as the
+prior of their variance, looks from 1 run, and seeds that must vary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.gate import Verdict, evaluate
+from pipeline.gate.plausibility import implausible
+from pipeline.gate.sim import simulate
+
+TASKS = [f"task{j}" for j in range(8)]
+SIGMA = 0.01
+
+
+def paired_data(effect: float, m: int, n: int | None = None, pair: float = 0.9, seed: int = 0,
+                history: int = 0, **gate) -> dict:
+    """Tasks whose challenger seed k shares most of the baseline's seed-k noise (correlation `pair`);
+    `effect` in σ units on every task; `history` earlier null comparisons of 2 pairs each."""
+    rng = np.random.default_rng(seed)
+    n = n if n is not None else max(m, 2)
+    tasks = []
+    for j, t in enumerate(TASKS):
+        b = 0.7 + 0.02 * j + SIGMA * rng.standard_normal(10)
+        c = 0.7 + 0.02 * j + effect * SIGMA + pair * (b - 0.7 - 0.02 * j) + np.sqrt(1 - pair**2) * SIGMA * rng.standard_normal(10)
+        tasks.append({"task": t, "baseline": list(b[:n]), "challenger": list(c[:m]), "history": list(b[:n])})
+    pairs = [{t: list(np.sqrt(2 * (1 - pair)) * SIGMA * rng.standard_normal(2)) for t in TASKS} for _ in range(history)]
+    return {"config": {"protocol": "paired", **gate}, "tasks": tasks, "pair_history": pairs, "at_look": True,
+            "looks_done": [x for x in (1, 2, 5, 10) if x < m]}
+
+
+def test_pairing_finds_a_gain_the_pooled_t_cannot_see():
+    data = paired_data(0.25, m=10, n=10, pair=0.95, seed=3)
+    paired = evaluate(data)
+    pooled = evaluate({**data, "config": {"protocol": "sequential", "looks": [2, 5, 10]}, "pair_history": [],
+                       "looks_done": [2, 5]})
+    assert paired.verdict is Verdict.improvement, paired.reasons
+    assert pooled.verdict is not Verdict.improvement
+    assert paired.horizontal.t > 2 * pooled.horizontal.t
+    assert paired.horizontal.pairs == 10 and all(t.pairs == 10 and t.pairs_dropped == 0 for t in paired.tasks)
+
+
+def test_a_deterministic_no_op_is_futile_never_promoted():
+    """Δ ≡ 0 with zero variance: t is 0, not 0/0, and the hypothesis stops."""
+    data = paired_data(0.0, m=2, n=2)
+    for t in data["tasks"]:
+        t["challenger"] = list(t["baseline"][:2])
+    r = evaluate(data)
+    assert r.verdict is Verdict.futile
+    assert r.horizontal.delta == 0 and r.horizontal.t == 0
+    assert all(t.delta == 0 and t.t == 0 for t in r.tasks)
+
+
+def test_a_seed_ignoring_challenger_is_held_not_promoted():
+    """Every run repeats the baseline's best seed: a large, consistent Δ, but no spread over seeds."""
+    data = paired_data(0.0, m=5, n=5)
+    for t in data["tasks"]:
+        t["challenger"] = [max(t["baseline"])] * 5
+    r = evaluate(data)
+    assert r.seed_spread is not None and r.seed_spread.held and r.seed_spread.ratio == 0
+    from pipeline.lab import parse_config
+
+    cfg = parse_config((Path(__file__).parents[1] / "pipeline" / "templates" / "transactions" / "research.toml").read_text())
+    reason = implausible(r, cfg)
+    assert reason and "seeds must vary" in reason and "do not vary with the seed" in reason
+
+
+def test_spread_far_below_the_baseline_is_held_too():
+    data = paired_data(0.0, m=10, n=10, pair=0.0, seed=5)
+    for t in data["tasks"]:
+        mean = float(np.mean(t["challenger"]))
+        t["challenger"] = [mean + 0.05 * (v - mean) for v in t["challenger"]]  # 5 % of the spread
+    r = evaluate(data)
+    assert r.seed_spread.held and 0 < r.seed_spread.ratio < 0.05 and r.seed_spread.p_lower < 0.01
+
+
+def test_an_unmatched_seed_is_dropped_and_said():
+    data = paired_data(1.0, m=5, n=5)
+    data["tasks"][0]["baseline"][3] = None  # a failed baseline run: seed 3 has no pair on task0
+    r = evaluate(data)
+    assert r.tasks[0].pairs == 4 and r.tasks[0].pairs_dropped == 1
+    assert any("dropped from the paired tests" in x for x in r.reasons)
+
+
+def test_look_one_without_history_runs_on_and_with_history_can_stop():
+    fresh = evaluate(paired_data(-1.0, m=1))
+    assert fresh.verdict is Verdict.escalate and any("no variance yet" in x for x in fresh.reasons)
+    known = evaluate(paired_data(-1.0, m=1, history=10))
+    assert known.verdict in (Verdict.futile, Verdict.harm)  # the history's variance judges one pair
+    assert known.horizontal.boundary is None  # but one pair can never promote
+
+
+def test_the_lazy_baseline_needs_only_the_seeds_the_look_has():
+    r = evaluate(paired_data(0.5, m=2, n=2))
+    assert r.baseline_runs_used == 2 * len(TASKS)
+
+
+@pytest.mark.parametrize("pair_rho,history_rho", [(0.0, 0.9), (0.95, 0.95), (0.5, 0.0)])
+def test_the_error_rate_holds_whatever_this_hypothesis_pairs(pair_rho, history_rho):
+    """Also when it pairs far worse than the lab's history (it changes pretraining): the horizontal
+    boundaries use its own pairs only; the history only decides when to stop."""
+    r = simulate(protocol="paired", looks=(1, 2, 5, 10), rho=0.02, pair_rho=pair_rho, history_pair_rho=history_rho,
+                 trials=6000, seed=11)
+    assert r.improvement_rate <= 0.025 + 3 * r.standard_error(0.025), r.improvement_rate
