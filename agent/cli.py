@@ -102,13 +102,15 @@ def power_cmd(
 
 @app.command("gate-sim")
 def gate_sim_cmd(
-    protocol: str = typer.Option("sequential", "--protocol", help="fixed or sequential."),
+    protocol: str = typer.Option("paired", "--protocol", help="paired, sequential or fixed."),
     effect: float = typer.Option(0.0, "--effect", help="True improvement in σ units (0: false-positive rate)."),
     tasks: int = typer.Option(8, "--tasks", help="Tasks per hypothesis."),
     rho: float = typer.Option(0.0, "--rho", help="Cross-task correlation of a seed's runs (shared pretraining)."),
     trials: int = typer.Option(20_000, "--trials", help="Simulated hypotheses."),
     baseline_runs: int = typer.Option(10, "--baseline-runs", help="Baseline runs per task."),
-    looks: str = typer.Option("2,5,10", "--looks", help="Planned challenger run counts, comma-separated."),
+    looks: Optional[str] = typer.Option(None, "--looks",
+                                        help="Planned challenger run counts, comma-separated (default 1,2,5,10 "
+                                             "for paired, else 2,5,10)."),
     alpha: float = typer.Option(0.025, "--alpha", help="One-sided level."),
     futility_p: float = typer.Option(0.30, "--futility-p", help="Escalate only while the one-sided p is below this."),
     harm_q: float = typer.Option(0.10, "--harm-q", help="Benjamini-Hochberg q for per-task wins and harms."),
@@ -116,6 +118,14 @@ def gate_sim_cmd(
     affected: Optional[int] = typer.Option(None, "--affected", help="Tasks carrying the effect (default: all)."),
     trim: float = typer.Option(0.125, "--trim", help="Horizontal statistic: share of tasks trimmed at each end."),
     seed: int = typer.Option(0, "--seed", help="RNG seed."),
+    pair_rho: float = typer.Option(0.0, "--pair-rho",
+                                   help="Correlation of the challenger's seed-k run with the baseline's (shared seeds)."),
+    history_pair_rho: Optional[float] = typer.Option(None, "--history-pair-rho",
+                                                     help="paired: the pairing of the lab's earlier comparisons "
+                                                          "(default: --pair-rho)."),
+    pair_history: int = typer.Option(10, "--pair-history", help="paired: earlier comparisons (2 pairs each)."),
+    eager_baseline: bool = typer.Option(False, "--eager-baseline",
+                                        help="paired: the gate sees every baseline run (default: the lazy baseline's)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Simulate a protocol: false-positive rate (effect 0) or power, and mean challenger runs.
@@ -125,6 +135,8 @@ def gate_sim_cmd(
     """
     from pipeline.gate.sim import SimInputError, simulate
 
+    if looks is None:
+        looks = "1,2,5,10" if protocol == "paired" else "2,5,10"
     try:
         planned = tuple(int(x) for x in looks.split(",") if x.strip())
     except ValueError:
@@ -133,7 +145,8 @@ def gate_sim_cmd(
     result = simulate(
         protocol=protocol, effect=effect, tasks=tasks, rho=rho, trials=trials, baseline_runs=baseline_runs,
         looks=planned, alpha=alpha, futility_p=futility_p, harm_q=harm_q, history=history, affected=affected,
-        horizontal_trim=trim, seed=seed,
+        horizontal_trim=trim, seed=seed, pair_rho=pair_rho, history_pair_rho=history_pair_rho,
+        pair_history=pair_history, lazy=not eager_baseline,
     )
     if as_json:
         emit_json(result.to_json())
@@ -365,16 +378,35 @@ def variance_cmd(
     executor: str = typer.Option("local", "--executor", help="local or ray."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1),
     ray_address: Optional[str] = typer.Option(os.environ.get("RAY_ADDRESS"), "--ray-address"),
+    pair: Optional[str] = typer.Option(None, "--pair", metavar="REV",
+                                       help="Measure what the seeds buy: REV against the baseline, seed k with seed k."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """The variance study: N identical baseline runs per task, per-task σ, correlation, MDE table."""
+    """The variance study: N identical baseline runs per task, per-task σ, correlation, MDE table;
+    with --pair REV, per task the seed-k pair correlation of REV with the baseline, the sd of the
+    paired differences and the variance ratio (a noise model for benchmarks/loop_quality.py)."""
     from pipeline import runner
     from pipeline.lab import load_lab
-    from pipeline.variance import study
+    from pipeline.variance import pairing, study
 
     lab = load_lab(Ctx.repo)
     store = runner.open_store(lab, Ctx.db)
     ex = runner.make_executor(executor, lab, workers=workers, ray_address=ray_address)
+    if pair is not None:
+        out = pairing(lab, store, ex, pair, runs)
+        if as_json:
+            emit_json(out)
+            return
+        typer.echo(f"{'task':22s} {'pairs':>5s} {'corr':>6s} {'sd(d)':>8s} {'var ratio':>9s}")
+        for task, t in out["tasks"].items():
+            cells = [f"{t['pair_correlation']:6.2f}" if t["pair_correlation"] is not None else f"{'-':>6s}",
+                     f"{t['sd_paired_difference']:8.4f}" if t["sd_paired_difference"] is not None else f"{'-':>8s}",
+                     f"{t['variance_ratio']:9.2f}" if t["variance_ratio"] is not None else f"{'-':>9s}"]
+            typer.echo(f"{task:22s} {t['pairs']:5d} " + " ".join(cells))
+        med, ratio = out["median_pair_correlation"], out["median_variance_ratio"]
+        typer.echo(f"median pair correlation {med:.2f}, median variance ratio {ratio:.2f} (paired / unpaired)"
+                   if med is not None and ratio is not None else "pairing: n/a (fewer than 3 pairs)")
+        return
     out = study(lab, store, ex, runs)
     if as_json:
         emit_json(out)

@@ -102,6 +102,7 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
 def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
     """`status` over a lab, store and records already open (the review page keeps them open)."""
     from agent.ledger import Ledger
+    from pipeline.variance import lab_pairing
 
     hyps = rec.all()
     queue = store.queue_counts()
@@ -139,6 +140,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
         "progress": split_progress(lab, store, rec),
         "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == "reject").items())),
         "compute": runner.goodput(store).as_dict(),
+        "pairing": lab_pairing(lab, store),  # what the shared seeds buy, from this lab's comparisons
         "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day,
                 "unreachable_since": llm_unreachable_since(rec)},
         "events": [{"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(5)],

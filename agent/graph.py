@@ -371,7 +371,7 @@ class Nodes:
             allowed = ["hold"]
         choice = self._choice(h, allowed)
         if too_good and choice.decision == "hold":
-            choice.rationale = f"Held for human review: too good to be true ({too_good}). {choice.rationale}"
+            choice.rationale = f"Held for human review: {too_good}. {choice.rationale}"
         if choice.decision == "escalate":
             nxt = min(n for n in looks if n > h.look)
             rec.update(h.id, look=nxt, status="measuring", decision="escalate", rationale_decision=choice.rationale)

@@ -58,6 +58,11 @@ def print_status(st: dict[str, Any]) -> None:
     con.print(f"compute: useful {_secs(c['useful_cpu_s'])}, failed methods {_secs(c['method_failed_cpu_s'])}, "
               f"lost to infrastructure {_secs(c['infra_lost_cpu_s'])}, saved by cache {_secs(c['saved_by_cache_cpu_s'])}; "
               f"goodput {c['goodput']:.1%}; {c['cache_hits']} cache hits, {c['infra_retries']} retries")
+    pr = st.get("pairing")
+    if pr and pr["median_pair_correlation"] is not None and pr["median_variance_ratio"] is not None:
+        con.print(f"pairing: seed k of a challenger and of its baseline correlate at a median "
+                  f"{pr['median_pair_correlation']:.2f} over {pr['comparisons']} comparisons; the paired difference "
+                  f"has {pr['median_variance_ratio']:.2f}× the unpaired variance")
     con.print(f"LLM spend today: ${st['llm']['spent_today_usd']:.2f} of ${st['llm']['cap_usd']:.2f}")
     if st["llm"].get("unreachable_since"):
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["llm"]["unreachable_since"]))

@@ -60,3 +60,83 @@ def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASEL
                      f"an MDE is a size: the smallest {'increase' if lab.config.benchmark.higher_is_better else 'decrease'} "
                      f"of {lab.config.benchmark.metric} detected"),
     }
+
+
+def _pair_stats(b: list[float], c: list[float]) -> dict[str, Any]:
+    """Seed-k pairs of one task: their correlation, the sd of the differences and the variance ratio
+    var(d) / (var(b) + var(c)) (1: the pairing buys nothing; 0.31: a third of the unpaired variance)."""
+    x, y = np.array(b, dtype=float), np.array(c, dtype=float)
+    out: dict[str, Any] = {"pairs": int(len(x)), "pair_correlation": None, "sd_paired_difference": None,
+                           "variance_ratio": None, "sd": float(x.std(ddof=1)) if len(x) > 1 else None,
+                           "challenger_sd": float(y.std(ddof=1)) if len(y) > 1 else None}
+    if len(x) < 2:
+        return out
+    d = y - x
+    out["sd_paired_difference"] = float(d.std(ddof=1))
+    unpaired = x.var(ddof=1) + y.var(ddof=1)
+    if unpaired > 0:
+        out["variance_ratio"] = float(d.var(ddof=1) / unpaired)
+    if len(x) > 2 and x.std() > 0 and y.std() > 0:
+        out["pair_correlation"] = float(np.corrcoef(x, y)[0, 1])
+    return out
+
+
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.median(vals)) if vals else None
+
+
+def pairing(lab: Lab, store: Any, executor: Any, rev: str, runs: int, *, stop: Any = None) -> dict[str, Any]:
+    """What the seeds buy: `rev` and the baseline on the baseline's first `runs` seeds (queued
+    idempotently, gate runs reused), per task the correlation of rev's seed-k run with the baseline's,
+    the sd of the paired differences and the variance ratio. The JSON is a noise model for
+    `benchmarks/loop_quality.py --noise`."""
+    tasks = lab.tasks()
+    base_sha, sha = runner.resolve_commit(lab, BASELINE_BRANCH), runner.resolve_commit(lab, rev)
+    exp = Experiment(lab, store)
+    seeds = list(exp.baseline_seeds(base_sha, runs))
+    store.mark_baseline(base_sha)
+    ids = runner.ensure_runs(store, lab, base_sha, tasks, seeds, label="variance study")
+    ids += runner.ensure_runs(store, lab, sha, tasks, seeds, label=f"pairing {rev}")
+    if sha != base_sha:
+        store.mark_comparison(sha, base_sha)
+    with runner.Driver(lab, store, executor) as driver:
+        driver.drive(until=ids, stop=stop)
+    base, chal = runner.results(store, lab, base_sha, tasks), runner.results(store, lab, sha, tasks)
+    per_task = {}
+    for t in tasks:
+        both = [s for s in seeds if base.get(t, {}).get(s) is not None and chal.get(t, {}).get(s) is not None]
+        per_task[t] = _pair_stats([base[t][s] for s in both], [chal[t][s] for s in both])
+    return {
+        "commit": sha, "baseline": base_sha, "runs": runs, "tasks": per_task,
+        "median_pair_correlation": _median([v["pair_correlation"] for v in per_task.values()]),
+        "median_variance_ratio": _median([v["variance_ratio"] for v in per_task.values()]),
+    }
+
+
+def lab_pairing(lab: Lab, store: Any) -> dict[str, Any] | None:
+    """The pairing this lab's comparisons measured so far (no runs queued): the median over
+    (comparison, task) of the seed-k correlation and of the variance ratio, for `status`. None
+    before any comparison has 3 pairs on a task."""
+    tasks = lab.tasks()
+    comps = store.comparisons()
+    rows: dict[str, dict[str, dict[int, float | None]]] = {}
+    commits = {x for c in comps for x in c}
+    for r in store.results_of(commits, tasks):
+        if r.outcome != "infra_failure":
+            rows.setdefault(r.commit, {}).setdefault(r.task, {})[r.seed] = r.value
+    corr, ratio, used = [], [], 0
+    for chal, base in comps:
+        counted = False
+        for t in tasks:
+            b, c = rows.get(base, {}).get(t, {}), rows.get(chal, {}).get(t, {})
+            both = sorted(s for s in set(b) & set(c) if b[s] is not None and c[s] is not None)
+            if len(both) >= 3:
+                st = _pair_stats([b[s] for s in both], [c[s] for s in both])
+                corr.append(st["pair_correlation"])
+                ratio.append(st["variance_ratio"])
+                counted = True
+        used += counted
+    if not used:
+        return None
+    return {"comparisons": used, "median_pair_correlation": _median(corr), "median_variance_ratio": _median(ratio)}

@@ -1,7 +1,7 @@
 """Tiny transactions labs, the CLI as a real subprocess, and a fake OpenAI server that routes answers.
 
 The lab is the real template (`autoresearch init`) shrunk to CPU seconds: 300 customers, two tasks,
-3 baseline runs, looks at 2 and 3 challenger runs, a one-layer 16-wide model trained for one epoch.
+3 baseline runs, looks at 2 and 3 challenger runs (the two-sample `sequential` protocol), a one-layer 16-wide model trained for one epoch.
 It is built once per session (`make_template`) and copied per test (`copy_lab`), dataset included,
 so a test pays only for what it measures. Everything is real: git, SQLite, the warm-worker
 executor, the sealed scorer, the openai SDK over HTTP.
@@ -56,7 +56,10 @@ def make_template(root: Path) -> Path:
     research = (root / "research.toml").read_text()
     research = research.replace("data_seed = 0", f"data_seed = 0\ncustomers = 300\ntasks = {json.dumps(TASKS)}")
     research = research.replace("baseline_runs = 10", "baseline_runs = 3")
-    research = research.replace("looks = [2, 5, 10]", "looks = [2, 3]")
+    # the agent's tests plant results for a two-sample look at 2 runs: this lab keeps the `sequential`
+    # protocol; the paired default runs in tests/test_own_lab.py, test_attacks.py, test_seeds_vary.py
+    research = research.replace('protocol = "paired"', 'protocol = "sequential"')
+    research = research.replace("looks = [1, 2, 5, 10]", "looks = [2, 3]")
     (root / "research.toml").write_text(research)
     config = (root / "config.toml").read_text()
     for old, new in (("max_events = 24", "max_events = 8"), ("d_model = 48", "d_model = 16"),

@@ -65,7 +65,7 @@ tmp_max_mb = 32
 max_procs = 48
 
 [gate]
-baseline_runs = 3
+baseline_runs = 5
 looks = [2, 5]
 """
 

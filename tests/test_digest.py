@@ -20,6 +20,18 @@ from agent.records import Hypothesis
 from agent.summary import summary_path
 
 
+def backdate(svc, hid: int, seconds: float) -> None:
+    """Move a hypothesis's timestamps `seconds` into the past (`records.update` stamps updated_at now)."""
+    with svc.store.session() as s:
+        h = s.get(Hypothesis, hid)
+        t = time.time() - seconds
+        if h.finished_at is not None:
+            h.finished_at = t
+        h.updated_at = t
+        s.add(h)
+        s.commit()
+
+
 def test_digest_of_a_day(tmp_path, fake_openai):
     root = make_lab(tmp_path / "lab")
     svc = services(root)
@@ -65,6 +77,9 @@ def test_digest_of_a_day(tmp_path, fake_openai):
     assert f"Progress chart: {progress_path(svc.lab)}" in md
     assert "goodput" in md
 
+    # the window of the last second holds none of them: each was decided a minute "ago"
+    for h in (promoted, abandoned, held, rejected):
+        backdate(svc, h.id, 60)
     narrow = json.loads(cli(root, "digest", "--since", "1s", "--json").stdout)
     assert narrow["promoted"] == narrow["abandoned"] == [] and narrow["baseline"]["promotions"] == []
     assert cli(root, "digest", "--since", "yesterday", check=False).returncode == 2

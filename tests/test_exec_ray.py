@@ -34,7 +34,8 @@ def local_ray():
     inherit, so the test can check that stages never see it."""
     os.environ[SECRET] = "sk-should-never-reach-a-stage"
     os.environ[CANARY] = "visible"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": always a fresh Ray of our own, never a cluster left running on the machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
@@ -48,7 +49,7 @@ def test_the_same_batch_gives_the_same_metrics_on_local_and_ray(local_ray, tmp_p
     from pipeline.worktrees import Worktrees
 
     tasks, seeds = ["a", "b", "crash", "hang", "env"], [0, 1]
-    lab = make_lab(tmp_path / "local", timeout_s=3)
+    lab = make_lab(tmp_path / "local", timeout_s=15)  # every stage's limit: only `hang` waits it out
     git(tmp_path, "clone", "-q", "-b", BASE, str(lab.root), str(tmp_path / "ray"))
     ray_lab = open_tiny_lab(tmp_path / "ray")
     out: dict[str, dict[str, dict[int, float | None]]] = {}

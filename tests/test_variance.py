@@ -4,11 +4,12 @@ import json
 import subprocess
 import sys
 
+from agent_fixtures import cli_env
 
 
 def test_variance_study_on_the_tiny_lab(lab):
     proc = subprocess.run([sys.executable, "-m", "agent.cli", "--repo", str(lab), "variance", "--runs", "3", "--json"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, env=cli_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["runs"] == 3 and set(out["tasks"]) == {"default_90d", "churn_60d"}
@@ -20,11 +21,11 @@ def test_variance_study_on_the_tiny_lab(lab):
     assert -1.0 <= out["mean_cross_task_correlation"] <= 1.0
     # a second call measures nothing new: the runs exist under their keys
     again = subprocess.run([sys.executable, "-m", "agent.cli", "--repo", str(lab), "variance", "--runs", "3", "--json"],
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, env=cli_env(), timeout=600)
     assert json.loads(again.stdout)["tasks"] == out["tasks"]
 
 
 def test_variance_needs_two_runs(lab):
     proc = subprocess.run([sys.executable, "-m", "agent.cli", "--repo", str(lab), "variance", "--runs", "1"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=cli_env())
     assert proc.returncode == 2

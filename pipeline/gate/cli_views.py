@@ -32,7 +32,10 @@ def sim_table(result: SimResult) -> Any:
     table = Table(
         title=(
             f"gate-sim {result.protocol}: effect {result.effect:g}σ on {result.affected}/{result.tasks} tasks, "
-            f"ρ={result.rho:g}, {result.trials} trials, looks {result.looks}"
+            f"ρ={result.rho:g}, pair ρ={result.pair_rho:g}"
+            + (f" (history {result.history_pair_rho:g}, {result.pair_history} comparisons, "
+               f"{'lazy' if result.lazy else 'eager'} baseline)" if result.history_pair_rho is not None else "")
+            + f", {result.trials} trials, looks {result.looks}"
         )
     )
     table.add_column("quantity")
@@ -41,6 +44,7 @@ def sim_table(result: SimResult) -> Any:
     headline = "power (improvement verdict)" if result.effect else "false-positive rate (improvement verdict)"
     rows: list[tuple[str, float | None]] = [
         (headline, result.improvement_rate),
+        ("of which held: seeds do not vary", result.held_rate),
         ("horizontal test crossed (looks reached)", result.horizontal_rate),
         ("horizontal test crossed (every look)", result.horizontal_rate_all_looks),
         ("per-task test crossed (looks reached)", result.per_task_rate),

@@ -1,4 +1,5 @@
-"""Too good to be true: a result the loop never promotes on its own (DESIGN §6, plausibility hold).
+"""Too good to be true, or seeds that do not vary: a result the loop never promotes on its own
+(DESIGN §6, the plausibility hold).
 
 Seed noise can be tiny, so a huge t says little; what gives a leak away is the size of the gain
 against what is possible. A result is held for a human when, on some task, the challenger's mean
@@ -18,7 +19,8 @@ PERFECT_TOLERANCE = 1e-9
 
 
 def implausible(result: GateResult, config: Any) -> str | None:
-    """The reason this result is too good to be true, or None. `config` is the lab's ResearchConfig."""
+    """Why this result is held for a human (too good to be true; its seeds do not vary), or None.
+    `config` is the lab's ResearchConfig."""
     bench, gate = config.benchmark, config.gate
     perfect = bench.perfect_value()
     reasons = []
@@ -36,9 +38,10 @@ def implausible(result: GateResult, config: Any) -> str | None:
                 reasons.append(f"task {t.task}: {b:.4f} → {c:.4f} closes {gained / remaining:.0%} of the distance "
                                f"to the perfect {perfect:g} in one hypothesis "
                                f"(more than [gate] implausible_fraction = {gate.implausible_fraction:g})")
-    if result.seed_spread is not None and result.seed_spread.held:
-        reasons.append(result.seed_spread.reason or "seeds must vary")
     h = result.horizontal
     if gate.implausible_sigma is not None and h.delta is not None and h.delta > gate.implausible_sigma:
         reasons.append(f"horizontal Δ {h.delta:+.2f}σ exceeds [gate] implausible_sigma = {gate.implausible_sigma:g}")
-    return "; ".join(reasons) or None
+    held = [f"too good to be true ({'; '.join(reasons)})"] if reasons else []
+    if result.seed_spread is not None and result.seed_spread.held:  # DESIGN §6, seeds must vary
+        held.append(result.seed_spread.reason or "seeds must vary")
+    return "; ".join(held) or None

@@ -163,6 +163,8 @@ def _horizontal_line(r: GateResult) -> str:
     )
     if r.is_look:
         line += f" vs boundary {_f(h.boundary, 2)}; without {h.breadth_task or '—'}: t {_f(h.breadth_t, 2)}"
+    if h.pairs is not None:
+        line += f"; on the paired differences of {h.pairs} seed(s)"
     return line
 
 
@@ -186,6 +188,9 @@ def _footer_lines(r: GateResult) -> list[str]:
     )
     if r.failures.sensitivity:
         lines.append(r.failures.sensitivity)
+    if r.seed_spread is not None:
+        lines.append(r.seed_spread.reason if r.seed_spread.held else
+                     f"seeds vary: the challenger's spread over seeds is {_f(r.seed_spread.ratio, 2)}× the baseline's")
     if r.is_look:
         lines.extend(r.reasons)
     return lines
