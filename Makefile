@@ -1,12 +1,13 @@
 # make run  : set up the venv, create a demo lab under runs/demo-lab, run the loop offline (no API key).
 # make test : set up the venv and run the whole test suite.
+# make test-fast : the statistics, config, store and CLI-surface tests only (about 2 minutes): run after every change.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := runs/demo-lab
 
-.PHONY: venv run test bench clean
+.PHONY: venv run test test-fast bench clean
 
 venv: $(STAMP)
 
@@ -25,6 +26,14 @@ run: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+FAST := tests/test_gate_stats.py tests/test_gate_verdicts.py tests/test_gate_report.py tests/test_gate_paired.py \
+	tests/test_gate_power.py tests/test_gate_cli.py tests/test_lab_config.py tests/test_lab_config_command.py \
+	tests/test_lower_is_better.py tests/test_cli_startup.py tests/test_exec_store.py tests/test_disk.py \
+	tests/test_workspace.py tests/test_status_view.py tests/test_offline_policy.py
+
+test-fast: venv
+	$(BIN)/python -m pytest -q $(FAST)
 
 bench: venv
 	$(BIN)/python benchmarks/pipeline_speed.py

@@ -87,7 +87,7 @@ CASES = [
     ("sandbox maybe", lambda t: sub(t, r'sandbox = "auto"', 'sandbox = "maybe"'), "run.sandbox", "'maybe'"),
     ("network yes", lambda t: sub(t, r"network = false", 'network = "yes"'), "run.network", "bool"),
     ("implausible fraction 2",
-     lambda t: sub(t, r'protocol = "sequential"', 'protocol = "sequential"\nimplausible_fraction = 2'),
+     lambda t: sub(t, r'protocol = "paired"', 'protocol = "paired"\nimplausible_fraction = 2'),
      "gate.implausible_fraction", "less than or equal to 1"),
     ("higher_is_better string", lambda t: sub(t, r"higher_is_better = false", 'higher_is_better = "no"'),
      "benchmark.higher_is_better", "bool"),
