@@ -25,7 +25,7 @@ run: venv
 	$(BIN)/autoresearch --repo $(DEMO) status
 
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 FAST := tests/test_gate_stats.py tests/test_gate_verdicts.py tests/test_gate_report.py tests/test_gate_paired.py \
 	tests/test_gate_power.py tests/test_gate_cli.py tests/test_lab_config.py tests/test_lab_config_command.py \
