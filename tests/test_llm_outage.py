@@ -77,7 +77,11 @@ def test_an_outage_creates_no_hypothesis_seeds_go_on_and_proposals_resume(lab: P
     try:
         wait_for(lambda: len(llm.asked("hypothesis")) >= 4, what="two failed proposals")
         wait_for(lambda: loop.records.get(1).status not in ("queued", "implementing"), what="the seed measured")
-        assert [h.id for h in loop.records.all()] == [1]  # the seed only: no hypothesis from the outage
+        # the seed only: no hypothesis from the outage (the next proposal's slot may already exist,
+        # empty, waiting for the endpoint: whether it does depends on how fast the seed got measured)
+        others = [h for h in loop.records.all() if h.id != 1]
+        assert all(h.status == "proposing" and not h.title and h.commit is None for h in others), others
+        assert len(others) <= 1
         assert loop.records.get(1).commit is not None
         assert any(e.kind == "llm_down" for e in loop.records.events(50))
 

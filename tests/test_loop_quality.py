@@ -20,9 +20,12 @@ def test_loop_quality_small_population(tmp_path):
     assert done.returncode in (0, 1), done.stderr  # 1: a target missed, which a population this small may do
     doc = json.loads(out.read_text())
     rules = {r["rule"]: r for r in doc["rules"]}
-    assert set(rules) == {"sequential", "sequential-v1", "fixed-5v2", "fixed-10", "keep-discard"}
+    assert set(rules) == {"paired", "sequential", "sequential-v1", "fixed-5v2", "fixed-10", "keep-discard"}
+    assert {r["prior"] for r in doc["rules"]} == {"bundled"}
     seq, v1, kd, f10 = (rules[k] for k in ("sequential", "sequential-v1", "keep-discard", "fixed-10"))
-    assert (seq["seeds"], v1["seeds"], kd["seeds"]) == ("block", "separate", "fresh")
+    paired = rules["paired"]
+    assert (paired["seeds"], seq["seeds"], v1["seeds"], kd["seeds"]) == ("block", "block", "separate", "fresh")
+    assert paired["lazy_baseline"] and not seq["lazy_baseline"]
     # a null is promoted by one noisy run far more often than by the gate, and so is a harm
     assert kd["promoted"]["null"] > 0.10 and seq["promoted"]["null"] < 0.04
     assert kd["promoted"]["harm"] > seq["promoted"]["harm"] == 0.0
@@ -37,3 +40,12 @@ def test_loop_quality_small_population(tmp_path):
     # the campaign banks real improvement, and the gate's measured drift exceeds the true one
     # (promotions are selected on lucky runs): the winner's curse, measured
     assert seq["drift"]["true"] > 1 and seq["drift"]["measured"] > seq["drift"]["true"]
+    # the paired rule: the same error control, fewer runs (a lazy baseline, nulls stopped at 1 or 2
+    # runs), so more true gain per run than the two-sample gate
+    assert paired["promoted"]["null"] < 0.04 and paired["promoted"]["harm"] == 0.0
+    assert paired["promoted"]["horizontal@3"] > 0.95
+    assert paired["challenger_runs_per_null"] < seq["challenger_runs_per_null"]
+    assert paired["baseline_runs_per_hypothesis"] < seq["baseline_runs_per_hypothesis"]
+    assert paired["true_gain_per_1000_runs"] > seq["true_gain_per_1000_runs"]
+    assert paired["runs_per_hypothesis"] == pytest.approx(paired["challenger_runs_per_hypothesis"]
+                                                          + paired["baseline_runs_per_hypothesis"])

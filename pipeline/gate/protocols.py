@@ -28,9 +28,9 @@ from pipeline.gate.power import DEFAULT_POWER, mde_at
 from pipeline.gate.protocol import get_protocol
 from pipeline.gate.report import (
     FailureReport,
-    SeedSpread,
     GateResult,
     HorizontalResult,
+    SeedSpread,
     TaskResult,
     WelchResult,
 )
@@ -228,17 +228,15 @@ def _boundaries(
 
 
 @dataclass(frozen=True)
-class _Tests:
-    """Per-task tests and the horizontal tests at one look, whichever protocol made them."""
+class PairedTests:
+    """The paired protocol's statistics at one look, arrays (..., tasks) or (...)."""
 
-    test: TwoSample  # per task
-    counts: np.ndarray  # per task: the runs (two-sample: challenger runs; paired: pairs) the test stands on
-    paired: np.ndarray | None  # (tasks, seeds) paired differences, NaN where no pair (paired protocol only)
-    h: TwoSample  # horizontal: what the boundaries judge
-    h_futility: TwoSample  # horizontal: what the futility rule judges (paired: moderated by the history)
-    h_breadth: TwoSample | None  # horizontal with one task left out
-    h_values: np.ndarray  # per seed: the challenger's values (two-sample) or the paired differences
-    prior: Prior | None
+    test: TwoSample  # per task: the moderated paired t
+    d: np.ndarray  # (..., tasks, seeds) paired differences, NaN where a seed has no pair
+    h: TwoSample  # horizontal, on the hypothesis's own pairs: what the boundaries judge
+    h_futility: TwoSample  # horizontal, moderated by the lab's history: what the futility rule judges
+    hd: np.ndarray  # (..., seeds) per-seed horizontal paired differences
+    prior: Prior  # per task: the history's prior
 
 
 def _pair_history(inp: GateInput, names: list[str], sign: float) -> np.ndarray | None:
@@ -258,13 +256,12 @@ def _pair_history(inp: GateInput, names: list[str], sign: float) -> np.ndarray |
 
 def paired_tests(
     base: np.ndarray, chal: np.ndarray, scale: np.ndarray, hb: np.ndarray, trim: float, history: np.ndarray | None
-) -> tuple[TwoSample, np.ndarray, TwoSample, TwoSample, np.ndarray, Prior]:
+) -> PairedTests:
     """The paired protocol's statistics: per-task moderated paired t, the horizontal paired t on
     the hypothesis's own pairs (boundaries) and moderated by the history (futility).
 
-    Arrays (..., tasks, seeds), oriented; `history` (..., tasks, comparisons, seeds) of earlier
-    paired differences. Returns (task test, d, horizontal test, horizontal futility test,
-    per-seed horizontal differences, the per-task prior).
+    Arrays (..., tasks, seeds), oriented; `hb` the baseline's per-seed horizontal values (the
+    variance floor); `history` (..., tasks, comparisons, seeds) of earlier paired differences.
     """
     m = chal.shape[-1]
     d = chal - base[..., :m] if base.shape[-1] >= m else chal - _widen(base, m)
@@ -274,10 +271,17 @@ def paired_tests(
     hd = paired_horizontal(d, scale, trim)
     h_floor = 2.0 * (1.0 - MAX_PAIR_RHO) * np.nan_to_num(summarize(hb).var, nan=0.0)
     h = paired_t(hd, None, h_floor)
-    h_hist = paired_horizontal(np.moveaxis(history, -3, -2), scale[..., None, :], trim) if history is not None else None
-    h_prior = pair_prior(h_hist, hd.shape[:-1]) if h_hist is not None else None
-    h_fut = paired_t(hd, h_prior, h_floor) if h_prior is not None else h
-    return test, d, h, h_fut, hd, prior
+    h_fut = h
+    if history is not None:  # each earlier comparison's per-seed horizontal differences, on this σ_task
+        h_hist = paired_horizontal(np.moveaxis(history, -3, -2), scale[..., None, :], trim)
+        h_fut = paired_t(hd, pair_prior(h_hist, hd.shape[:-1]), h_floor)
+    return PairedTests(test=test, d=d, h=h, h_futility=h_fut, hd=hd, prior=prior)
+
+
+def futility_p_value(p_up: np.ndarray, hd: np.ndarray) -> np.ndarray:
+    """The paired futility rule's p: one pair and no history of paired differences give no variance
+    yet, so no futility either (p 0: the next look decides); no pair at all gives NaN (never escalates)."""
+    return np.where(np.isfinite(p_up) | ~np.isfinite(hd).any(axis=-1), p_up, 0.0)
 
 
 def _widen(x: np.ndarray, width: int) -> np.ndarray:
@@ -311,17 +315,16 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
     hb, hc = horizontal_values(base, chal, base_arm.mean, scale, cfg.horizontal_trim)
     pairs_dropped = np.zeros(len(names), dtype=int)
     if proto.paired:
-        test, d, h, h_fut, h_values, prior = paired_tests(base, chal, scale, hb, cfg.horizontal_trim,
-                                                          _pair_history(inp, names, sign))
-        counts = np.isfinite(d).sum(axis=-1)
+        pt = paired_tests(base, chal, scale, hb, cfg.horizontal_trim, _pair_history(inp, names, sign))
+        test, prior, h, h_fut, h_values, task_values = pt.test, pt.prior, pt.h, pt.h_futility, pt.hd, pt.d
+        counts = np.isfinite(pt.d).sum(axis=-1)
         pairs_dropped = chal_arm.count - counts  # a challenger run whose baseline seed has no result
         top_arr, stands_out = most_improved(test.delta, scale)
         top = int(top_arr)
         h_breadth = None
         if len(names) > 1:
             h_breadth = paired_tests(without_task(base, top), without_task(chal, top), scale, hb,
-                                     cfg.horizontal_trim, None)[2]
-        task_values = d
+                                     cfg.horizontal_trim, None).h
     else:
         prior = history_prior(hist, base_arm.mean.shape) if proto.moderated else None
         test = pooled_t(base_arm, chal_arm, prior)
@@ -354,9 +357,8 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
                           0.0)
     h_upper = hbounds.upper[-1] if hbounds else np.inf
     hl = horizontal_look(h, h_upper, h_breadth, bool(stands_out), h_fut)
-    # one pair and no history: no variance yet, so no futility either: the next look decides
     no_variance = bool(proto.paired and int(np.isfinite(h_values).sum()) >= 1 and not np.isfinite(hl.p_up))
-    futility_p_value = np.atleast_1d(0.0 if no_variance else hl.p_up)
+    p_futility = np.atleast_1d(futility_p_value(hl.p_up, h_values) if proto.paired else hl.p_up)
 
     total_failed = int(failed.sum())
     code = decide(
@@ -365,7 +367,7 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
         horizontal_up=np.atleast_1d(hl.up),
         horizontal_breadth=np.atleast_1d(hl.breadth_up),
         horizontal_down=np.atleast_1d(hl.down),
-        horizontal_p=futility_p_value,
+        horizontal_p=p_futility,
         failures=np.array([total_failed]),
         last=sched.last,
         futility_p=cfg.futility_p,

@@ -28,6 +28,7 @@ from pipeline.errors import SimInputError
 from pipeline.gate.protocol import PROTOCOLS, get_protocol
 from pipeline.gate.protocols import (
     SEED_SPREAD_P,
+    futility_p_value,
     horizontal_look,
     most_improved,
     paired_tests,
@@ -334,15 +335,14 @@ def _paired_path(protocol: str, base: np.ndarray, chal: np.ndarray, looks: tuple
         scale, _ = task_scale(base_arm, hist_arm)
         c = chal[..., :mk]
         hb, hc = horizontal_values(visible, c, base_arm.mean, scale, trim)
-        test, _, h, h_fut, hd, _ = paired_tests(visible, c, scale, hb, trim, pair_history)
-        tl = task_look(test, np.float64(tb.nominal[k]), protocol, alpha, harm_q)
+        pt = paired_tests(visible, c, scale, hb, trim, pair_history)
+        tl = task_look(pt.test, np.float64(tb.nominal[k]), protocol, alpha, harm_q)
         breadth, required = None, True
         if J > 1:
-            top, required = most_improved(test.delta, scale)
-            breadth = paired_tests(without_task(visible, top), without_task(c, top), scale, hb, trim, None)[2]
-        hl = horizontal_look(h, hbnd.upper[k], breadth, required, h_fut)
-        p_fut = np.where(np.isfinite(hl.p_up) | ~np.isfinite(hd).any(axis=-1), hl.p_up, 0.0)  # no variance yet
-        out.record(k, tl, hl, p_fut, test, tb.upper[k], k == K - 1, futility_p, spread_ratio_p(hb, hc)[1])
+            top, required = most_improved(pt.test.delta, scale)
+            breadth = paired_tests(without_task(visible, top), without_task(c, top), scale, hb, trim, None).h
+        hl = horizontal_look(pt.h, hbnd.upper[k], breadth, required, pt.h_futility)
+        out.record(k, tl, hl, futility_p_value(hl.p_up, pt.hd), pt.test, tb.upper[k], k == K - 1, futility_p, spread_ratio_p(hb, hc)[1])
     return out.finish(looks)
 
 
