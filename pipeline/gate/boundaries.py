@@ -22,6 +22,7 @@ looks keeps the chance of ever crossing the improvement boundary at α.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -115,21 +116,29 @@ def null_t_paths(
     if prior_df > 0 and prior_weight > 0:
         ss = ss + prior_weight * rng.chisquare(prior_df, sims) / prior_df
     out = np.empty((sims, len(looks)))
-    m_prev, ybar, ss_c = 0, np.zeros(sims), np.zeros(sims)
-    for k, m in enumerate(looks):
+    for k, (m, ybar, ss_c) in enumerate(_running_blocks(rng, looks, sims)):
+        df = degrees_of_freedom(n, m, prior_weight)
+        var = (ss + ss_c) / df
+        out[:, k] = (ybar - xbar) / np.sqrt(var * (1.0 / n + 1.0 / m))
+    return out
+
+
+def _running_blocks(rng: np.random.Generator, looks: tuple[int, ...],
+                    sims: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Per look (m runs so far): (m, mean, within sum of squares) of m unit-normal draws, drawn block
+    by block from sufficient statistics (the new block's mean and sum of squares, merged)."""
+    m_prev, mean, ss = 0, np.zeros(sims), np.zeros(sims)
+    for m in looks:
         r = m - m_prev
         block_mean = rng.standard_normal(sims) / math.sqrt(r)
         block_ss = rng.chisquare(r - 1, sims) if r > 1 else 0.0
         if m_prev:
-            ss_c = ss_c + block_ss + (m_prev * r / m) * (ybar - block_mean) ** 2
-            ybar = (m_prev * ybar + r * block_mean) / m
+            ss = ss + block_ss + (m_prev * r / m) * (mean - block_mean) ** 2
+            mean = (m_prev * mean + r * block_mean) / m
         else:
-            ss_c, ybar = ss_c + block_ss, block_mean
-        df = degrees_of_freedom(n, m, prior_weight)
-        var = (ss + ss_c) / df
-        out[:, k] = (ybar - xbar) / np.sqrt(var * (1.0 / n + 1.0 / m))
+            ss, mean = ss + block_ss, block_mean
+        yield m, mean, ss
         m_prev = m
-    return out
 
 
 def calibrate(paths: np.ndarray, increments: np.ndarray, usable: np.ndarray | None = None) -> np.ndarray:
@@ -239,19 +248,9 @@ def null_paired_paths(looks: tuple[int, ...], prior_df: int, prior_weight: float
     rng = np.random.default_rng(seed)
     prior_ss = prior_weight * rng.chisquare(prior_df, sims) / prior_df if prior_df > 0 and prior_weight > 0 else 0.0
     out = np.empty((sims, len(looks)))
-    m_prev, mean, ss = 0, np.zeros(sims), np.zeros(sims)
-    for k, m in enumerate(looks):
-        r = m - m_prev
-        block_mean = rng.standard_normal(sims) / math.sqrt(r)
-        block_ss = rng.chisquare(r - 1, sims) if r > 1 else 0.0
-        if m_prev:
-            ss = ss + block_ss + (m_prev * r / m) * (mean - block_mean) ** 2
-            mean = (m_prev * mean + r * block_mean) / m
-        else:
-            ss, mean = ss + block_ss, block_mean
+    for k, (m, mean, ss) in enumerate(_running_blocks(rng, looks, sims)):
         df = paired_df(m, prior_weight)
         out[:, k] = mean / np.sqrt((prior_ss + ss) / df / m) if df >= 1 else -np.inf
-        m_prev = m
     return out
 
 
