@@ -155,5 +155,16 @@ def test_malformed_predictions_are_rejected(harness, prepared, tmp_path, body, m
 def test_extra_ids_are_rejected(harness, prepared, tmp_path):
     ids = harness.test_ids(prepared)
     body = "id,score\n" + "".join(f"{i},0.5\n" for i in ids) + "1,0.5\n"
-    with pytest.raises(PredictionsError, match="not test ids"):
+    with pytest.raises(PredictionsError, match=f"more rows than the {len(ids)} test ids"):
         read_predictions(write(tmp_path / "p.csv", body), ids)
+
+
+def test_a_huge_predictions_file_is_refused_before_it_is_read(harness, prepared, tmp_path):
+    """Branch output: the driver never holds more than the test set's worth of it (issue 20)."""
+    ids = harness.test_ids(prepared)
+    path = tmp_path / "p.csv"
+    with path.open("w") as fh:
+        fh.write("id,score\n" + "".join(f"{i},0.5\n" for i in ids))
+        fh.truncate((len(ids) + 1) * 256 + 1)  # sparse: its size counts, not its blocks
+    with pytest.raises(PredictionsError, match=f"more than {(len(ids) + 1) * 256} for {len(ids)} test ids"):
+        read_predictions(path, ids)

@@ -105,40 +105,64 @@ class Harness:
         return auc(labels, scores)
 
 
+MAX_ROW_BYTES = 256  # a predictions row "id,score\n" is far shorter: the file's size bound per test id
+
+
 def read_predictions(path: Path, ids: np.ndarray) -> np.ndarray:
-    """Return scores aligned with `ids`; raise PredictionsError for anything but one finite score per id."""
+    """Return scores aligned with `ids`; raise PredictionsError for anything but one finite score per id.
+
+    The file is branch output: opened without following a link, refused above MAX_ROW_BYTES per
+    test id before anything is read, and parsed as a stream that stops at the first bad row or at a
+    row past the test ids, so what the driver holds is bounded by the test set, not by the file."""
     path = Path(path)
-    check_regular(path)
+    st = check_regular(path)
+    limit = (len(ids) + 1) * MAX_ROW_BYTES
+    if st.st_size > limit:
+        raise PredictionsError(f"{path.name}: {st.st_size} bytes, more than {limit} for {len(ids)} test ids")
+    got: dict[int, float] = {}
     try:
-        with path.open(newline="") as fh:
-            rows = list(csv.reader(fh))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, newline="") as fh:
+            rows = csv.reader(fh)
+            header = next(rows, None)
+            if header is None or [c.strip().lower() for c in header] != ["id", "score"]:
+                raise PredictionsError(f"{path.name}: expected header 'id,score'")
+            for n, row in enumerate(rows, start=2):
+                if len(got) == len(ids):
+                    raise PredictionsError(f"{path.name}:{n}: more rows than the {len(ids)} test ids")
+                got[_id_of(path, n, row, got)] = _score_of(path, n, row)
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise PredictionsError(f"{path.name} unreadable: {e}") from None
-    if not rows or [c.strip().lower() for c in rows[0]] != ["id", "score"]:
-        raise PredictionsError(f"{path.name}: expected header 'id,score'")
-    got: dict[int, float] = {}
-    for n, row in enumerate(rows[1:], start=2):
-        if len(row) != 2:
-            raise PredictionsError(f"{path.name}:{n}: expected 2 columns, got {len(row)}")
-        try:
-            i, s = int(row[0]), float(row[1])
-        except ValueError:
-            raise PredictionsError(f"{path.name}:{n}: expected an integer id and a number") from None
-        if not math.isfinite(s):
-            raise PredictionsError(f"{path.name}:{n}: score is not finite ({row[1]})")
-        if i in got:
-            raise PredictionsError(f"{path.name}:{n}: duplicate id {i}")
-        got[i] = s
     missing = [int(i) for i in ids if int(i) not in got]
     if missing:
         raise PredictionsError(f"{path.name}: {len(missing)} test ids missing (first {missing[0]})")
-    if len(got) != len(ids):
-        raise PredictionsError(f"{path.name}: {len(got) - len(ids)} ids that are not test ids")
     return np.array([got[int(i)] for i in ids], dtype=np.float64)
 
 
-def check_regular(path: Path) -> None:
-    """The scorer reads only a regular file the stage wrote: never a symlink or a hard link."""
+def _id_of(path: Path, n: int, row: list[str], got: dict[int, float]) -> int:
+    if len(row) != 2:
+        raise PredictionsError(f"{path.name}:{n}: expected 2 columns, got {len(row)}")
+    try:
+        i = int(row[0])
+    except ValueError:
+        raise PredictionsError(f"{path.name}:{n}: expected an integer id and a number") from None
+    if i in got:
+        raise PredictionsError(f"{path.name}:{n}: duplicate id {i}")
+    return i
+
+
+def _score_of(path: Path, n: int, row: list[str]) -> float:
+    try:
+        s = float(row[1])
+    except ValueError:
+        raise PredictionsError(f"{path.name}:{n}: expected an integer id and a number") from None
+    if not math.isfinite(s):
+        raise PredictionsError(f"{path.name}:{n}: score is not finite ({row[1]})")
+    return s
+
+
+def check_regular(path: Path) -> os.stat_result:
+    """The scorer reads only a regular file the stage wrote: never a symlink or a hard link. Its stat."""
     import stat
 
     try:
@@ -151,6 +175,7 @@ def check_regular(path: Path) -> None:
         raise PredictionsError(f"{path.name} is not a regular file")
     if st.st_nlink != 1:
         raise PredictionsError(f"{path.name} is a hard link ({st.st_nlink} names); expected a file the stage wrote")
+    return st
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
