@@ -15,8 +15,10 @@ rebound to 127.0.0.1 gets 400, so another site's page cannot read a form's CSRF 
 host needs a token (`--token`, `AUTORESEARCH_TOKEN`, or
 `--generate-token`, printed once), asked for once and kept in an HttpOnly cookie. Every form
 carries a CSRF token (double-submit: a random cookie, SameSite=Strict, and the same value in the
-form, compared in constant time); a POST without it is refused. No secret and no store URL is ever
-rendered; an error is a page, never a traceback.
+form, compared in constant time) and an Origin (or, without one, a Referer) whose scheme, host and
+port are the server's own: a cookie planted from another port of the same host is not enough. A POST
+failing either is refused (403) and records nothing. No secret and no store URL is ever rendered; an
+error is a page, never a traceback.
 """
 
 from __future__ import annotations
@@ -41,6 +43,27 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def origin_of(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an absolute http(s) URL, the default port filled in; None otherwise."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        return None
+    return parts.scheme, parts.hostname.lower(), port
+
+
+def same_origin(headers: Any, own_url: str) -> bool:
+    """Whether the request's Origin (or, with none, its Referer) is the server's own origin."""
+    sent = headers.get("origin") or headers.get("referer") or ""
+    theirs, ours = origin_of(sent), origin_of(own_url)
+    return theirs is not None and theirs == ours
 
 
 def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
@@ -142,6 +165,8 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
         sent, cookie = str(form.get("csrf") or ""), request.cookies.get(CSRF_COOKIE) or ""
         if not sent or not cookie or not hmac.compare_digest(sent, cookie):
             raise HTTPException(403, "the form's CSRF token is missing or wrong: reload the page and try again")
+        if not same_origin(request.headers, str(request.base_url)):
+            raise HTTPException(403, "the request's Origin (or Referer) is not this server: CSRF refused")
         action = str(form.get("action") or "comment")
         text = str(form.get("comment") or "").strip() or None
         if action not in ("approve", "reject", "comment"):
