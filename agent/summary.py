@@ -13,6 +13,10 @@ the template's prose is used and the summary says why. A follow-up quoting one i
 correction; the rest of the prose stands). The author is stored as `summary_author` ("llm" or
 "template").
 
+Untrusted text: every string a branch or an LLM wrote (titles, rationale, prose, follow-ups) is
+escaped so that no link, image, autolink or HTML survives in the markdown (`untrusted`); stage
+output (a smoke reject reason quotes the stage's stderr) and the diff are fenced as code (`fenced`).
+
 The forest plot is drawn before the text so the summary can link it; the lab's progress chart is
 redrawn at every summary (`agent.pictures`).
 """
@@ -153,6 +157,25 @@ def foreign_numbers(text: str, allowed: list[float]) -> list[str]:
     return [q.text for q in numbers_in(text) if not _matches(q, allowed)]
 
 
+# ----------------------------------------------------------------------------- untrusted text
+
+_MARKUP = re.compile(r"([\\\[\]<>])")
+
+
+def untrusted(text: str, one_line: bool = False) -> str:
+    """`text` as inert markdown: backslashes, brackets and angle brackets escaped, so no link, image,
+    reference, autolink or HTML can be formed from it; a one-line field also loses its line breaks."""
+    text = _MARKUP.sub(r"\\\1", text or "")
+    return " ".join(text.split()) if one_line else text
+
+
+def fenced(text: str, info: str = "") -> str:
+    """`text` as a fenced code block, the fence longer than any run of backticks inside it."""
+    longest = max((len(run) for run in re.findall(r"`+", text or "")), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{info}\n{text}\n{fence}"
+
+
 # ----------------------------------------------------------------------------- prose
 
 @dataclass
@@ -224,6 +247,14 @@ def _decision_line(h: Hypothesis) -> str:
 
 def _decision_rationale(h: Hypothesis) -> str:
     return (h.reject_reason if h.decision == "reject" else h.rationale_decision) or ""
+
+
+def _decision_rationale_md(h: Hypothesis) -> str:
+    """The rationale in the summary: a reject reason (it may quote a stage's stderr) fenced as code."""
+    text = _decision_rationale(h)
+    if not text:
+        return ""
+    return fenced(text) if h.decision == "reject" else untrusted(text)
 
 
 def metric_line(cfg: Any) -> str:
@@ -299,7 +330,7 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
         pictures.append(f"[The lab's progress chart]({progress_path(svc.lab).name})")
     values = {
         "id": h.id,
-        "title": h.title,
+        "title": untrusted(h.title, one_line=True),
         "decision_line": _decision_line(h),
         "origin": h.origin,
         "branch": h.branch or "-",
@@ -309,18 +340,18 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
         "metric_line": metric_line(svc.lab.config),
         "review": h.review,
         "author_line": prose.note,
-        "tried": prose.tried,
-        "rationale": h.rationale or "(none given)",
-        "expected_effect": h.expected_effect or "(none given)",
-        "expected_tasks": ", ".join(h.expected_tasks or []) or "(none)",
-        "diff_stat": diff_stat,
-        "diff": diff,
+        "tried": untrusted(prose.tried),
+        "rationale": untrusted(h.rationale or "(none given)"),
+        "expected_effect": untrusted(h.expected_effect or "(none given)", one_line=True),
+        "expected_tasks": untrusted(", ".join(h.expected_tasks or []) or "(none)", one_line=True),
+        "diff_stat": fenced(diff_stat),
+        "diff": fenced(diff, "diff"),
         "look": h.look or 0,
         "evidence": evidence,
         "pictures": "\n\n".join(pictures),
-        "interpretation": prose.interpretation,
-        "decision_rationale": _decision_rationale(h),
-        "follow_ups": "\n".join(f"- {f}" for f in prose.follow_ups) or "- none suggested",
+        "interpretation": untrusted(prose.interpretation),
+        "decision_rationale": _decision_rationale_md(h),
+        "follow_ups": "\n".join(f"- {untrusted(f, one_line=True)}" for f in prose.follow_ups) or "- none suggested",
     }
     return TEMPLATE.read_text().format_map(values), prose
 

@@ -34,6 +34,9 @@ from typing import Any
 TEMPLATES = Path(__file__).resolve().parent / "web_templates"
 CSRF_COOKIE, TOKEN_COOKIE = "ar_csrf", "ar_token"
 PICTURE = re.compile(r"^(\d+\.forest|progress)\.png$")
+# the only link and image targets a rendered summary keeps: the page's own /files/, or a bare file name
+# beside it; any other URL (another host, a local service, javascript:, data:) stays inert text
+OWN_LINK = re.compile(r"^(/files/)?\w[\w.-]*$")
 
 
 def is_loopback(host: str) -> bool:
@@ -80,6 +83,7 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
 
     templates = Jinja2Templates(directory=str(TEMPLATES))
     md = MarkdownIt("commonmark", {"html": False}).enable("table")  # raw HTML in a summary is escaped
+    md.validateLink = lambda url: bool(OWN_LINK.match(url))  # a summary quotes branch output: no off-site URL
     templates.env.filters["when"] = lambda t: time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else ""
     templates.env.filters["num"] = lambda v, d=4: "-" if v is None else f"{v:+.{d}f}"
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import http.client
 import urllib.parse
+import urllib.request
+from html.parser import HTMLParser
 from pathlib import Path
 
 from summary_fixtures import BETTER, decided, implemented, measured, services
@@ -53,4 +55,48 @@ def test_a_post_from_another_origin_with_a_planted_csrf_cookie_is_refused(lab: P
         assert status == 303
     finally:
         server.stop()
+
+
+# ----------------------------------------------------------------------------- untrusted strings on the page
+
+BEACON = "![t](http://127.0.0.1:9/track.png)"
+HOSTILE = (f"{BEACON} <script>alert(1)</script> [approve](javascript:alert(2)) "
+           "![d](data:image/png;base64,AAAA) <http://127.0.0.1:9/auto> [ref][r]\n\n[r]: http://127.0.0.1:9/ref")
+
+
+class Tags(HTMLParser):
+    """Every element the page would make live: its tag and attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, {k: v or "" for k, v in attrs}))
+
+
+def test_branch_and_llm_strings_are_inert_on_the_review_page(lab: Path) -> None:
+    from agent.graph import Nodes
+
+    svc = services(lab)
+    h = implemented(svc)
+    svc.records.update(h.id, title=f"Faster {BEACON} <script>alert(0)</script>", rationale=HOSTILE,
+                       follow_up=f"see {BEACON}", status="summarizing", decision="reject", reject_kind="smoke",
+                       reject_reason=f"smoke run failed (exit 1); stderr tail:\n```\n{HOSTILE}\n```\n{BEACON}")
+    Nodes(svc).summarize({"hypothesis_id": h.id})
+    svc.records.comment(h.id, "comment", f"<script>alert(3)</script> {BEACON}")
+    server = Server(lab).wait()
+    try:
+        html = urllib.request.urlopen(f"{server.url}/hypotheses/{h.id}", timeout=30).read().decode()
+    finally:
+        server.stop()
+    parser = Tags()
+    parser.feed(html)
+    assert "track.png" in html and "alert(1)" in html  # the strings are shown, as text
+    assert not [t for t, _ in parser.tags if t in ("script", "iframe", "object", "embed")]
+    for tag, attrs in parser.tags:
+        for name in ("src", "href"):
+            url = attrs.get(name, "")
+            assert not url or (url.startswith("/") and not url.startswith("//")), (tag, attrs)  # same origin only
+    assert all(a.get("src", "").startswith("/files/") for t, a in parser.tags if t == "img")
 
