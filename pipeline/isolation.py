@@ -104,12 +104,13 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
              stdout: Path | None = None) -> Completed:
     """Run one command of the lab in its sandbox (or unsandboxed if the lab opted out), to the end.
 
-    Output goes to `log` (stdout to `stdout` if given). The environment is ours, scrubbed of
-    secrets; no process outlives it.
+    Output goes to `log` (stdout to `stdout` if given). The environment is the allow-listed part of
+    ours (`scrub_env`, with the lab's `[run] env`); no process outlives it.
     """
     cpus = lab.config.run.cpus
-    spec = {"argv": argv, "cwd": str(cwd), "env": scrub_env(os.environ) | thread_env(cpus), "log": str(log),
-            "cpus": cpus, "memory_mb": lab.config.run.memory_mb, "stdout": str(stdout) if stdout else None,
+    env = scrub_env(os.environ, lab.config.run.env) | thread_env(cpus)
+    spec = {"argv": argv, "cwd": str(cwd), "env": env, "log": str(log), "cpus": cpus,
+            "memory_mb": lab.config.run.memory_mb, "stdout": str(stdout) if stdout else None,
             "sandbox": spec_for(lab, ro=[cwd, *ro], out=out, rw=rw)}
     return _run_child(spec, timeout_s)
 

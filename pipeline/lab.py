@@ -25,6 +25,8 @@ CONFIG_NAME = "research.toml"
 BASELINE_BRANCH = "autoresearch/baseline"
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_-]*)\}")
 BUILTIN_PLACEHOLDERS = {"data", "task", "seed", "out"}
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DRIVER_ONLY_ENV = {"DATABASE_URL", "RAY_ADDRESS", "MLFLOW_TRACKING_URI"}  # `[run] env` may not name these
 
 
 class _Strict(BaseModel):
@@ -80,6 +82,20 @@ class RunSection(_Strict):
     max_procs: int = Field(default=256, ge=8)  # processes (and threads) one stage may run
     cache_max_gb: float | None = Field(default=50.0, gt=0)  # the stage cache, LRU-evicted past it
     logs_max_mb: int = Field(default=2048, gt=0)  # stage logs, oldest removed past it
+    # the driver's variables a stage may see beyond the allow-list (PATH, locale, threads: executors.base)
+    env: tuple[str, ...] = ()
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_names(cls, names: Any) -> Any:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("a list of environment variable names, e.g. env = [\"HF_HOME\"]")
+        for name in names:
+            if not ENV_NAME.match(name):
+                raise ValueError(f"an environment variable name (letters, digits, _), not {name!r}")
+            if name in DRIVER_ONLY_ENV or name.startswith(("AUTORESEARCH_", "OPENAI_")):
+                raise ValueError(f"a name other than {name}: the driver's own (store, LLM, cluster) stay hidden")
+        return tuple(names)
 
 
 # Seeds (the scheme is pipeline.experiment's): a baseline with g promotions owns the block

@@ -48,6 +48,7 @@ from pipeline import isolation
 from pipeline.dag import Cache, StageNode, check_not_sealed, input_digests, plan_run, render
 from pipeline.disk import DiskKeeper
 from pipeline.executors import Executor, StageJob, classify, make_executor
+from pipeline.executors.base import lab_env
 from pipeline.harness import Harness, Prepared, PredictionsError
 from pipeline.harness.base import HOLDOUT_SPLIT
 from pipeline.lab import Lab, load_lab
@@ -459,7 +460,8 @@ class Driver:
         inputs = (prepared.public, *(a.done[n] for n in node.spec.needs))
         job = StageJob(job_id=job_id, argv=argv, cwd=view, commit=run.commit, out=tmp, log_path=log_path,
                        timeout_s=cfg.timeout_s, cpus=cfg.cpus, gpus=cfg.gpus, memory_mb=cfg.memory_mb,
-                       inputs=inputs, sandbox=isolation.spec_for(self.lab, ro=[view, *inputs], out=tmp))
+                       inputs=inputs, sandbox=isolation.spec_for(self.lab, ro=[view, *inputs], out=tmp),
+                       env=lab_env(cfg.env))
         exec_id = self.store.stage_started(run_id, node.name, node.key, executor=self.executor.name,
                                            log_path=str(log_path))
         self.flights[node.key] = _Flight(node, job, exec_id, run_id, waiters, tmp)

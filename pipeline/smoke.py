@@ -67,11 +67,12 @@ class SmokeRunner:
         """(exit code, output tail) of one stage in its sandbox; raises SmokeFailed on timeout or
         signal, Interrupted on stop."""
         from pipeline.executors import ExecutorError, StageJob
+        from pipeline.executors.base import lab_env
 
         sandbox = isolation.spec_for(self.lab, ro=[cwd, *inputs], out=out)
         job = StageJob(job_id=uuid.uuid4().hex, argv=argv, cwd=cwd, commit="smoke", out=out, log_path=log,
                        timeout_s=timeout_s, cpus=self.lab.config.run.cpus, memory_mb=self.lab.config.run.memory_mb,
-                       sandbox=sandbox)
+                       sandbox=sandbox, env=lab_env(self.lab.config.run.env))
         try:
             ex = self.executor()
             ex.submit(job)

@@ -96,6 +96,7 @@ inputs = ["model.py", "finetune.py", "config.toml#finetune"]
 [run]
 timeout_s = %(timeout_s)s
 cpus = 1
+env = ["SLOW_S", "EXEC_LEDGER", "EXEC_TEST_CANARY"]  # the knobs the fixture stages read
 retries = %(retries)s
 """
 

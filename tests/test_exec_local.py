@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.executors import JobResult, StageJob, classify
-from pipeline.executors.base import scrub_env
+from pipeline.executors.base import lab_env, scrub_env
 from pipeline.executors.local import LocalExecutor
 
 PROBE = """
@@ -76,15 +76,16 @@ def test_warm_worker_runs_python_stages_in_a_fork_with_torch_already_imported(wo
     monkeypatch.setenv("AUTORESEARCH_DB", "postgresql://u:pw@h/db")
     monkeypatch.setenv("MIRROR", "https://user:pw@mirror.example/simple")
     monkeypatch.setenv("HARMLESS_SETTING", "kept")
+    monkeypatch.setenv("UNLISTED_SETTING", "dropped")
     with LocalExecutor(cpus=1, slots=1, preload=("numpy", "torch", "peft")) as ex:
-        j = job(work, "probe")
+        j = job(work, "probe", env=lab_env(["HARMLESS_SETTING"]))  # a lab's `[run] env = ["HARMLESS_SETTING"]`
         ex.submit(j)
         (res,) = wait_all(ex, 1).values()
         assert res.status == "ok", (work / "logs" / "stage.log").read_text()
         # a second stage is forked from the same warm worker: no interpreter start, no torch import
         assert ex._proc is not None
         worker = ex._proc.pid
-        ex.submit(job(work, "probe"))
+        ex.submit(job(work, "probe", env=j.env))
         (res2,) = wait_all(ex, 1).values()
         assert res2.status == "ok", (work / "logs" / "stage.log").read_text()
         assert ex._proc is not None and ex._proc.pid == worker  # the worker was not restarted
@@ -97,7 +98,7 @@ def test_warm_worker_runs_python_stages_in_a_fork_with_torch_already_imported(wo
     env = probe["env"]
     leaked = [k for k in env if any(w in k.upper() for w in ("KEY", "TOKEN", "SECRET", "PASSWORD"))]
     assert leaked == [] and "AUTORESEARCH_DB" not in env and "MIRROR" not in env
-    assert env["HARMLESS_SETTING"] == "kept"
+    assert env["HARMLESS_SETTING"] == "kept" and "UNLISTED_SETTING" not in env  # an allow-list, plus `[run] env`
 
 
 def test_exec_path_also_gets_a_scrubbed_environment(work: Path, monkeypatch) -> None:
@@ -108,7 +109,8 @@ def test_exec_path_also_gets_a_scrubbed_environment(work: Path, monkeypatch) -> 
     assert (res.status, res.exit_code) == ("exit", 3)
     names = [line.split("=", 1)[0] for line in (work / "env.txt").read_text().splitlines() if "=" in line]
     assert "GITHUB_TOKEN" not in names and "PATH" in names
-    assert scrub_env({"a_key_b": "1", "Secret": "2", "X": "3"}) == {"X": "3"}
+    assert scrub_env({"a_key_b": "1", "Secret": "2", "X": "3", "PATH": "/bin", "LC_ALL": "C"}, keep=["X"]) == {
+        "X": "3", "PATH": "/bin", "LC_ALL": "C"}
 
 
 def test_timeout_kills_the_whole_process_group(work: Path) -> None:

@@ -6,11 +6,15 @@ from test_web), real HTTP requests, real stage subprocesses, real files; no mock
 from __future__ import annotations
 
 import http.client
+import json
+import time
 import urllib.parse
 import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 
+import pytest
+from agent_fixtures import REPO
 from summary_fixtures import BETTER, decided, implemented, measured, services
 from test_web import Server
 
@@ -99,4 +103,50 @@ def test_branch_and_llm_strings_are_inert_on_the_review_page(lab: Path) -> None:
             url = attrs.get(name, "")
             assert not url or (url.startswith("/") and not url.startswith("//")), (tag, attrs)  # same origin only
     assert all(a.get("src", "").startswith("/files/") for t, a in parser.tags if t == "img")
+
+
+# ----------------------------------------------------------------------------- the stage environment: an allow-list
+
+SECRETS = {"MYSQL_PWD": "hunter2", "PGPASS": "pg-secret", "REDIS_URL": "redis://:redis-secret@cache:6379/0",
+           "SERVICE_URL": "https://svc:pa/ss-secret@svc.example/api"}  # all passed the old deny-list
+
+PROBE = """import json, os, sys
+with open('/proc/self/environ', 'rb') as fh:  # the warm worker's own environment, which a fork inherits
+    initial = [e.split(b'=', 1)[0].decode() for e in fh.read().split(b'\\0') if e]
+json.dump({"env": dict(os.environ), "initial": initial}, open(sys.argv[1], "w"))
+"""
+
+
+def test_a_stage_sees_only_the_allow_list_and_the_labs_run_env(tmp_path: Path, monkeypatch) -> None:
+    from pipeline.executors import StageJob
+    from pipeline.executors.base import lab_env
+    from pipeline.executors.local import LocalExecutor
+    from pipeline.lab import LabConfigError, parse_config
+
+    template = (REPO / "pipeline" / "templates" / "command" / "research.toml").read_text()
+    run = parse_config(template.replace("[run]", '[run]\nenv = ["STAGE_VISIBLE"]', 1)).run
+    assert run.env == ("STAGE_VISIBLE",)
+    for bad in ('"STAGE_VISIBLE"', "[1]", '["A B"]', '["AUTORESEARCH_DB"]'):  # one line each, no traceback
+        with pytest.raises(LabConfigError, match=r"^research.toml: run.env: [^\n]+$"):
+            parse_config(template.replace("[run]", f"[run]\nenv = {bad}", 1))
+
+    for name, value in {**SECRETS, "STAGE_VISIBLE": "yes", "UNLISTED": "no"}.items():
+        monkeypatch.setenv(name, value)
+    (tmp_path / "probe.py").write_text(PROBE)
+    with LocalExecutor(preload=(), slots=1) as ex:
+        for name, argv in (("py", ["python", "probe.py", str(tmp_path / "py.json")]),  # forked from the warm worker
+                           ("sh", ["sh", "-c", f"env > {tmp_path}/sh.env"])):  # exec'd
+            ex.submit(StageJob(job_id=name, argv=argv, cwd=tmp_path, commit="0" * 40, out=tmp_path,
+                               log_path=tmp_path / f"{name}.log", timeout_s=30, env=lab_env(run.env)))
+            deadline, done = time.monotonic() + 30, []
+            while not done and time.monotonic() < deadline:
+                done = ex.poll(0.5)
+            assert [r.status for r in done] == ["ok"], (tmp_path / f"{name}.log").read_text()
+    py = json.loads((tmp_path / "py.json").read_text())
+    sh = dict(line.split("=", 1) for line in (tmp_path / "sh.env").read_text().splitlines() if "=" in line)
+    for env in (py["env"], sh):
+        assert env["STAGE_VISIBLE"] == "yes" and "PATH" in env and env["OMP_NUM_THREADS"] == "1"
+        assert not set(env) & {*SECRETS, "UNLISTED"}, sorted(env)
+        assert not [v for v in env.values() if "secret" in v or "hunter2" in v]
+    assert not set(py["initial"]) & {*SECRETS, "UNLISTED"}, py["initial"]
 

@@ -9,40 +9,45 @@ machinery's is decided in one place, `classify`.
 from __future__ import annotations
 
 import os
-import re
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
 from pipeline.errors import ExecutorError, UnknownExecutorError  # noqa: F401 (re-exported: the executors raise them)
+from pipeline.executors.child import THREAD_VARS
 
 JobStatus = Literal["ok", "exit", "signal", "timeout", "cancelled", "infra"]
 
-SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|_PAT$|^PAT$|WEBHOOK|COOKIE|SESSION|"
-                         r"PRIVATE|SIGNATURE|DSN$", re.IGNORECASE)
-SECRET_VALUE = re.compile(r"://[^/\s:@]+:[^/\s@]+@")  # user:password@ inside a URL
-SECRET_EXTRA = {"AUTORESEARCH_DB", "DATABASE_URL"}  # store URLs may carry a password
+# The only variables a stage inherits from the driver, plus the lab's `[run] env` names: an allow-list,
+# since no deny-list knows every way a secret is spelled (MYSQL_PWD, PGPASS, REDIS_URL=redis://:pw@host).
+# HOME and TMPDIR are the sandbox's own inside it (child.run); the thread counts are set by thread_env.
+STAGE_ENV = frozenset({
+    "PATH", "LANG", "LANGUAGE", "TZ", "HOME", "TMPDIR", "TERM", *THREAD_VARS,
+    "CUDA_VISIBLE_DEVICES",  # the executor's (or Ray's) choice of GPUs for the stage
+    # the interpreter's own switches (PYTHONPATH: how the warm worker imports the harness)
+    "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING",
+    "PYTHONUTF8", "PYTHONNOUSERSITE", "PYTHONWARNINGS", "PYTHONFAULTHANDLER",
+})
+STAGE_ENV_PREFIXES = ("LC_",)  # locale
 # signals the machinery sends (OOM killer, node shutdown, a human's kill): not the method's fault
 INFRA_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
 
 
-def scrub_env(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
-    """A copy of `env` without anything that looks like a secret.
+def scrub_env(env: dict[str, str] | os._Environ[str], keep: Iterable[str] = ()) -> dict[str, str]:
+    """The part of `env` a stage may see: the allow-list `STAGE_ENV` (and `LC_*`), plus the names in
+    `keep`. Branch code is written by an LLM: it gets nothing else to leak."""
+    allowed = STAGE_ENV | set(keep)
+    return {k: v for k, v in env.items() if k in allowed or k.startswith(STAGE_ENV_PREFIXES)}
 
-    Names containing KEY, TOKEN, SECRET, PASSWORD (any case), store URLs, and values holding a
-    `user:password@` URL. Branch code is written by an LLM: it gets nothing it could leak.
-    """
-    return {
-        k: v
-        for k, v in env.items()
-        if not SECRET_NAME.search(k) and k not in SECRET_EXTRA and not SECRET_VALUE.search(v)
-    }
+
+def lab_env(names: Iterable[str]) -> dict[str, str]:
+    """The values, in the driver's environment, of the names a lab's `[run] env` lets its stages see."""
+    return {k: os.environ[k] for k in names if k in os.environ}
 
 
 def thread_env(cpus: int) -> dict[str, str]:
-    from pipeline.executors.child import THREAD_VARS
-
     return {name: str(cpus) for name in THREAD_VARS}
 
 
@@ -68,6 +73,7 @@ class StageJob:
     memory_mb: int | None = None
     inputs: tuple[Path, ...] = ()
     sandbox: dict[str, object] | None = None  # the mounts and limits of sandbox.enter; None: opted out
+    env: dict[str, str] = field(default_factory=dict)  # the lab's `[run] env` (lab_env), over the allow-list
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ class LocalExecutor:
         self.preload = list(preload)
         self.worker_log = worker_log
         self.host = socket.gethostname()
-        # the stages' environment: decided once, from a scrubbed copy of ours
+        # the stages' (and the warm worker's) environment: decided once, the allow-listed part of ours
         self.base_env = scrub_env(os.environ) | thread_env(cpus)
         self._proc: subprocess.Popen[bytes] | None = None
         self._buf = b""
@@ -153,7 +153,7 @@ class LocalExecutor:
         if job.job_id in self._running:
             raise ExecutorError(f"job {job.job_id} already submitted")
         proc = self._start()
-        env = dict(self.base_env)
+        env = self.base_env | job.env
         if job.cpus != self.cpus:
             env |= thread_env(job.cpus)
         if job.gpus:

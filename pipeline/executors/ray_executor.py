@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.executors import child, ray_task, sandbox, zygote
 from pipeline.executors.base import (
-    SECRET_EXTRA,
-    SECRET_NAME,
-    SECRET_VALUE,
+    STAGE_ENV,
+    STAGE_ENV_PREFIXES,
     ExecutorError,
     JobResult,
     StageJob,
@@ -127,7 +126,8 @@ class RayExecutor:
                                    "max_concurrency": 2}  # a cancel may arrive while a stage runs
         if self.memory_mb:
             options["memory"] = self.memory_mb * 2**20
-        return self._actor_cls.options(**options).remote(self._sources, self._preload)
+        return self._actor_cls.options(**options).remote(self._sources, self._preload, sorted(STAGE_ENV),
+                                                          list(STAGE_ENV_PREFIXES))
 
     @property
     def slots(self) -> int:
@@ -162,9 +162,8 @@ class RayExecutor:
             "job_id": job.job_id, "tree_id": tree_id, "argv": job.argv, "cwd": str(job.cwd),
             "sandbox": job.sandbox, "gpus": job.gpus,
             "out": str(job.out), "timeout_s": job.timeout_s, "cpus": job.cpus, "memory_mb": job.memory_mb,
-            "env": thread_env(job.cpus),
-            "secret_names": [SECRET_NAME.pattern], "secret_extra": sorted(SECRET_EXTRA),
-            "secret_value": SECRET_VALUE.pattern,
+            "env": thread_env(job.cpus) | job.env,  # the lab's `[run] env`: the driver's values
+            "env_allow": sorted(STAGE_ENV), "env_prefixes": list(STAGE_ENV_PREFIXES),
         }
         self._waiting.append((job, spec, [tree_ref], mounts))
         self._dispatch()

@@ -68,12 +68,10 @@ def pack(folder: str) -> bytes:
     return buf.getvalue()
 
 
-def scrub(env: dict[str, str], names: list[str], extra: list[str], value_pattern: str) -> dict[str, str]:
-    import re
-
-    rx = re.compile("|".join(names), re.IGNORECASE)
-    vx = re.compile(value_pattern)
-    return {k: v for k, v in env.items() if not rx.search(k) and k not in extra and not vx.search(v)}
+def scrub(env: dict[str, str], allow: list[str], prefixes: list[str]) -> dict[str, str]:
+    """The allow-listed part of this node's environment (base.scrub_env's list, sent with the job)."""
+    names = set(allow)
+    return {k: v for k, v in env.items() if k in names or k.startswith(tuple(prefixes))}
 
 
 class WarmWorker:
@@ -82,7 +80,8 @@ class WarmWorker:
     `sources`: {"child", "sandbox", "zygote"} → module source, written once per node and version;
     `preload`: modules the warm worker imports (those missing on this node are skipped)."""
 
-    def __init__(self, sources: dict[str, str], preload: list[str]):
+    def __init__(self, sources: dict[str, str], preload: list[str], env_allow: list[str] | None = None,
+                 env_prefixes: list[str] = ()):
         import hashlib
 
         _own_cache()
@@ -99,6 +98,7 @@ class WarmWorker:
             except OSError:
                 shutil.rmtree(tmp, ignore_errors=True)
         self.preload = preload
+        self.env_allow = None if env_allow is None else (list(env_allow), list(env_prefixes))
         self.lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
         self.buf = b""
@@ -107,7 +107,8 @@ class WarmWorker:
     def _start(self) -> subprocess.Popen[bytes]:
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
-        env = dict(os.environ)
+        # a stage forked from the worker could read the worker's own environment: allow-listed too
+        env = dict(os.environ) if self.env_allow is None else scrub(dict(os.environ), *self.env_allow)
         env.pop("PYTHONPATH", None)  # the worker's own modules come from self.pkg, nothing else of ours
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(self.pkg, "_ar_zygote.py"),
@@ -161,7 +162,7 @@ class WarmWorker:
                 arg = arg.replace(src, path_map[src])
             return arg
 
-        env = scrub(dict(os.environ), job["secret_names"], job["secret_extra"], job["secret_value"])
+        env = scrub(dict(os.environ), job["env_allow"], job["env_prefixes"])
         env.pop("PYTHONPATH", None)
         env.update(job["env"])
         sandbox = job.get("sandbox")
