@@ -33,6 +33,12 @@ from pipeline.harness import PredictionsError
 from pipeline.lab import Lab
 
 SMOKE_CUSTOMERS = 300
+SMOKE_TIMEOUT_S = 300.0  # the most a smoke stage may take on tiny data, however long the lab's `[run] timeout_s`
+
+
+def smoke_timeout(lab: Lab) -> float:
+    """A smoke stage's limit: the lab's `[run] timeout_s`, or `SMOKE_TIMEOUT_S` if that is smaller."""
+    return min(lab.config.run.timeout_s, SMOKE_TIMEOUT_S)
 
 
 def materialize(repo_git, base: str, files: dict[str, str], dst: Path) -> None:
@@ -115,13 +121,15 @@ class SmokeRunner:
             self._executor = None
 
 
-def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float = 300.0,
+def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | None = None,
               stop: threading.Event | None = None, runner: SmokeRunner | None = None) -> float:
     """Run every stage once (first task, seed 0) on tiny data; return the metric or raise SmokeFailed.
 
     Each stage sees what it will see in a real run: the files of `base` with `files` applied, of
-    the editable ones only those its `inputs` declare, in the same sandbox.
+    the editable ones only those its `inputs` declare, in the same sandbox. Each stage may take
+    `timeout_s`, by default `smoke_timeout(lab)`.
     """
+    timeout_s = smoke_timeout(lab) if timeout_s is None else timeout_s
     bench = lab.config.benchmark
     harness = lab.harness()
     prepared = harness.prepare(lab.state, bench.suite, bench.data_seed, SMOKE_CUSTOMERS)

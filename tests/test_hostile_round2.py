@@ -150,3 +150,20 @@ def test_a_stage_sees_only_the_allow_list_and_the_labs_run_env(tmp_path: Path, m
         assert not [v for v in env.values() if "secret" in v or "hunter2" in v]
     assert not set(py["initial"]) & {*SECRETS, "UNLISTED"}, py["initial"]
 
+
+# ----------------------------------------------------------------------------- limits that hold: smoke timeout
+
+def test_a_smoke_stage_is_stopped_at_the_labs_timeout_not_at_300_s(lab: Path) -> None:
+    from pipeline.errors import SmokeFailed
+    from pipeline.lab import load_lab
+    from pipeline.smoke import SMOKE_TIMEOUT_S, smoke_run, smoke_timeout
+
+    research = lab / "research.toml"
+    research.write_text(research.read_text().replace("timeout_s = 900", "timeout_s = 3", 1))
+    the_lab = load_lab(lab)
+    assert smoke_timeout(the_lab) == 3 and SMOKE_TIMEOUT_S < 900  # a long lab limit is capped for smoke
+    started = time.monotonic()
+    with pytest.raises(SmokeFailed, match=r"stage pretrain timed out after 3 s"):
+        smoke_run(the_lab, "autoresearch/baseline", {"train.py": "import time\ntime.sleep(600)\n"})
+    assert time.monotonic() - started < 30  # not the old hard-coded 300 s
+
