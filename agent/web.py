@@ -37,6 +37,8 @@ PICTURE = re.compile(r"^(\d+\.forest|progress)\.png$")
 # the only link and image targets a rendered summary keeps: the page's own /files/, or a bare file name
 # beside it; any other URL (another host, a local service, javascript:, data:) stays inert text
 OWN_LINK = re.compile(r"^(/files/)?\w[\w.-]*$")
+LOG_MAX_BYTES = 2 << 20  # `/logs/{id}` serves at most the last 2 MB of a stage's log
+DIFF_MAX_CHARS = 256 << 10  # a larger diff is shown as its `git diff --stat`
 
 
 def is_loopback(host: str) -> bool:
@@ -147,11 +149,14 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
         # the summary links its pictures beside it (runs/summaries/): here they are under /files/
         html = re.sub(r'(src|href)="((?:\d+\.forest|progress)\.png)"', r'\1="/files/\2"', html)
         looks = [r.payload | {"look": r.look} for r in store.gate_records(str(hid), kind="verdict")]
-        diff = ""
+        diff, diff_note = "", ""
         if h.commit and h.base_commit:
             ws = Workspace(lab)
             fork = ws.repo.merge_base(h.base_commit, h.commit)
             diff = ws.diff(fork[0].hexsha, h.commit) if fork else ""
+            if len(diff) > DIFF_MAX_CHARS:  # a committed data file: not sent on every refresh
+                diff_note = f"the diff is {len(diff) >> 10} KB, over {DIFF_MAX_CHARS >> 10} KB: its summary only"
+                diff = ws.diff_stat(fork[0].hexsha, h.commit)
         failed = []
         if h.commit:
             ids = [r.id for r in store.runs(commit=h.commit)]
@@ -159,7 +164,7 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
                       and e.log_path]
         comments = rec.comments(hid, limit=50)
         return page(request, "hypothesis.html", h=h, summary=html, looks=looks, last=looks[-1] if looks else None,
-                    diff=diff, failed=failed, comments=comments,
+                    diff=diff, diff_note=diff_note, failed=failed, comments=comments,
                     forest=forest_path(lab, hid).is_file() and f"{hid}.forest.png" not in html,
                     can_decide=h.review in ("pending", "none"), refresh=30)
 
@@ -194,6 +199,7 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
         return FileResponse(path, media_type="image/png", headers={"Cache-Control": "no-store"})
 
     def stage_log(request: Request) -> Response:
+        from pipeline.disk import read_tail
         from pipeline.store import StageExec
 
         lab, store, _rec = lab_store()
@@ -203,7 +209,11 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
         path = Path(ex.log_path).resolve() if ex is not None and ex.log_path else None
         if path is None or logs not in path.parents or not path.is_file():
             raise HTTPException(404, "no log for that stage (rotated, or never written)")
-        return PlainTextResponse(path.read_text(errors="replace")[-200_000:])
+        text, size = read_tail(path, LOG_MAX_BYTES)
+        if size > LOG_MAX_BYTES:
+            text = (f"[the log is {size >> 20} MB: its last {LOG_MAX_BYTES >> 20} MB follow]\n"
+                    + text.partition("\n")[2])  # from the first whole line
+        return PlainTextResponse(text)
 
     async def error_page(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):

@@ -155,3 +155,17 @@ def usage(lab: Lab, store: Store) -> dict[str, float | None]:
     out["cache_max_gb"] = lab.config.run.cache_max_gb
     out["logs_max_mb"] = lab.config.run.logs_max_mb
     return out
+
+
+def read_tail(path: Path, limit: int) -> tuple[str, int]:
+    """The last `limit` bytes of a file (a stage's log: any size) as text, and the file's size.
+
+    Read with a seek, never whole; not through a link. ("", 0) if there is no such file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return "", 0
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fd).st_size
+        fh.seek(max(0, size - limit))
+        return fh.read(limit).decode(errors="replace"), size

@@ -28,11 +28,13 @@ import git
 
 from pipeline import isolation
 from pipeline.dag import render
+from pipeline.disk import read_tail
 from pipeline.errors import Interrupted, SmokeFailed
 from pipeline.harness import PredictionsError
 from pipeline.lab import Lab
 
 SMOKE_CUSTOMERS = 300
+TAIL_BYTES = 3000  # of a failed smoke stage's log, quoted in the reject reason
 SMOKE_TIMEOUT_S = 300.0  # the most a smoke stage may take on tiny data, however long the lab's `[run] timeout_s`
 
 
@@ -89,7 +91,7 @@ class SmokeRunner:
             for res in ex.poll(0.2):
                 if res.job_id != job.job_id:
                     continue
-                tail = log.read_text(errors="replace")[-3000:] if log.is_file() else ""
+                tail = read_tail(log, TAIL_BYTES)[0]
                 if res.status == "timeout":
                     raise SmokeFailed(f"timed out after {timeout_s:.0f} s on tiny data:\n{tail}")
                 if res.status == "signal":
@@ -108,7 +110,7 @@ class SmokeRunner:
               inputs: list[Path]) -> tuple[int, str]:
         """The stage in a fresh interpreter, with the same sandbox."""
         done = isolation.run_once(self.lab, argv, cwd=cwd, log=log, timeout_s=timeout_s, ro=list(inputs), out=out)
-        tail = log.read_text(errors="replace")[-3000:] if log.is_file() else ""
+        tail = read_tail(log, TAIL_BYTES)[0]
         if done.timed_out:
             raise SmokeFailed(f"timed out after {timeout_s:.0f} s on tiny data:\n{tail}")
         if done.returncode is None:

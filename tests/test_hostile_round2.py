@@ -167,3 +167,83 @@ def test_a_smoke_stage_is_stopped_at_the_labs_timeout_not_at_300_s(lab: Path) ->
         smoke_run(the_lab, "autoresearch/baseline", {"train.py": "import time\ntime.sleep(600)\n"})
     assert time.monotonic() - started < 30  # not the old hard-coded 300 s
 
+
+# ----------------------------------------------------------------------------- bounded reads
+
+BIG = 20 << 20  # a 20 MB log
+
+
+def test_a_log_tail_is_read_with_a_seek_not_whole(tmp_path: Path) -> None:
+    import tracemalloc
+
+    from pipeline.disk import read_tail
+
+    log = tmp_path / "stage.log"
+    with open(log, "wb") as fh:
+        fh.write(b"early line\n" * (BIG // 11))
+        fh.write(b"the last words\n")
+    tracemalloc.start()
+    try:
+        text, size = read_tail(log, 3000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert size > BIG - 16 and len(text) == 3000 and text.endswith("the last words\n")
+    assert peak < 200_000, peak  # the old read_text()[-3000:] held all 20 MB
+    (tmp_path / "link.log").symlink_to(log)
+    assert read_tail(tmp_path / "link.log", 3000) == ("", 0)  # never through a link
+
+
+def test_a_smoke_stage_that_floods_its_log_gives_a_bounded_reason(lab: Path) -> None:
+    from pipeline.errors import SmokeFailed
+    from pipeline.lab import load_lab
+    from pipeline.smoke import TAIL_BYTES, smoke_run
+
+    flood = "import sys\nfor _ in range(2 << 10):\n    sys.stderr.write('x' * 10239 + '\\n')\nsys.exit(3)\n"
+    with pytest.raises(SmokeFailed) as e:
+        smoke_run(load_lab(lab), "autoresearch/baseline", {"train.py": flood})
+    assert "stage pretrain exited with 3" in str(e.value) and len(str(e.value)) < TAIL_BYTES + 200
+    (log,) = (lab / "runs" / "logs" / "smoke").glob("*/pretrain.log")
+    assert log.stat().st_size >= BIG  # 20 MB written, 3 KB quoted
+
+
+def test_the_log_page_serves_only_the_last_2_mb_with_a_notice(lab: Path) -> None:
+    from agent_fixtures import BASELINE
+
+    from pipeline import runner
+
+    svc = services(lab)
+    log = svc.lab.state / "logs" / "big" / "finetune.log"
+    log.parent.mkdir(parents=True)
+    with open(log, "wb") as fh:
+        fh.write(b"a line of a chatty stage\n" * (BIG // 25))
+        fh.write(b"Traceback: the error at the end\n")
+    (run_id,) = runner.ensure_runs(svc.store, svc.lab, BASELINE, ["default_90d"], [0])
+    eid = svc.store.stage_started(run_id, "finetune", "k" * 16, executor="local", log_path=str(log))
+    server = Server(lab).wait()
+    try:
+        with urllib.request.urlopen(f"{server.url}/logs/{eid}", timeout=30) as resp:
+            body = resp.read().decode()
+    finally:
+        server.stop()
+    first, _, rest = body.partition("\n")
+    assert len(body.encode()) <= (2 << 20) + 200 and first == "[the log is 20 MB: its last 2 MB follow]"
+    assert rest.startswith("a line of a chatty stage\n") and body.endswith("Traceback: the error at the end\n")
+
+
+def test_a_huge_diff_is_shown_as_its_stat(lab: Path) -> None:
+    from agent.records import Hypothesis
+    from agent_fixtures import BASELINE, git, make_branch
+
+    padding = "".join(f"# committed data row {i:06d} " + "z" * 40 + "\n" for i in range(8000))  # ~500 KB
+    commit = make_branch(lab, "exp/huge", [("config.toml", "max_events = 8", "max_events = 8\n" + padding)])
+    svc = services(lab)
+    h = svc.records.add(Hypothesis(status="done", origin="human", title="a committed data file", commit=commit,
+                                   base_commit=git(lab, "rev-parse", BASELINE), branch="exp/huge"))
+    server = Server(lab).wait()
+    try:
+        page = urllib.request.urlopen(f"{server.url}/hypotheses/{h.id}", timeout=30).read().decode()
+    finally:
+        server.stop()
+    assert len(page) < 100_000 and "committed data row" not in page
+    assert "over 256 KB: its summary only" in page and "config.toml | 800" in page and "1 file changed" in page
