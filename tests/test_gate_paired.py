@@ -68,6 +68,17 @@ def test_a_seed_ignoring_challenger_is_held_not_promoted():
     assert reason and "seeds must vary" in reason and "do not vary with the seed" in reason
 
 
+def test_a_repeated_draw_with_rounding_noise_reads_as_no_spread():
+    """The real seed-ignoring branch's runs differ in the last bits (torch sums in another order):
+    that is one draw repeated, ratio exactly 0, the same as bit-identical values."""
+    data = paired_data(0.0, m=5, n=5)
+    for t in data["tasks"]:
+        best = max(t["baseline"])
+        t["challenger"] = [best * (1 + k * 2.2e-16) for k in range(5)]
+    r = evaluate(data)
+    assert r.seed_spread is not None and r.seed_spread.held and r.seed_spread.ratio == 0, r.seed_spread
+
+
 def test_spread_far_below_the_baseline_is_held_too():
     data = paired_data(0.0, m=10, n=10, pair=0.0, seed=5)
     for t in data["tasks"]:

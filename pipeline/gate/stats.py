@@ -253,7 +253,10 @@ def spread_ratio_p(base: np.ndarray, chal: np.ndarray) -> tuple[np.ndarray, np.n
     side or a baseline that does not vary either."""
     b, c = summarize(base), summarize(chal)
     with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = c.var / b.var
+        # a spread at the level of floating-point rounding (one draw repeated, summed in another
+        # order) is no spread: it reads as exactly 0
+        noise = 1e-20 * (b.var + c.mean * c.mean)
+        ratio = np.where(c.var <= noise, 0.0, c.var / b.var)
         p = stats.f.cdf(ratio, c.count - 1, b.count - 1)
     ok = (c.count > 1) & (b.count > 1) & (b.var > 0)
     return np.where(ok, ratio, np.nan), np.where(ok, p, np.nan)
