@@ -232,17 +232,20 @@ class Soak:
                 driver = psutil.Process(self.proc.pid)
                 stage: int | None = None
                 workers = [p for p in driver.children(recursive=True) if p.is_running()]
-                if workers and self.rng.random() < 0.4:
+                # the worst moment: stages of this driver mid-flight. Until one such kill has landed,
+                # every kill is a driver kill that waits for a running stage (as long as the soak
+                # lasts), so a short soak has one for certain
+                owed = not any(k["mid_stage"] for k in self.kills)
+                if workers and not owed and self.rng.random() < 0.4:
                     warm = [p for p in workers if "zygote" in " ".join(_cmd(p))]
                     target = self.rng.choice(warm or workers)
                     what = "warm worker" if warm else "worker"
                 else:
                     target, what = driver, "driver"
-                    # the worst moment: stages of this driver mid-flight. Until one such kill has
-                    # landed, every driver kill waits for a running stage, so a short soak has one
-                    owed = not any(k["mid_stage"] for k in self.kills)
                     if owed or self.rng.random() < 0.5:
-                        stage = self._wait_for_stage(driver.pid, 60 if owed else 15)
+                        stage = self._wait_for_stage(driver.pid, self._left() if owed else 15)
+                        if stage is None and owed:
+                            continue  # the soak ended (or the driver died) before a stage ran
                 try:
                     target.send_signal(signal.SIGKILL)
                 except psutil.Error:
@@ -254,9 +257,9 @@ class Soak:
                         os.killpg(self.proc.pid, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
-                    # landed mid-stage for certain: the stage seen running is still recorded running
-                    # by the dead driver (the next one reconciles it only after this lock is released)
-                    mid_stage = stage is not None and self._still_running(stage)
+                    # landed mid-stage for certain: a stage of the dead driver is still recorded
+                    # running (the next driver reconciles it only after this lock is released)
+                    mid_stage = self._still_running(target.pid)
                 self.kills.append({"at": time.time(), "what": what, "pid": target.pid, "mid_stage": mid_stage})
 
     def _wait_for_stage(self, pid: int, timeout: float) -> int | None:
@@ -268,7 +271,8 @@ class Soak:
         store = Store(self.db, create=False)
         try:
             t0 = time.monotonic()
-            while time.monotonic() - t0 < timeout and not self.stop.is_set():
+            while time.monotonic() - t0 < timeout and not self.stop.is_set() and self.proc is not None \
+                    and self.proc.pid == pid and self.proc.poll() is None:
                 with store.session() as s:
                     q = select(StageExec.id).join(Run, Run.id == StageExec.run_id).where(
                         StageExec.outcome == "running", Run.owner_pid == pid)
@@ -280,14 +284,21 @@ class Soak:
         finally:
             store.dispose()
 
-    def _still_running(self, stage_id: int) -> bool:
-        from pipeline.store import StageExec, Store
+    def _left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def _still_running(self, pid: int) -> bool:
+        """Whether a stage execution of (dead) driver `pid` is still recorded running."""
+        from sqlmodel import select
+
+        from pipeline.store import Run, StageExec, Store
 
         store = Store(self.db, create=False)
         try:
             with store.session() as s:
-                row = s.get(StageExec, stage_id)
-                return row is not None and row.outcome == "running"
+                q = select(StageExec.id).join(Run, Run.id == StageExec.run_id).where(
+                    StageExec.outcome == "running", Run.owner_pid == pid)
+                return s.exec(q).first() is not None
         finally:
             store.dispose()
 
