@@ -23,6 +23,9 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 from ray_cluster import ENV, RayCluster
 
+# the Ray tests share one xdist worker: two Ray instances on one machine would contend for its ports
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 def _name(p) -> str:
     try:

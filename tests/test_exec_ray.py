@@ -15,6 +15,9 @@ from exec_fixtures import TinyHarness, git, make_lab, open_tiny_lab
 from pipeline import runner
 from pipeline.executors.local import LocalExecutor
 
+# the Ray tests share one xdist worker: two Ray instances on one machine would contend for its ports
+pytestmark = pytest.mark.xdist_group("ray")
+
 try:
     import ray
 except ImportError:  # pragma: no cover - depends on the machine
