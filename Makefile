@@ -25,12 +25,13 @@ run: venv
 	$(BIN)/autoresearch --repo $(DEMO) status
 
 # two xdist workers: most tests wait on subprocesses (git, the driver, a Ray node, a browser) as much
-# as they compute; a module with a module fixture, and the Ray tests, each stay on one worker
-# (pytestmark xdist_group). TEST_WORKERS=0 runs them one after another.
+# as they compute. --dist loadfile: a module's tests run on one worker in order, so a module fixture is
+# built once (xdist_group marks do not group under pytest 9.2); the two Ray modules take a file lock
+# (tests/ray_cluster.py). TEST_WORKERS=0 runs everything one test after another.
 TEST_WORKERS ?= 2
 
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 FAST := tests/test_gate_stats.py tests/test_gate_verdicts.py tests/test_gate_report.py tests/test_gate_paired.py \
 	tests/test_gate_power.py tests/test_gate_cli.py tests/test_lab_config.py tests/test_lab_config_command.py \

@@ -9,6 +9,7 @@ Ray 2.60 turns token authentication on: the cluster and every driver here run wi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -23,6 +24,22 @@ RAY = str(Path(sys.executable).with_name("ray"))
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
+
+
+@contextlib.contextmanager
+def ray_exclusive():
+    """Hold the machine's Ray for this test module: `make test` runs modules on two xdist workers,
+    and two Ray instances started side by side contend for the ports Ray picks by default (its
+    dashboard agent's among them). A file lock, so a second Ray module waits for the first."""
+    import fcntl
+
+    path = Path(tempfile.gettempdir()) / "autoresearch-tests-ray.lock"
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 class RayCluster:

@@ -21,10 +21,14 @@ except ImportError:  # pragma: no cover - depends on the machine
     # platform limit: Ray has no wheel for this Python/OS; CI raises above instead of skipping
     pytest.skip("Ray is not installed", allow_module_level=True)
 
-from ray_cluster import ENV, RayCluster
+from ray_cluster import ENV, RayCluster, ray_exclusive
 
-# the Ray tests share one xdist worker: two Ray instances on one machine would contend for its ports
-pytestmark = pytest.mark.xdist_group("ray")
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_ray_at_a_time():
+    with ray_exclusive():
+        yield
+
 
 
 def _name(p) -> str:

@@ -26,9 +26,6 @@ import pytest
 
 from agent_fixtures import REPO, cli, cli_env, git
 
-# one xdist worker runs this module: its module fixture (every attack through the loop) is built once
-pytestmark = pytest.mark.xdist_group("attacks")
-
 TEMPLATE = Path(__file__).resolve().parent.parent / "pipeline" / "templates" / "command"
 MARKER = "autoresearch-attack-g-survivor"
 
@@ -76,7 +73,6 @@ FEATURIZE = '''
 import argparse
 from pathlib import Path
 import numpy as np
-
 p = argparse.ArgumentParser()
 for name in ("--data", "--out"):
     p.add_argument(name, type=Path, required=True)

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 from exec_fixtures import TinyHarness, git, make_lab, open_tiny_lab
+from ray_cluster import ray_exclusive
 from pipeline import runner
 from pipeline.executors.local import LocalExecutor
 
-# the Ray tests share one xdist worker: two Ray instances on one machine would contend for its ports
-pytestmark = pytest.mark.xdist_group("ray")
 
 try:
     import ray
@@ -38,11 +37,12 @@ def local_ray():
     os.environ[SECRET] = "sk-should-never-reach-a-stage"
     os.environ[CANARY] = "visible"
     # address="local": always a fresh Ray of our own, never a cluster left running on the machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    with ray_exclusive():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
         os.environ.pop(SECRET, None)
         os.environ.pop(CANARY, None)
 

@@ -11,9 +11,6 @@ from pipeline.harness import get_harness
 from pipeline.harness.base import PredictionsError, auc, read_predictions
 from pipeline.harness.transactions import data as gen
 
-# one xdist worker runs this module: its module fixture is built once
-pytestmark = pytest.mark.xdist_group("harness")
-
 N = 600
 
 

@@ -17,9 +17,6 @@ import pytest
 
 from agent_fixtures import cli, cli_json, git
 
-# one xdist worker runs this module: its module fixture is built once
-pytestmark = pytest.mark.xdist_group("lab_config_command")
-
 TRUSTED_TAG = "autoresearch/trusted"
 
 

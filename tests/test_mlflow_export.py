@@ -18,9 +18,6 @@ import pytest
 from agent_fixtures import free_port
 from summary_fixtures import cli, make_lab, run_loop, services
 
-# one xdist worker runs this module: its module fixture is built once
-pytestmark = pytest.mark.xdist_group("mlflow_export")
-
 
 
 

@@ -14,9 +14,6 @@ import tomli_w
 from pipeline.harness import get_harness
 from pipeline.harness.transactions.variants import NOOPS, apply_edit
 
-# one xdist worker runs this module: its module fixture is built once
-pytestmark = pytest.mark.xdist_group("template")
-
 TEMPLATE = Path(__file__).resolve().parent.parent / "pipeline" / "templates" / "transactions"
 TINY = {"data": {"max_events": 8}, "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
         "pretrain": {"epochs": 1}, "finetune": {"epochs": 1}}

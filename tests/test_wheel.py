@@ -21,9 +21,6 @@ import pytest
 from agent_fixtures import REPO, RoutedOpenAI, cli_env, decision, edit, edits, git, llm_env, proposal
 from fake_openai import content
 
-# one xdist worker runs this module: its module fixture is built once
-pytestmark = pytest.mark.xdist_group("wheel")
-
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
