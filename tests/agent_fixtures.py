@@ -17,6 +17,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -354,3 +356,38 @@ def assert_runs_exactly_once(root: Path) -> dict[str, int]:
     rkeys = [(r.commit, r.task, r.seed) for r in results]
     assert len(rkeys) == len(set(rkeys)), "a run has two results"
     return store.queue_counts()
+
+
+# ----------------------------------------------------------------------------- the review page
+
+class Server:
+    """`autoresearch serve` as a real process on a free loopback port (no browser needed)."""
+
+    def __init__(self, lab: Path, *args: str, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.log = lab.parent / f"serve-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent.cli", "--repo", str(lab), "serve", "--port", str(self.port), *args],
+            cwd=REPO, env=env or cli_env(), stdout=subprocess.DEVNULL, stderr=open(self.log, "w"),
+            start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait(self) -> "Server":
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/", timeout=2)
+                return self
+            except urllib.error.HTTPError:
+                return self  # it answers (401 when a token is needed)
+            except OSError:
+                assert self.proc.poll() is None, self.log.read_text()
+                assert time.monotonic() < deadline, self.log.read_text()
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

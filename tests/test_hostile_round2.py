@@ -1,6 +1,6 @@
 """Hostile branches, round two (issue 20): what a branch, or the LLM that wrote it, can put in front
 of the driver and the review page. Every string it writes is hostile. Real server process (`Server`
-from test_web), real HTTP requests, real stage subprocesses, real files; no mocks.
+from agent_fixtures), real HTTP requests, real stage subprocesses, real files; no mocks.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from agent_fixtures import REPO
+from agent_fixtures import REPO, Server
 from summary_fixtures import BETTER, decided, implemented, measured, services
-from test_web import Server
 
 
 def post(server: Server, path: str, fields: dict[str, str], headers: dict[str, str]) -> tuple[int, str]:

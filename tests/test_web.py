@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -22,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import REPO, RoutedOpenAI, cli, cli_env, edit, edits, free_port, llm_env, proposal, user_texts
+from agent_fixtures import (RoutedOpenAI, Server, cli, cli_env, edit, edits, free_port, llm_env, proposal,
+                            user_texts)
 from fake_openai import content
 from summary_fixtures import BETTER, SAME, decided, implemented, measured, services
 
@@ -37,37 +36,6 @@ if not (CHROMIUM and CHROMEDRIVER):
 COMMENT = "Try a larger LoRA rank next, the adapters look starved"
 
 
-
-
-class Server:
-    def __init__(self, lab: Path, *args: str, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.log = lab.parent / f"serve-{self.port}.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent.cli", "--repo", str(lab), "serve", "--port", str(self.port), *args],
-            cwd=REPO, env=env or cli_env(), stdout=subprocess.DEVNULL, stderr=open(self.log, "w"),
-            start_new_session=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait(self) -> "Server":
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/", timeout=2)
-                return self
-            except urllib.error.HTTPError:
-                return self  # it answers (401 when a token is needed)
-            except OSError:
-                assert self.proc.poll() is None, self.log.read_text()
-                assert time.monotonic() < deadline, self.log.read_text()
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture
