@@ -53,6 +53,7 @@ from pipeline.harness import Harness, Prepared, PredictionsError
 from pipeline.harness.base import HOLDOUT_SPLIT
 from pipeline.lab import Lab, load_lab
 from pipeline.store import Claim, Goodput, Owner, Result, Store
+from pipeline.safefs import UnsafeTree
 from pipeline.worktrees import WorktreeError, Worktrees
 
 log = logging.getLogger("autoresearch.runner")
@@ -381,6 +382,11 @@ class Driver:
                 worktree = self._worktree_of[run.commit] = self.worktrees.ensure(run.commit)
         except WorktreeError as e:
             self._record(claim, "infra_failure", None, "worktree", str(e), cpu_s=0.0)
+            return
+        try:  # a link out of the tree is the branch's doing: the method's failure, never laid out
+            self.worktrees.check_tree(run.commit)
+        except UnsafeTree as e:
+            self._record(claim, "method_failure", None, "unsafe_tree", str(e), cpu_s=0.0)
             return
         nodes = plan_run(self.stages, run.commit, run.task, run.seed, prepared.dataset_id, self._digest,
                          self.isolation)

@@ -26,7 +26,7 @@ from typing import Any
 
 import git
 
-from pipeline import isolation
+from pipeline import isolation, safefs
 from pipeline.dag import render
 from pipeline.disk import read_tail
 from pipeline.errors import Interrupted, SmokeFailed
@@ -44,14 +44,19 @@ def smoke_timeout(lab: Lab) -> float:
 
 
 def materialize(repo_git, base: str, files: dict[str, str], dst: Path) -> None:
-    """The tree of `base` with `files` overwritten, written to `dst`."""
+    """The tree of `base` with `files` overwritten, written to `dst`.
+
+    Laid out and edited without following any link (`pipeline.safefs`): a tree holding a link whose
+    final target leaves it, or an edit whose path goes through a link, raises `UnsafeTree`."""
     data = repo_git.archive(base, format="tar", output_stream=None, as_process=False, stdout_as_string=False)
-    with tarfile.open(fileobj=BytesIO(data)) as tar:
-        tar.extractall(dst, filter="data")
-    for path, text in files.items():
-        target = dst / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
+    safefs.extract_tar(BytesIO(data), dst, what=f"the tree of {base[:12]}")
+    root_fd = safefs.open_root(dst)
+    try:
+        for path, text in files.items():
+            safefs.write_text(root_fd, path, text)
+    finally:
+        os.close(root_fd)
+    safefs.check_links(dst, f"the tree of {base[:12]} with the edits")
 
 
 class SmokeRunner:
@@ -146,7 +151,7 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
             logs = lab.state / "logs" / "smoke" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
             try:
                 materialize(git.Repo(lab.root).git, base, files, code)
-            except (tarfile.TarError, OSError) as e:  # e.g. a symlink out of the tree
+            except (tarfile.TarError, OSError) as e:  # e.g. a chain of symlinks out of the tree
                 raise SmokeFailed(f"the commit's files cannot be laid out: {e}") from None
             logs.mkdir(parents=True)
             values = {"data": str(prepared.public), "task": task, "seed": "0"}
@@ -178,17 +183,9 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
 
 
 def _stage_view(lab: Lab, stage: Any, code: Path, view: Path) -> Path:
-    """The files of `code` that `stage` may see (hermetic stages), copied into `view`."""
-    import shutil
-
-    for src in sorted(code.rglob("*")):
-        rel = src.relative_to(code).as_posix()
-        if src.is_dir() and not src.is_symlink() or not lab.stage_sees(stage, rel):
-            continue
-        dst = view / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dst, follow_symlinks=False)
-    view.mkdir(parents=True, exist_ok=True)
-    for d in [view, *(p for p in view.rglob("*") if p.is_dir())]:
-        os.chmod(d, 0o755)
+    """The files of `code` that `stage` may see (hermetic stages), copied into `view` (no link
+    followed while reading or writing)."""
+    safefs.copy_tree(code, view, keep=lambda rel: lab.stage_sees(stage, rel))
+    for _top, _dirs, _files, dfd in os.fwalk(view, follow_symlinks=False):
+        os.fchmod(dfd, 0o755)
     return view

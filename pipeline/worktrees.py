@@ -24,6 +24,7 @@ from pathlib import Path
 
 import git
 
+from pipeline import safefs
 from pipeline.errors import UnknownCommitError, WorktreeError
 from pipeline.lab import glob_match
 
@@ -39,6 +40,7 @@ class Worktrees:
         self.root.mkdir(parents=True, exist_ok=True)
         self.views = Path(state).resolve() / "views"
         self.views.mkdir(parents=True, exist_ok=True)
+        self._sound_trees: set[str] = set()  # commits whose links were checked (a commit never changes)
         try:
             self.repo = git.Repo(self.repo_root)
         except (git.InvalidGitRepositoryError, git.NoSuchPathError):
@@ -186,15 +188,31 @@ class Worktrees:
             self.repo.git.worktree("prune")
         return fixed
 
+    def links_at(self, commit: str) -> dict[str, str]:
+        """The commit's symlinks: path → target (from git blobs)."""
+        return {p: b.data_stream.read().decode("utf-8", "surrogateescape")
+                for p, b in self.files_at(commit).items() if b.mode == 0o120000}
+
+    def check_tree(self, commit: str) -> None:
+        """`UnsafeTree` (one line) if the commit holds a symlink whose final target, resolved within
+        the tree with all its links, leaves it: such a tree is never laid out or measured."""
+        if commit in self._sound_trees:
+            return
+        safefs.check_link_map(self.links_at(commit), f"commit {commit[:12]}")
+        self._sound_trees.add(commit)
+
     def view(self, commit: str, visible: Callable[[str], bool]) -> Path:
         """A folder holding only the files of `commit` that `visible(path)` allows, from git blobs.
 
         What a sandboxed stage sees as its working directory: a stage that reads a file it did not
         declare finds it missing, instead of a cache key that ignores it. Views never change once
         made (`runs/views/<hash of commit and file list>`), so they are shared and built once.
+        Laid out without following any link (`pipeline.safefs`); a commit with a link that leaves
+        its tree is refused (`UnsafeTree`) before anything is written.
         """
         tree = self.files_at(commit)
         links = {p for p, b in tree.items() if b.mode == 0o120000}
+        self.check_tree(commit)
         # a malformed tree can hold both a symlink `a` and a file `a/x`: never write through the link
         files = {p: b for p, b in tree.items() if visible(p)
                  and not any("/".join(p.split("/")[:i]) in links for i in range(1, p.count("/") + 1))}
@@ -203,17 +221,22 @@ class Worktrees:
         if final.is_dir():
             return final
         tmp = self.views / f".tmp-{digest}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        for path, blob in files.items():
-            target = tmp / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if blob.mode == 0o120000:  # a symlink in the tree stays one (it resolves inside the sandbox)
-                os.symlink(blob.data_stream.read().decode(), target)
-                continue
-            target.write_bytes(blob.data_stream.read())
-            os.chmod(target, 0o755 if blob.mode & 0o111 else 0o644)
-        tmp.mkdir(parents=True, exist_ok=True)
-        for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir() and not p.is_symlink())]:
-            os.chmod(d, 0o755)
+        tmp.mkdir(parents=True)
+        root_fd = safefs.open_root(tmp)
+        try:
+            for path, blob in files.items():
+                if blob.mode == 0o120000:  # a symlink in the tree stays one (it resolves inside the sandbox)
+                    safefs.make_symlink(root_fd, path, blob.data_stream.read().decode("utf-8", "surrogateescape"))
+                else:
+                    safefs.write_bytes(root_fd, path, blob.data_stream.read(), executable=bool(blob.mode & 0o111),
+                                       exclusive=True)
+            for _top, _dirs, _files, dfd in os.fwalk(tmp, follow_symlinks=False):
+                os.fchmod(dfd, 0o755)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            os.close(root_fd)
         try:
             os.rename(tmp, final)
         except OSError:  # another driver made it meanwhile

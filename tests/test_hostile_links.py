@@ -1,0 +1,189 @@
+"""Hostile branches, round two (issue 20): links. A chain of symlinks in the baseline made the smoke
+run's `materialize` write, as root, a file into LAB/runs/ (beside the store and `sealed/`):
+`config.toml -> model.py/../X`, `model.py -> train.py/..`, `train.py -> .`. Each link passes a check
+made when it is extracted; the later ones change where the earlier ones resolve. Real git repos,
+the real CLI, the real smoke path, real tar archives; no mocks.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+from agent_fixtures import BASELINE, cli, git, records
+
+CHAIN = {"config.toml": "model.py/../X", "model.py": "train.py/..", "train.py": "."}
+
+
+def plant_chain(root: Path) -> str:
+    """The baseline's config.toml, model.py and train.py replaced by the chain of links (committed on
+    the baseline branch only: the lab's checkout keeps its files, so the lab still loads)."""
+    for name, target in CHAIN.items():
+        (root / name).unlink()
+        os.symlink(target, root / name)
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "a chain of links")
+    git(root, "branch", "-f", BASELINE, "HEAD")
+    commit = git(root, "rev-parse", "HEAD")
+    git(root, "reset", "-q", "--hard", "HEAD~1")
+    return commit
+
+
+def outside_files(root: Path) -> set[str]:
+    """Every path at or above the lab that the chain could reach (X in runs/, the lab, its parent)."""
+    return {str(p) for d in (root / "runs", root, root.parent) if d.is_dir() for p in d.iterdir() if p.name == "X"}
+
+
+def test_a_chain_of_links_in_the_baseline_writes_nothing_outside_and_the_seed_is_refused(lab: Path,
+                                                                                         tmp_path: Path) -> None:
+    """Through the real CLI: a seeded edit of config.toml on a baseline holding the chain."""
+    plant_chain(lab)
+    seed = tmp_path / "seed.json"
+    seed.write_text(json.dumps({"title": "Write through the chain", "rationale": "attack",
+                                "edits": [{"path": "config.toml", "content": "pwned = true\n"}]}))
+    out = cli(lab, "seed", "--file", str(seed))
+    assert out.returncode == 0, out.stderr
+    out = cli(lab, "run", "--offline", "--max-hypotheses", "1", timeout=600)
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert not outside_files(lab), outside_files(lab)  # nothing written through the links, as root or not
+    status = json.loads(cli(lab, "status", "--json").stdout)
+    [h] = [h for h in status["hypotheses"] if h["title"] == "Write through the chain"]
+    assert (h["decision"], h["reject_kind"]) == ("reject", "smoke_failed"), h
+    reason = records(lab).get(h["id"]).reject_reason or ""
+    assert "config.toml -> model.py/../X" in reason and "leads out of it" in reason, reason
+    assert "Traceback" not in reason
+
+
+def tar_of(entries: list[tuple[str, str | None]]) -> bytes:
+    """A tar archive of (name, link target or None for a small regular file), in the order given."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, target in entries:
+            info = tarfile.TarInfo(name)
+            if target is None:
+                data = f"# {name}\n".encode()
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                info.type, info.linkname = tarfile.SYMTYPE, target
+                tar.addfile(info)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(CHAIN)))
+def test_the_chain_is_refused_in_every_order_and_nothing_lands_outside(tmp_path: Path, order: tuple[str, ...]) -> None:
+    from pipeline.safefs import UnsafeTree, extract_tar
+
+    dst = tmp_path / "a" / "b" / "tree"
+    entries = [(name, CHAIN[name]) for name in order] + [("X", None), ("model.py/X", None)]
+    with pytest.raises(UnsafeTree, match=r"leads out of it|symlink or not a folder") as e:
+        extract_tar(io.BytesIO(tar_of(entries)), dst)
+    assert "\n" not in str(e.value) and "Errno" not in str(e.value), str(e.value)
+    found = [Path(top) / "X" for top, dirs, files in os.walk(tmp_path) if "X" in files + dirs]
+    assert found in ([], [dst / "X"]), found  # an X only ever inside the tree itself
+
+
+def test_the_chain_alone_is_refused_in_every_order(tmp_path: Path) -> None:
+    from pipeline.safefs import UnsafeTree, extract_tar
+
+    for i, order in enumerate(itertools.permutations(CHAIN)):
+        with pytest.raises(UnsafeTree, match=r"config\.toml -> model\.py/\.\./X: resolves above the tree's root"):
+            extract_tar(io.BytesIO(tar_of([(n, CHAIN[n]) for n in order])), tmp_path / str(i))
+
+
+def test_links_that_stay_inside_the_tree_are_laid_out(tmp_path: Path) -> None:
+    from pipeline.safefs import extract_tar
+
+    entries = [("up", "sub/deeper/.."), ("sub/deeper/f.txt", None), ("alias", "up/deeper/f.txt"),
+               ("sub/back", "../alias"), ("dangling", "sub/none")]
+    extract_tar(io.BytesIO(tar_of(entries)), tmp_path / "tree")
+    assert (tmp_path / "tree" / "sub" / "back").read_text() == "# sub/deeper/f.txt\n"
+
+
+@pytest.mark.parametrize("target", ["/etc/passwd", "..", "sub/../..", "loop", "a/../../x"])
+def test_each_way_out_is_refused(tmp_path: Path, target: str) -> None:
+    from pipeline.safefs import UnsafeTree, extract_tar
+
+    entries = [("sub/f", None), ("loop", "loop2"), ("loop2", "loop"), ("a", "sub"), ("link", target)]
+    with pytest.raises(UnsafeTree, match="leads out of it"):
+        extract_tar(io.BytesIO(tar_of(entries)), tmp_path / "tree")
+
+
+def test_an_edit_through_a_link_is_refused_even_inside_the_tree(tmp_path: Path) -> None:
+    from pipeline.safefs import UnsafeTree, write_text
+
+    root = tmp_path / "tree"
+    (root / "real").mkdir(parents=True)
+    os.symlink("real", root / "src")
+    os.symlink("real/f.py", root / "f.py")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(str(outside), root / "out")
+    for path in ("src/x.py", "f.py", "out/x.py", "out/new/x.py"):
+        with pytest.raises(UnsafeTree, match="is a symlink or not a folder"):
+            write_text(root, path, "x = 1\n")
+    for path in ("../x.py", "/tmp/x.py", "a/../../x.py", ""):
+        with pytest.raises(UnsafeTree, match="not a path inside the tree"):
+            write_text(root, path, "x = 1\n")
+    assert not list(outside.iterdir()) and not (root / "real" / "x.py").exists()
+    write_text(root, "real/new/y.py", "y = 2\n")  # plain folders are made and written
+    assert (root / "real" / "new" / "y.py").read_text() == "y = 2\n"
+
+
+def test_the_smoke_path_refuses_the_chain_in_one_line(lab: Path) -> None:
+    from pipeline.errors import SmokeFailed
+    from pipeline.lab import load_lab
+    from pipeline.smoke import smoke_run
+
+    plant_chain(lab)
+    the_lab = load_lab(lab)
+    with pytest.raises(SmokeFailed) as e:
+        smoke_run(the_lab, BASELINE, {"config.toml": "pwned = true\n"})
+    assert str(e.value).startswith("the commit's files cannot be laid out: the tree of "), str(e.value)
+    assert "config.toml -> model.py/../X: resolves above the tree's root" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert not outside_files(lab)
+
+
+def test_a_view_of_a_commit_with_the_chain_is_refused_before_anything_is_written(lab: Path) -> None:
+    from pipeline.safefs import UnsafeTree
+    from pipeline.worktrees import Worktrees
+
+    commit = plant_chain(lab)
+    wt = Worktrees(lab, lab / "runs")
+    with pytest.raises(UnsafeTree, match=r"commit [0-9a-f]{12} holds a symlink that leads out of it"):
+        wt.view(commit, lambda p: True)
+    assert not [p for p in (lab / "runs" / "views").iterdir()]
+    assert not outside_files(lab)
+
+
+def test_the_driver_records_a_commit_with_the_chain_as_the_methods_failure(tmp_path: Path) -> None:
+    """A run queued for a commit holding the chain: never laid out; the method's failure, in one line."""
+    from exec_fixtures import TinyHarness, make_lab
+    from exec_fixtures import git as xgit
+    from pipeline import runner
+    from pipeline.executors.local import LocalExecutor
+
+    lab = make_lab(tmp_path / "lab")
+    xgit(lab.root, "checkout", "-q", "-b", "chain")
+    os.symlink("x/../X", lab.root / "up")  # the same escape, inside an otherwise sound tree
+    os.symlink(".", lab.root / "x")
+    xgit(lab.root, "add", "-A")
+    xgit(lab.root, "commit", "-qm", "a chain of links")
+    commit = xgit(lab.root, "rev-parse", "HEAD")
+    xgit(lab.root, "checkout", "-q", BASELINE)
+    store = runner.open_store(lab)
+    harness = TinyHarness()
+    ids = runner.ensure_runs(store, lab, commit, ["a"], [0], harness=harness)
+    with runner.Driver(lab, store, LocalExecutor(preload=("numpy",), slots=1), harness=harness) as d:
+        d.drive(until=ids, timeout_s=60)
+    [res] = store.results_for(commit)
+    assert (res.outcome, res.kind) == ("method_failure", "unsafe_tree"), res
+    assert "holds a symlink that leads out of it" in res.detail and "\n" not in res.detail
+    assert not store.stage_execs(ids)  # no stage ran, no view was laid out
+    assert not outside_files(lab.root) and not list((lab.state / "views").iterdir())
