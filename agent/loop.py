@@ -202,9 +202,13 @@ class Loop:
         return self.opts.forever or self.opts.max_hypotheses is None or self.started < self.opts.max_hypotheses
 
     def blocked(self) -> bool:
-        """A guard holds new hypotheses back: the failure streak's back-off, or the LLM's daily budget
-        or outage (those hold back only proposals; human seeds still start)."""
-        return time.time() < self.backoff_until or self.llm_blocked()
+        """A guard holds new proposals back: the failure streak's back-off, or the LLM's daily budget
+        or outage. Each holds back only proposals: human seeds still start (issue 20)."""
+        return self.guard_holds() or self.llm_blocked()
+
+    def guard_holds(self) -> bool:
+        """The failure streak's back-off is in force (it holds proposals, never human seeds)."""
+        return time.time() < self.backoff_until
 
     def llm_blocked(self) -> bool:
         if self.policy.llm is None:
@@ -212,8 +216,9 @@ class Loop:
         return time.time() < self.llm_retry_at or self.llm_budget_spent()
 
     def may_start(self) -> bool:
-        """Whether a new hypothesis may start now: a seed, or a proposal if the LLM is not held back."""
-        if self.stop.is_set() or self.out_of_time() or time.time() < self.backoff_until:
+        """Whether a new hypothesis may start now: a seed, or a proposal if no guard holds proposals
+        back (`next_hypothesis` decides which)."""
+        if self.stop.is_set() or self.out_of_time():
             return False
         return self.count_left()
 
@@ -276,7 +281,8 @@ class Loop:
             if time.time() - last < GUARD_BACKOFF_S:
                 self.backoff_until = last + GUARD_BACKOFF_S
                 msg = (f"guard: {streak} hypotheses in a row were rejected or failed their runs; "
-                       f"no new hypothesis until {time.strftime('%H:%M:%S', time.localtime(self.backoff_until))}")
+                       f"no new proposal until {time.strftime('%H:%M:%S', time.localtime(self.backoff_until))} "
+                       "(human seeds still start)")
                 self.records.event("guard", msg)
                 self.say(msg)
 
@@ -288,9 +294,9 @@ class Loop:
 
     def next_hypothesis(self) -> Hypothesis | None:
         h = self.records.next_queued()
-        if h is not None:
+        if h is not None:  # a human seed: never held back by a guard
             return self.records.update(h.id, status="proposing" if not h.title else "implementing")
-        if self.llm_blocked():
+        if self.llm_blocked() or self.guard_holds():
             return None
         base = self.svc.workspace.baseline_head()
         if any(x.reject_kind == "exhausted" and x.origin == self.policy.name and x.base_commit == base

@@ -80,37 +80,45 @@ def test_seeds_by_priority_branches_as_is_noops_never_promoted_then_offline_prop
 
 
 def test_after_k_rejections_in_a_row_the_loop_backs_off_and_says_so(lab: Path) -> None:
+    """The guard holds the policy's proposals back, never a human seed (issue 20): three failing
+    seeds no longer stall the loop."""
     from agent.commands import seed as seed_fn
     from agent.loop import GUARD_STREAK
+
+    def seed(name: str, edit: dict, priority: int) -> None:
+        spec = lab.parent / f"{name}.json"
+        spec.write_text(json.dumps({"title": name, "edits": [edit]}))
+        seed_fn(lab, None, None, None, priority, None, spec)
 
     bad_paths = ["research.toml", "program.md", "../outside.py"]
     assert len(bad_paths) == GUARD_STREAK
     for i, path in enumerate(bad_paths):
-        spec = lab.parent / f"bad{i}.json"
-        spec.write_text(json.dumps({"title": f"bad {i}", "edits": [{"path": path, "content": "x = 1\n"}]}))
-        seed_fn(lab, None, None, None, 10, None, spec)
-    good = lab.parent / "good.json"
-    good.write_text(json.dumps({"title": "good", "edits": [{"path": "config.toml", "search": "lr = 3e-4",
-                                                           "replace": "lr = 1e-3"}]}))
-    seed_fn(lab, None, None, None, 1, None, good)
+        seed(f"bad {i}", {"path": path, "content": "x = 1\n"}, 10)
+    # a fourth seed, queued behind them, is taken while the guard holds (rejected cheaply: it changes nothing)
+    seed("late seed", {"path": "config.toml", "search": "lr = 3e-4", "replace": "lr = 3e-4"}, 1)
 
     loop = make_loop(lab, offline=True, max_hypotheses=10)
     try:
         out = loop.run()
     finally:
         loop.close()
-    assert out["started"] == GUARD_STREAK
+    assert out["started"] == GUARD_STREAK + 1
     hs = records(lab).all()
-    assert [h.reject_kind for h in hs[:3]] == ["harness", "harness", "escapes_lab"]
-    assert (hs[3].title, hs[3].status) == ("good", "queued")  # not burnt while the guard holds
-    assert any(s.startswith("guard: 3 hypotheses in a row") for s in loop.said)
+    assert [h.reject_kind for h in hs] == ["harness", "harness", "escapes_lab", "empty"]
+    assert hs[3].title == "late seed" and hs[3].status == "done"  # taken although the guard held
+    assert not [h for h in hs if h.origin == "offline"]  # the policy's proposals were held back
+    assert any(s.startswith("guard: 3 hypotheses in a row") and "human seeds still start" in s for s in loop.said)
+    assert any("a guard holds new hypotheses back" in s for s in loop.said)
     st = cli(lab, "status")
     assert st.returncode == 0
     assert "guard: 3 hypotheses in a row were rejected or failed their runs" in " ".join(st.stdout.split())
-    # a restart within the back-off does not start the queued seed either
+    # a restart within the back-off starts a newly queued seed, and still no proposal
+    seed("seed after restart", {"path": "config.toml", "search": "lr = 3e-4", "replace": "lr = 3e-4"}, 1)
     loop = make_loop(lab, offline=True, max_hypotheses=10)
     try:
-        assert loop.run()["started"] == 0
+        assert loop.run()["started"] == 1
+        assert loop.guard_holds()
     finally:
         loop.close()
-    assert records(lab).get(hs[3].id).status == "queued"
+    hs = records(lab).all()
+    assert (hs[-1].title, hs[-1].status) == ("seed after restart", "done") and len(hs) == 5
