@@ -1,5 +1,5 @@
-"""Bounded disk: the stage cache under `[run] cache_max_gb` by LRU eviction, stage logs under
-`[run] logs_max_mb` by age, and what each of the lab's folders holds (for `status`).
+"""Bounded disk: the stage cache under `[run] cache_max_gb` by LRU eviction, stage logs and smoke
+runs' logs under `[run] logs_max_mb` by age, and what each of the lab's folders holds (for `status`).
 
 Eviction never takes an entry that is needed: the keys of the current baseline's runs, of every
 commit with runs queued or running (an in-flight hypothesis, a champion's fresh runs), and the ones
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +28,7 @@ log = logging.getLogger("autoresearch.disk")
 
 GB = 1 << 30
 MB = 1 << 20
+SMOKE_FRESH_S = 300.0  # a smoke run's logs this recent may be in use (pipeline.smoke.SMOKE_TIMEOUT_S)
 LOW_WATER = 0.9  # evict down to this fraction of the cap, so that not every publication evicts
 
 
@@ -122,8 +124,14 @@ class DiskKeeper:
 
     # --- logs -----------------------------------------------------------------------------------
 
-    def rotate_logs(self, keep: Iterable[Path] = ()) -> int:
-        """Remove the oldest stage logs while they hold more than `logs_max_mb` (never one in use)."""
+    def rotate_logs(self, keep: Iterable[Path] = (), now: float | None = None) -> int:
+        """Remove the oldest logs while they hold more than `logs_max_mb` (never one in use).
+
+        Stage logs (`logs/*.log`) and smoke runs' logs (`logs/smoke/<run>/*.log`) count together. A
+        smoke run's folder with a log written in the last SMOKE_FRESH_S may be in use (the smoke
+        run of a driver is not in `keep`): it stays; a folder left empty is removed.
+        """
+        now = time.time() if now is None else now
         keep = {Path(p) for p in keep}
         files = []
         for p in self.logs.glob("*.log"):
@@ -132,6 +140,18 @@ class DiskKeeper:
             except OSError:
                 continue
             files.append((st.st_mtime, st.st_size, p))
+        smoke_dirs = [d for d in (self.logs / "smoke").glob("*") if d.is_dir() and not d.is_symlink()]
+        for d in smoke_dirs:
+            own = []
+            for p in d.glob("*.log"):
+                try:
+                    st = p.lstat()
+                except OSError:
+                    continue
+                own.append((st.st_mtime, st.st_size, p))
+            fresh = any(now - mtime < SMOKE_FRESH_S for mtime, _, _ in own)
+            keep.update(p for _, _, p in own if fresh)
+            files.extend(own)
         total = sum(size for _, size, _ in files)
         n = 0
         for _, size, p in sorted(files):
@@ -142,6 +162,11 @@ class DiskKeeper:
             p.unlink(missing_ok=True)
             total -= size
             n += 1
+        for d in smoke_dirs:
+            try:
+                d.rmdir()  # only when empty
+            except OSError:
+                pass
         return n
 
 

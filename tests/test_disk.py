@@ -103,3 +103,44 @@ def test_logs_are_rotated_oldest_first_but_never_one_in_use(tmp_path: Path) -> N
     removed = keeper.rotate_logs(keep=[paths[0]])  # the oldest is in use by a running stage
     assert removed == 4
     assert [p.exists() for p in paths] == [True, False, False, False, False, True]  # 800 KB left
+
+
+def test_smoke_logs_rotate_with_the_stage_logs_but_never_a_fresh_one(lab: Path) -> None:
+    """Real smoke runs (the tiny transactions lab, each stage a flood of output and exit 1) leave their
+    logs in runs/logs/smoke/<run>/; they count against `logs_max_mb` with the stage logs, oldest first,
+    and a smoke run's folder written in the last SMOKE_FRESH_S (it may be in use) is kept."""
+    import pytest
+
+    from pipeline.disk import SMOKE_FRESH_S
+    from pipeline.errors import SmokeFailed
+    from pipeline.lab import load_lab
+    from pipeline.smoke import SmokeRunner, smoke_run
+
+    the_lab = load_lab(lab)
+    flood = "import sys\nsys.stderr.write('x' * (400 * 1024))\nsys.exit(1)\n"
+    smoke = SmokeRunner(the_lab)
+    try:
+        for _ in range(3):
+            with pytest.raises(SmokeFailed, match="exited with 1"):
+                smoke_run(the_lab, "autoresearch/baseline", {"train.py": flood}, runner=smoke)
+    finally:
+        smoke.close()
+    logs = the_lab.state / "logs"
+    runs = sorted((logs / "smoke").iterdir())
+    assert len(runs) == 3 and all(sum(p.stat().st_size for p in d.glob("*.log")) >= 400 * 1024 for d in runs)
+    now = time.time()
+    for i, d in enumerate(runs):  # the first two are old, the last one was just written
+        age = now - 10 * SMOKE_FRESH_S + i if i < 2 else now
+        for p in d.glob("*.log"):
+            os.utime(p, (age, age))
+    stage_log = logs / "stage-old.log"
+    stage_log.write_bytes(b"y" * (400 * 1024))
+    os.utime(stage_log, (now - SMOKE_FRESH_S, now - SMOKE_FRESH_S))
+    keeper = DiskKeeper(the_lab, runner.open_store(the_lab), Cache(the_lab.state / "cache"), logs)
+    keeper.logs_max = 1 << 20  # ~1.6 MB of logs against a 1 MB cap
+    assert keeper.rotate_logs() >= 2
+    assert [d.exists() for d in runs] == [False, False, True]  # the oldest smoke runs went first, folders too
+    assert stage_log.exists()  # newer than them: it stays
+    keeper.logs_max = 0
+    keeper.rotate_logs()
+    assert runs[2].is_dir() and not stage_log.exists()  # a fresh smoke run's logs are never removed
