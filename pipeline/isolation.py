@@ -118,6 +118,7 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
 def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:
     """`python -m pipeline.executors.child SPEC`: the same set-up the executors use, in a fresh process."""
     from pipeline.executors.child import _die_with_parent
+    from pipeline.executors.zygote import group_cpu_s
 
     root = str(Path(pipeline.__file__).resolve().parent.parent)
     spec = {**spec, "strip_sys_path": [root]}
@@ -128,6 +129,7 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:
                             start_new_session=True, env=env, cwd=root, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     timed_out = False
+    cpu_at_kill = 0.0  # a killed process's time is never reaped: read it (all it started) first
     try:
         while True:
             pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
@@ -135,6 +137,7 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:
                 break
             if time.monotonic() - started > timeout_s:
                 timed_out = True
+                cpu_at_kill = max(cpu_at_kill, group_cpu_s(proc.pid))
                 os.killpg(proc.pid, signal.SIGKILL)
             time.sleep(0.005)
     finally:
@@ -145,4 +148,4 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:
     proc.returncode = 0  # reaped by wait4 above
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-    return Completed(code, sig, timed_out, ru.ru_utime + ru.ru_stime, time.monotonic() - started)
+    return Completed(code, sig, timed_out, max(ru.ru_utime + ru.ru_stime, cpu_at_kill), time.monotonic() - started)

@@ -528,6 +528,8 @@ class Driver:
                 if rid != fl.lead:
                     self.store.stage_served(rid, name, key, "upstream_failed", executor=self.executor.name,
                                             detail=detail)
+                else:  # a timed-out stage's measured CPU is the run's too
+                    self.active[rid].cpu_s += res.cpu_s
                 self._finish(rid, "method_failure", None, kind or outcome, f"{name}: {detail}")
             return
         if outcome == "cancelled":

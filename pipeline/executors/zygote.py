@@ -27,6 +27,44 @@ from typing import Any
 from pipeline.executors import child, sandbox
 
 KILL_GRACE_S = 2.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(session id, CPU seconds of the process and the children it reaped) of a live process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            text = fh.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    f = text[text.rindex(")") + 2:].split()
+    return int(f[3]), sum(int(x) for x in f[11:15]) / CLK_TCK
+
+
+def _pid_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def group_cpu_s(sid: int) -> float:
+    """CPU seconds, now, of every process a stage started: its session (`sid`, the stage's own pid)
+    and, with the sandbox, every process of the pid namespaces they are in, whether or not anyone
+    waited for them. Each live process counts its own time and that of the children it reaped,
+    so nothing is counted twice. Read before a kill: the killed stage's time is never reaped."""
+    procs = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None:
+                procs[int(name)] = st
+    ours = {pid for pid, (s, _) in procs.items() if s == sid}
+    own_ns = _pid_ns(os.getpid())
+    spaces = {ns for ns in map(_pid_ns, ours) if ns is not None and ns != own_ns}
+    if spaces:
+        ours |= {pid for pid in procs if pid not in ours and _pid_ns(pid) in spaces}
+    return sum(procs[pid][1] for pid in ours)
 
 
 class _Job:
@@ -37,6 +75,7 @@ class _Job:
         self.deadline = self.started + timeout_s
         self.reason: str | None = None  # "timeout" | "cancelled" once we kill it
         self.kill_at: float | None = None
+        self.cpu_at_kill = 0.0  # what its processes had used when we last sent a kill
 
 
 class Zygote:
@@ -81,6 +120,7 @@ class Zygote:
     def kill(self, job: _Job, reason: str, sig: int = signal.SIGTERM) -> None:
         job.reason = job.reason or reason
         job.kill_at = job.kill_at or time.monotonic() + KILL_GRACE_S
+        job.cpu_at_kill = max(job.cpu_at_kill, group_cpu_s(job.pid))
         for target in (lambda: os.killpg(job.pid, sig), lambda: os.kill(job.pid, sig)):
             try:
                 target()
@@ -100,12 +140,18 @@ class Zygote:
             if job is None:
                 continue
             self.by_id.pop(job.id, None)
+            try:  # processes nobody waited for, left in its group: their time is counted too
+                os.killpg(pid, 0)
+                stragglers = group_cpu_s(pid)
+            except (ProcessLookupError, PermissionError):
+                stragglers = 0.0
             try:  # stragglers the stage left in its group
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             msg: dict[str, Any] = {
-                "event": "exit", "id": job.id, "cpu_s": ru.ru_utime + ru.ru_stime,
+                "event": "exit", "id": job.id,
+                "cpu_s": max(ru.ru_utime + ru.ru_stime, job.cpu_at_kill) + stragglers,
                 "wall_s": time.monotonic() - job.started, "exit_code": None, "signal": None,
             }
             if os.WIFEXITED(status):

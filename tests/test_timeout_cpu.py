@@ -1,0 +1,102 @@
+"""A stage killed at its timeout reports the CPU it used (issue 20): before, a timed-out sandboxed
+stage was recorded with cpu_s = 0.0 (the outer process died before it reaped the stage), and the CPU
+of processes the stage never waited for was never counted. Real warm worker, real sandbox (user,
+mount and pid namespaces), real spinning processes; no mocks."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline import isolation
+from pipeline.executors import StageJob, classify
+from pipeline.executors.local import LocalExecutor
+
+SPIN = """
+import os, sys, time
+def spin():
+    while True:
+        pass
+if sys.argv[1] == "self":
+    spin()
+pid = os.fork()  # a child this stage never waits for spins; the stage itself sleeps
+if pid == 0:
+    if sys.argv[1] == "escaped-child":
+        os.setsid()  # even out of the stage's session
+    spin()
+time.sleep(600)
+"""
+TIMEOUT_S = 2.0
+
+
+def sandbox_spec(work: Path) -> dict:
+    return {"ro": [str(work / "code")], "rw": [], "out": str(work / "out"), "network": False, "out_max_mb": 16,
+            "tmp_max_mb": 16, "max_procs": 64, "hidden": isolation.package_dirs()}
+
+
+@pytest.mark.parametrize("sandboxed", [True, False], ids=["sandboxed", "unsandboxed"])
+def test_a_stage_killed_at_its_timeout_reports_the_cpu_of_everything_it_started(tmp_path: Path,
+                                                                               sandboxed: bool) -> None:
+    if sandboxed:
+        isolation._probe.cache_clear()
+        if isolation._probe() is not None:
+            pytest.skip(f"no sandbox here: {isolation._probe()}")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "code" / "spin.py").write_text(SPIN)
+    results = {}
+    with LocalExecutor(preload=(), slots=1) as ex:
+        # a process that leaves the session escapes an unsandboxed stage's group kill and its
+        # accounting alike (`[run] sandbox = "off"` is marked UNSANDBOXED): tried in the sandbox only,
+        # where the pid namespace holds it
+        for mode in ("self", "child", *(("escaped-child",) if sandboxed else ())):
+            job = StageJob(job_id=uuid.uuid4().hex, argv=["python", "spin.py", mode], cwd=tmp_path / "code",
+                           commit="0" * 40, out=tmp_path / "out", log_path=tmp_path / f"{mode}.log",
+                           timeout_s=TIMEOUT_S, sandbox=sandbox_spec(tmp_path) if sandboxed else None)
+            ex.submit(job)
+            got = []
+            while not got:
+                got = [r for r in ex.poll(1.0) if r.job_id == job.job_id]
+            results[mode] = got[0]
+    for mode, res in results.items():
+        assert res.status == "timeout" and classify(res) == ("timeout", "timeout"), (mode, res)
+        # it spun for (most of) its 2 s on one core: at least half of that is counted, never 0.0
+        assert res.cpu_s >= 0.5 * TIMEOUT_S, (mode, res.cpu_s, (tmp_path / f"{mode}.log").read_text()[-500:])
+        assert res.cpu_s <= res.wall_s * 2 + 1, (mode, res)  # and not counted twice
+
+
+def test_a_one_off_sandboxed_process_killed_at_its_timeout_reports_its_cpu(lab: Path) -> None:
+    """`isolation.run_once` (smoke's fallback, prepare, score): the same measure before the kill."""
+    from pipeline.lab import load_lab
+
+    the_lab = load_lab(lab)
+    if isolation._probe() is not None:
+        pytest.skip(f"no sandbox here: {isolation._probe()}")
+    code = lab / "runs" / "spin-code"
+    code.mkdir(parents=True)
+    (code / "spin.py").write_text(SPIN)
+    done = isolation.run_once(the_lab, ["python", "spin.py", "escaped-child"], cwd=code, log=lab / "runs" / "spin.log",
+                              timeout_s=TIMEOUT_S, ro=[])
+    assert done.timed_out and done.cpu_s >= 0.5 * TIMEOUT_S, done
+
+
+def test_the_driver_records_a_timed_out_stages_cpu_on_the_stage_and_the_run(tmp_path: Path) -> None:
+    """Through the real driver: a pretraining that spins past `[run] timeout_s` (sandbox on)."""
+    from exec_fixtures import TinyHarness, commit_change, make_lab
+    from pipeline import runner
+
+    lab = make_lab(tmp_path / "lab", timeout_s=TIMEOUT_S)
+    commit = commit_change(lab.root, "spin", "pretrain.py", 'time.sleep(cfg["sleep"])', "while True: pass")
+    store = runner.open_store(lab)
+    harness = TinyHarness()
+    ids = runner.ensure_runs(store, lab, commit, ["a"], [0], harness=harness)
+    with runner.Driver(lab, store, LocalExecutor(preload=("numpy",), slots=1), harness=harness) as d:
+        d.drive(until=ids, timeout_s=120)
+    [res] = store.results_for(commit)
+    assert (res.outcome, res.kind) == ("method_failure", "timeout"), res
+    [ex] = [e for e in store.stage_execs(ids) if e.stage == "pretrain"]
+    assert ex.outcome == "timeout" and ex.cpu_s >= 0.5 * TIMEOUT_S, ex
+    assert res.cpu_s == pytest.approx(ex.cpu_s)
+    assert store.goodput().method_failed_cpu_s >= ex.cpu_s
