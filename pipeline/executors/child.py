@@ -94,6 +94,19 @@ def _sandbox_module(spec: dict[str, Any]) -> Any:
     return mod
 
 
+STAGE_OOM_SCORE_ADJ = 1000  # a stage is the OOM killer's first victim, never a warm worker
+
+
+def set_oom_score_adj(value: int) -> bool:
+    """Write /proc/self/oom_score_adj; False where not permitted (lowering it needs privilege)."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write(str(value))
+        return True
+    except OSError:
+        return False
+
+
 def run(spec: dict[str, Any], *, new_session: bool, handshake: tuple[int, int] | None = None) -> NoReturn:
     """Become the stage: never returns; the exit status is the stage's.
 
@@ -104,6 +117,7 @@ def run(spec: dict[str, Any], *, new_session: bool, handshake: tuple[int, int] |
         if new_session:
             os.setsid()
         _die_with_parent()
+        set_oom_score_adj(STAGE_OOM_SCORE_ADJ)  # raising it is always permitted; inherited by all it starts
         log_fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null_fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null_fd, 0)

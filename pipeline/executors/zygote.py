@@ -27,6 +27,7 @@ from typing import Any
 from pipeline.executors import child, sandbox
 
 KILL_GRACE_S = 2.0
+WORKER_OOM_SCORE_ADJ = -500
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -198,7 +199,10 @@ class Zygote:
         signal.set_wakeup_fd(wpipe)  # SIGCHLD wakes select at once: no polling latency
         signal.signal(signal.SIGCHLD, lambda *_: None)
         stdin = sys.stdin.fileno()
-        self.send({"event": "ready", "pid": os.getpid()})
+        # the warm worker holds torch for every slot: the OOM killer takes a stage first (each stage
+        # raises its own score to child.STAGE_OOM_SCORE_ADJ), and this one last where we may lower it
+        oom = WORKER_OOM_SCORE_ADJ if child.set_oom_score_adj(WORKER_OOM_SCORE_ADJ) else None
+        self.send({"event": "ready", "pid": os.getpid(), "oom_score_adj": oom})
         while True:
             timeout = self.enforce()
             ready, _, _ = select.select([stdin, rpipe], [], [], timeout)
