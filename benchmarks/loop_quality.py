@@ -80,6 +80,7 @@ PRETRAIN_PAIR = 0.5  # ... so they pair at half the measured correlation (only t
 # pessimistic: headroom.json's add_pix_source, which changes pretraining, pairs at a median 0.69)
 MAX_PAIR = 0.95
 HISTORY = 10  # earlier comparisons the paired rule's prior keeps (2 pairs each), per campaign
+ARMS = 20  # earlier arms (2 seeds or more) the paired rule's unpaired bound keeps, per campaign
 DEFAULT_RULE = "paired"
 TARGET_RUNS = 2.0  # issue 19: challenger plus baseline runs per hypothesis
 TARGET_GAIN_BUNDLED = 0.6  # true gain per 1000 runs, as a share of keep/discard's, under the bundled prior
@@ -184,6 +185,22 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
     runs_chal = np.zeros(B)
     runs_base = np.zeros(B) if rule.lazy else np.full(B, float(rule.baseline_runs))
     pair_hist = np.full((B, J, HISTORY, 2), np.nan)  # the lab's latest paired differences (the paired prior)
+    arm_hist = np.full((B, ARMS, J, block), np.nan)  # earlier arms' runs (the paired rule's unpaired bound)
+    arm_next = np.zeros(B, int)
+
+    def push_arms(runs: np.ndarray, width: np.ndarray, keep: np.ndarray) -> None:
+        """Earlier arms join the bound's history: `runs` (B, J, ≥ width) of which the first `width`
+        seeds were run, where `keep` (and 2 seeds or more: one seed has no spread)."""
+        keep = keep & (width >= 2)
+        if not keep.any():
+            return
+        cols = np.arange(block)[None, None, :] < width[:, None, None]
+        padded = np.full((B, J, block), np.nan)
+        padded[..., : runs.shape[-1]] = runs[..., :block]
+        padded = np.where(cols, padded, np.nan)
+        rows = np.flatnonzero(keep)
+        arm_hist[rows, arm_next[rows] % ARMS] = padded[rows]
+        arm_next[rows] += 1
     measured = np.zeros(B)  # Σ of the Δ the rule saw at its promotions (mean over tasks)
     best_seen = (base_u[..., :1] * sigma[None, :, None]).mean(axis=(1, 2))  # keep/discard: the best's one run
     counts: dict[str, list[int]] = {}  # key → [hypotheses, promoted]
@@ -210,7 +227,8 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
         else:
             path = look_path(rule.protocol, base if rule.lazy else base[..., : rule.baseline_runs], chal, rule.looks,
                              horizontal_trim=rule.trim, futility_p=rule.futility_p,
-                             pair_history=pair_hist if rule.lazy else None, base_depth=depth if rule.lazy else None)
+                             pair_history=pair_hist if rule.lazy else None, base_depth=depth if rule.lazy else None,
+                             arm_history=arm_hist if rule.lazy else None)
             code, k_stop = path.first_stop()
             held = path.held[np.arange(B), k_stop]
             promote = np.array([
@@ -227,6 +245,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
                 d = chal[..., :2] - base[..., :2]  # this comparison's first pairs join the history
                 d = np.where((looks[k_stop] >= 2)[:, None, None], d, np.nan)
                 pair_hist[:, :, h % HISTORY] = np.where(np.isfinite(d), d, pair_hist[:, :, h % HISTORY])
+                push_arms(chal, looks[k_stop], np.ones(B, bool))
         runs_chal += spent
         for i in range(B):
             name = prior[cls[i]][0]
@@ -240,6 +259,8 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
         if rule.protocol is None:
             best_seen = np.where(promote, value, best_seen)
         elif promote.any():  # the new baseline's runs on a new seed block
+            if rule.lazy:  # the old baseline's runs join the bound's history
+                push_arms(base, depth, promote)
             base_u = np.where(promote[:, None, None], draw_noise(rng, B, J, block, rho), base_u)
             if rule.lazy:  # its re-verification is its first look's seeds, its challengers' first baseline runs
                 first = max(rule.looks[0], 2)

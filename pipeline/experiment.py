@@ -163,7 +163,8 @@ class Experiment:
                 }
                 for t in tasks
             ],
-            "pair_history": self.pair_history(tasks, exclude=(sha, base_sha)) if self.paired() else [],
+            **(dict(zip(("pair_history", "arm_history"), self.histories(tasks, exclude=(sha, base_sha))))
+               if self.paired() else {}),
             "looks_done": [n for n in cfg.gate.looks if n < look],
             "at_look": True,
         }
@@ -182,11 +183,18 @@ class Experiment:
         return out
 
     def pair_history(self, tasks: list[str], exclude: tuple[str, str] | None = None) -> list[dict[str, list[float | None]]]:
-        """The lab's earlier comparisons as paired differences (the `paired` protocol's prior), from
-        one read of the store; comparisons measured on another dataset than the newest are left out."""
+        """The lab's earlier comparisons as paired differences (the `paired` protocol's futility prior)."""
+        return self.histories(tasks, exclude)[0]
+
+    def histories(self, tasks: list[str], exclude: tuple[str, str] | None = None
+                  ) -> tuple[list[dict[str, list[float | None]]], list[dict[str, list[float | None]]]]:
+        """The lab's earlier comparisons, from one read of the store: their paired differences (the
+        `paired` protocol's futility prior) and the runs of every arm in them by seed, each commit
+        once and neither commit of `exclude` (the unpaired bound on the paired variance, and σ_task).
+        Comparisons measured on another dataset than the newest are left out."""
         comps = [c for c in self.store.comparisons() if c != exclude]
         if not comps:
-            return []
+            return [], []
         commits = {x for c in comps for x in c}
         rows: dict[str, list[Any]] = {c: [] for c in commits}
         for r in self.store.results_of(commits, tasks):
@@ -199,7 +207,14 @@ class Experiment:
             d = self.pairs(chal, base, tasks, rows)
             if any(len(v) >= 2 for v in d.values()):
                 out.append(d)
-        return out
+        skip = set(exclude or ())
+        arms = []
+        for commit in sorted(commits - skip):
+            by = runner.by_task(rows[commit], tasks)
+            seeds = sorted({s for t in tasks for s in by.get(t, {})})
+            if len(seeds) >= 2:
+                arms.append({t: [by.get(t, {}).get(k) for k in seeds] for t in tasks})
+        return out, arms
 
     # --- champions -----------------------------------------------------------------------------
 

@@ -111,8 +111,42 @@ def test_the_lazy_baseline_needs_only_the_seeds_the_look_has():
 
 @pytest.mark.parametrize("pair_rho,history_rho", [(0.0, 0.9), (0.95, 0.95), (0.5, 0.0)])
 def test_the_error_rate_holds_whatever_this_hypothesis_pairs(pair_rho, history_rho):
-    """Also when it pairs far worse than the lab's history (it changes pretraining): the horizontal
-    boundaries use its own pairs only; the history only decides when to stop."""
+    """Also when it pairs far worse than the lab's history (it changes pretraining): the boundaries
+    stand on the unpaired bound (earlier arms' spread) and its own pairs, calibrated at pair
+    correlation 0; the history of paired differences only decides when to stop."""
     r = simulate(protocol="paired", looks=(1, 2, 5, 10), rho=0.02, pair_rho=pair_rho, history_pair_rho=history_rho,
                  trials=6000, seed=11)
     assert r.improvement_rate <= 0.025 + 3 * r.standard_error(0.025), r.improvement_rate
+
+
+def arm_history(count: int, seeds: int = 2, seed: int = 5) -> list[dict]:
+    """Earlier arms of the lab (other commits): `count` arms of `seeds` runs each, by seed."""
+    rng = np.random.default_rng(seed)
+    return [{t: list(0.6 + 0.02 * j + SIGMA * rng.standard_normal(seeds)) for j, t in enumerate(TASKS)}
+            for _ in range(count)]
+
+
+def test_the_unpaired_bound_lets_one_pair_promote_a_clear_gain_and_no_history_never():
+    """A 3σ gain on every task at look 1: with the lab's earlier arms behind the bound it is promoted
+    on one pair; with no earlier arm one pair has no variance and the look runs on."""
+    data = paired_data(3.0, m=1, history=10)
+    known = evaluate({**data, "arm_history": arm_history(20)})
+    assert known.verdict is Verdict.improvement, known.reasons
+    assert known.horizontal.pairs == 1 and np.isfinite(known.horizontal.boundary)
+    assert known.horizontal.t >= known.horizontal.boundary
+    fresh = evaluate(data)
+    assert fresh.verdict is not Verdict.improvement and fresh.horizontal.boundary is None
+
+
+def test_the_bound_is_twice_one_arms_spread_and_gives_way_to_the_pairs():
+    from pipeline.gate.stats import PAIRED_BOUND_WEIGHT, bound_priors, trimmed_mean
+
+    rng = np.random.default_rng(2)
+    arms = rng.standard_normal((400, 8, 5)) * 2.0 + 7.0  # σ 2 on every task, levels centred away
+    task, h = bound_priors(arms, np.full(8, 2.0), 0.125, np.full(8, 1), np.array(1))
+    assert task.var == pytest.approx(np.full(8, 8.0), rel=0.05)  # 2·σ²
+    one_arm = np.var(trimmed_mean(rng.standard_normal((50000, 8)), trim=0.125))  # a seed's value, σ units
+    assert float(h.var) == pytest.approx(2 * one_arm, rel=0.1)
+    assert int(h.df) == PAIRED_BOUND_WEIGHT and float(h.weight) == PAIRED_BOUND_WEIGHT
+    _, h10 = bound_priors(arms, np.full(8, 2.0), 0.125, np.full(8, 10), np.array(10))
+    assert float(h10.weight) == 2  # ⌈20 / 10⌉: at 10 pairs their own 9 df carry the variance

@@ -29,6 +29,8 @@ from functools import lru_cache
 import numpy as np
 from scipy import stats
 
+from pipeline.gate.stats import bound_weight
+
 CALIBRATION_SIMS = 1_000_000  # null paths (doubled by reflection): α's MC error ≈ sqrt(α/2e6) ≈ 1e-4
 CALIBRATION_SEED = 20_240_611
 
@@ -61,6 +63,36 @@ def obf_spending(t: np.ndarray | float, alpha: float) -> np.ndarray:
     t = np.clip(np.asarray(t, dtype=float), 1e-12, 1.0)
     z = stats.norm.isf(alpha / 2)
     return 2.0 * stats.norm.sf(z / np.sqrt(t))
+
+
+def pocock_spending(t: np.ndarray | float, alpha: float) -> np.ndarray:
+    """Cumulative one-sided α spent by information fraction t (Lan-DeMets, Pocock shape): α·ln(1 + (e - 1)·t).
+    It spends early looks far more than O'Brien-Fleming does, so a clear effect stops early."""
+    t = np.clip(np.asarray(t, dtype=float), 0.0, 1.0)
+    return alpha * np.log1p((math.e - 1.0) * t)
+
+
+def power_spending(t: np.ndarray | float, alpha: float, gamma: float) -> np.ndarray:
+    """Cumulative one-sided α spent by information fraction t, power family (Kim-DeMets): α·t^γ."""
+    t = np.clip(np.asarray(t, dtype=float), 0.0, 1.0)
+    return alpha * t**gamma
+
+
+SPENDING = ("obf", "pocock", "power1", "power1.5", "power2")
+
+
+def spending(kind: str, t: np.ndarray | float, alpha: float) -> np.ndarray:
+    """Cumulative α spent by fraction t under a named spending function (`[gate] spending`)."""
+    if kind == "obf":
+        return obf_spending(t, alpha)
+    if kind == "pocock":
+        return pocock_spending(t, alpha)
+    if kind.startswith("power"):
+        return power_spending(t, alpha, float(kind.removeprefix("power")))
+    raise ValueError(f"unknown spending function {kind!r}; expected one of {', '.join(SPENDING)}")
+
+
+PAIRED_SPENDING = "pocock"  # the paired protocol spends early: a clear effect stops at 1-2 pairs
 
 
 def information(n_baseline: float, n_challenger: float) -> float:
@@ -246,11 +278,12 @@ def null_paired_paths(looks: tuple[int, ...], prior_df: int, prior_weight: float
     look with no df (one pair, no prior) is -inf: it can never cross.
     """
     rng = np.random.default_rng(seed)
-    prior_ss = prior_weight * rng.chisquare(prior_df, sims) / prior_df if prior_df > 0 and prior_weight > 0 else 0.0
+    prior_var = rng.chisquare(prior_df, sims) / prior_df if prior_df > 0 else np.zeros(sims)
     out = np.empty((sims, len(looks)))
     for k, (m, mean, ss) in enumerate(_running_blocks(rng, looks, sims)):
-        df = paired_df(m, prior_weight)
-        out[:, k] = mean / np.sqrt((prior_ss + ss) / df / m) if df >= 1 else -np.inf
+        w = float(bound_weight(prior_df, m)) if prior_df > 0 else 0.0
+        df = paired_df(m, w)
+        out[:, k] = mean / np.sqrt((w * prior_var + ss) / df / m) if df >= 1 else -np.inf
     return out
 
 
@@ -272,10 +305,10 @@ def paired_boundaries(
     looks = normalize_schedule(looks)
     final = max(planned_max, looks[-1])
     fractions = np.array([m / final for m in looks], dtype=float)
-    spent = obf_spending(fractions, alpha)
+    spent = spending(PAIRED_SPENDING, fractions, alpha)
     if looks[-1] >= planned_max:
         spent[-1] = alpha
-    dfs = tuple(paired_df(m, prior_weight) for m in looks)
+    dfs = tuple(paired_df(m, float(bound_weight(prior_df, m)) if prior_df > 0 else 0.0) for m in looks)
     usable = np.array([df >= 1 for df in dfs])
     spent = np.where(usable, spent, 0.0)
     spent = np.maximum.accumulate(spent)

@@ -151,6 +151,9 @@ class GateInput(BaseModel):
     # `paired`: the lab's earlier comparisons, each {task: [challenger_k - baseline_k by seed]}
     # (None = no pair), the variance prior of the paired differences
     pair_history: list[dict[str, list[float | None]]] = Field(default_factory=list)
+    # `paired`: runs of the lab's earlier arms (commits other than this comparison's), each
+    # {task: [metric by seed]} (None = no run): the unpaired bound on the paired variance, and σ_task
+    arm_history: list[dict[str, list[float | None]]] = Field(default_factory=list)
     looks_done: list[int] | None = None  # earlier looks' challenger counts; default: planned looks below now
     at_look: bool | None = None  # None: a look iff all tasks have the same count and it is planned
 

@@ -39,7 +39,9 @@ from pipeline.gate.stats import (
     Arm,
     Prior,
     TwoSample,
+    arms_without_task,
     bh_qvalues,
+    bound_priors,
     history_prior,
     horizontal_values,
     one_sided_p,
@@ -162,15 +164,21 @@ def most_improved(delta: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.
     return top, np.where(count >= 4, outlier, count >= 2)
 
 
-def task_scale(base: Arm, hist: Arm | None) -> tuple[np.ndarray, np.ndarray]:
-    """σ_task and its df from the baseline commit's runs only (comparison baseline + history).
+def task_scale(base: Arm, hist: Arm | None, arms: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """σ_task and its df from the baseline commit's runs (comparison baseline + history) and, for
+    `paired`, the within-arm spread of earlier arms (`arms` (..., arms, tasks, seeds), commits other
+    than this comparison's): a lazy baseline has 2 seeds at its first look, too few for a scale.
 
-    Baseline-only, so per-seed horizontal values do not move when challenger runs arrive.
+    Never from the challenger, so per-seed horizontal values do not move when challenger runs arrive.
     """
     ss, df = base.ss, base.count - 1.0
     if hist is not None:
         ss = ss + hist.ss
         df = df + np.maximum(hist.count - 1.0, 0.0)
+    if arms is not None and arms.shape[-1]:
+        a = summarize(arms)  # (..., arms, tasks)
+        ss = ss + np.where(a.count > 1, a.ss, 0.0).sum(axis=-2)
+        df = df + np.maximum(a.count - 1.0, 0.0).sum(axis=-2)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(df > 0, np.sqrt(ss / np.maximum(df, 1.0)), np.nan), df
 
@@ -233,10 +241,11 @@ class PairedTests:
 
     test: TwoSample  # per task: the moderated paired t
     d: np.ndarray  # (..., tasks, seeds) paired differences, NaN where a seed has no pair
-    h: TwoSample  # horizontal, on the hypothesis's own pairs: what the boundaries judge
+    h: TwoSample  # horizontal, its variance moderated by the unpaired bound: what the boundaries judge
     h_futility: TwoSample  # horizontal, moderated by the lab's history: what the futility rule judges
     hd: np.ndarray  # (..., seeds) per-seed horizontal paired differences
     prior: Prior  # per task: the history's prior
+    bound: Prior  # (...): the unpaired bound on the horizontal variance (its df feed the boundaries)
 
 
 def _pair_history(inp: GateInput, names: list[str], sign: float) -> np.ndarray | None:
@@ -254,28 +263,45 @@ def _pair_history(inp: GateInput, names: list[str], sign: float) -> np.ndarray |
     return sign * out
 
 
+def _arm_history(inp: GateInput, names: list[str], sign: float) -> np.ndarray | None:
+    """(arms, tasks, seeds) runs of the lab's earlier arms, oriented (the unpaired bound's history)."""
+    if not inp.arm_history:
+        return None
+    width = max((len(v) for a in inp.arm_history for v in a.values()), default=0)
+    if width == 0:
+        return None
+    out = np.full((len(inp.arm_history), len(names), width), np.nan)
+    for i, arm in enumerate(inp.arm_history):
+        for j, name in enumerate(names):
+            row = [math.nan if v is None else float(v) for v in arm.get(name, [])]
+            out[i, j, : len(row)] = row
+    return sign * out
+
+
 def paired_tests(
-    base: np.ndarray, chal: np.ndarray, scale: np.ndarray, hb: np.ndarray, trim: float, history: np.ndarray | None
+    base: np.ndarray, chal: np.ndarray, scale: np.ndarray, hb: np.ndarray, trim: float, history: np.ndarray | None,
+    arms: np.ndarray | None = None,
 ) -> PairedTests:
-    """The paired protocol's statistics: per-task moderated paired t, the horizontal paired t on
-    the hypothesis's own pairs (boundaries) and moderated by the history (futility).
+    """The paired protocol's statistics: per-task moderated paired t, the horizontal paired t
+    moderated by the unpaired bound (boundaries) and by the history of paired differences (futility).
 
     Arrays (..., tasks, seeds), oriented; `hb` the baseline's per-seed horizontal values (the
-    variance floor); `history` (..., tasks, comparisons, seeds) of earlier paired differences.
+    variance floor); `history` (..., tasks, comparisons, seeds) of earlier paired differences;
+    `arms` (..., arms, tasks, seeds) runs of earlier arms (`stats.bound_prior`).
     """
     m = chal.shape[-1]
     d = chal - base[..., :m] if base.shape[-1] >= m else chal - _widen(base, m)
     floor = 2.0 * (1.0 - MAX_PAIR_RHO) * scale**2
-    prior = pair_prior(history, d.shape[:-1])
-    test = paired_t(d, prior, floor)
     hd = paired_horizontal(d, scale, trim)
+    prior, bound = bound_priors(arms, scale, trim, np.isfinite(d).sum(axis=-1), np.isfinite(hd).sum(axis=-1))
+    test = paired_t(d, prior, floor)
     h_floor = 2.0 * (1.0 - MAX_PAIR_RHO) * np.nan_to_num(summarize(hb).var, nan=0.0)
-    h = paired_t(hd, None, h_floor)
+    h = paired_t(hd, bound, h_floor)
     h_fut = h
     if history is not None:  # each earlier comparison's per-seed horizontal differences, on this σ_task
         h_hist = paired_horizontal(np.moveaxis(history, -3, -2), scale[..., None, :], trim)
         h_fut = paired_t(hd, pair_prior(h_hist, hd.shape[:-1]), h_floor)
-    return PairedTests(test=test, d=d, h=h, h_futility=h_fut, hd=hd, prior=prior)
+    return PairedTests(test=test, d=d, h=h, h_futility=h_fut, hd=hd, prior=prior, bound=bound)
 
 
 def futility_p_value(p_up: np.ndarray, hd: np.ndarray) -> np.ndarray:
@@ -311,11 +337,12 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
 
     base_arm, chal_arm = summarize(base), summarize(chal)
     hist_arm = summarize(hist) if hist is not None else None
-    scale, scale_df = task_scale(base_arm, hist_arm)
+    arms = _arm_history(inp, names, sign) if proto.paired else None
+    scale, scale_df = task_scale(base_arm, hist_arm, arms)
     hb, hc = horizontal_values(base, chal, base_arm.mean, scale, cfg.horizontal_trim)
     pairs_dropped = np.zeros(len(names), dtype=int)
     if proto.paired:
-        pt = paired_tests(base, chal, scale, hb, cfg.horizontal_trim, _pair_history(inp, names, sign))
+        pt = paired_tests(base, chal, scale, hb, cfg.horizontal_trim, _pair_history(inp, names, sign), arms)
         test, prior, h, h_fut, h_values, task_values = pt.test, pt.prior, pt.h, pt.h_futility, pt.hd, pt.d
         counts = np.isfinite(pt.d).sum(axis=-1)
         pairs_dropped = chal_arm.count - counts  # a challenger run whose baseline seed has no result
@@ -324,7 +351,7 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
         h_breadth = None
         if len(names) > 1:
             h_breadth = paired_tests(without_task(base, top), without_task(chal, top), scale, hb,
-                                     cfg.horizontal_trim, None).h
+                                     cfg.horizontal_trim, None, arms_without_task(arms, top)).h
     else:
         prior = history_prior(hist, base_arm.mean.shape) if proto.moderated else None
         test = pooled_t(base_arm, chal_arm, prior)
@@ -352,9 +379,10 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
     nominal = np.array([b.nominal[-1] if b else np.nan for b in bounds])
     tl = task_look(test, nominal, cfg.protocol, cfg.alpha, cfg.harm_q)
 
-    # horizontal: its boundaries never borrow a prior
-    hbounds = _boundaries(cfg, int(np.isfinite(hb).sum()), _counts_at(h_values, sched.seeds), sched.planned[-1], 0,
-                          0.0)
+    # horizontal: its boundaries borrow only the unpaired bound (`paired`), never the history of pairs
+    h_df = int(pt.bound.df) if proto.paired else 0
+    hbounds = _boundaries(cfg, int(np.isfinite(hb).sum()), _counts_at(h_values, sched.seeds), sched.planned[-1], h_df,
+                          float(pt.bound.weight) if proto.paired else 0.0)
     h_upper = hbounds.upper[-1] if hbounds else np.inf
     hl = horizontal_look(h, h_upper, h_breadth, bool(stands_out), h_fut)
     no_variance = bool(proto.paired and int(np.isfinite(h_values).sum()) >= 1 and not np.isfinite(hl.p_up))

@@ -38,13 +38,14 @@ from pipeline.gate.protocols import (
 )
 from pipeline.gate.stats import (
     HORIZONTAL_TRIM,
-    PAIRED_PRIOR_DF_CAP,
     PRIOR_DF_CAP,
     history_prior,
     horizontal_values,
     pooled_t,
     spread_ratio_p,
     summarize,
+    arms_without_task,
+    bound_weight,
     without_task,
 )
 from pipeline.gate.verdict import CODE, ORDER, Verdict, decide
@@ -188,9 +189,11 @@ def simulate(
         hist = draw(b, history) if history else None
         # earlier comparisons' paired differences: var 2(1 - ρ_pair) per task, 2 pairs each
         pairs = math.sqrt(2 * (1 - hist_rho)) * draw(b, pair_history, 2) if paired and pair_history else None
+        # ... and their arms (2 seeds each, both arms of each comparison): the unpaired bound's history
+        arms = np.moveaxis(draw(b, 2 * pair_history, 2), 1, 2) if paired and pair_history else None
         path = look_path(protocol, base, chal, looks, alpha=alpha, futility_p=futility_p, harm_q=harm_q,
                          horizontal_trim=horizontal_trim, history=hist, pair_history=pairs,
-                         base_depth=np.zeros(b, int) if lazy else None)
+                         base_depth=np.zeros(b, int) if lazy else None, arm_history=arms)
         code, k_stop = path.first_stop()
         reached = np.arange(len(looks))[None, :] <= k_stop[:, None]  # (b, K): looks this trial took
         verdicts += np.bincount(code, minlength=len(ORDER))
@@ -267,6 +270,7 @@ def look_path(
     scale: np.ndarray | None = None,
     pair_history: np.ndarray | None = None,
     base_depth: np.ndarray | None = None,
+    arm_history: np.ndarray | None = None,
 ) -> LookPath:
     """Judge a batch of hypotheses at every look with the statistics and verdict table `evaluate`
     uses: `base` (b, tasks, n) baseline runs, `chal` (b, tasks, ≥ looks[-1]) challenger runs by seed,
@@ -284,7 +288,7 @@ def look_path(
     proto = get_protocol(protocol)
     if proto.paired:
         return _paired_path(protocol, base, chal, looks, alpha, futility_p, harm_q, horizontal_trim, history,
-                            pair_history, base_depth)
+                            pair_history, base_depth, arm_history)
     hist_arm = summarize(history) if history is not None and history.shape[-1] else None
     prior_df = int(hist_arm.count.max()) - 1 if hist_arm is not None else 0
     prior_df = max(prior_df, 0)
@@ -314,16 +318,12 @@ def look_path(
 
 def _paired_path(protocol: str, base: np.ndarray, chal: np.ndarray, looks: tuple[int, ...], alpha: float,
                  futility_p: float, harm_q: float, trim: float, history: np.ndarray | None,
-                 pair_history: np.ndarray | None, base_depth: np.ndarray | None) -> LookPath:
+                 pair_history: np.ndarray | None, base_depth: np.ndarray | None,
+                 arm_history: np.ndarray | None = None) -> LookPath:
     b, J, n = base.shape
     proto = get_protocol(protocol)
-    if pair_history is not None and pair_history.shape[-1] and pair_history.shape[-2]:
-        hist_df = int(np.maximum(np.isfinite(pair_history).sum(axis=-1) - 1, 0).sum(axis=-1).max())
-    else:
-        pair_history, hist_df = None, 0
-    weight = float(min(hist_df, PAIRED_PRIOR_DF_CAP))
-    tb = proto.boundaries(n, looks, looks[-1], alpha, hist_df, weight)
-    hbnd = proto.boundaries(n, looks, looks[-1], alpha)
+    if pair_history is None or not (pair_history.shape[-1] and pair_history.shape[-2]):
+        pair_history = None
     hist_arm = summarize(history) if history is not None and history.shape[-1] else None
     K = len(looks)
     out = _Path(b, K, J)
@@ -332,18 +332,42 @@ def _paired_path(protocol: str, base: np.ndarray, chal: np.ndarray, looks: tuple
         depth = np.full(b, n) if base_depth is None else np.maximum(np.asarray(base_depth), max(mk, 2))
         visible = np.where((seeds[None, :] < np.minimum(depth, n)[:, None])[:, None, :], base, np.nan)
         base_arm = summarize(visible)
-        scale, _ = task_scale(base_arm, hist_arm)
+        scale, _ = task_scale(base_arm, hist_arm, arm_history)
         c = chal[..., :mk]
         hb, hc = horizontal_values(visible, c, base_arm.mean, scale, trim)
-        pt = paired_tests(visible, c, scale, hb, trim, pair_history)
-        tl = task_look(pt.test, np.float64(tb.nominal[k]), protocol, alpha, harm_q)
+        pt = paired_tests(visible, c, scale, hb, trim, pair_history, arm_history)
+        # boundaries: one schedule per bound weight (trials, and tasks, differ in their history)
+        t_upper, t_nominal = np.full((b, J), np.inf), np.full((b, J), np.nan)
+        for w in np.unique(pt.prior.df):
+            bnd = _paired_boundaries(proto, n, looks[: k + 1], looks[-1], alpha, int(w))
+            if bnd is not None:
+                t_upper = np.where(pt.prior.df == w, bnd.upper[-1], t_upper)
+                t_nominal = np.where(pt.prior.df == w, bnd.nominal[-1], t_nominal)
+        tl = task_look(pt.test, t_nominal, protocol, alpha, harm_q)
         breadth, required = None, True
         if J > 1:
             top, required = most_improved(pt.test.delta, scale)
-            breadth = paired_tests(without_task(visible, top), without_task(c, top), scale, hb, trim, None).h
-        hl = horizontal_look(pt.h, hbnd.upper[k], breadth, required, pt.h_futility)
-        out.record(k, tl, hl, futility_p_value(hl.p_up, pt.hd), pt.test, tb.upper[k], k == K - 1, futility_p, spread_ratio_p(hb, hc)[1])
+            breadth = paired_tests(without_task(visible, top), without_task(c, top), scale, hb, trim, None,
+                                   arms_without_task(arm_history, top)).h
+        # the horizontal boundaries: one schedule per bound weight (trials differ in their history)
+        h_upper = np.full(b, np.inf)
+        for w in np.unique(pt.bound.df):
+            bnd = _paired_boundaries(proto, n, looks[: k + 1], looks[-1], alpha, int(w))
+            if bnd is not None:
+                h_upper = np.where(pt.bound.df == w, bnd.upper[-1], h_upper)
+        hl = horizontal_look(pt.h, h_upper, breadth, required, pt.h_futility)
+        out.record(k, tl, hl, futility_p_value(hl.p_up, pt.hd), pt.test, t_upper, k == K - 1, futility_p,
+                   spread_ratio_p(hb, hc)[1])
     return out.finish(looks)
+
+
+def _paired_boundaries(proto: Any, n: int, looks: tuple[int, ...], planned_max: int, alpha: float,
+                       prior_df: int) -> Any:
+    """The paired boundaries at `looks` for a bound prior of `prior_df` df (None: no df at the last
+    look), as `evaluate` computes them."""
+    if proto.df(n, looks[-1], float(bound_weight(prior_df, looks[-1]))) < 1:
+        return None
+    return proto.boundaries(n, looks, planned_max, alpha, prior_df, 0.0)
 
 
 class _Path:

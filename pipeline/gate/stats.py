@@ -171,6 +171,14 @@ def without_task(x: np.ndarray, task: np.ndarray) -> np.ndarray:
     return out
 
 
+def arms_without_task(arms: np.ndarray | None, task: np.ndarray) -> np.ndarray | None:
+    """Copy of a (..., arms, tasks, seeds) array with one task per batch element (...) set to NaN."""
+    if arms is None:
+        return None
+    mask = np.arange(arms.shape[-2]) == np.asarray(task)[..., None]  # (..., tasks)
+    return np.where(mask[..., None, :, None], np.nan, arms)
+
+
 def bh_qvalues(p: np.ndarray, axis: int = -1) -> np.ndarray:
     """Benjamini-Hochberg adjusted p-values (q-values) along `axis`; NaN p-values are left out."""
     p = np.moveaxis(np.asarray(p, dtype=float), axis, -1)
@@ -271,3 +279,59 @@ def paired_horizontal(d: np.ndarray, scale: np.ndarray, trim: float = HORIZONTAL
         good = np.isfinite(scale) & (scale > 0)
         s = np.where(good, scale, np.nan)[..., None]
         return trimmed_mean(d / s, axis=-2, trim=trim)
+
+
+PAIRED_BOUND_WEIGHT = 20  # the unpaired bound weighs at most 20 df at one pair, 20/m at m pairs
+
+
+def bound_weight(df: np.ndarray | float, pairs: np.ndarray | float) -> np.ndarray:
+    """The unpaired bound's weight at a look of `pairs` pairs, from the df it was estimated with:
+    ⌈PAIRED_BOUND_WEIGHT / pairs⌉, at most its df. It carries a look with one pair (which has no
+    variance of its own) and gives way as the pairs' own variance, the paired gain, accumulates."""
+    return np.minimum(np.asarray(df, dtype=float), np.ceil(PAIRED_BOUND_WEIGHT / np.maximum(pairs, 1)))
+
+
+def bound_priors(arms: np.ndarray | None, scale: np.ndarray, trim: float, task_pairs: np.ndarray,
+                 h_pairs: np.ndarray) -> tuple[Prior, Prior]:
+    """The unpaired bound on the variance of the paired differences, as priors: (per task, horizontal).
+
+    `arms` (..., arms, tasks, seeds): runs of earlier arms (commits other than this comparison's,
+    NaN-padded, oriented); `scale` (..., tasks) the current σ_task. Each arm is centred on its own
+    task means. Per task, the arms' pooled within-arm variance V_j estimates one arm's seed spread;
+    for the horizontal, V_h is the pooled within-arm variance of an arm's per-seed trimmed means of
+    runs / σ_task. Whatever the pair correlation in [0, 1), a paired difference varies no more than
+    two independent arms do (Var(c - b) = Var c + Var b - 2 Cov ≤ 2 V for equal variances and
+    Cov ≥ 0), so 2·V is the prior: a paired t moderated by it, with boundaries calibrated as if the
+    bound were the truth (pair correlation 0), keeps its error rate for any pairing, and the pairs'
+    own variance takes over as they accumulate (`bound_weight` at the look's pairs: `task_pairs`
+    (..., tasks), `h_pairs` (...)). `df` is what the
+    boundaries are calibrated with: the estimate's df, at most PAIRED_BOUND_WEIGHT (fewer df than it
+    has: conservative). The task prior has shape (..., tasks), the horizontal one (...).
+    """
+    shape = np.shape(scale)
+    if arms is None or arms.shape[-1] == 0 or arms.shape[-3] == 0:
+        zt, zh = np.zeros(shape), np.zeros(np.shape(h_pairs))
+        return (Prior(var=zt, df=zt.astype(int), weight=zt), Prior(var=zh, df=zh.astype(int), weight=zh))
+    ok = np.isfinite(arms)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        count = ok.sum(axis=-1, keepdims=True)
+        mean = np.where(ok, arms, 0.0).sum(axis=-1, keepdims=True) / np.maximum(count, 1)
+        centred = np.where(ok, arms - mean, np.nan)
+        good = np.isfinite(scale) & (scale > 0)
+        s = np.where(good, scale, np.nan)[..., None, :, None]
+        z = centred / s
+        # a seed counts only where every task the arm measured has a run there (a trimmed mean over
+        # the same tasks at every seed); a task left out (NaN throughout, or no σ) is left out of all
+        present = np.isfinite(z).any(axis=-1, keepdims=True)
+        complete = (np.isfinite(z) | ~present).all(axis=-2, keepdims=True) & present.any(axis=-2, keepdims=True)
+        h = trimmed_mean(np.where(complete, z, np.nan), axis=-2, trim=trim)  # (..., arms, seeds)
+
+    def pooled(x: np.ndarray, pairs: np.ndarray) -> Prior:  # (..., arms, seeds) → 2 × pooled within-arm variance
+        arm = summarize(x)
+        df = np.maximum(arm.count - 1, 0).sum(axis=-1)
+        ss = np.where(arm.count > 1, arm.ss, 0.0).sum(axis=-1)
+        var = np.where(df > 0, 2.0 * ss / np.maximum(df, 1), 0.0)
+        df = np.minimum(df, PAIRED_BOUND_WEIGHT)
+        return Prior(var=var.astype(float), df=df.astype(int), weight=bound_weight(df, pairs))
+
+    return pooled(np.moveaxis(centred, -3, -2), task_pairs), pooled(h, h_pairs)
