@@ -1,6 +1,6 @@
 """The paired protocol's must-show numbers (issue 19): error and power at any pairing, beside `sequential`.
 
-    .venv/bin/python benchmarks/gate_sim_paired.py [--trials 200000] [--json]
+    .venv/bin/python benchmarks/gate_sim_paired.py [--trials 200000] [--power-trials N] [--protocols paired ...] [--json]
 
 8 tasks, every task improving by the effect, α = 0.025 one-sided, futility_p = 0.30, trim 0.125;
 `paired`: looks 1/2/5/10, the lazy baseline (the gate sees max(look, 2) baseline seeds: a
@@ -29,22 +29,25 @@ EFFECTS = (0.0, 0.5, 1.0)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trials", type=int, default=200_000)
+    ap.add_argument("--trials", type=int, default=200_000, help="trials per null cell")
+    ap.add_argument("--power-trials", type=int, default=None, help="trials per power cell (default: --trials)")
+    ap.add_argument("--protocols", nargs="+", default=["paired", "sequential"])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     cases = [(rho, pr, None) for rho in (0.02, 0.6) for pr in (0.0, 0.5, 0.95)] + [(rho, 0.0, 0.9) for rho in (0.02, 0.6)]
     for rho, pair, hist in cases:
-        for protocol in ("paired", "sequential"):
+        for protocol in args.protocols:
             if protocol == "sequential" and hist is not None:
                 continue  # the two-sample test has no history of pairs
             for effect in EFFECTS:
                 t0 = time.perf_counter()
+                trials = args.trials if effect == 0 or args.power_trials is None else args.power_trials
                 r = simulate(protocol=protocol, effect=effect, rho=rho, pair_rho=pair, history_pair_rho=hist,
-                             trials=args.trials, looks=(1, 2, 5, 10) if protocol == "paired" else (2, 5, 10), seed=19)
+                             trials=trials, looks=(1, 2, 5, 10) if protocol == "paired" else (2, 5, 10), seed=19)
                 print(f"  [{protocol} ρ={rho} pair={pair} hist={hist} effect={effect}: {time.perf_counter() - t0:.1f}s]",
                       file=sys.stderr, flush=True)
-                rows.append({"protocol": protocol, "rho": rho, "pair_rho": pair, "history_pair_rho": r.history_pair_rho,
+                rows.append({"protocol": protocol, "trials": trials, "rho": rho, "pair_rho": pair, "history_pair_rho": r.history_pair_rho,
                              "effect": effect, "improvement_rate": r.improvement_rate,
                              "se": r.standard_error(r.improvement_rate), "held_rate": r.held_rate,
                              "mean_challenger_runs": r.mean_challenger_runs, "verdict_rates": r.verdict_rates})
@@ -52,11 +55,11 @@ def main() -> int:
     if args.json:
         print(json.dumps({"trials": args.trials, "rows": rows, "misses": misses}, indent=2))
     else:
-        print(f"gate-sim, {args.trials} trials per cell: `improvement` rate (mean challenger runs); 8 tasks, ρ = cross-task "
+        print(f"gate-sim, {args.trials} trials per null cell, {args.power_trials or args.trials} per power cell: `improvement` rate (mean challenger runs); 8 tasks, ρ = cross-task "
               "correlation, pair ρ = seed k of the challenger with seed k of the baseline")
         print(f"{'ρ':>5} {'pair ρ':>7} {'history':>8} {'protocol':>11} " + "".join(f"{f'{e:g}σ':>18}" for e in EFFECTS))
         for rho, pair, hist in cases:
-            for protocol in ("paired", "sequential"):
+            for protocol in args.protocols:
                 cells = [r for r in rows if (r["rho"], r["pair_rho"], r["protocol"]) == (rho, pair, protocol)
                          and (r["history_pair_rho"] == (hist if hist is not None else pair) or protocol == "sequential")]
                 if not cells or (protocol == "sequential" and hist is not None):

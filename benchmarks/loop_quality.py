@@ -29,7 +29,12 @@ every run. Every rule sees the same hypotheses in the same order (one stream for
 another per rule for the noise).
 
 Rules:
-- `sequential`  — this product's default gate (10 baseline runs, looks 2/5/10, trim 0.125, `block` seeds);
+- `paired`      — this product's default gate: the paired tests on seed k, the lazy baseline, looks
+                  1/2/5/10, the unpaired bound from the campaign's earlier arms (its last `ARMS` arms of
+                  2 seeds or more: challengers that reached look 2, baselines replaced by a promotion)
+                  and its last `HISTORY` comparisons' paired differences (the futility prior);
+- `paired-f0.2` — the same with `[gate] futility_p = 0.2`: fewer runs on nulls, less power at 0.5σ;
+- `sequential`  — the previous default gate (10 baseline runs, looks 2/5/10, trim 0.125, `block` seeds);
 - `sequential-v1` — the gate as it was before issue 12 (5 baseline runs, interquartile mean, `separate` seeds);
 - `fixed-5v2`   — the seed's protocol: pooled t at nominal α, 5 baseline runs, 2 challenger runs,
                   re-tested at 5 and 10 (same verdict table and escalation);
@@ -104,6 +109,7 @@ class Rule:
 
 RULES = (
     Rule("paired", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True),
+    Rule("paired-f0.2", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20),
     Rule("sequential", "sequential", 10, (2, 5, 10), 0.125, "block"),
     Rule("sequential-v1", "sequential", 5, (2, 5, 10), 0.25, "separate"),
     Rule("fixed-5v2", "fixed", 5, (2, 5, 10), 0.25, "fresh"),

@@ -1,4 +1,5 @@
-"""Group-sequential boundaries for the pooled t: Lan-DeMets spending, O'Brien-Fleming shape.
+"""Group-sequential boundaries: Lan-DeMets spending, O'Brien-Fleming shape for the pooled t, Pocock
+shape for the paired t (`PAIRED_SPENDING`).
 
 Why: the fixed protocol re-tests the same hypothesis at 2, 5 and 10 challenger runs at the full
 α each time, so noise gets several chances to look like an improvement. Spending α over the

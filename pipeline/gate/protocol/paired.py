@@ -2,15 +2,16 @@
 seed), so they are common random numbers and the test is on the paired differences
 d_k = challenger_k - baseline_k.
 
-- per task, a t on the d_k with a moderated variance: the lab's history of paired differences
-  (earlier comparisons, each centred on its own mean) as a prior of at most 20 df, combined with
-  the hypothesis's own; Benjamini-Hochberg on both tails for per-task wins and harms;
-- the horizontal test on the per-seed trimmed means of d_k / σ_task. Its boundaries (improvement
-  and harm) use the hypothesis's own pairs only, so its error rate holds whatever this
-  hypothesis's pair correlation is, also when it pairs worse than the history (it changes
-  pretraining) or not at all; the prior only feeds the futility rule, where an early stop can
-  cost power but never a false promotion. Looks may start at 1 run: a look with one pair can
-  stop a hypothesis (futile) but never promote it.
+- per task, a t on the d_k, and across tasks the horizontal test on the per-seed trimmed means of
+  d_k / σ_task; Benjamini-Hochberg on both tails for per-task wins and harms;
+- their variance is moderated by the unpaired bound (`stats.bound_priors`: twice the spread of the
+  lab's earlier arms, weight ⌈20 / m⌉ at m pairs) and the boundaries are calibrated as if the bound
+  were the truth (pair correlation 0), so the error rate holds for any pair correlation in [0, 1):
+  also when this hypothesis pairs worse than the history (it changes pretraining) or not at all;
+- Lan-DeMets spending of Pocock shape (`boundaries.PAIRED_SPENDING`): a clear gain stops at 1-2 pairs;
+- the lab's history of paired differences feeds only the futility rule, where an early stop can
+  cost power but never a false promotion. With no earlier arm, a look with one pair can stop a
+  hypothesis (futile) but never promote it.
 """
 
 from __future__ import annotations
