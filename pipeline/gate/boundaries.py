@@ -271,12 +271,13 @@ def paired_df(n_pairs: int, prior_weight: float) -> float:
     return prior_weight + max(n_pairs - 1, 0)
 
 
-def null_paired_paths(looks: tuple[int, ...], prior_df: int, prior_weight: float, sims: int, seed: int) -> np.ndarray:
+def null_paired_paths(looks: tuple[int, ...], prior_df: int, sims: int, seed: int) -> np.ndarray:
     """Exact draws of a paired t at each look under the null (σ_d = 1), shape (sims, len(looks)).
 
     From sufficient statistics, block by block: the running mean and within-sum of squares of the
-    differences, plus the prior's χ²_{prior_df}/prior_df entering with weight `prior_weight`. A
-    look with no df (one pair, no prior) is -inf: it can never cross.
+    differences, plus the unpaired bound's χ²_{prior_df}/prior_df entering with weight
+    `stats.bound_weight(prior_df, m)` at m pairs, at the truth (pair correlation 0: the worst case).
+    A look with no df (one pair, no prior) is -inf: it can never cross.
     """
     rng = np.random.default_rng(seed)
     prior_var = rng.chisquare(prior_df, sims) / prior_df if prior_df > 0 else np.zeros(sims)
@@ -294,11 +295,11 @@ def paired_boundaries(
     planned_max: int,
     alpha: float,
     prior_df: int = 0,
-    prior_weight: float = 0.0,
     sims: int = CALIBRATION_SIMS,
     seed: int = CALIBRATION_SEED,
 ) -> Boundaries:
-    """Lan-DeMets O'Brien-Fleming boundaries for a paired t, calibrated on the t scale, cached.
+    """Lan-DeMets boundaries (`PAIRED_SPENDING`) for a paired t moderated by the unpaired bound of
+    `prior_df` df, calibrated on the t scale, cached.
 
     The information of m pairs is m / σ_d², so a look's fraction is m / max(plan, m). A look with
     no df spends nothing (its boundary is +inf); what it would have spent goes to the next look.
@@ -314,7 +315,7 @@ def paired_boundaries(
     spent = np.where(usable, spent, 0.0)
     spent = np.maximum.accumulate(spent)
     increments = np.diff(np.concatenate([[0.0], spent]))
-    paths = null_paired_paths(looks, prior_df, prior_weight, sims, seed)
+    paths = null_paired_paths(looks, prior_df, sims, seed)
     upper = calibrate(np.where(np.isfinite(paths), paths, np.nan), increments, usable)
     nominal = tuple(float(stats.t.sf(u, df)) if df >= 1 else 0.0 for u, df in zip(upper, dfs))
     return Boundaries(

@@ -37,7 +37,9 @@ class Paired(GateProtocol):
 
     def boundaries(self, n_baseline: int, looks: tuple[int, ...], planned_max: int, alpha: float,
                    prior_df: int = 0, prior_weight: float = 0.0) -> Boundaries:
-        return paired_boundaries(looks, max(planned_max, looks[-1]), alpha, int(prior_df), float(prior_weight))
+        # the bound's weight at each look follows from its df (`stats.bound_weight`): `prior_weight` is
+        # not a parameter of the calibration, and leaving it out of the cache key keeps one per schedule
+        return paired_boundaries(looks, max(planned_max, looks[-1]), alpha, int(prior_df))
 
     def flags(self, p_up: np.ndarray, p_down: np.ndarray, q: np.ndarray, t: np.ndarray, alpha: float,
               harm_q: float) -> tuple[np.ndarray, np.ndarray]:
