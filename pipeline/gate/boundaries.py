@@ -265,6 +265,9 @@ def fixed_boundaries(
 # ---------------------------------------------------------------- the paired protocol's boundaries
 
 
+MIN_DECIDING_PAIRS = 2  # a paired test decides (crosses a boundary) from this many pairs on
+
+
 def paired_df(n_pairs: int, prior_weight: float) -> float:
     """df of a paired (one-sample) t on `n_pairs` differences whose variance is moderated by a prior
     of weight `prior_weight`: the prior's weight plus the pairs' own n - 1."""
@@ -311,7 +314,9 @@ def paired_boundaries(
     if looks[-1] >= planned_max:
         spent[-1] = alpha
     dfs = tuple(paired_df(m, float(bound_weight(prior_df, m)) if prior_df > 0 else 0.0) for m in looks)
-    usable = np.array([df >= 1 for df in dfs])
+    # one pair never decides a test (the challenger's own spread is unknown there, and a branch can
+    # make itself noisier): a look at one pair spends nothing and can only stop for futility
+    usable = np.array([df >= 1 and m >= MIN_DECIDING_PAIRS for df, m in zip(dfs, looks)])
     spent = np.where(usable, spent, 0.0)
     spent = np.maximum.accumulate(spent)
     increments = np.diff(np.concatenate([[0.0], spent]))

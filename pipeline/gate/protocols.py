@@ -42,6 +42,7 @@ from pipeline.gate.stats import (
     arms_without_task,
     bh_qvalues,
     bound_priors,
+    noisier_p,
     history_prior,
     horizontal_values,
     one_sided_p,
@@ -244,8 +245,10 @@ class PairedTests:
     h: TwoSample  # horizontal, its variance moderated by the unpaired bound: what the boundaries judge
     h_futility: TwoSample  # horizontal, moderated by the lab's history: what the futility rule judges
     hd: np.ndarray  # (..., seeds) per-seed horizontal paired differences
-    prior: Prior  # per task: the history's prior
+    prior: Prior  # per task: the unpaired bound (its df feed the boundaries)
     bound: Prior  # (...): the unpaired bound on the horizontal variance (its df feed the boundaries)
+    lab: Prior  # (...): one earlier arm's spread of per-seed horizontal values (var) and its df
+    hc: np.ndarray  # (..., seeds) the challenger's per-seed horizontal values (paired seeds)
 
 
 def _pair_history(inp: GateInput, names: list[str], sign: float) -> np.ndarray | None:
@@ -294,6 +297,13 @@ def paired_tests(
     floor = 2.0 * (1.0 - MAX_PAIR_RHO) * scale**2
     hd = paired_horizontal(d, scale, trim)
     prior, bound = bound_priors(arms, scale, trim, np.isfinite(d).sum(axis=-1), np.isfinite(hd).sum(axis=-1))
+    # the bound is one arm's spread (the baseline's, from the lab) plus the challenger's: the lab's
+    # too, unless its own runs spread more (a noisier branch, or one that makes itself noisier)
+    paired_chal = np.where(np.isfinite(d), chal, np.nan)
+    _, hc = horizontal_values(base, paired_chal, summarize(base).mean, scale, trim)
+    lab = Prior(var=bound.var / 2.0, df=bound.df, weight=bound.weight)
+    prior = _with_own_spread(prior, summarize(paired_chal).var)
+    bound = _with_own_spread(bound, summarize(hc).var)
     test = paired_t(d, prior, floor)
     h_floor = 2.0 * (1.0 - MAX_PAIR_RHO) * np.nan_to_num(summarize(hb).var, nan=0.0)
     h = paired_t(hd, bound, h_floor)
@@ -301,7 +311,16 @@ def paired_tests(
     if history is not None:  # each earlier comparison's per-seed horizontal differences, on this σ_task
         h_hist = paired_horizontal(np.moveaxis(history, -3, -2), scale[..., None, :], trim)
         h_fut = paired_t(hd, pair_prior(h_hist, hd.shape[:-1]), h_floor)
-    return PairedTests(test=test, d=d, h=h, h_futility=h_fut, hd=hd, prior=prior, bound=bound)
+    return PairedTests(test=test, d=d, h=h, h_futility=h_fut, hd=hd, prior=prior, bound=bound, lab=lab, hc=hc)
+
+
+def _with_own_spread(bound: Prior, own: np.ndarray) -> Prior:
+    """The unpaired bound with the challenger's arm at max(the lab's spread, its own), where it has
+    2 runs or more: Var(c - b) ≤ Var c + Var b holds for any challenger variance, not only the lab's."""
+    one = bound.var / 2.0
+    with np.errstate(invalid="ignore"):
+        var = np.where(np.isfinite(own), one + np.maximum(one, own), bound.var)
+    return Prior(var=var, df=bound.df, weight=bound.weight)
 
 
 def futility_p_value(p_up: np.ndarray, hd: np.ndarray) -> np.ndarray:
@@ -405,7 +424,7 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
     # unstable challengers: F-test against the baseline commit's variance, Welch beside
     f_p = variance_ratio_p(scale**2, scale_df, chal_arm)
     welch = welch_t(base_arm, chal_arm)
-    spread = _seed_spread(hb, hc)
+    spread = _seed_spread(hb, hc, pt.lab if proto.paired else None, pt.hc if proto.paired else None)
 
     tasks = [
         _task_record(
@@ -482,20 +501,32 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
 SEED_SPREAD_P = 0.01  # lower-tail F level below which a challenger's seeds "do not vary"
 
 
-def _seed_spread(hb: np.ndarray, hc: np.ndarray) -> SeedSpread | None:
-    """Seeds must vary: the challenger's per-seed horizontal values against the baseline's spread."""
+def _seed_spread(hb: np.ndarray, hc: np.ndarray, lab: Prior | None = None,
+                 hc_paired: np.ndarray | None = None) -> SeedSpread | None:
+    """Seeds must vary: the challenger's per-seed horizontal values against the baseline's spread;
+    `paired` (`lab`, the earlier arms' spread): and not far above the lab's either."""
     ratio, p = spread_ratio_p(hb, hc)
-    if not np.isfinite(p):
+    up_ratio, p_up = (noisier_p(hc_paired, lab.var, lab.df) if lab is not None and hc_paired is not None
+                      else (np.nan, np.nan))
+    if not np.isfinite(p) and not np.isfinite(p_up):
         return None
-    ratio, p = float(ratio), float(p)
-    held = p < SEED_SPREAD_P
-    reason = None
-    if held:
+    ratio, p, up_ratio, p_up = float(ratio), float(p), float(up_ratio), float(p_up)
+    low = bool(np.isfinite(p) and p < SEED_SPREAD_P)
+    high = bool(np.isfinite(p_up) and p_up < SEED_SPREAD_P)
+    reasons = []
+    if low:
         what = ("its runs do not vary with the seed" if ratio == 0 else
                 f"its spread across seeds is {ratio:.3g}× the baseline's (lower-tail F p {p:.2g} < {SEED_SPREAD_P})")
-        reason = (f"seeds must vary: {what} while the baseline's do; a branch that ignores or hard-codes the "
-                  "seed repeats one draw, and replication over seeds is what the gate stands on")
-    return SeedSpread(ratio=ratio, p_lower=p, held=held, reason=reason)
+        reasons.append(f"seeds must vary: {what} while the baseline's do; a branch that ignores or hard-codes "
+                       "the seed repeats one draw, and replication over seeds is what the gate stands on")
+    if high:
+        reasons.append(f"noisier than the lab: its spread across seeds is {up_ratio:.3g}× that of the lab's earlier "
+                       f"arms (upper-tail F p {p_up:.2g} < {SEED_SPREAD_P}); the paired gate's bound assumes a "
+                       "challenger no noisier than them, and a noisier branch buys more chances at a lucky draw")
+    return SeedSpread(ratio=ratio if np.isfinite(ratio) else None, p_lower=p if np.isfinite(p) else None,
+                      held=low or high, reason="; ".join(reasons) or None,
+                      noisier_ratio=up_ratio if np.isfinite(up_ratio) else None,
+                      p_upper=p_up if np.isfinite(p_up) else None)
 
 
 def _interval(delta: float, half: float, sign: float) -> tuple[float | None, float | None]:

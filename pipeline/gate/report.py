@@ -92,12 +92,17 @@ class HorizontalResult(_Record):
 
 class SeedSpread(_Record):
     """Seeds must vary: the challenger's spread of per-seed horizontal values over the baseline's, and
-    its lower-tail F-test. `held`: never promoted automatically (DESIGN §6)."""
+    its lower-tail F-test; for `paired`, also not far above the lab's spread (upper tail). `held`:
+    never promoted automatically."""
 
     ratio: Num
     p_lower: Num
     held: bool
     reason: str | None = None
+    # `paired`: the challenger's spread over the lab's earlier arms' (the unpaired bound assumes no
+    # noisier), and its upper-tail F-test: a significantly noisier challenger is held too
+    noisier_ratio: Num = None
+    p_upper: Num = None
 
 
 class FailureReport(_Record):
@@ -189,8 +194,10 @@ def _footer_lines(r: GateResult) -> list[str]:
     if r.failures.sensitivity:
         lines.append(r.failures.sensitivity)
     if r.seed_spread is not None:
+        lab = (f", {_f(r.seed_spread.noisier_ratio, 2)}× the lab's earlier arms'"
+               if r.seed_spread.noisier_ratio is not None else "")
         lines.append(r.seed_spread.reason if r.seed_spread.held else
-                     f"seeds vary: the challenger's spread over seeds is {_f(r.seed_spread.ratio, 2)}× the baseline's")
+                     f"seeds vary: the challenger's spread over seeds is {_f(r.seed_spread.ratio, 2)}× the baseline's{lab}")
     if r.is_look:
         lines.extend(r.reasons)
     return lines

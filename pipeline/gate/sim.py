@@ -46,6 +46,7 @@ from pipeline.gate.stats import (
     summarize,
     arms_without_task,
     bound_weight,
+    noisier_p,
     without_task,
 )
 from pipeline.gate.verdict import CODE, ORDER, Verdict, decide
@@ -140,6 +141,7 @@ def simulate(
     history_pair_rho: float | None = None,
     pair_history: int = 10,
     lazy: bool = True,
+    challenger_sd: float = 1.0,
 ) -> SimResult:
     """Simulate `trials` hypotheses through the protocol; see the module docstring for the rates.
 
@@ -147,7 +149,8 @@ def simulate(
     random numbers; the two-sample protocols ignore it). `paired` only: `pair_history` earlier
     comparisons of 2 pairs each, paired at `history_pair_rho` (default: `pair_rho`), are the
     lab's history behind its prior; `lazy`: the gate sees the baseline seeds a look needs (the
-    first challenger of a baseline), else all `baseline_runs`.
+    first challenger of a baseline), else all `baseline_runs`. `challenger_sd`: the challenger's
+    per-run σ over the baseline's (and the lab's earlier arms'): a branch that is noisier than the lab.
     """
     looks = tuple(int(x) for x in looks)
     affected = tasks if affected is None else affected
@@ -174,8 +177,8 @@ def simulate(
     def challenger(base: np.ndarray, b: int) -> np.ndarray:
         fresh = draw(b, last)
         if pair_rho == 0 or base.shape[-1] < last:
-            return fresh
-        return pair_rho * base[..., :last] + math.sqrt(1 - pair_rho**2) * fresh
+            return challenger_sd * fresh
+        return challenger_sd * (pair_rho * base[..., :last] + math.sqrt(1 - pair_rho**2) * fresh)
 
     sums = {"improvement": 0, "held": 0, "h": 0, "h_all": 0, "runs": 0}
     task_hits = np.zeros(J)
@@ -356,8 +359,11 @@ def _paired_path(protocol: str, base: np.ndarray, chal: np.ndarray, looks: tuple
             if bnd is not None:
                 h_upper = np.where(pt.bound.df == w, bnd.upper[-1], h_upper)
         hl = horizontal_look(pt.h, h_upper, breadth, required, pt.h_futility)
-        out.record(k, tl, hl, futility_p_value(hl.p_up, pt.hd), pt.test, t_upper, k == K - 1, futility_p,
-                   spread_ratio_p(hb, hc)[1])
+        low = spread_ratio_p(hb, hc)[1]
+        high = noisier_p(pt.hc, pt.lab.var, pt.lab.df)[1]
+        with np.errstate(invalid="ignore"):
+            held_p = np.fmin(low, high)  # held when either tail is below SEED_SPREAD_P (NaN: untested)
+        out.record(k, tl, hl, futility_p_value(hl.p_up, pt.hd), pt.test, t_upper, k == K - 1, futility_p, held_p)
     return out.finish(looks)
 
 
