@@ -34,7 +34,7 @@ test: venv
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 FAST := tests/test_gate_stats.py tests/test_gate_verdicts.py tests/test_gate_report.py tests/test_gate_paired.py \
-	tests/test_gate_power.py tests/test_gate_cli.py tests/test_lab_config.py tests/test_lab_config_command.py \
+	tests/test_gate_power.py tests/test_gate_cli.py tests/test_gate_history.py tests/test_lab_config.py tests/test_lab_config_command.py \
 	tests/test_lower_is_better.py tests/test_cli_startup.py tests/test_exec_store.py tests/test_disk.py \
 	tests/test_workspace.py tests/test_status_view.py tests/test_offline_policy.py
 

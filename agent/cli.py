@@ -126,6 +126,8 @@ def gate_sim_cmd(
     pair_history: int = typer.Option(10, "--pair-history", help="paired: earlier comparisons (2 pairs each)."),
     eager_baseline: bool = typer.Option(False, "--eager-baseline",
                                         help="paired: the gate sees every baseline run (default: the lazy baseline's)."),
+    challenger_sd: float = typer.Option(1.0, "--challenger-sd",
+                                        help="The challenger's per-run σ over the baseline's (a noisier branch)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Simulate a protocol: false-positive rate (effect 0) or power, and mean challenger runs.
@@ -146,7 +148,7 @@ def gate_sim_cmd(
         protocol=protocol, effect=effect, tasks=tasks, rho=rho, trials=trials, baseline_runs=baseline_runs,
         looks=planned, alpha=alpha, futility_p=futility_p, harm_q=harm_q, history=history, affected=affected,
         horizontal_trim=trim, seed=seed, pair_rho=pair_rho, history_pair_rho=history_pair_rho,
-        pair_history=pair_history, lazy=not eager_baseline,
+        pair_history=pair_history, lazy=not eager_baseline, challenger_sd=challenger_sd,
     )
     if as_json:
         emit_json(result.to_json())

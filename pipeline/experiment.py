@@ -67,9 +67,9 @@ def generation(root: str, commit: str) -> int:
     return len(git.Repo(root).git.tag("--merged", commit, "--list", BASELINE_TAGS).split())
 
 
-def _one_dataset(rows: list[Any]) -> None:
-    """The result rows of a comparison all measured on one dataset, or `MixedDatasets` (one line; the
-    look waits at its checkpoint)."""
+def _one_dataset(rows: list[Any]) -> str | None:
+    """The dataset the result rows of a comparison were all measured on (None: unrecorded), or
+    `MixedDatasets` (one line; the look waits at its checkpoint)."""
     from pipeline.errors import MixedDatasets
 
     seen = {r.dataset_id for r in rows if r.dataset_id and r.outcome != "infra_failure"}
@@ -78,6 +78,7 @@ def _one_dataset(rows: list[Any]) -> None:
             f"the runs of this comparison were measured on different datasets ({', '.join(sorted(seen))}): the data "
             "changed under this store (a new generator version, data_seed, size or trusted commit); "
             "use a fresh store (--db, or move runs/autoresearch.db aside) to measure on the new data")
+    return next(iter(seen), None)
 
 
 class Experiment:
@@ -146,7 +147,7 @@ class Experiment:
         block = seed_block(g)
         base_rows = runner.run_results(self.store, base_sha, tasks)
         chal_rows = runner.run_results(self.store, sha, tasks)
-        _one_dataset([r for r in base_rows if r.seed in own] + [r for r in chal_rows if r.seed in seeds])
+        dataset = _one_dataset([r for r in base_rows if r.seed in own] + [r for r in chal_rows if r.seed in seeds])
         base, chal = runner.by_task(base_rows, tasks), runner.by_task(chal_rows, tasks)
         inp = {
             "config": cfg.gate.model_dump(),
@@ -163,7 +164,7 @@ class Experiment:
                 }
                 for t in tasks
             ],
-            **(dict(zip(("pair_history", "arm_history"), self.histories(tasks, exclude=(sha, base_sha))))
+            **(dict(zip(("pair_history", "arm_history"), self.histories(tasks, exclude=(sha, base_sha), dataset=dataset)))
                if self.paired() else {}),
             "looks_done": [n for n in cfg.gate.looks if n < look],
             "at_look": True,
@@ -186,22 +187,32 @@ class Experiment:
         """The lab's earlier comparisons as paired differences (the `paired` protocol's futility prior)."""
         return self.histories(tasks, exclude)[0]
 
-    def histories(self, tasks: list[str], exclude: tuple[str, str] | None = None
+    def histories(self, tasks: list[str], exclude: tuple[str, str] | None = None, dataset: str | None = None
                   ) -> tuple[list[dict[str, list[float | None]]], list[dict[str, list[float | None]]]]:
         """The lab's earlier comparisons, from one read of the store: their paired differences (the
         `paired` protocol's futility prior) and the runs of every arm in them by seed, each commit
         once and neither commit of `exclude` (the unpaired bound on the paired variance, and σ_task).
-        Comparisons measured on another dataset than the newest are left out."""
-        comps = [c for c in self.store.comparisons() if c != exclude]
+
+        Frozen for `exclude`'s comparison: only comparisons recorded before it and result rows
+        created before it, so the prior and σ_task do not move between its looks (the boundaries are
+        calibrated for one draw of them) while other hypotheses add runs. Rows measured on another
+        dataset than `dataset` (default: the newest) are left out."""
+        timed = self.store.comparisons_timed()
+        cutoff = next((t for c, b, t in timed if (c, b) == exclude), None)
+        comps = [(c, b) for c, b, t in timed if (c, b) != exclude and (cutoff is None or t < cutoff)]
         if not comps:
             return [], []
         commits = {x for c in comps for x in c}
         rows: dict[str, list[Any]] = {c: [] for c in commits}
         for r in self.store.results_of(commits, tasks):
-            rows[r.commit].append(r)
-        latest = max((r for rs in rows.values() for r in rs if r.dataset_id), key=lambda r: r.created_at, default=None)
-        if latest is not None:
-            rows = {c: [r for r in rs if r.dataset_id in (None, latest.dataset_id)] for c, rs in rows.items()}
+            if cutoff is None or r.created_at < cutoff:
+                rows[r.commit].append(r)
+        if dataset is None:
+            latest = max((r for rs in rows.values() for r in rs if r.dataset_id), key=lambda r: r.created_at,
+                         default=None)
+            dataset = latest.dataset_id if latest is not None else None
+        if dataset is not None:
+            rows = {c: [r for r in rs if r.dataset_id in (None, dataset)] for c, rs in rows.items()}
         out = []
         for chal, base in comps:
             d = self.pairs(chal, base, tasks, rows)

@@ -714,8 +714,13 @@ class Store:
 
     def comparisons(self) -> list[tuple[str, str]]:
         """(challenger, baseline) of every comparison, oldest first."""
+        return [(c, b) for c, b, _ in self.comparisons_timed()]
+
+    def comparisons_timed(self) -> list[tuple[str, str, float]]:
+        """(challenger, baseline, when it was first recorded) of every comparison, oldest first."""
         with self.session() as s:
-            return [(c.challenger, c.baseline) for c in s.exec(select(Comparison).order_by(Comparison.created_at))]
+            return [(c.challenger, c.baseline, c.created_at)
+                    for c in s.exec(select(Comparison).order_by(Comparison.created_at))]
 
     def results_of(self, commits: Iterable[str], tasks: Iterable[str] | None = None) -> list[Result]:
         """Every result row of several commits in one read."""

@@ -35,6 +35,7 @@ def sim_table(result: SimResult) -> Any:
             f"ρ={result.rho:g}, pair ρ={result.pair_rho:g}"
             + (f" (history {result.history_pair_rho:g}, {result.pair_history} comparisons, "
                f"{'lazy' if result.lazy else 'eager'} baseline)" if result.history_pair_rho is not None else "")
+            + (f", challenger σ × {result.challenger_sd:g}" if result.challenger_sd != 1 else "")
             + f", {result.trials} trials, looks {result.looks}"
         )
     )
@@ -44,7 +45,7 @@ def sim_table(result: SimResult) -> Any:
     headline = "power (improvement verdict)" if result.effect else "false-positive rate (improvement verdict)"
     rows: list[tuple[str, float | None]] = [
         (headline, result.improvement_rate),
-        ("of which held: seeds do not vary", result.held_rate),
+        ("of which held: seeds do not vary, or noisier than the lab", result.held_rate),
         ("horizontal test crossed (looks reached)", result.horizontal_rate),
         ("horizontal test crossed (every look)", result.horizontal_rate_all_looks),
         ("per-task test crossed (looks reached)", result.per_task_rate),

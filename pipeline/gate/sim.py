@@ -72,11 +72,12 @@ class SimResult(BaseModel):
     horizontal_trim: float
     seed: int
     improvement_rate: float  # every `improvement` verdict, held ones included
-    held_rate: float  # `improvement` held for review: its seeds do not vary
+    held_rate: float  # `improvement` held for review: its seeds do not vary, or it is noisier than the lab
     pair_rho: float
     history_pair_rho: float | None
     pair_history: int
     lazy: bool
+    challenger_sd: float
     horizontal_rate: float
     horizontal_rate_all_looks: float
     per_task_rate: float | None
@@ -158,6 +159,7 @@ def simulate(
     _check(protocol, effect, tasks, rho, trials, baseline_runs, looks, alpha, futility_p, history, affected,
            horizontal_trim)
     for bad, message in ((not 0 <= pair_rho < 1, "--pair-rho: expected a correlation in [0, 1)"),
+                         (not (math.isfinite(challenger_sd) and challenger_sd > 0), "--challenger-sd: expected a positive σ ratio"),
                          (not 0 <= hist_rho < 1, "--history-pair-rho: expected a correlation in [0, 1)"),
                          (pair_history < 0, "--pair-history: expected 0 or more earlier comparisons"),
                          (get_protocol(protocol).paired and looks[-1] > baseline_runs,
@@ -221,7 +223,7 @@ def simulate(
         improvement_rate=sums["improvement"] / trials,
         held_rate=sums["held"] / trials,
         pair_rho=pair_rho, history_pair_rho=hist_rho if paired else None,
-        pair_history=pair_history if paired else 0, lazy=lazy if paired else False,
+        pair_history=pair_history if paired else 0, lazy=lazy if paired else False, challenger_sd=challenger_sd,
         horizontal_rate=sums["h"] / trials,
         horizontal_rate_all_looks=sums["h_all"] / trials,
         per_task_rate=task_rate(task_hits, hit_cols),
