@@ -187,3 +187,47 @@ def test_the_driver_records_a_commit_with_the_chain_as_the_methods_failure(tmp_p
     assert "holds a symlink that leads out of it" in res.detail and "\n" not in res.detail
     assert not store.stage_execs(ids)  # no stage ran, no view was laid out
     assert not outside_files(lab.root) and not list((lab.state / "views").iterdir())
+
+
+# ----------------------------------------------------------------------------- the checker's own cost (review of issue 20)
+
+def test_a_tree_built_to_make_the_checker_quadratic_is_refused_by_its_caps(tmp_path: Path) -> None:
+    """The review's attack: 40 links, each a 2000-part target (49 s per link before). Refused for
+    its targets' length, in one line; then the same idea within the per-target cap, but 1000 links
+    deep through one `d -> .`: refused when the tree's walk passes MAX_WALK components."""
+    from pipeline.safefs import MAX_TARGET_PARTS, MAX_WALK, UnsafeTree, extract_tar
+
+    long_target = "/".join(["d"] * 1999 + [".."])
+    entries = [("d", "."), *((f"l{i}", long_target) for i in range(40))]
+    with pytest.raises(UnsafeTree, match=f"a symlink's target of over {MAX_TARGET_PARTS} parts; refused") as e:
+        extract_tar(io.BytesIO(tar_of(entries)), tmp_path / "a")
+    assert "\n" not in str(e.value)
+    with pytest.raises(UnsafeTree, match="a symlink's target over 4096 bytes"):
+        extract_tar(io.BytesIO(tar_of([("l", "x" * 5000)])), tmp_path / "b")
+
+    zigzag = "/".join(["d", ".."] * (MAX_TARGET_PARTS // 2 - 1) + ["sub"])  # 255 parts, no link in them
+    entries = [("d/f", None), ("sub/f", None),
+               *((f"l{i}", zigzag) for i in range(MAX_WALK // (MAX_TARGET_PARTS - 1) + 10))]
+    with pytest.raises(UnsafeTree, match=f"its symlinks take over {MAX_WALK} components to resolve; refused"):
+        extract_tar(io.BytesIO(tar_of(entries)), tmp_path / "c")
+
+
+def test_each_link_is_resolved_once_and_a_lookup_stops_at_a_missing_component(tmp_path: Path) -> None:
+    """A sound tree of many links through links: walked in components linear in its size (each
+    link's own target once), not per use; a dangling `missing/../..` leads nowhere, so stays."""
+    from pipeline import safefs
+
+    n = 300
+    hub = "/".join(["d", ".."] * 100 + ["sub"])  # 201 parts, resolved once
+    entries = [("d/f", None), ("sub/f", None), ("hub", hub),
+               ("dangling", "missing/" + "/".join([".."] * 200) + "/etc"),
+               *((f"l{i}", "/".join(["hub", ".."] * 20 + ["hub"])) for i in range(n))]
+    root = tmp_path / "tree"
+    safefs.extract_tar(io.BytesIO(tar_of(entries)), root)  # accepted: every link resolves inside
+    assert (root / f"l{n - 1}" / "f").read_text() == "# sub/f\n"
+    links, files, dirs = safefs.links_in(root)
+    tree = safefs._Tree(links, files, dirs, "the tree")
+    for link in sorted(links):
+        assert tree.escape(tree._add(link, "l")) is None
+    # each target walked once: the 21 uses of `hub` in each l{i} are served from the memo
+    assert tree.walked == sum(len(t.split("/")) for t in links.values()) - 200, tree.walked
