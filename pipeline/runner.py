@@ -376,17 +376,16 @@ class Driver:
         run = claim.run
         assert run.id is not None
         prepared = self.prepared()
-        try:
+        try:  # a link out of the tree is the branch's doing: the method's failure, never laid out
+            self.worktrees.check_tree(run.commit)
             worktree = self._worktree_of.get(run.commit)
             if worktree is None or not (worktree / ".git").exists():
                 worktree = self._worktree_of[run.commit] = self.worktrees.ensure(run.commit)
-        except WorktreeError as e:
-            self._record(claim, "infra_failure", None, "worktree", str(e), cpu_s=0.0)
-            return
-        try:  # a link out of the tree is the branch's doing: the method's failure, never laid out
-            self.worktrees.check_tree(run.commit)
         except UnsafeTree as e:
             self._record(claim, "method_failure", None, "unsafe_tree", str(e), cpu_s=0.0)
+            return
+        except WorktreeError as e:
+            self._record(claim, "infra_failure", None, "worktree", str(e), cpu_s=0.0)
             return
         nodes = plan_run(self.stages, run.commit, run.task, run.seed, prepared.dataset_id, self._digest,
                          self.isolation)

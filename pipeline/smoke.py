@@ -151,7 +151,7 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
             logs = lab.state / "logs" / "smoke" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
             try:
                 materialize(git.Repo(lab.root).git, base, files, code)
-            except (tarfile.TarError, OSError) as e:  # e.g. a chain of symlinks out of the tree
+            except (tarfile.TarError, OSError, ValueError) as e:  # e.g. a chain of symlinks out of the tree
                 raise SmokeFailed(f"the commit's files cannot be laid out: {e}") from None
             logs.mkdir(parents=True)
             values = {"data": str(prepared.public), "task": task, "seed": "0"}
@@ -186,6 +186,5 @@ def _stage_view(lab: Lab, stage: Any, code: Path, view: Path) -> Path:
     """The files of `code` that `stage` may see (hermetic stages), copied into `view` (no link
     followed while reading or writing)."""
     safefs.copy_tree(code, view, keep=lambda rel: lab.stage_sees(stage, rel))
-    for _top, _dirs, _files, dfd in os.fwalk(view, follow_symlinks=False):
-        os.fchmod(dfd, 0o755)
+    safefs.chmod_dirs(view)
     return view

@@ -11,6 +11,7 @@ lab do not race `git worktree add`; the kernel drops the lock if its holder is k
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -41,6 +42,7 @@ class Worktrees:
         self.views = Path(state).resolve() / "views"
         self.views.mkdir(parents=True, exist_ok=True)
         self._sound_trees: set[str] = set()  # commits whose links were checked (a commit never changes)
+        self._sound_checkouts: set[Path] = set()  # worktrees whose links on disk were checked
         try:
             self.repo = git.Repo(self.repo_root)
         except (git.InvalidGitRepositoryError, git.NoSuchPathError):
@@ -100,19 +102,27 @@ class Worktrees:
         return out
 
     def ensure(self, rev: str) -> Path:
-        """The worktree for `rev`'s commit: reused if it exists and is sound, else (re)created."""
+        """The worktree for `rev`'s commit: reused if it exists and is sound, else (re)created.
+
+        `UnsafeTree` (one line) for a commit whose tree is refused (`check_tree`, before anything is
+        laid out) or whose checkout on disk holds a link out of it (then removed)."""
         commit = self.resolve(rev)
+        self.check_tree(commit)
         path = self.path(commit)
-        if self._sound(path, commit):
-            return path
-        with self._locked():
-            if self._sound(path, commit):
-                return path
-            self._remove_unlocked(path)
-            try:
-                self.repo.git.worktree("add", "--detach", "--force", str(path), commit)
-            except git.GitCommandError as e:
-                raise WorktreeError(f"cannot create worktree for {commit[:12]}: {e.stderr.strip()}") from None
+        if not self._sound(path, commit):
+            with self._locked():
+                if not self._sound(path, commit):
+                    self._remove_unlocked(path)
+                    try:
+                        self.repo.git.worktree("add", "--detach", "--force", str(path), commit)
+                    except git.GitCommandError as e:
+                        raise WorktreeError(f"cannot create worktree for {commit[:12]}: {e.stderr.strip()}") from None
+        try:
+            self.check_checkout(path, commit)
+        except safefs.UnsafeTree:
+            with self._locked():
+                self._remove_unlocked(path)
+            raise
         return path
 
     def _sound(self, path: Path, commit: str) -> bool:
@@ -195,11 +205,36 @@ class Worktrees:
 
     def check_tree(self, commit: str) -> None:
         """`UnsafeTree` (one line) if the commit holds a symlink whose final target, resolved within
-        the tree with all its links, leaves it: such a tree is never laid out or measured."""
+        the tree with all its links, leaves it, a target with a NUL byte (git would lay it out cut
+        short) or a path deeper than `safefs.MAX_DEPTH`: such a tree is never laid out or measured."""
         if commit in self._sound_trees:
             return
-        safefs.check_link_map(self.links_at(commit), f"commit {commit[:12]}")
+        what = f"commit {commit[:12]}"
+        links: dict[str, str] = {}
+        files: list[str] = []
+        dirs: list[str] = []
+        try:
+            for item in self.repo.commit(commit).tree.traverse():
+                if isinstance(item, git.Blob) and item.mode == 0o120000:
+                    links[item.path] = item.data_stream.read().decode("utf-8", "surrogateescape")
+                elif isinstance(item, git.Blob):
+                    files.append(item.path)
+                else:  # a folder, or a submodule's (empty) folder
+                    dirs.append(item.path)
+            safefs.check_link_map(links, what, files=files, dirs=dirs)
+        except RecursionError:  # GitPython walks a tree recursively
+            raise safefs.UnsafeTree(errno.ENAMETOOLONG, f"{what}: folders nested too deep to read; refused") from None
+        except safefs.UnsafeTree as e:
+            raise safefs.UnsafeTree(e.errno, e.strerror if what in str(e.strerror) else f"{what}: {e}") from None
         self._sound_trees.add(commit)
+
+    def check_checkout(self, path: Path, commit: str) -> None:
+        """`UnsafeTree` if the worktree at `path`, as it is on disk, holds a link out of it (what git
+        laid out, not what its blobs say); checked once per worktree and process."""
+        if path in self._sound_checkouts:
+            return
+        safefs.check_links(path, f"the worktree of {commit[:12]}")
+        self._sound_checkouts.add(path)
 
     def view(self, commit: str, visible: Callable[[str], bool]) -> Path:
         """A folder holding only the files of `commit` that `visible(path)` allows, from git blobs.
@@ -230,8 +265,10 @@ class Worktrees:
                 else:
                     safefs.write_bytes(root_fd, path, blob.data_stream.read(), executable=bool(blob.mode & 0o111),
                                        exclusive=True)
-            for _top, _dirs, _files, dfd in os.fwalk(tmp, follow_symlinks=False):
-                os.fchmod(dfd, 0o755)
+            safefs.chmod_dirs(tmp)
+        except ValueError as e:  # never a traceback: the one-line refusal
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise safefs.UnsafeTree(errno.EINVAL, f"commit {commit[:12]}: {e}; refused") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -11,6 +11,7 @@ import io
 import itertools
 import json
 import os
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -231,3 +232,80 @@ def test_each_link_is_resolved_once_and_a_lookup_stops_at_a_missing_component(tm
         assert tree.escape(tree._add(link, "l")) is None
     # each target walked once: the 21 uses of `hub` in each l{i} are served from the memo
     assert tree.walked == sum(len(t.split("/")) for t in links.values()) - 200, tree.walked
+
+
+# ----------------------------------------------------------------------------- a NUL byte in a link's target (review)
+
+def plant_nul_link(root: Path, run_git=git) -> str:
+    """A commit (on branch `nul`, the checkout left where it was) whose tree holds `short`, a symlink
+    blob (mode 120000) `..\\0x`: it reads as a name inside the tree, git lays it out as `..`."""
+    head = run_git(root, "rev-parse", "--abbrev-ref", "HEAD")
+    run_git(root, "checkout", "-q", "-b", "nul")
+    sha = subprocess.run(["git", "hash-object", "-w", "--stdin"], cwd=root, input=b"..\0x", check=True,
+                         capture_output=True).stdout.decode().strip()
+    run_git(root, "update-index", "--add", "--cacheinfo", f"120000,{sha},short")
+    run_git(root, "commit", "-qm", "a NUL byte in a link's target")
+    commit = run_git(root, "rev-parse", "HEAD")
+    run_git(root, "checkout", "-q", "-f", head)
+    return commit
+
+
+def test_a_nul_byte_in_a_link_target_is_refused_in_one_line_before_anything_is_laid_out(lab: Path) -> None:
+    from pipeline.errors import SmokeFailed
+    from pipeline.lab import load_lab
+    from pipeline.safefs import UnsafeTree
+    from pipeline.smoke import smoke_run
+    from pipeline.worktrees import Worktrees
+
+    commit = plant_nul_link(lab)
+    wt = Worktrees(lab, lab / "runs")
+    for attempt in (wt.check_tree, wt.ensure, lambda c: wt.view(c, lambda p: True)):
+        with pytest.raises(UnsafeTree, match=r"commit [0-9a-f]{12}: short -> '\.\.\\x00x': a NUL byte") as e:
+            attempt(commit)
+        assert "\n" not in str(e.value)
+    assert not wt.path(commit).exists() and not list((lab / "runs" / "views").iterdir())
+    with pytest.raises(SmokeFailed) as e:  # git archive cuts the target to `..`: refused as a way out
+        smoke_run(load_lab(lab), commit, {})
+    assert str(e.value).startswith("the commit's files cannot be laid out: ") and "\n" not in str(e.value)
+    assert "short -> ..: resolves above the tree's root" in str(e.value), str(e.value)
+
+
+def test_a_worktree_is_checked_as_it_is_on_disk(lab: Path) -> None:
+    """What git really laid out (here `short -> ..`, from the NUL blob, checked out by hand) is
+    refused by the check of the checkout, and the worktree is removed."""
+    from pipeline.safefs import UnsafeTree
+    from pipeline.worktrees import Worktrees
+
+    commit = plant_nul_link(lab)
+    wt = Worktrees(lab, lab / "runs")
+    git(lab, "worktree", "add", "-q", "--detach", str(wt.path(commit)), commit)
+    assert os.readlink(wt.path(commit) / "short") == ".."
+    with pytest.raises(UnsafeTree, match=r"the worktree of [0-9a-f]{12} holds a symlink that leads out of it "
+                                         r"\(short -> \.\.: resolves above the tree's root\); refused"):
+        wt.check_checkout(wt.path(commit), commit)
+    wt._sound_trees.add(commit)  # as if the blob check had passed: ensure still checks the disk
+    with pytest.raises(UnsafeTree, match="the worktree of"):
+        wt.ensure(commit)
+    assert not wt.path(commit).exists()
+
+
+def test_the_driver_records_a_nul_link_target_as_the_methods_failure_and_keeps_going(tmp_path: Path) -> None:
+    """Before: check_tree passed it, git laid out `short -> ..`, the view's os.symlink raised
+    ValueError, re-raised after the claim's release: the driver crashed on every start."""
+    from exec_fixtures import TinyHarness, make_lab
+    from exec_fixtures import git as xgit
+    from pipeline import runner
+    from pipeline.executors.local import LocalExecutor
+
+    lab = make_lab(tmp_path / "lab")
+    commit = plant_nul_link(lab.root, xgit)
+    store = runner.open_store(lab)
+    harness = TinyHarness()
+    ids = runner.ensure_runs(store, lab, commit, ["a"], [0], harness=harness)
+    with runner.Driver(lab, store, LocalExecutor(preload=("numpy",), slots=1), harness=harness) as d:
+        d.drive(until=ids, timeout_s=60)
+    [res] = store.results_for(commit)
+    assert (res.outcome, res.kind) == ("method_failure", "unsafe_tree"), res
+    assert "a NUL byte in a symlink's target" in res.detail and "\n" not in res.detail, res.detail
+    assert not store.stage_execs(ids)
+    assert not (lab.state / "worktrees" / commit).exists() and not list((lab.state / "views").iterdir())
