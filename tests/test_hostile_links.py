@@ -309,3 +309,59 @@ def test_the_driver_records_a_nul_link_target_as_the_methods_failure_and_keeps_g
     assert "a NUL byte in a symlink's target" in res.detail and "\n" not in res.detail, res.detail
     assert not store.stage_execs(ids)
     assert not (lab.state / "worktrees" / commit).exists() and not list((lab.state / "views").iterdir())
+
+
+# ----------------------------------------------------------------------------- very deep trees (review)
+
+def plant_deep_file(root: Path, depth: int = 1500) -> str:
+    """A commit (on branch `deep`, the checkout left where it was) with one file `depth` folders down."""
+    head = git(root, "rev-parse", "--abbrev-ref", "HEAD")
+    git(root, "checkout", "-q", "-b", "deep")
+    sha = subprocess.run(["git", "hash-object", "-w", "--stdin"], cwd=root, input=b"deep\n", check=True,
+                         capture_output=True).stdout.decode().strip()
+    git(root, "update-index", "--add", "--cacheinfo", f"100644,{sha},{'a/' * depth}f")
+    git(root, "commit", "-qm", "a file 1500 folders down")
+    commit = git(root, "rev-parse", "HEAD")
+    git(root, "checkout", "-q", "-f", head)
+    return commit
+
+
+def test_a_path_1500_folders_deep_is_refused_before_it_is_written(tmp_path: Path) -> None:
+    """Before: check_links' recursive walk raised RecursionError, and so did the temporary folder's
+    cleanup. Now the entry is refused before it is written, in one line, and cleanup works."""
+    import tempfile
+
+    from pipeline.safefs import MAX_DEPTH, UnsafeTree, check_links, extract_tar
+
+    with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
+        with pytest.raises(UnsafeTree, match=f"a path of over {MAX_DEPTH} components; refused") as e:
+            extract_tar(io.BytesIO(tar_of([("ok.txt", None), ("a/" * 1500 + "f", None)])), Path(tmp) / "t")
+        assert "\n" not in str(e.value)
+        assert not (Path(tmp) / "t" / "a").exists()  # nothing of the deep entry was written
+    assert not list(tmp_path.iterdir())  # the temporary folder is gone
+
+    deep = tmp_path / "disk"  # a deep tree made some other way (here by hand) is refused by the check
+    os.makedirs(deep / ("d/" * (MAX_DEPTH + 20)))
+    with pytest.raises(UnsafeTree, match=f"the tree: a path deeper than {MAX_DEPTH} folders"):
+        check_links(deep)
+    check_links(tmp_path / "disk" / ("d/" * 30))  # 250 deep below it: fine
+
+
+def test_a_commit_1500_folders_deep_is_refused_by_view_worktree_and_smoke(lab: Path) -> None:
+    from pipeline.errors import SmokeFailed
+    from pipeline.lab import load_lab
+    from pipeline.safefs import UnsafeTree
+    from pipeline.smoke import smoke_run
+    from pipeline.worktrees import Worktrees
+
+    commit = plant_deep_file(lab)
+    wt = Worktrees(lab, lab / "runs")
+    for attempt in (wt.check_tree, wt.ensure, lambda c: wt.view(c, lambda p: True)):
+        with pytest.raises(UnsafeTree, match=r"commit [0-9a-f]{12}: a/a/a.*: a path of over 256 components") as e:
+            attempt(commit)
+        assert "\n" not in str(e.value)
+    assert not wt.path(commit).exists() and not list((lab / "runs" / "views").iterdir())
+    with pytest.raises(SmokeFailed) as e:
+        smoke_run(load_lab(lab), commit, {})
+    assert "a path of over 256 components; refused" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not [p for p in (lab / "runs").iterdir() if p.name.startswith("smoke-")]  # cleaned up
