@@ -293,10 +293,15 @@ class Loop:
     # -------------------------------------------------------------- hypotheses
 
     def next_hypothesis(self) -> Hypothesis | None:
-        h = self.records.next_queued()
-        if h is not None:  # a human seed: never held back by a guard
+        held = self.guard_holds()
+        if held:  # a human seed is never held back by the guard; the policy's own follow-ups (queued) are
+            seeds = [x for x in self.records.all(("queued",)) if x.origin == "human"]
+            h = min(seeds, key=lambda x: (-x.priority, x.id or 0), default=None)
+        else:
+            h = self.records.next_queued()
+        if h is not None:
             return self.records.update(h.id, status="proposing" if not h.title else "implementing")
-        if self.llm_blocked() or self.guard_holds():
+        if held or self.llm_blocked():
             return None
         base = self.svc.workspace.baseline_head()
         if any(x.reject_kind == "exhausted" and x.origin == self.policy.name and x.base_commit == base

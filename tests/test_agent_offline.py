@@ -122,3 +122,40 @@ def test_after_k_rejections_in_a_row_the_loop_backs_off_and_says_so(lab: Path) -
         loop.close()
     hs = records(lab).all()
     assert (hs[-1].title, hs[-1].status) == ("seed after restart", "done") and len(hs) == 5
+
+
+def test_the_guard_holds_the_policys_own_queued_follow_ups_and_still_starts_human_seeds(lab: Path) -> None:
+    """A `refine` decision queues the policy's follow-up (status queued, origin the policy's): while
+    the guard holds, it waits with the proposals; a human seed queued behind it (lower priority) starts."""
+    from agent.commands import seed as seed_fn
+    from agent.graph import queue_refinement
+    from agent.loop import GUARD_STREAK
+
+    def seed(name: str, edit: dict, priority: int) -> None:
+        spec = lab.parent / f"{name}.json"
+        spec.write_text(json.dumps({"title": name, "edits": [edit]}))
+        seed_fn(lab, None, None, None, priority, None, spec)
+
+    for i, path in enumerate(["research.toml", "program.md", "../outside.py"][:GUARD_STREAK]):
+        seed(f"bad {i}", {"path": path, "content": "x = 1\n"}, 10)
+    loop = make_loop(lab, offline=True, max_hypotheses=10)
+    try:
+        assert loop.run()["started"] == GUARD_STREAK
+        assert loop.guard_holds()
+        last = records(lab).all()[-1]
+        child = queue_refinement(loop.svc, last, "# Refine the last one\nthe same edit, smaller")
+    finally:
+        loop.close()
+    assert (child.status, child.origin, child.priority) == ("queued", "offline", 10)
+    seed("human seed", {"path": "config.toml", "search": "lr = 3e-4", "replace": "lr = 3e-4"}, 0)
+
+    loop = make_loop(lab, offline=True, max_hypotheses=10)
+    try:
+        assert loop.run()["started"] == 1
+        assert loop.guard_holds()
+    finally:
+        loop.close()
+    hs = {h.title: h for h in records(lab).all()}
+    assert hs["human seed"].status == "done"  # taken although the guard held
+    assert hs["Refine the last one"].status == "queued"  # held back with the policy's proposals
+    assert not [h for h in hs.values() if h.origin == "offline" and h.status != "queued"]
