@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Iterable
@@ -28,7 +29,9 @@ log = logging.getLogger("autoresearch.disk")
 
 GB = 1 << 30
 MB = 1 << 20
-SMOKE_FRESH_S = 300.0  # a smoke run's logs this recent may be in use (pipeline.smoke.SMOKE_TIMEOUT_S)
+# a smoke run's folder or logs this recent may be in use: twice the most a smoke stage may take
+# (pipeline.smoke.SMOKE_TIMEOUT_S, 300 s), so a silent stage's log, opened at its start, stays
+SMOKE_FRESH_S = 600.0
 LOW_WATER = 0.9  # evict down to this fraction of the cap, so that not every publication evicts
 
 
@@ -128,7 +131,7 @@ class DiskKeeper:
         """Remove the oldest logs while they hold more than `logs_max_mb` (never one in use).
 
         Stage logs (`logs/*.log`) and smoke runs' logs (`logs/smoke/<run>/*.log`) count together. A
-        smoke run's folder with a log written in the last SMOKE_FRESH_S may be in use (the smoke
+        smoke run's folder made or with a log written in the last SMOKE_FRESH_S may be in use (the smoke
         run of a driver is not in `keep`): it stays; a folder left empty is removed.
         """
         now = time.time() if now is None else now
@@ -140,8 +143,14 @@ class DiskKeeper:
             except OSError:
                 continue
             files.append((st.st_mtime, st.st_size, p))
-        smoke_dirs = [d for d in (self.logs / "smoke").glob("*") if d.is_dir() and not d.is_symlink()]
-        for d in smoke_dirs:
+        smoke_dirs = []
+        for d in (self.logs / "smoke").glob("*"):
+            try:
+                dst = d.lstat()
+            except OSError:
+                continue
+            if not stat.S_ISDIR(dst.st_mode):
+                continue
             own = []
             for p in d.glob("*.log"):
                 try:
@@ -149,9 +158,12 @@ class DiskKeeper:
                 except OSError:
                     continue
                 own.append((st.st_mtime, st.st_size, p))
-            fresh = any(now - mtime < SMOKE_FRESH_S for mtime, _, _ in own)
+            # the folder's own mtime too: a smoke run's new folder has no log until its first stage starts
+            fresh = any(now - mtime < SMOKE_FRESH_S for mtime in (dst.st_mtime, *(m for m, _, _ in own)))
             keep.update(p for _, _, p in own if fresh)
             files.extend(own)
+            if not fresh:
+                smoke_dirs.append(d)
         total = sum(size for _, size, _ in files)
         n = 0
         for _, size, p in sorted(files):
@@ -162,7 +174,7 @@ class DiskKeeper:
             p.unlink(missing_ok=True)
             total -= size
             n += 1
-        for d in smoke_dirs:
+        for d in smoke_dirs:  # never a fresh one
             try:
                 d.rmdir()  # only when empty
             except OSError:

@@ -131,7 +131,7 @@ def test_smoke_logs_rotate_with_the_stage_logs_but_never_a_fresh_one(lab: Path) 
     now = time.time()
     for i, d in enumerate(runs):  # the first two are old, the last one was just written
         age = now - 10 * SMOKE_FRESH_S + i if i < 2 else now
-        for p in d.glob("*.log"):
+        for p in [*d.glob("*.log"), d]:
             os.utime(p, (age, age))
     stage_log = logs / "stage-old.log"
     stage_log.write_bytes(b"y" * (400 * 1024))
@@ -144,3 +144,35 @@ def test_smoke_logs_rotate_with_the_stage_logs_but_never_a_fresh_one(lab: Path) 
     keeper.logs_max = 0
     keeper.rotate_logs()
     assert runs[2].is_dir() and not stage_log.exists()  # a fresh smoke run's logs are never removed
+
+
+def test_a_new_smoke_folder_without_logs_is_fresh_and_stays(lab: Path) -> None:
+    """The race: smoke_run makes its folder, then opens its first stage's log. A rotation in between
+    saw a folder with no log, not fresh, and removed it (the stage's log then had no folder). The
+    folder's own mtime now counts; it goes once older than SMOKE_FRESH_S, at least twice a smoke
+    stage's limit."""
+    from pipeline.disk import SMOKE_FRESH_S
+    from pipeline.lab import load_lab
+    from pipeline.smoke import SMOKE_TIMEOUT_S
+
+    assert SMOKE_FRESH_S >= 2 * SMOKE_TIMEOUT_S
+    the_lab = load_lab(lab)
+    logs = the_lab.state / "logs"
+    new = logs / "smoke" / "20990101-000000-abcdef"
+    new.mkdir(parents=True)  # as smoke_run does, before any stage starts
+    old = logs / "smoke" / "20000101-000000-012345"
+    old.mkdir()
+    (old / "train.log").write_bytes(b"z" * 1000)
+    aged = time.time() - SMOKE_FRESH_S - 5
+    for p in (old / "train.log", old):
+        os.utime(p, (aged, aged))
+    keeper = DiskKeeper(the_lab, runner.open_store(the_lab), Cache(the_lab.state / "cache"), logs)
+    keeper.logs_max = 0
+    assert keeper.rotate_logs() == 1
+    assert new.is_dir() and not old.exists()  # the new folder stays, the old one is emptied and removed
+    (new / "train.log").write_text("the first stage's output\n")  # the stage can open its log
+    # a folder whose logs look old but which was written to just now (a stage's log opened) stays whole
+    os.utime(new / "train.log", (aged, aged))
+    assert keeper.rotate_logs() == 0 and (new / "train.log").exists()
+    os.utime(new, (aged, aged))  # then, aged past SMOKE_FRESH_S, it goes
+    assert keeper.rotate_logs() == 1 and not new.exists()
