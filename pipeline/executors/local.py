@@ -40,6 +40,17 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
+def inside_gpu_ids(gpu_ids: list[str], fallback: str) -> str:
+    """CUDA_VISIBLE_DEVICES for a sandboxed stage assigned `gpu_ids` (see `sandbox.gpu_plan`);
+    `fallback` where they cannot be mapped (the sandbox then refuses to start, in one line)."""
+    from pipeline.executors.sandbox import SandboxError, gpu_devices
+
+    try:
+        return ",".join(gpu_devices(gpu_ids)[1])
+    except SandboxError:
+        return fallback
+
+
 class LocalExecutor:
     """Run stages on this machine. Create once per driver; `close()` stops the warm worker."""
 
@@ -153,6 +164,20 @@ class LocalExecutor:
         if job.job_id in self._running:
             raise ExecutorError(f"job {job.job_id} already submitted")
         proc = self._start()
+        spec = self.stage_spec(job)
+        msg = json.dumps({"op": "run", "id": job.job_id, "spec": spec, "timeout_s": job.timeout_s}) + "\n"
+        self._running[job.job_id] = job
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(msg.encode())
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._worker_died()
+
+    def stage_spec(self, job: StageJob) -> dict[str, object]:
+        """The child's spec for `job` (environment, limits, sandbox); assigns its GPUs. A sandboxed
+        stage gets only its own GPUs' device nodes (`sandbox.gpu_plan`), so its
+        CUDA_VISIBLE_DEVICES names them as the sandbox shows them."""
         env = self.base_env | job.env
         if job.cpus != self.cpus:
             env |= thread_env(job.cpus)
@@ -165,20 +190,18 @@ class LocalExecutor:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(free[: job.gpus])
         elif self.gpu_ids or "CUDA_VISIBLE_DEVICES" in env:
             env["CUDA_VISIBLE_DEVICES"] = ""
+        sandbox = None
+        if job.sandbox is not None:
+            sandbox = {**job.sandbox, "gpus": job.gpus}
+            if job.gpus:
+                sandbox["gpu_ids"] = self._gpu_of[job.job_id]
+                env["CUDA_VISIBLE_DEVICES"] = inside_gpu_ids(self._gpu_of[job.job_id], env["CUDA_VISIBLE_DEVICES"])
         job.log_path.parent.mkdir(parents=True, exist_ok=True)
-        spec = {
+        return {
             "argv": job.argv, "cwd": str(job.cwd), "env": env, "log": str(job.log_path),
             "cpus": job.cpus, "memory_mb": job.memory_mb, "strip_sys_path": [_package_root()],
-            "sandbox": None if job.sandbox is None else {**job.sandbox, "gpus": job.gpus},
+            "sandbox": sandbox,
         }
-        msg = json.dumps({"op": "run", "id": job.job_id, "spec": spec, "timeout_s": job.timeout_s}) + "\n"
-        self._running[job.job_id] = job
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(msg.encode())
-            proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self._worker_died()
 
     def poll(self, timeout: float = 0.0) -> list[JobResult]:
         deadline = time.monotonic() + timeout

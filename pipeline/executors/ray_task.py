@@ -122,6 +122,19 @@ class WarmWorker:
             if msg.get("event") == "ready":
                 return self.proc
 
+    def _inside_gpu_ids(self, gpu_ids: list[str], fallback: str) -> str:
+        """CUDA_VISIBLE_DEVICES inside the sandbox, which binds only these GPUs' nodes (the node's
+        copy of sandbox.py decides, as the local executor's does); `fallback` where it cannot."""
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("_ar_sandbox_gpu", os.path.join(self.pkg, "_ar_sandbox.py"))
+        try:
+            mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+            spec.loader.exec_module(mod)  # type: ignore[union-attr]
+            return ",".join(mod.gpu_devices(gpu_ids)[1])
+        except (OSError, AttributeError):
+            return fallback
+
     def _next(self) -> dict[str, Any] | None:
         assert self.proc is not None and self.proc.stdout is not None
         while b"\n" not in self.buf:
@@ -169,6 +182,9 @@ class WarmWorker:
         if sandbox is not None:  # the same mounts, at this node's copies
             sandbox = {**sandbox, "ro": [local(p) for p in sandbox["ro"]], "rw": [local(p) for p in sandbox["rw"]],
                        "out": local(sandbox["out"]) if sandbox.get("out") else None, "gpus": job.get("gpus", 0)}
+            if sandbox["gpus"]:  # Ray's choice for this actor: only those GPUs' nodes are bound
+                sandbox["gpu_ids"] = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+                env["CUDA_VISIBLE_DEVICES"] = self._inside_gpu_ids(sandbox["gpu_ids"], env.get("CUDA_VISIBLE_DEVICES", ""))
         spec = {"argv": [local(a) for a in job["argv"]], "cwd": cwd, "env": env, "log": log,
                 "cpus": job["cpus"], "memory_mb": job["memory_mb"], "strip_sys_path": [self.pkg],
                 "sandbox": sandbox}

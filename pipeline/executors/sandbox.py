@@ -22,7 +22,8 @@ The outer process builds a new root on a tmpfs and the stage pivots into it (the
   process copies the regular files and folders it holds into the real folder, up to `out_max_mb`
   of file sizes (never a symlink, hard link, device or fifo: each one skipped is said in the log).
   So `{out}` is bounded and the scorer only ever reads regular files the stage wrote;
-- a private `/tmp` (tmpfs of `tmp_max_mb`), a minimal `/dev`, a fresh `/proc`.
+- a private `/tmp` (tmpfs of `tmp_max_mb`), a minimal `/dev` (with `gpus`: the NVIDIA control nodes
+  and only the stage's own `/dev/nvidia<N>`, see `gpu_plan`), a fresh `/proc`.
 
 Nothing else exists inside: not the lab's `runs/` (seal, store, cache, worktrees, logs), not
 `$HOME`. The stage then drops every capability, becomes an unprivileged uid (a fresh one per stage
@@ -60,6 +61,8 @@ LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 SYSTEM_RO = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+GPU_CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")  # no GPU's own
+NVIDIA_PROC = "/proc/driver/nvidia/gpus"  # one folder per GPU, by PCI bus id: its minor and UUID
 NEWROOT_CANDIDATES = ("/mnt", "/srv", "/media", "/boot", "/var/tmp", "/opt")
 OWN_PACKAGES = ("pipeline", "agent")
 MAX_OUT_FILES = 100_000
@@ -240,6 +243,123 @@ def _drop_capabilities() -> None:
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
+class GpuError(SandboxError):
+    """The stage's GPUs cannot be told apart from the others' (an id we cannot map to a device node)."""
+
+
+def nvidia_gpus(proc_dir: str = NVIDIA_PROC) -> list[dict[str, Any]]:
+    """The driver's GPUs in PCI bus order (the order of nvidia-smi's and, on a machine of one GPU
+    model, CUDA's indices): [{"bus", "minor", "uuid"}]; [] where the driver says nothing."""
+    out = []
+    try:
+        names = sorted(os.listdir(proc_dir))
+    except OSError:
+        return []
+    for bus in names:
+        info: dict[str, Any] = {"bus": bus, "minor": None, "uuid": None}
+        try:
+            with open(os.path.join(proc_dir, bus, "information")) as fh:
+                for line in fh:
+                    key, _, value = line.partition(":")
+                    if key.strip() == "Device Minor" and value.strip().isdigit():
+                        info["minor"] = int(value)
+                    elif key.strip() == "GPU UUID":
+                        info["uuid"] = value.strip()
+        except OSError:
+            continue
+        if info["minor"] is not None:
+            out.append(info)
+    return out
+
+
+def gpu_plan(present: list[str], gpu_ids: list[str], gpus: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """Pure: which NVIDIA nodes a stage gets, and its CUDA_VISIBLE_DEVICES inside the sandbox.
+
+    `present`: the NVIDIA entries of /dev, relative to it ("nvidia0", "nvidiactl",
+    "nvidia-caps/nvidia-cap1"); `gpu_ids`: the stage's assignment (CUDA_VISIBLE_DEVICES: indices
+    or GPU-UUIDs); `gpus`: `nvidia_gpus()`. Returns (the control nodes present, the caps nodes and
+    `nvidia<minor>` of each assigned GPU only; the ids to use inside: the UUIDs where the driver
+    names them, which select the same GPU whether or not CUDA renumbers the GPUs it can open, else
+    0..k-1, the numbering of the only nodes it can open). Raises GpuError for an id that names no
+    node here (a MIG id, an unknown UUID, an index past the GPUs): never all GPUs instead.
+    """
+    have = set(present)
+    nodes = [n for n in GPU_CONTROL_NODES if n in have]
+    nodes += sorted(n for n in have if n.startswith("nvidia-caps/"))
+    own: list[str] = []
+    inside: list[str] = []
+    for raw in gpu_ids:
+        gid = raw.strip()
+        if not gid:
+            continue
+        if gid.isdigit():
+            i = int(gid)
+            if gpus and i >= len(gpus):
+                raise GpuError(errno.ENODEV, f"GPU {gid} of CUDA_VISIBLE_DEVICES: the driver lists {len(gpus)} GPU(s)")
+            info = gpus[i] if gpus else {"minor": i, "uuid": None}
+        elif gid.startswith("GPU-"):
+            found = [g for g in gpus if g["uuid"] and g["uuid"].startswith(gid)]
+            if len(found) != 1:
+                raise GpuError(errno.ENODEV, f"GPU {gid} of CUDA_VISIBLE_DEVICES: "
+                                             f"{'no' if not found else 'more than one'} GPU of the driver has that UUID")
+            info = found[0]
+        else:
+            raise GpuError(errno.ENODEV, f"GPU {gid!r} of CUDA_VISIBLE_DEVICES: the sandbox binds a whole GPU "
+                                         "by index or GPU-UUID (MIG ids are not supported)")
+        node = f"nvidia{info['minor']}"
+        if node not in have:
+            raise GpuError(errno.ENODEV, f"GPU {gid} of CUDA_VISIBLE_DEVICES: no /dev/{node}")
+        if node not in own:
+            own.append(node)
+            inside.append(info["uuid"] or "")
+    if not own:
+        raise GpuError(errno.ENODEV, "[run] gpus > 0 but the stage was assigned no GPU (CUDA_VISIBLE_DEVICES is empty)")
+    if not all(inside):
+        inside = [str(k) for k in range(len(own))]
+    return nodes + own, inside
+
+
+def nvidia_nodes(dev: str = "/dev") -> list[str]:
+    """The NVIDIA entries of `dev`, relative to it: nodes, and those in the nvidia-caps folder."""
+    out = []
+    try:
+        names = os.listdir(dev)
+    except OSError:
+        return []
+    for n in names:
+        if not n.startswith("nvidia"):
+            continue
+        if os.path.isdir(os.path.join(dev, n)):
+            if n == "nvidia-caps":
+                out += [f"{n}/{c}" for c in os.listdir(os.path.join(dev, n))
+                        if not os.path.isdir(os.path.join(dev, n, c))]
+        else:
+            out.append(n)
+    return sorted(out)
+
+
+def gpu_devices(gpu_ids: list[str], dev: str = "/dev", proc_dir: str = NVIDIA_PROC) -> tuple[list[str], list[str]]:
+    """`gpu_plan` on this machine's /dev and driver."""
+    return gpu_plan(nvidia_nodes(dev), gpu_ids, nvidia_gpus(proc_dir))
+
+
+def stage_gpu_ids(spec: dict[str, Any]) -> list[str]:
+    """The GPUs assigned to the stage: the spec's `gpu_ids` (the executor's choice), else ours."""
+    ids = spec.get("gpu_ids")
+    if ids is None:
+        ids = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    return [str(g).strip() for g in ids if str(g).strip() and str(g).strip() != "-1"]
+
+
+def device_nodes(spec: dict[str, Any], dev: str = "/dev", proc_dir: str = NVIDIA_PROC) -> list[str]:
+    """The /dev entries (relative to `dev`) bound into the sandbox: the basic ones and, with
+    `gpus`, the NVIDIA control nodes and the stage's own GPUs only."""
+    devices = list(DEVICES)
+    if spec.get("gpus"):
+        devices += gpu_devices(stage_gpu_ids(spec), dev, proc_dir)[0]
+    return devices
+
+
 def _build_root(spec: dict[str, Any]) -> str:
     """The new root, on a tmpfs: the system read-only, /dev, a private /tmp, the Python environment
     read-only (it may live under /tmp), our package and the lab masked inside what is mounted, then
@@ -255,9 +375,7 @@ def _build_root(spec: dict[str, Any]) -> str:
             _bind(path, _makedirs_in(root, path), readonly=True)
     dev = _makedirs_in(root, "/dev")
     _mount("tmpfs", dev, "tmpfs", MS_NOSUID, "mode=0755,size=1m")
-    devices = list(DEVICES)
-    if spec.get("gpus"):  # the NVIDIA device nodes; CUDA_VISIBLE_DEVICES still picks the stage's GPUs
-        devices += sorted(n for n in os.listdir("/dev") if n.startswith("nvidia") and not os.path.isdir(f"/dev/{n}"))
+    devices = device_nodes(spec)
     for name in devices:
         if os.path.exists(f"/dev/{name}"):
             _bind(f"/dev/{name}", _makedirs_in(root, f"/dev/{name}", as_file=True), readonly=False)
