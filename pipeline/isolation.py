@@ -129,16 +129,23 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:
                             start_new_session=True, env=env, cwd=root, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     timed_out = False
-    cpu_at_kill = 0.0  # a killed process's time is never reaped: read it (all it started) first
+    cpu_at_kill = 0.0  # a killed process's time is never reaped: read it (all it started) first, once
+    killed_at = 0.0
     try:
         while True:
             pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
-            if time.monotonic() - started > timeout_s:
+            now = time.monotonic()
+            if not timed_out and now - started > timeout_s:
                 timed_out = True
-                cpu_at_kill = max(cpu_at_kill, group_cpu_s(proc.pid))
-                os.killpg(proc.pid, signal.SIGKILL)
+                cpu_at_kill = group_cpu_s(proc.pid)
+            if timed_out and now - killed_at >= 1.0:  # the kill again each second, never the scan
+                killed_at = now
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             time.sleep(0.005)
     finally:
         try:

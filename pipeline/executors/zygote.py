@@ -146,13 +146,15 @@ class Zygote:
                 stragglers = group_cpu_s(pid)
             except (ProcessLookupError, PermissionError):
                 stragglers = 0.0
+            # what it reaped plus what is left, or what all of it had used at the kill (which counted
+            # the stragglers of then already), whichever is more: never the stragglers twice
             try:  # stragglers the stage left in its group
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             msg: dict[str, Any] = {
                 "event": "exit", "id": job.id,
-                "cpu_s": max(ru.ru_utime + ru.ru_stime, job.cpu_at_kill) + stragglers,
+                "cpu_s": max(ru.ru_utime + ru.ru_stime + stragglers, job.cpu_at_kill),
                 "wall_s": time.monotonic() - job.started, "exit_code": None, "signal": None,
             }
             if os.WIFEXITED(status):
