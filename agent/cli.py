@@ -185,14 +185,16 @@ def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
         "protocol": cfg.gate.protocol,
         "looks": cfg.gate.looks,
     }
+    warnings = [*lab.config_warnings(), *(
+        f"{path} is editable but no stage lists it in `inputs`: no stage can read it "
+        "(stages see only the editable files they declare)" for path in undeclared)]
     if as_json:
-        emit_json(summary)
+        emit_json({**summary, "warnings": warnings})
     else:
         for key, value in summary.items():
             typer.echo(f"{key:10s} {', '.join(map(str, value)) if isinstance(value, list) else value}")
-    for path in undeclared:
-        typer.echo(f"warning: {path} is editable but no stage lists it in `inputs`: no stage can read it "
-                   "(stages see only the editable files they declare)", err=True)
+    for line in warnings:
+        typer.echo(f"warning: {line}", err=True)
 
 
 @app.command("seed")

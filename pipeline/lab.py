@@ -69,6 +69,12 @@ class StageSpec(_Strict):
     inputs: list[str] = Field(default_factory=list)
 
 
+# A stage with the network shares the host's network namespace: loopback included, so it can reach
+# `autoresearch serve` and a store's PostgreSQL on this machine (their own checks are all that stand)
+NETWORK_WARNING = ("[run] network = true: stages share the host's network and can reach the review page "
+                   "(autoresearch serve) and a PostgreSQL store on this machine; prefer network = false")
+
+
 class RunSection(_Strict):
     timeout_s: float = Field(default=900, gt=0)
     cpus: int = Field(default=1, ge=1)
@@ -335,6 +341,14 @@ class Lab:
         if self.is_trusted(path):
             return False
         return not self.is_editable(path) or any(glob_match(path, p.partition("#")[0]) for p in stage.inputs)
+
+    def config_warnings(self) -> list[str]:
+        """One line each for what the configuration allows and the sandbox cannot prevent (`check`)."""
+        run = self.config.run
+        out = []
+        if run.network:
+            out.append(NETWORK_WARNING)
+        return out
 
     def undeclared_editable(self, paths: list[str]) -> list[str]:
         """Editable files no stage declares as an input: no stage can read them (`check` says so)."""
