@@ -17,7 +17,7 @@ from agent.errors import ReviewError
 from agent.records import ACTIVE, Hypothesis, Records
 from pipeline import disk, isolation, lease, runner
 from pipeline.errors import UserError
-from pipeline.lab import Lab, load_lab
+from pipeline.lab import Lab, load_lab, memory_plan
 
 
 
@@ -123,6 +123,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
     return {
         "lab": lab.config.lab.name,
         "sandbox": "on" if isolation.is_sandboxed(lab) else isolation.UNSANDBOXED,
+        "memory": memory_plan(lab.config.run).to_json(),
         "baseline": {"commit": base, "tag": tags[-1] if tags else None},
         "metric": {"name": lab.config.benchmark.metric, "higher_is_better": lab.config.benchmark.higher_is_better},
         "queue": queue,

@@ -28,6 +28,8 @@ def print_status(st: dict[str, Any]) -> None:
     if st.get("sandbox") != "on":
         con.print(f"[bold red]{st.get('sandbox')}[/bold red]: this lab opted out of the sandbox ([run] sandbox = \"off\"); "
                   "branch code can read the sealed labels, the store and the network")
+    if st.get("memory"):
+        con.print(st["memory"]["text"], markup=False, highlight=False)
     d = st.get("driver")
     if d:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["since"]))

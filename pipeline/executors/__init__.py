@@ -33,8 +33,13 @@ def _local(lab: "Lab", *, workers: int | None, ray_address: str | None, preload:
     run = lab.config.run
     logs = lab.state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    from pipeline.lab import local_slots, memory_plan
+
+    # with [run] memory_mb unset: the machine's share per slot, less the slot's tmpfs (lab.MemoryPlan)
+    plan = memory_plan(run, workers if workers is not None else local_slots(run))
     return LocalExecutor(cpus=run.cpus, gpus=run.gpus, slots=workers,
-                         preload=DEFAULT_PRELOAD if preload is None else preload, worker_log=Path(logs) / "worker.log")
+                         preload=DEFAULT_PRELOAD if preload is None else preload, worker_log=Path(logs) / "worker.log",
+                         default_memory_mb=plan.memory_mb)
 
 
 def _ray(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: tuple[str, ...] | None) -> Executor:

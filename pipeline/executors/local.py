@@ -57,8 +57,10 @@ class LocalExecutor:
     name = "local"
 
     def __init__(self, *, cpus: int = 1, gpus: int = 0, slots: int | None = None,
-                 preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD, worker_log: Path | None = None):
+                 preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD, worker_log: Path | None = None,
+                 default_memory_mb: int | None = None):
         self.cpus = cpus
+        self.default_memory_mb = default_memory_mb  # a job's memory_mb when it names none (lab.memory_plan)
         self.gpus = gpus
         self.gpu_ids = visible_gpus() if gpus else []
         by_cpu = max(1, (os.cpu_count() or 1) // cpus)
@@ -199,8 +201,8 @@ class LocalExecutor:
         job.log_path.parent.mkdir(parents=True, exist_ok=True)
         return {
             "argv": job.argv, "cwd": str(job.cwd), "env": env, "log": str(job.log_path),
-            "cpus": job.cpus, "memory_mb": job.memory_mb, "strip_sys_path": [_package_root()],
-            "sandbox": sandbox,
+            "cpus": job.cpus, "strip_sys_path": [_package_root()], "sandbox": sandbox,
+            "memory_mb": job.memory_mb if job.memory_mb is not None else self.default_memory_mb,
         }
 
     def poll(self, timeout: float = 0.0) -> list[JobResult]:

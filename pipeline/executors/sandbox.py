@@ -22,7 +22,8 @@ The outer process builds a new root on a tmpfs and the stage pivots into it (the
   process copies the regular files and folders it holds into the real folder, up to `out_max_mb`
   of file sizes (never a symlink, hard link, device or fifo: each one skipped is said in the log).
   So `{out}` is bounded and the scorer only ever reads regular files the stage wrote;
-- a private `/tmp` (tmpfs of `tmp_max_mb`), a minimal `/dev` (with `gpus`: the NVIDIA control nodes
+- a private `/tmp` (tmpfs of `tmp_max_mb`) and `/dev/shm` (`shm_max_mb`, 64 MB: tmpfs is RAM no
+  rlimit counts, see lab.MemoryPlan), a minimal `/dev` (with `gpus`: the NVIDIA control nodes
   and only the stage's own `/dev/nvidia<N>`, see `gpu_plan`), a fresh `/proc`.
 
 Nothing else exists inside: not the lab's `runs/` (seal, store, cache, worktrees, logs), not
@@ -74,7 +75,7 @@ SETUP_FAILED = 125  # exit code of a stage whose sandbox could not be set up (se
 OFF_HINT = 'set [run] sandbox = "off" in research.toml to run unsandboxed (README: "Sandbox")'
 
 DEFAULTS: dict[str, Any] = {"ro": [], "rw": [], "out": None, "network": False, "out_max_mb": 4096,
-                            "tmp_max_mb": 1024, "max_procs": 256}
+                            "tmp_max_mb": 1024, "shm_max_mb": 64, "max_procs": 256}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -382,7 +383,7 @@ def _build_root(spec: dict[str, Any]) -> str:
     for link, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{dev}/{link}")
-    _mount("tmpfs", _makedirs_in(root, "/dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=256m")
+    _mount("tmpfs", _makedirs_in(root, "/dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={int(spec['shm_max_mb'])}m")
     _mount("tmpfs", _makedirs_in(root, "/tmp"), "tmpfs", MS_NOSUID | MS_NODEV,
            f"mode=1777,size={int(spec['tmp_max_mb'])}m")
     for path in env:
