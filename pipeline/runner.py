@@ -35,6 +35,8 @@ import argparse
 import functools
 import logging
 import math
+import os
+import stat
 import threading
 import time
 import uuid
@@ -607,15 +609,30 @@ class Driver:
             log.warning("run %s was taken back from this driver; its result is not recorded twice", run.id)
 
 
-def _has_nonfinite(path: Path) -> bool:
+NONFINITE_SCAN_BYTES = 16 << 20  # how much of a rejected predictions file is read to tell "nan" from "predictions"
+_NONFINITE = (b"nan", b"inf", b"-inf", b"+inf", b"infinity", b"-infinity")
+
+
+def _has_nonfinite(path: Path, limit: int = NONFINITE_SCAN_BYTES) -> bool:
+    """Whether a rejected predictions file (branch-written) holds a non-finite score in its first
+    `limit` bytes: opened without following a link, read line by line (a line at most 4 KB a read),
+    never whole, so a 4 GB file costs the driver no memory."""
     try:
-        text = path.read_text(errors="replace").lower()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
-    for line in text.splitlines()[1:]:
-        cell = line.rsplit(",", 1)[-1].strip()
-        if cell in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
-            return True
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            return False
+        fh.readline(4096)  # the header
+        seen = 0
+        while seen < limit:
+            line = fh.readline(4096)
+            if not line:
+                return False
+            seen += len(line)
+            if line.rsplit(b",", 1)[-1].strip().lower() in _NONFINITE:
+                return True
     return False
 
 
