@@ -39,14 +39,14 @@ from pipeline.gate.protocols import (
 from pipeline.gate.stats import (
     HORIZONTAL_TRIM,
     PRIOR_DF_CAP,
+    arms_without_task,
+    bound_weight,
     history_prior,
     horizontal_values,
+    noisier_p,
     pooled_t,
     spread_ratio_p,
     summarize,
-    arms_without_task,
-    bound_weight,
-    noisier_p,
     without_task,
 )
 from pipeline.gate.verdict import CODE, ORDER, Verdict, decide
@@ -341,7 +341,7 @@ def _paired_path(protocol: str, base: np.ndarray, chal: np.ndarray, looks: tuple
         c = chal[..., :mk]
         hb, hc = horizontal_values(visible, c, base_arm.mean, scale, trim)
         pt = paired_tests(visible, c, scale, hb, trim, pair_history, arm_history)
-        # boundaries: one schedule per bound weight (trials, and tasks, differ in their history)
+        # boundaries: one calibration per bound df (trials, and tasks, differ in their history)
         t_upper, t_nominal = np.full((b, J), np.inf), np.full((b, J), np.nan)
         for w in np.unique(pt.prior.df):
             bnd = _paired_boundaries(proto, n, looks[: k + 1], looks[-1], alpha, int(w))
@@ -354,7 +354,7 @@ def _paired_path(protocol: str, base: np.ndarray, chal: np.ndarray, looks: tuple
             top, required = most_improved(pt.test.delta, scale)
             breadth = paired_tests(without_task(visible, top), without_task(c, top), scale, hb, trim, None,
                                    arms_without_task(arm_history, top)).h
-        # the horizontal boundaries: one schedule per bound weight (trials differ in their history)
+        # the horizontal boundaries: one calibration per bound df (trials differ in their history)
         h_upper = np.full(b, np.inf)
         for w in np.unique(pt.bound.df):
             bnd = _paired_boundaries(proto, n, looks[: k + 1], looks[-1], alpha, int(w))
