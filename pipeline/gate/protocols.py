@@ -290,7 +290,7 @@ def paired_tests(
 
     Arrays (..., tasks, seeds), oriented; `hb` the baseline's per-seed horizontal values (the
     variance floor); `history` (..., tasks, comparisons, seeds) of earlier paired differences;
-    `arms` (..., arms, tasks, seeds) runs of earlier arms (`stats.bound_prior`).
+    `arms` (..., arms, tasks, seeds) runs of earlier arms (`stats.bound_priors`).
     """
     m = chal.shape[-1]
     d = chal - base[..., :m] if base.shape[-1] >= m else chal - _widen(base, m)
