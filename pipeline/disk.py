@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
     from pipeline.dag import Cache
@@ -194,15 +194,27 @@ def usage(lab: Lab, store: Store) -> dict[str, float | None]:
     return out
 
 
+def open_regular(path: Path) -> BinaryIO | None:
+    """A file a stage may have written, opened for reading without following a link and without
+    blocking (a FIFO in its place), or None if it is missing, a link or not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "rb")
+
+
 def read_tail(path: Path, limit: int) -> tuple[str, int]:
     """The last `limit` bytes of a file (a stage's log: any size) as text, and the file's size.
 
-    Read with a seek, never whole; not through a link. ("", 0) if there is no such file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
+    Read with a seek, never whole; not through a link. ("", 0) if there is no such regular file."""
+    fh = open_regular(path)
+    if fh is None:
         return "", 0
-    with os.fdopen(fd, "rb") as fh:
-        size = os.fstat(fd).st_size
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
         fh.seek(max(0, size - limit))
         return fh.read(limit).decode(errors="replace"), size

@@ -35,8 +35,6 @@ import argparse
 import functools
 import logging
 import math
-import os
-import stat
 import threading
 import time
 import uuid
@@ -48,7 +46,7 @@ from typing import Any
 
 from pipeline import isolation
 from pipeline.dag import Cache, StageNode, check_not_sealed, input_digests, plan_run, render
-from pipeline.disk import DiskKeeper
+from pipeline.disk import DiskKeeper, open_regular
 from pipeline.executors import Executor, StageJob, classify, make_executor
 from pipeline.executors.base import lab_env
 from pipeline.harness import Harness, Prepared, PredictionsError
@@ -617,13 +615,10 @@ def _has_nonfinite(path: Path, limit: int = NONFINITE_SCAN_BYTES) -> bool:
     """Whether a rejected predictions file (branch-written) holds a non-finite score in its first
     `limit` bytes: opened without following a link, read line by line (a line at most 4 KB a read),
     never whole, so a 4 GB file costs the driver no memory."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    fh = open_regular(path)
+    if fh is None:
         return False
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            return False
+    with fh:
         fh.readline(4096)  # the header
         seen = 0
         while seen < limit:

@@ -436,7 +436,10 @@ def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str],
             if stat.S_ISLNK(st.st_mode):
                 make_symlink(dst_fd, path, os.readlink(name, dir_fd=dfd))
             elif stat.S_ISREG(st.st_mode):
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+                if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped since the walk saw it
+                    os.close(fd)
+                    raise UnsafeTree(errno.EINVAL, f"{path}: not a regular file")
                 with os.fdopen(fd, "rb") as fh:
                     _write_stream(dst_fd, path, fh, executable=bool(st.st_mode & 0o111))
     finally:

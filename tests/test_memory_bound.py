@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from agent_fixtures import cli
+from exec_fixtures import require_sandbox
 from pipeline import isolation
 from pipeline.executors import StageJob, classify
 from pipeline.executors.local import LocalExecutor
@@ -98,9 +99,7 @@ print("wrote it all", file=sys.stderr)
 @pytest.mark.parametrize("where, mb, out_mb, tmp_mb", [("/dev/shm/fill", 100, 128, 16), ("/tmp/fill", 40, 64, 16)])
 def test_a_stage_that_writes_past_its_tmpfs_gets_enospc_as_the_methods_failure(tmp_path: Path, where: str, mb: int,
                                                                                out_mb: int, tmp_mb: int) -> None:
-    isolation._probe.cache_clear()
-    if isolation._probe() is not None:
-        pytest.skip(f"no sandbox here: {isolation._probe()}")
+    require_sandbox()
     (tmp_path / "code").mkdir()
     (tmp_path / "out").mkdir()
     (tmp_path / "code" / "fill.py").write_text(FILL)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from exec_fixtures import require_sandbox
 from pipeline import isolation
 from pipeline.executors import StageJob
 from pipeline.executors.child import STAGE_OOM_SCORE_ADJ
@@ -21,8 +22,8 @@ from pipeline.executors.zygote import WORKER_OOM_SCORE_ADJ
 @pytest.mark.parametrize("sandboxed", [True, False], ids=["sandboxed", "unsandboxed"])
 def test_stages_are_the_oom_killers_first_victims_and_the_warm_worker_its_last(tmp_path: Path,
                                                                              sandboxed: bool) -> None:
-    if sandboxed and isolation._probe() is not None:
-        pytest.skip(f"no sandbox here: {isolation._probe()}")
+    if sandboxed:
+        require_sandbox()
     out, code = tmp_path / "out", tmp_path / "code"
     out.mkdir()
     code.mkdir()

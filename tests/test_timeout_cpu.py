@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from exec_fixtures import require_sandbox
 from pipeline import isolation
 from pipeline.executors import StageJob, classify
 from pipeline.executors.local import LocalExecutor
@@ -61,9 +62,7 @@ def sandbox_spec(work: Path) -> dict:
 def test_a_stage_killed_at_its_timeout_reports_the_cpu_of_everything_it_started(tmp_path: Path,
                                                                                sandboxed: bool) -> None:
     if sandboxed:
-        isolation._probe.cache_clear()
-        if isolation._probe() is not None:
-            pytest.skip(f"no sandbox here: {isolation._probe()}")
+        require_sandbox()
     (tmp_path / "code").mkdir()
     (tmp_path / "out").mkdir()
     (tmp_path / "code" / "spin.py").write_text(SPIN)
@@ -93,8 +92,7 @@ def test_a_one_off_sandboxed_process_killed_at_its_timeout_reports_its_cpu(lab: 
     from pipeline.lab import load_lab
 
     the_lab = load_lab(lab)
-    if isolation._probe() is not None:
-        pytest.skip(f"no sandbox here: {isolation._probe()}")
+    require_sandbox()
     code = lab / "runs" / "spin-code"
     code.mkdir(parents=True)
     (code / "spin.py").write_text(SPIN)

@@ -251,34 +251,29 @@ class PairedTests:
     hc: np.ndarray  # (..., seeds) the challenger's per-seed horizontal values (paired seeds)
 
 
-def _pair_history(inp: GateInput, names: list[str], sign: float) -> np.ndarray | None:
-    """(tasks, comparisons, seeds) paired differences of the lab's earlier comparisons, oriented."""
-    if not inp.pair_history:
-        return None
-    width = max((len(v) for c in inp.pair_history for v in c.values()), default=0)
+def _by_seed(records: list[dict[str, list[float | None]]], names: list[str], sign: float) -> np.ndarray | None:
+    """(records, tasks, seeds) of {task: [value by seed]} records (None = no value), NaN-padded and
+    oriented; None without any value."""
+    width = max((len(v) for r in records for v in r.values()), default=0)
     if width == 0:
         return None
-    out = np.full((len(names), len(inp.pair_history), width), np.nan)
-    for i, comp in enumerate(inp.pair_history):
+    out = np.full((len(records), len(names), width), np.nan)
+    for i, rec in enumerate(records):
         for j, name in enumerate(names):
-            row = [math.nan if v is None else float(v) for v in comp.get(name, [])]
-            out[j, i, : len(row)] = row
+            row = [math.nan if v is None else float(v) for v in rec.get(name, [])]
+            out[i, j, : len(row)] = row
     return sign * out
+
+
+def _pair_history(inp: GateInput, names: list[str], sign: float) -> np.ndarray | None:
+    """(tasks, comparisons, seeds) paired differences of the lab's earlier comparisons, oriented."""
+    out = _by_seed(inp.pair_history, names, sign)
+    return None if out is None else np.moveaxis(out, 0, 1)
 
 
 def _arm_history(inp: GateInput, names: list[str], sign: float) -> np.ndarray | None:
     """(arms, tasks, seeds) runs of the lab's earlier arms, oriented (the unpaired bound's history)."""
-    if not inp.arm_history:
-        return None
-    width = max((len(v) for a in inp.arm_history for v in a.values()), default=0)
-    if width == 0:
-        return None
-    out = np.full((len(inp.arm_history), len(names), width), np.nan)
-    for i, arm in enumerate(inp.arm_history):
-        for j, name in enumerate(names):
-            row = [math.nan if v is None else float(v) for v in arm.get(name, [])]
-            out[i, j, : len(row)] = row
-    return sign * out
+    return _by_seed(inp.arm_history, names, sign)
 
 
 def paired_tests(
