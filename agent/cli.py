@@ -266,11 +266,12 @@ def run_cmd(
 
 @app.command("serve")
 def serve_cmd(
-    host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (other than loopback needs a token)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (off loopback: --token or --generate-token)."),
     port: int = typer.Option(8765, "--port", min=1, max=65535),
     token: Optional[str] = typer.Option(os.environ.get("AUTORESEARCH_TOKEN"), "--token",
-                                        help="Access token off loopback (env AUTORESEARCH_TOKEN)."),
-    generate_token: bool = typer.Option(False, "--generate-token", help="Off loopback: make a token and print it."),
+                                        help="Access token (env AUTORESEARCH_TOKEN; default: the lab's runs/serve.token)."),
+    generate_token: bool = typer.Option(False, "--generate-token",
+                                        help="Off loopback: use the lab's own token (runs/serve.token, made if absent)."),
 ) -> None:
     """The review page in a browser: overview, hypotheses, summaries, approve/reject/comment."""
     from agent.web import serve

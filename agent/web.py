@@ -10,10 +10,16 @@ JavaScript build; pages refresh themselves.
   very function `autoresearch review` calls, so the loop sees the same rows (a comment joins the
   next prompts; an approval releases a supervised or plausibility hold at the loop's next pass).
 
-Security: loopback by default, answering only requests addressed to a loopback name (a DNS name
-rebound to 127.0.0.1 gets 400, so another site's page cannot read a form's CSRF token); any other
-host needs a token (`--token`, `AUTORESEARCH_TOKEN`, or
-`--generate-token`, printed once), asked for once and kept in an HttpOnly cookie. Every form
+Security: every request needs the server's token, on loopback too (Jupyter's convention: any local
+user or process, a stage with `network = true` among them, can reach a loopback port). Unless one
+is given (`--token`, `AUTORESEARCH_TOKEN`), the token is the lab's own: `runs/serve.token`, made
+on first use (0600, ours, never read or written through a link) and reused across restarts. It
+is printed once, in the URL on stderr; `?token=` then sets an HttpOnly cookie (named with the
+port, so two servers on one host keep theirs) and redirects to the same page without it. A
+request with neither gets 403. Off loopback, `serve` also asks for the token to be chosen
+explicitly (`--token` or `--generate-token`). On loopback it answers only requests addressed to
+a loopback name (a DNS name rebound to 127.0.0.1 gets 400, so another site's page cannot read a
+form's CSRF token). Every form
 carries a CSRF token (double-submit: a random cookie, SameSite=Strict, and the same value in the
 form, compared in constant time) and an Origin (or, without one, a Referer) whose scheme, host and
 port are the server's own: a cookie planted from another port of the same host is not enough. A POST
@@ -23,10 +29,13 @@ error is a page, never a traceback.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
+import os
 import re
 import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +48,61 @@ PICTURE = re.compile(r"^(\d+\.forest|progress)\.png$")
 OWN_LINK = re.compile(r"^(/files/)?\w[\w.-]*$")
 LOG_MAX_BYTES = 2 << 20  # `/logs/{id}` serves at most the last 2 MB of a stage's log
 DIFF_MAX_CHARS = 256 << 10  # a larger diff is shown as its `git diff --stat`
+TOKEN_FILE = "serve.token"  # in the lab's state folder (runs/)
+TOKEN_SHAPE = re.compile(r"^[A-Za-z0-9_.~-]{16,512}$")  # what a token file may hold (token_urlsafe makes these)
+
+
+def lab_token(state: Path) -> tuple[str, bool]:
+    """The lab's serve token and whether it was made now: read from `state/serve.token`, or made
+    there (32 random bytes, URL-safe) when absent. The file is opened relative to the state
+    folder with O_NOFOLLOW: a symlink, a file that is not regular, not ours or readable by others,
+    or that holds no token, is refused in one line (`UserError`), never followed or rewritten."""
+    from pipeline.errors import UserError
+
+    path = state / TOKEN_FILE
+    state.mkdir(parents=True, exist_ok=True)
+    dfd = os.open(state, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for _ in range(3):  # another `serve` of this lab may be making it at the same moment
+            try:
+                fd = os.open(TOKEN_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+            except FileNotFoundError:
+                token = secrets.token_urlsafe(32)
+                tmp = f".{TOKEN_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=dfd)
+                try:
+                    os.fchmod(fd, 0o600)
+                    os.write(fd, f"{token}\n".encode())
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                try:  # link(2) never replaces: a token another server wrote first wins
+                    os.link(tmp, TOKEN_FILE, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                except FileExistsError:
+                    continue
+                finally:
+                    os.unlink(tmp, dir_fd=dfd)
+                return token, True
+            except OSError as e:
+                why = "a symlink" if e.errno == errno.ELOOP else os.strerror(e.errno or errno.EIO)
+                raise UserError(f"{path}: {why}; not read (remove it: serve makes a new token)") from None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise UserError(f"{path}: not a regular file; not read (remove it: serve makes a new token)")
+                if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                    raise UserError(f"{path}: owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; "
+                                    "expected ours and 0600 (remove it: serve makes a new token)")
+                text = os.read(fd, 1024).decode("ascii", "replace").strip()
+            finally:
+                os.close(fd)
+            if not TOKEN_SHAPE.match(text):
+                raise UserError(f"{path}: holds no token (16 to 512 URL-safe characters); remove it: serve makes one")
+            return text, False
+        raise UserError(f"{path}: could not be made (another serve keeps replacing it)")
+    finally:
+        os.close(dfd)
 
 
 def is_loopback(host: str) -> bool:
@@ -71,7 +135,7 @@ def same_origin(headers: Any, own_url: str) -> bool:
     return theirs is not None and theirs == ours
 
 
-def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
+def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> Any:
     from markdown_it import MarkdownIt
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
@@ -225,16 +289,21 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
         return page(request, "error.html", status_code=code, code=code, message=msg)
 
     async def gate(request: Request, call_next: Any) -> Response:
-        """Off loopback, every request carries the token: `?token=` once, then the cookie."""
-        if token is None:
+        """Every request carries the token: `?token=` once (answered with the cookie and a redirect to
+        the same page without it, so it stays out of history and Referers), then the cookie."""
+        cookie = f"{TOKEN_COOKIE}_{request.url.port or ''}"  # cookies ignore ports: one per server
+        given = request.query_params.get("token")
+        if not hmac.compare_digest((given or request.cookies.get(cookie) or "").encode(), token.encode()):
+            return PlainTextResponse("this server needs its token: open the URL it printed (…/?token=…); "
+                                     "for the lab's own, see runs/serve.token", status_code=403)
+        if given is None:
             return await call_next(request)
-        given = request.query_params.get("token") or request.cookies.get(TOKEN_COOKIE) or ""
-        if not hmac.compare_digest(given, token):
-            return PlainTextResponse("this server needs its token: open the URL it printed (…/?token=…)",
-                                     status_code=401)
-        resp = await call_next(request)
-        if request.query_params.get("token"):
-            resp.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
+        rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
+        from urllib.parse import urlencode
+
+        to = request.url.path + (f"?{urlencode(rest)}" if rest else "")
+        resp = RedirectResponse(to, status_code=303) if request.method in ("GET", "HEAD") else await call_next(request)
+        resp.set_cookie(cookie, token, httponly=True, samesite="strict")
         return resp
 
     from starlette.middleware import Middleware
@@ -244,7 +313,7 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
               Route("/hypotheses/{hid:int}/review", review, methods=["POST"]),
               Route("/files/{name}", picture), Route("/logs/{eid:int}", stage_log)]
     middleware = [Middleware(BaseHTTPMiddleware, dispatch=gate)]
-    if token is None:  # loopback: only loopback names, or a rebound DNS name would make a page same-origin
+    if loopback:  # only loopback names, or a rebound DNS name would make a page same-origin
         from starlette.middleware.trustedhost import TrustedHostMiddleware
 
         middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "::1"]))
@@ -254,20 +323,24 @@ def make_app(repo: Path, db: str | None, token: str | None = None) -> Any:
 
 def serve(repo: Path, db: str | None, host: str, port: int, token: str | None, generate_token: bool,
           say: Any = print) -> None:
+    """Serve the lab's review page. The token: `token` if given, else the lab's own (`lab_token`);
+    off loopback one of `token` or `generate_token` must say so explicitly."""
     import uvicorn
 
     from agent import commands
     from pipeline.errors import UserError
 
-    commands.open_lab_store(repo, db)  # a wrong --repo or an unreachable store: one line before binding
-    if not is_loopback(host):
-        if not token and generate_token:
-            token = secrets.token_urlsafe(24)
-        if not token:
-            raise UserError(f"--host {host} is not loopback: the page would be open to the network; give a token "
-                            "(--token, AUTORESEARCH_TOKEN, or --generate-token)")
-    else:
-        token = token or None
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    say(f"serving {repo} on http://{shown}:{port}/" + (f"?token={token}" if token else ""))
-    uvicorn.run(make_app(repo, db, token), host=host, port=port, log_level="warning")
+    lab, _store, _rec = commands.open_lab_store(repo, db)  # a wrong --repo or store: one line before binding
+    loopback = is_loopback(host)
+    if not loopback and not token and not generate_token:
+        raise UserError(f"--host {host} is not loopback: the page would be open to the network; give a token "
+                        "(--token, AUTORESEARCH_TOKEN, or --generate-token for the lab's own)")
+    if token and not TOKEN_SHAPE.match(token):
+        raise UserError("--token: expected 16 to 512 URL-safe characters (letters, digits, '-', '_', '.', '~')")
+    note = ""
+    if not token:
+        token, made = lab_token(lab.state)
+        note = f" (token {'made and kept' if made else 'read from'} {lab.state / TOKEN_FILE}, mode 0600)"
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host
+    say(f"serving {repo} on http://{shown}:{port}/?token={token}{note}")
+    uvicorn.run(make_app(repo, db, token, loopback), host=host, port=port, log_level="warning")

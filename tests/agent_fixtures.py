@@ -361,7 +361,9 @@ def assert_runs_exactly_once(root: Path) -> dict[str, int]:
 # ----------------------------------------------------------------------------- the review page
 
 class Server:
-    """`autoresearch serve` as a real process on a free loopback port (no browser needed)."""
+    """`autoresearch serve` as a real process on a free loopback port (no browser needed). Every
+    server needs its token, loopback too: `wait()` reads it from the URL the server printed, and
+    `get`/`cookie` carry it as the browser's cookie would after `tokened` was opened once."""
 
     def __init__(self, lab: Path, *args: str, env: dict[str, str] | None = None):
         self.port = free_port()
@@ -371,19 +373,39 @@ class Server:
             cwd=REPO, env=env or cli_env(), stdout=subprocess.DEVNULL, stderr=open(self.log, "w"),
             start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.token = ""
 
     def wait(self) -> "Server":
         deadline = time.monotonic() + 60
         while True:
             try:
                 urllib.request.urlopen(self.url + "/", timeout=2)
-                return self
+                break
             except urllib.error.HTTPError:
-                return self  # it answers (401 when a token is needed)
+                break  # it answers (403 without its token)
             except OSError:
                 assert self.proc.poll() is None, self.log.read_text()
                 assert time.monotonic() < deadline, self.log.read_text()
                 time.sleep(0.2)
+        printed = [ln for ln in self.log.read_text().splitlines() if "?token=" in ln]
+        assert len(printed) == 1, self.log.read_text()  # the URL, once
+        self.token = printed[0].split("?token=")[1].split()[0]
+        return self
+
+    @property
+    def tokened(self) -> str:
+        """The URL the server printed (what a person opens first)."""
+        return f"{self.url}/?token={self.token}"
+
+    @property
+    def cookie(self) -> str:
+        return f"ar_token_{self.port}={self.token}"
+
+    def get(self, path: str, headers: dict[str, str] | None = None, timeout: float = 30):
+        """GET `path` with the token's cookie (urllib raises HTTPError for 4xx/5xx)."""
+        return urllib.request.urlopen(urllib.request.Request(self.url + path, headers={"Cookie": self.cookie,
+                                                                                       **(headers or {})}),
+                                      timeout=timeout)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -19,11 +19,14 @@ from summary_fixtures import BETTER, decided, implemented, measured, services
 
 
 def post(server: Server, path: str, fields: dict[str, str], headers: dict[str, str]) -> tuple[int, str]:
-    """One POST as a browser (or another site's page) would send it; redirects are not followed."""
+    """One POST as a browser (or another site's page) would send it, with the server's token cookie
+    beside any cookie in `headers` (the browser holds it once the printed URL was opened; a forged
+    cross-site POST carries it too); redirects are not followed."""
+    cookie = "; ".join(filter(None, [headers.get("Cookie"), server.cookie]))
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
         conn.request("POST", path, body=urllib.parse.urlencode(fields),
-                     headers={"Content-Type": "application/x-www-form-urlencoded", **headers})
+                     headers={"Content-Type": "application/x-www-form-urlencoded", **headers, "Cookie": cookie})
         resp = conn.getresponse()
         return resp.status, resp.read().decode(errors="replace")
     finally:
@@ -90,7 +93,7 @@ def test_branch_and_llm_strings_are_inert_on_the_review_page(lab: Path) -> None:
     svc.records.comment(h.id, "comment", f"<script>alert(3)</script> {BEACON}")
     server = Server(lab).wait()
     try:
-        html = urllib.request.urlopen(f"{server.url}/hypotheses/{h.id}", timeout=30).read().decode()
+        html = server.get(f"/hypotheses/{h.id}").read().decode()
     finally:
         server.stop()
     parser = Tags()
@@ -221,7 +224,7 @@ def test_the_log_page_serves_only_the_last_2_mb_with_a_notice(lab: Path) -> None
     eid = svc.store.stage_started(run_id, "finetune", "k" * 16, executor="local", log_path=str(log))
     server = Server(lab).wait()
     try:
-        with urllib.request.urlopen(f"{server.url}/logs/{eid}", timeout=30) as resp:
+        with server.get(f"/logs/{eid}") as resp:
             body = resp.read().decode()
     finally:
         server.stop()
@@ -241,7 +244,7 @@ def test_a_huge_diff_is_shown_as_its_stat(lab: Path) -> None:
                                    base_commit=git(lab, "rev-parse", BASELINE), branch="exp/huge"))
     server = Server(lab).wait()
     try:
-        page = urllib.request.urlopen(f"{server.url}/hypotheses/{h.id}", timeout=30).read().decode()
+        page = server.get(f"/hypotheses/{h.id}").read().decode()
     finally:
         server.stop()
     assert len(page) < 100_000 and "committed data row" not in page

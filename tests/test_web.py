@@ -1,17 +1,21 @@
 """`autoresearch serve` in a real headless Chromium (Debian's chromium and chromium-driver, driven by
 selenium): open the overview of a lab with decided hypotheses, open a held one, post a comment,
 approve the held promotion, let the loop run, see the new baseline — and the comment in the next
-propose prompt the fake OpenAI server receives. A POST without the CSRF token is refused; a
-non-loopback bind without a token refuses to start; errors are pages. Real server process, real
-lab, real gate records (summary_fixtures), the real loop.
+propose prompt the fake OpenAI server receives. The browser first opens the URL `serve` printed
+(`?token=`), then its cookie serves every later page: on loopback too, a request without the token
+gets 403, and the lab's token lives in runs/serve.token (0600, never through a link). A POST
+without the CSRF token is refused; a non-loopback bind without a token refuses to start; errors are
+pages. Real server process, real lab, real gate records (summary_fixtures), the real loop.
 
 `AUTORESEARCH_SCREENSHOTS=DIR` keeps the overview and hypothesis screenshots there (docs/ has them).
 """
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
+import stat
 import time
 import urllib.error
 import urllib.parse
@@ -83,7 +87,9 @@ def test_review_in_a_browser_steers_the_loop(lab: Path, llm: RoutedOpenAI, brows
     assert held.status == "held" and other.status == "done"
     server = Server(lab).wait()
     try:
-        browser.get(server.url + "/")
+        browser.get(server.tokened)  # the URL `serve` printed: the token becomes a cookie, then a redirect
+        assert browser.current_url == server.url + "/" and "token" not in browser.current_url
+        assert [c["httpOnly"] for c in browser.get_cookies() if c["name"] == f"ar_token_{server.port}"] == [True]
         assert browser.find_element(By.ID, "lab").text == svc.lab.config.lab.name
         assert "autoresearch/baseline" in browser.find_element(By.ID, "baseline").text
         recent = browser.find_element(By.ID, "recent").text
@@ -134,33 +140,109 @@ def test_a_post_without_the_csrf_token_is_refused(lab: Path) -> None:
     server = Server(lab).wait()
     try:
         data = urllib.parse.urlencode({"action": "comment", "comment": "forged"}).encode()
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(urllib.request.Request(f"{server.url}/hypotheses/{h.id}/review", data=data))
+        with pytest.raises(urllib.error.HTTPError) as e:  # the token's cookie, but no CSRF token
+            urllib.request.urlopen(urllib.request.Request(f"{server.url}/hypotheses/{h.id}/review", data=data,
+                                                          headers={"Cookie": server.cookie}))
         assert e.value.code == 403 and b"CSRF" in e.value.read()
         assert not svc.records.comments(h.id)  # nothing was written
-        rebound = urllib.request.Request(f"{server.url}/hypotheses/{h.id}", headers={"Host": "evil.example:80"})
         with pytest.raises(urllib.error.HTTPError) as e:  # DNS rebinding: another site's name for 127.0.0.1
-            urllib.request.urlopen(rebound)
+            server.get(f"/hypotheses/{h.id}", headers={"Host": "evil.example:80"})
         assert e.value.code == 400
-        page = urllib.request.urlopen(f"{server.url}/").read().decode()
+        page = server.get("/").read().decode()
         assert "postgresql" not in page and "sqlite" not in page and "OPENAI" not in page
     finally:
         server.stop()
+
+
+def get_raw(port: int, path: str, cookie: str = "") -> tuple[int, dict[str, str], str]:
+    """One GET, redirects not followed: (status, headers, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", path, headers={"Cookie": cookie} if cookie else {})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def test_on_loopback_a_token_is_required_and_kept_in_a_0600_file(lab: Path) -> None:
+    svc = services(lab)
+    h = decided(svc, measured(svc, implemented(svc), SAME))
+    token_file = lab / "runs" / "serve.token"
+    assert not token_file.exists()
+    server = Server(lab).wait()  # loopback, no --token: the lab's own, made now
+    try:
+        assert f"token made and kept {token_file}, mode 0600" in server.log.read_text()
+        st = token_file.lstat()
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+        assert token_file.read_text().strip() == server.token and len(server.token) >= 40
+        for path, cookie in (("/", ""), (f"/hypotheses/{h.id}", ""), ("/?token=wrong-token-wrong-token", ""),
+                             ("/", f"ar_token_{server.port}=wrong-token-wrong-token"),
+                             ("/", f"ar_token_{server.port + 1}={server.token}")):  # another server's cookie
+            status, _, body = get_raw(server.port, path, cookie)
+            assert status == 403 and "needs its token" in body and svc.lab.config.lab.name not in body, (path, cookie)
+        status, headers, _ = get_raw(server.port, f"/hypotheses?review=pending&token={server.token}")
+        assert status == 303 and headers["location"] == "/hypotheses?review=pending"  # the token leaves the URL
+        set_cookie = headers["set-cookie"]
+        assert set_cookie.startswith(f"ar_token_{server.port}={server.token};") and "HttpOnly" in set_cookie
+        assert "SameSite=strict" in set_cookie
+        status, _, body = get_raw(server.port, f"/hypotheses/{h.id}", server.cookie)
+        assert status == 200 and f"#{h.id}" in body
+    finally:
+        server.stop()
+    again = Server(lab).wait()  # a restart reuses the file's token
+    try:
+        assert again.token == server.token and "token read from" in again.log.read_text()
+        assert get_raw(again.port, "/", again.cookie)[0] == 200
+    finally:
+        again.stop()
+
+
+def test_the_token_file_is_never_followed_through_a_link_nor_taken_when_others_can_read_it(lab: Path,
+                                                                                          tmp_path: Path) -> None:
+    token_file = lab / "runs" / "serve.token"
+    token_file.parent.mkdir(exist_ok=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("x" * 43 + "\n")
+    elsewhere.chmod(0o600)
+    token_file.symlink_to(elsewhere)  # e.g. planted to read a token someone else made, or to write one there
+    out = cli(lab, "serve", "--port", str(free_port()), timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "serve.token: a symlink; not read" in out.stderr
+    assert elsewhere.read_text() == "x" * 43 + "\n" and token_file.is_symlink()
+    token_file.unlink()
+    dangling = tmp_path / "made-through-a-link"
+    token_file.symlink_to(dangling)  # a dangling link: serve must not create its target
+    out = cli(lab, "serve", "--port", str(free_port()), timeout=60)
+    assert out.returncode == 2 and "a symlink" in out.stderr and not dangling.exists()
+    token_file.unlink()
+    token_file.write_text("y" * 43 + "\n")
+    token_file.chmod(0o644)  # readable by other users: not a secret any more
+    out = cli(lab, "serve", "--port", str(free_port()), timeout=60)
+    assert out.returncode == 2 and "mode 0644; expected ours and 0600" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_off_loopback_a_token_is_required(lab: Path) -> None:
     port = free_port()
     refused = cli(lab, "serve", "--host", "0.0.0.0", "--port", str(port))
     assert refused.returncode == 2 and "not loopback" in refused.stderr and "Traceback" not in refused.stderr
+    short = cli(lab, "serve", "--host", "0.0.0.0", "--port", str(port), "--token", "abc")
+    assert short.returncode == 2 and "--token: expected 16 to 512" in short.stderr
     server = Server(lab, "--host", "0.0.0.0", "--generate-token").wait()
     try:
-        deadline = time.monotonic() + 10
-        while "token=" not in server.log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        token = server.log.read_text().split("token=")[1].split()[0]
+        assert server.token == (lab / "runs" / "serve.token").read_text().strip()  # the lab's own
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(server.url + "/")
-        assert e.value.code == 401
-        assert urllib.request.urlopen(f"{server.url}/?token={token}").status == 200
+        assert e.value.code == 403
+        status, headers, _ = get_raw(server.port, f"/?token={server.token}")
+        assert status == 303 and headers["location"] == "/"
+        assert server.get("/").status == 200
     finally:
         server.stop()
+    given = Server(lab, "--host", "0.0.0.0", "--token", "a-token-the-team-chose").wait()
+    try:
+        assert given.token == "a-token-the-team-chose"
+        assert given.get("/").status == 200
+    finally:
+        given.stop()
