@@ -231,6 +231,9 @@ def run_cmd(
                                                                   "as it is decided."),
     pause_on_plateau: bool = typer.Option(False, "--pause-on-plateau",
                                           help="Stop when [agent] plateau_after hypotheses in a row were not promoted."),
+    notify: Optional[list[str]] = typer.Option(None, "--notify",
+                                               help="Also notify this target (repeatable): https://… (JSON webhook), "
+                                                    "slack+https://…, smtp://host:port?to=…&from=…"),
 ) -> None:
     """The autonomous loop: propose, implement, measure, decide, summarize."""
     import logging
@@ -247,7 +250,7 @@ def run_cmd(
     lab = load_lab(Ctx.repo)
     opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever, executor=executor,
                        workers=workers, ray_address=ray_address, offline=offline, policy=policy, supervised=supervised,
-                       pause_on_plateau=pause_on_plateau, mlflow=mlflow, db=Ctx.db)
+                       pause_on_plateau=pause_on_plateau, mlflow=mlflow, db=Ctx.db, notify=tuple(notify or ()))
     display = RunDisplay()
     loop = Loop(lab, opts, progress=display.say, looks=display.looks if display.tty else None)
     loop.install_signals()

@@ -145,7 +145,14 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
         "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day,
                 "unreachable_since": llm_unreachable_since(rec)},
         "events": [{"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(5)],
+        "notify": _notify_status(store),
     }
+
+
+def _notify_status(store: Any) -> dict[str, Any]:
+    from agent.notify import status as notify_status
+
+    return notify_status(store)
 
 
 def _plateau(lab: Any, rec: Records) -> dict[str, int]:

@@ -54,6 +54,7 @@ class LoopOptions:
     smoke: bool = True
     pause_on_plateau: bool = False
     mlflow: str | None = None  # a tracking URI: each hypothesis is exported as it is decided
+    notify: tuple[str, ...] = ()  # `--notify URL`s, beside research.toml's [notify] targets (agent.notify)
     db: str | None = None
     idle_poll_s: float = 10.0
 
@@ -91,6 +92,8 @@ class Loop:
         self.store = runner.open_store(lab, opts.db)
         self.stop = threading.Event()
         self.stop_reason = ""
+        self.notifier = None
+        self._took_over: str | None = None
         self._take_lease()  # before anything else is set up: a second driver leaves here, in one line
         try:
             self.records = Records(self.store)
@@ -104,7 +107,14 @@ class Loop:
                 from agent.mlflow_export import Exporter
 
                 self._exporter = Exporter(lab, self.store, opts.mlflow)
+            from agent.notify import attach
+
+            self.notifier = attach(lab, self.store, self.records, list(opts.notify))  # events go to the outbox now
+            if self._took_over:
+                self.records.event("takeover", self._took_over)
         except BaseException:  # an unknown --policy, an unreachable checkpointer: the lab stays free
+            if self.notifier is not None:
+                self.notifier.close(flush_s=0)
             self._release_lease()
             raise
         self.started = 0  # hypotheses this run worked on: started, or resumed after a crash
@@ -119,7 +129,9 @@ class Loop:
 
     def close(self) -> None:
         """Stop the smoke runs' worker, release the checkpointer's connection and the lab's lease
-        (the store stays readable)."""
+        (the store stays readable). Due notifications get a few seconds to go out first."""
+        if self.notifier is not None:
+            self.notifier.close()
         self.svc.experiment.close()
         conn = getattr(self.checkpointer, "conn", None)
         if conn is not None:
@@ -142,8 +154,9 @@ class Loop:
         self.owner = Owner.current()
         dead = lease.acquire(self.store, self.owner)
         if dead is not None:
-            self.say(f"took over the lab from pid {dead.pid} on {dead.host}, which died "
-                     f"(its last heartbeat {time.time() - dead.heartbeat_at:.0f} s ago)")
+            self._took_over = (f"took over the lab from pid {dead.pid} on {dead.host}, which died "
+                               f"(its last heartbeat {time.time() - dead.heartbeat_at:.0f} s ago)")
+            self.say(self._took_over)  # a loop event too, once the records are open
         self._lease_stop = threading.Event()
 
         def beat() -> None:

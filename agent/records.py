@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from sqlalchemy import JSON, Column, Text
+from sqlalchemy import JSON, Column, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel, select
 
 from pipeline.store import Store, create_schema
@@ -84,12 +84,58 @@ class LoopEvent(SQLModel, table=True):
     created_at: float = Field(default_factory=now)
 
 
+class Notification(SQLModel, table=True):
+    """The notification outbox (`agent.notify`): one row per (event, target), written in the same
+    transaction as the event it tells of; a sender claims it (pending → sending), delivers it and marks
+    it sent, or puts it back with a back-off until `max_attempts` (→ failed)."""
+
+    __tablename__ = "notify_outbox"
+    __table_args__ = (UniqueConstraint("key", "target", name="uq_notify_key_target"),)
+    id: int | None = Field(default=None, primary_key=True)
+    key: str = Field(index=True)  # the event: "event:<loop_event id>", "hold:<hypothesis>", "digest:<date>", …
+    target: str = Field(index=True)
+    kind: str
+    subject: str = ""
+    body: str = Field(default="", sa_column=Column(Text))
+    link: str | None = None
+    state: str = Field(default="pending", index=True)  # pending | sending | sent | failed
+    attempts: int = 0
+    next_at: float = Field(default_factory=now)
+    claimed_at: float | None = None
+    sent_at: float | None = None
+    last_error: str | None = Field(default=None, sa_column=Column(Text))
+    created_at: float = Field(default_factory=now)
+
+
+class NotifyTargetState(SQLModel, table=True):
+    """How each notification target fares, for `status` (no secret: the URL's host only)."""
+
+    __tablename__ = "notify_target"
+    target: str = Field(primary_key=True)
+    kind: str = ""
+    where: str = ""
+    fails_in_row: int = 0
+    failing_since: float | None = None
+    last_error: str | None = Field(default=None, sa_column=Column(Text))
+    last_ok_at: float | None = None
+    dead: bool = False
+
+
+AGENT_TABLES = [Hypothesis.__table__, ReviewComment.__table__, LoopEvent.__table__, Notification.__table__,
+                NotifyTargetState.__table__]
+
+
 class Records:
-    """Typed access to the agent's tables on a `Store`."""
+    """Typed access to the agent's tables on a `Store`.
+
+    `outbox` (an `agent.notify.Outbox`, set by the loop when notifications are configured) sees each
+    loop event and each hypothesis update inside its transaction and adds the notifications it
+    calls for there, so an event and its notifications are committed together or not at all."""
 
     def __init__(self, store: Store):
         self.store = store
-        create_schema(store.engine, [Hypothesis.__table__, ReviewComment.__table__, LoopEvent.__table__])
+        self.outbox: Any = None
+        create_schema(store.engine, AGENT_TABLES)
 
     def get(self, hid: int) -> Hypothesis:
         with self.store.session() as s:
@@ -110,13 +156,17 @@ class Records:
     def update(self, hid: int, **fields: Any) -> Hypothesis:
         with self.store.session() as s:
             h = s.get(Hypothesis, hid)
+            before = {k: getattr(h, k) for k in ("status", "decision", "promoted_tag")}
             for k, v in fields.items():
                 setattr(h, k, v)
             h.updated_at = now()
             s.add(h)
+            staged = self.outbox is not None and self.outbox.on_update(s, before, h)
             s.commit()
             s.refresh(h)
-            return h
+        if staged:
+            self.outbox.wake()
+        return h
 
     def decide_review(self, hid: int, review: str) -> bool:
         """Set the review to `review` only if none was given yet (an approve from the page and a
@@ -183,8 +233,15 @@ class Records:
 
     def event(self, kind: str, message: str) -> None:
         with self.store.session() as s:
-            s.add(LoopEvent(kind=kind, message=message))
+            ev = LoopEvent(kind=kind, message=message)
+            s.add(ev)
+            staged = False
+            if self.outbox is not None:
+                s.flush()  # its id keys the notifications
+                staged = self.outbox.on_event(s, ev)
             s.commit()
+        if staged:
+            self.outbox.wake()
 
     def last_event(self, kinds: tuple[str, ...]) -> LoopEvent | None:
         with self.store.session() as s:

@@ -80,6 +80,11 @@ def print_status(st: dict[str, Any]) -> None:
                   f"a promotion ([agent] plateau_after = {pl['after']})")
     for e in st["events"]:
         con.print(f"[yellow]{escape(e['kind'])}[/yellow]: {escape(e['message'])}")
+    if st.get("notify"):
+        from agent.notify import status_lines
+
+        for line in status_lines(st["notify"]):
+            con.print(line, markup=False, highlight=False, style="bold red" if " DEAD: " in line else None)
 
 
 def progress_line(pr: dict[str, Any], metric: str) -> str:

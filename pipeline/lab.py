@@ -219,6 +219,112 @@ class AgentSection(_Strict):
         return bounds
 
 
+# `[notify]`: plain data, checked here; the sending is the agent's (agent/notify.py)
+NOTIFY_EVENTS = ("hold", "promote", "abandon", "plateau", "llm_down", "llm_up", "guard", "takeover", "disk",
+                 "digest")
+NOTIFY_OPTIONAL_EVENTS = ("budget", "reverified", "error", "notify_dead")  # not sent unless listed
+
+
+def _events(names: list[str]) -> list[str]:
+    known = NOTIFY_EVENTS + NOTIFY_OPTIONAL_EVENTS
+    for name in names:
+        if name not in known:
+            raise ValueError(f"an event among {', '.join(known)}, not {name!r}")
+    return names
+
+
+def _http_url(url: str) -> str:
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
+        raise ValueError("an http:// or https:// URL")  # not echoed: a webhook URL may hold a token
+    return url
+
+
+class NotifyTarget(_Strict):
+    """One place notifications go: a JSON webhook, a Slack-compatible `{"text"}` webhook, or e-mail."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    kind: Literal["webhook", "slack", "email"]
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,40}$")
+    url: str | None = None  # webhook, slack: http(s)://…
+    url_env: str | None = Field(default=None, pattern=ENV_NAME.pattern)  # the URL from this variable (tokens)
+    smtp_host: str | None = Field(default=None, min_length=1)  # email
+    smtp_port: int = Field(default=587, ge=1, le=65535)
+    starttls: StrictBool = True
+    username: str | None = None
+    password_env: str | None = Field(default=None, pattern=ENV_NAME.pattern)  # never the password itself
+    sender: str | None = Field(default=None, alias="from", pattern=r"^[^@\s]+@[^@\s]+$")
+    to: list[str] = Field(default_factory=list)
+    events: list[str] | None = None  # None: [notify] events
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str | None) -> str | None:
+        return url if url is None else _http_url(url)
+
+    @field_validator("to")
+    @classmethod
+    def _addresses(cls, to: list[str]) -> list[str]:
+        for a in to:
+            if not re.fullmatch(r"[^@\s,]+@[^@\s,]+", a):
+                raise ValueError(f"an e-mail address, not {a!r}")
+        return to
+
+    @field_validator("events")
+    @classmethod
+    def _known_events(cls, names: list[str] | None) -> list[str] | None:
+        return names if names is None else _events(names)
+
+    @model_validator(mode="after")
+    def _complete(self) -> "NotifyTarget":
+        if self.kind == "email":
+            if self.url is not None or self.url_env is not None:
+                raise ValueError("smtp_host, to and from for an e-mail target, not url or url_env")
+            if not self.smtp_host:
+                raise ValueError("smtp_host for an e-mail target")
+            if not self.to:
+                raise ValueError("at least one address in to for an e-mail target")
+            if self.password_env and not self.username:
+                raise ValueError("a username with password_env")
+        else:
+            if (self.url is None) == (self.url_env is None):
+                raise ValueError(f"exactly one of url or url_env (a variable holding the URL) for a {self.kind} "
+                                 "target")
+            wrong = [k for k in ("smtp_host", "username", "password_env", "sender", "to") if getattr(self, k)]
+            if wrong:
+                raise ValueError(f"url or url_env for a {self.kind} target, not {wrong[0].replace('sender', 'from')}")
+        return self
+
+
+class NotifySection(_Strict):
+    target: list[NotifyTarget] = Field(default_factory=list)
+    events: list[str] = Field(default_factory=lambda: list(NOTIFY_EVENTS))
+    digest_at: str | None = None  # local time "HH:MM": a daily digest
+    web_url: str | None = None  # the review page's address (`autoresearch serve`): holds link to it
+    max_attempts: int = Field(default=8, ge=1, le=100)
+    backoff_s: float = Field(default=30.0, gt=0)  # the first retry's wait, doubling
+    backoff_max_s: float = Field(default=3600.0, gt=0)
+    timeout_s: float = Field(default=10.0, gt=0, le=300)  # each network operation
+    rate_per_hour: int = Field(default=60, ge=1)  # per target
+    dead_after: int = Field(default=3, ge=1)  # failed attempts in a row that make a target dead in `status`
+
+    @field_validator("events")
+    @classmethod
+    def _known_events(cls, names: list[str]) -> list[str]:
+        return _events(names)
+
+    @field_validator("digest_at")
+    @classmethod
+    def _hh_mm(cls, at: str | None) -> str | None:
+        if at is not None and not re.fullmatch(r"([01][0-9]|2[0-3]):[0-5][0-9]", at):
+            raise ValueError(f'a local time "HH:MM" (00:00 to 23:59), not {at!r}')
+        return at
+
+    @field_validator("web_url")
+    @classmethod
+    def _web(cls, url: str | None) -> str | None:
+        return url if url is None else _http_url(url)
+
+
 class ResearchConfig(_Strict):
     lab: LabSection
     benchmark: BenchmarkSection = BenchmarkSection()
@@ -227,6 +333,7 @@ class ResearchConfig(_Strict):
     gate: GateSection = GateSection()
     agent: AgentSection = AgentSection()
     search_space: dict[str, list[Any]] = Field(default_factory=dict)
+    notify: NotifySection = NotifySection()
 
     @field_validator("search_space")
     @classmethod
