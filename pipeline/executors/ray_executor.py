@@ -5,7 +5,8 @@ GPUs): it starts the local executor's warm worker on its node once — torch and
 — and forks one child per stage, so dispatch costs what it costs locally, not a cold interpreter.
 The stage's code view (the commit's files it may see) and each input folder (dataset, upstream
 outputs) travel as tars put in the object store once per folder; a node unpacks each at most
-once. The stage runs in the same sandbox as locally (child.py, sandbox.py and zygote.py shipped as
+once, with the driver's link-safe extraction (`safefs.extract_tar`, shipped as source), and the
+driver unpacks a stage's output with it too. The stage runs in the same sandbox as locally (child.py, sandbox.py and zygote.py shipped as
 source), over the node's local copies. The stage's output comes back as a tar and is unpacked into the
 driver's private output folder, so publishing to the cache is the same as for local runs.
 
@@ -25,6 +26,7 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline import safefs
 from pipeline.executors import child, ray_task, sandbox, zygote
 from pipeline.executors.base import (
     STAGE_ENV,
@@ -45,6 +47,12 @@ MAX_PINNED_INPUTS = 256  # input folders kept in the object store for reuse by l
 WARM_TIMEOUT_S = 300.0  # a node importing torch and peft takes seconds; a worker Ray cannot place, for ever
 AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
              "RAY_AUTH_MODE=disabled, or give both the same token")
+
+
+def node_sources() -> dict[str, str]:
+    """The modules a node's warm worker runs from, as source (`ray_task.WarmWorker`'s `sources`)."""
+    return {"child": inspect.getsource(child), "sandbox": inspect.getsource(sandbox),
+            "zygote": inspect.getsource(zygote), "safefs": inspect.getsource(safefs)}
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -100,8 +108,7 @@ class RayExecutor:
         if gpus:
             by_cpu = min(by_cpu, int(resources.get("GPU", 0)) // gpus)
         self._slots = slots if slots is not None else max(1, by_cpu)
-        self._sources = {"child": inspect.getsource(child), "sandbox": inspect.getsource(sandbox),
-                         "zygote": inspect.getsource(zygote)}
+        self._sources = node_sources()
         self._preload = list(preload)
         self._actor_cls = ray.remote(ray_task.WarmWorker)
         # input folder → (id, object ref), least recently used first: a loop that runs for weeks must
@@ -205,10 +212,9 @@ class RayExecutor:
         job.log_path.write_bytes(res["log"])
         if res["status"] == "ok":
             job.out.mkdir(parents=True, exist_ok=True)
-            try:
-                with tarfile.open(fileobj=io.BytesIO(res["out"])) as tar:
-                    tar.extractall(job.out, filter="data")
-            except (tarfile.TarError, OSError) as e:  # a link out of {out}, a device: the stage's doing
+            try:  # no entry written through a link; a link, hard link or device refused
+                safefs.extract_tar(io.BytesIO(res["out"]), job.out, what="the stage's output")
+            except (tarfile.TarError, OSError) as e:  # the stage's doing
                 with open(job.log_path, "ab") as log:
                     log.write(f"\nray executor: output not kept: {e}\n".encode())
                 return JobResult(job_id, "exit", exit_code=1, cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]),

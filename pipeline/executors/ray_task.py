@@ -5,7 +5,10 @@ Ray and Python, not our package. Each `WarmWorker` actor starts, once, the same 
 local executor uses (`zygote.py`, with `child.py` and `sandbox.py`, shipped as source files into a
 node-local folder): it imports torch and peft once and forks one child per stage, so a Ray stage
 starts in milliseconds instead of a cold interpreter's seconds. For each stage the actor unpacks
-the stage's code view and input folders into a node-local cache (once per node), rewrites the
+the stage's code view and input folders into a node-local cache (once per node) with the driver's
+own link-safe extraction (`pipeline/safefs.py`, shipped as source too: no entry is written through
+a link, whatever order the entries come in, and then the links are checked as a whole; a tree with
+a link whose final target leaves it is refused and the stage fails with the reason), rewrites the
 driver's paths in argv to the local copies, hands the stage to its warm worker (same sandbox, same
 scrubbed environment as locally), and returns the output folder and the log as tar bytes.
 """
@@ -41,23 +44,36 @@ def _own_cache() -> None:
 MAX_LOG_BYTES = 8 << 20
 
 
-def _materialise(kind: str, ident: str, ref_box: list[Any]) -> str:
+def unpack(data: bytes, dest: str, safefs: Any, what: str = "the tree") -> str:
+    """Lay out the tar archive `data` at `dest` unless a previous stage on this node already did.
+
+    `safefs` is the node's copy of pipeline/safefs.py (`WarmWorker.safefs`): `extract_tar` writes
+    no entry through a link and then checks the links as a whole, so a chain of links, or one whose
+    target leaves the tree, is refused (`safefs.UnsafeTree`, one line) and nothing is left at `dest`."""
+    if os.path.isdir(dest):
+        return dest
+    tmp = f"{dest}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        safefs.extract_tar(io.BytesIO(data), tmp, what=what)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # rmtree never follows a link
+        raise
+    try:
+        os.rename(tmp, dest)
+    except OSError:  # another stage on this node won the race: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _materialise(kind: str, ident: str, ref_box: list[Any], safefs: Any) -> str:
     """Unpack an archive into the node cache unless a previous stage on this node already did."""
     import ray
 
     dest = os.path.join(NODE_CACHE, kind, ident)
     if os.path.isdir(dest):
         return dest
-    data: bytes = ray.get(ref_box[0])
-    tmp = f"{dest}.tmp-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(tmp, filter="data")
-    try:
-        os.rename(tmp, dest)
-    except OSError:  # another stage on this node won the race: use theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    return unpack(ray.get(ref_box[0]), dest, safefs, what=f"the {'code view' if kind == 'tree' else 'input'} {ident}")
 
 
 def pack(folder: str) -> bytes:
@@ -77,7 +93,7 @@ def scrub(env: dict[str, str], allow: list[str], prefixes: list[str]) -> dict[st
 class WarmWorker:
     """One slot of the cluster: a warm worker process on this node, fed one stage at a time.
 
-    `sources`: {"child", "sandbox", "zygote"} → module source, written once per node and version;
+    `sources`: {"child", "sandbox", "zygote", "safefs"} → module source, written once per node and version;
     `preload`: modules the warm worker imports (those missing on this node are skipped)."""
 
     def __init__(self, sources: dict[str, str], preload: list[str], env_allow: list[str] | None = None,
@@ -97,6 +113,7 @@ class WarmWorker:
                 os.rename(tmp, self.pkg)
             except OSError:
                 shutil.rmtree(tmp, ignore_errors=True)
+        self.safefs = _load(self.pkg, "safefs")  # the driver's link-safe extraction, on this node
         self.preload = preload
         self.env_allow = None if env_allow is None else (list(env_allow), list(env_prefixes))
         self.lock = threading.Lock()
@@ -160,10 +177,15 @@ class WarmWorker:
         so Ray does not fetch archives this node already unpacked."""
         started = time.monotonic()
         proc = self._start()
-        cwd = _materialise("tree", job["tree_id"], tree)
-        path_map = {job["cwd"]: cwd}
-        for driver_path, ident, box in mounts:
-            path_map[driver_path] = _materialise("input", ident, box)
+        try:
+            cwd = _materialise("tree", job["tree_id"], tree, self.safefs)
+            path_map = {job["cwd"]: cwd}
+            for driver_path, ident, box in mounts:
+                path_map[driver_path] = _materialise("input", ident, box, self.safefs)
+        except self.safefs.UnsafeTree as e:  # never run: the stage's failure, said in its log
+            why = f"ray node: {e}"
+            return {"cpu_s": 0.0, "wall_s": time.monotonic() - started, "exit_code": 1, "signal": None,
+                    "host": _host(), "status": "exit", "detail": why[:300], "out": b"", "log": f"{why}\n".encode()}
         work = os.path.join(NODE_CACHE, "jobs", job["job_id"])
         out = os.path.join(work, "out")
         os.makedirs(out)
@@ -227,6 +249,17 @@ def _host() -> str:
         return f"{socket.gethostname()}/ray-{ray.get_runtime_context().get_node_id()[:8]}"
     except Exception:  # outside a Ray worker
         return socket.gethostname()
+
+
+def _load(pkg: str, name: str) -> Any:
+    """The node's copy of one of our shipped modules (`_ar_<name>.py` in `pkg`), imported by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_ar_{name}", os.path.join(pkg, f"_ar_{name}.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _standalone(src: str) -> str:
