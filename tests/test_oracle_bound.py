@@ -1,0 +1,55 @@
+"""benchmarks/oracle_bound.py: the known-variance bound on what any paired gate can bank is computed right.
+
+Its two pieces are checked against independent computations: the variance of the per-seed
+horizontal paired difference against loop_quality's own noise model drawn by Monte Carlo, and the
+z boundaries against the normal distribution (one look) and against the α they must spend.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import loop_quality as lq  # noqa: E402
+import oracle_bound as ob  # noqa: E402
+
+
+@pytest.mark.parametrize("rho", [0.02, 0.6])
+def test_pair_sd_matches_the_noise_model(rho):
+    pair = np.array([0.52, 0.94, 0.76, 0.78, 0.79, 0.93, 0.59, 0.89])
+    rng = np.random.default_rng(3)
+    base = lq.draw_noise(rng, 4000, 8, 20, rho)
+    chal = lq.paired_noise(rng, base, np.broadcast_to(pair, (4000, 8)), rho)
+    drawn = (chal - base).mean(axis=1).std()
+    assert ob.pair_sd(pair, rho) == pytest.approx(drawn, rel=0.02)
+    # pairing helps: the sd is below the unpaired one, √(2/J·(1 + (J-1)ρ))
+    assert ob.pair_sd(pair, rho) < math.sqrt(2 / 8 * (1 + 7 * rho))
+
+
+def test_one_look_boundary_is_the_normal_quantile():
+    upper = ob.z_boundaries((4,), "pocock", futility_p=0.3, alpha=0.025)
+    assert upper[0] == pytest.approx(stats.norm.isf(0.025), abs=0.01)
+
+
+def test_boundaries_spend_alpha_with_binding_futility():
+    looks, alpha, fut = (1, 2, 5, 10), 0.01, 0.3
+    upper = ob.z_boundaries(looks, "pocock", fut, alpha)
+    zf = ob.futility_z(looks, fut, None)
+    rng = np.random.default_rng(11)  # fresh null paths, not the calibration's
+    m = np.array(looks, float)
+    z = np.cumsum(rng.standard_normal((400_000, 4)) * np.sqrt(np.diff(np.concatenate([[0.0], m]))), axis=1) / np.sqrt(m)
+    alive, crossed = np.ones(len(z), bool), np.zeros(len(z), bool)
+    for k in range(4):
+        up = alive & (z[:, k] >= upper[k])
+        crossed |= up
+        alive &= ~up & (z[:, k] > zf[k])
+    assert crossed.mean() == pytest.approx(alpha, abs=0.0015)
+    assert max(upper) - min(upper) < 0.5  # Pocock spending: nearly flat boundaries
