@@ -52,4 +52,7 @@ def test_boundaries_spend_alpha_with_binding_futility():
         crossed |= up
         alive &= ~up & (z[:, k] > zf[k])
     assert crossed.mean() == pytest.approx(alpha, abs=0.0015)
-    assert max(upper) - min(upper) < 0.5  # Pocock spending: nearly flat boundaries
+    # look 1 has no earlier look and no futility before it: its boundary is the normal quantile of
+    # the α that Pocock spending gives its information fraction
+    first = ob.spending("pocock", np.array([looks[0] / looks[-1]]), alpha)[0]
+    assert upper[0] == pytest.approx(stats.norm.isf(first), abs=0.02)
