@@ -240,12 +240,10 @@ def run_cmd(
 
     from agent.loop import Loop, LoopOptions
     from agent.terminal import RunDisplay
-    from pipeline.errors import UserError as _UserError
     from pipeline.executors import EXECUTORS
     from pipeline.lab import load_lab
 
-    if executor not in EXECUTORS:
-        raise _UserError(f"unknown executor {executor!r}; expected one of {sorted(EXECUTORS)}")
+    EXECUTORS.get(executor)  # an unknown name: one line before the lab is read
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     lab = load_lab(Ctx.repo)
     opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever, executor=executor,

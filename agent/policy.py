@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from agent.errors import NotConfigured
 from agent.workspace import EditRejected, FileEdit
+from pipeline.registry import Registry
 
 CONFIG_FILE = "config.toml"
 
@@ -390,8 +391,8 @@ def _llm(lab: Any, store: Any) -> Policy:
 
 
 # name → factory, in order of preference when none is named: the first that is configured wins.
-# A new policy is one class and one line here (or, from a plugin, `POLICIES["name"] = factory`).
-POLICIES: dict[str, PolicyFactory] = {"llm": _llm, "offline": _offline}
+# A new policy is one module and one line here (a plugin or a test: `POLICIES.register(name, factory)`).
+POLICIES: Registry[PolicyFactory] = Registry("policy", {"llm": _llm, "offline": _offline})
 
 
 def make_policy(lab: Any, store: Any, name: str | None = None) -> Policy:
@@ -399,15 +400,14 @@ def make_policy(lab: Any, store: Any, name: str | None = None) -> Policy:
     from pipeline.errors import UserError
 
     if name is not None:
-        if name not in POLICIES:
-            raise UserError(f"unknown policy {name!r}; expected one of {sorted(POLICIES)}")
-        try:
-            return POLICIES[name](lab, store)
-        except NotConfigured as e:
-            raise UserError(f"policy {name!r}: {e}") from None
-    for factory in POLICIES.values():
+        factory = POLICIES.get(name)
         try:
             return factory(lab, store)
+        except NotConfigured as e:
+            raise UserError(f"policy {name!r}: {e}") from None
+    for each in POLICIES:
+        try:
+            return POLICIES.get(each)(lab, store)
         except NotConfigured:
             continue
     return OfflinePolicy()

@@ -60,35 +60,13 @@ log = logging.getLogger("autoresearch.runner")
 
 __all__ = [
     "open_store", "ensure_runs", "Driver", "results", "by_task", "run_results", "goodput",
-    "make_executor", "open_lab", "resolve_commit",
+    "make_executor", "resolve_commit",
 ]
 
 
 def open_store(lab: Lab, url: str | None = None) -> Store:
     """The lab's store: `url` (any SQLAlchemy URL) or SQLite at `runs/autoresearch.db`."""
     return Store.for_lab(lab, url)
-
-
-def open_lab(root: str | Path, harness: str | None = None) -> Lab:
-    """Load a lab; with `harness` ("module:Class"), one not registered in `pipeline.harness`."""
-    if harness is None:
-        return load_lab(root)
-    from pipeline.lab import CONFIG_NAME, parse_config
-
-    root = Path(root).resolve()
-    return Lab(root, parse_config((root / CONFIG_NAME).read_text(encoding="utf-8"), root / CONFIG_NAME))
-
-
-def load_harness(lab: Lab, spec: str | None = None) -> Harness:
-    """The lab's harness, or the class named by `spec` ("module:Class")."""
-    if spec is None:
-        from pipeline.harness import get_harness
-
-        return get_harness(lab.config.benchmark.harness).bind(lab)
-    import importlib
-
-    module, _, cls = spec.partition(":")
-    return getattr(importlib.import_module(module), cls)().bind(lab)
 
 
 def resolve_commit(lab: Lab, rev: str) -> str:
@@ -104,7 +82,7 @@ def ensure_runs(store: Store, lab: Lab, commit: str, tasks: Iterable[str], seeds
     """
     sha = resolve_commit(lab, commit)
     tasks = list(tasks)
-    (harness or load_harness(lab)).tasks(lab.config.benchmark.suite, tasks)  # raises UnknownTaskError
+    (harness or lab.harness()).tasks(lab.config.benchmark.suite, tasks)  # raises UnknownTaskError
     store.ensure_arm(sha, label or (commit if commit != sha else None))
     return store.enqueue(sha, [(t, int(s)) for t in tasks for s in seeds], priority=priority)
 
@@ -172,7 +150,7 @@ class Driver:
         self.lab = lab
         self.store = store
         self.executor = executor
-        self.harness = harness if harness is not None else load_harness(lab)
+        self.harness = harness if harness is not None else lab.harness()
         self.owner = Owner.current()
         self.heartbeat_s = heartbeat_s
         self.stale_s = stale_s
@@ -640,17 +618,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--ray-address", default=None)
     p.add_argument("--preload", default=None, help="comma-separated modules the warm worker imports")
-    p.add_argument("--harness", default=None, help="module:Class of a harness not registered (tests)")
     p.add_argument("--heartbeat-s", type=float, default=5.0)
     p.add_argument("--stale-s", type=float, default=120.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    lab = open_lab(args.lab, args.harness)
+    lab = load_lab(args.lab)
     store = open_store(lab, args.db)
     preload = tuple(filter(None, args.preload.split(","))) if args.preload is not None else None
     executor = make_executor(args.executor, lab, workers=args.workers, ray_address=args.ray_address, preload=preload)
-    with Driver(lab, store, executor, harness=load_harness(lab, args.harness), heartbeat_s=args.heartbeat_s,
-                stale_s=args.stale_s) as d:
+    with Driver(lab, store, executor, heartbeat_s=args.heartbeat_s, stale_s=args.stale_s) as d:
         d.drive()
     counts = store.queue_counts()
     print(" ".join(f"{k}={v}" for k, v in counts.items()))

@@ -69,7 +69,9 @@ class TinyHarness(Harness):
         return np.load(prepared.sealed / "labels.npz")[task][c["split"] == 2]
 
 
-HARNESS_SPEC = "exec_fixtures:TinyHarness"
+# `python -m pipeline.runner` with the tiny harness registered by name, as a plugin would
+TINY_RUNNER = ("from exec_fixtures import TinyHarness; from pipeline.harness import HARNESSES; "
+               "HARNESSES.register('tiny', TinyHarness); from pipeline.runner import main; raise SystemExit(main())")
 
 RESEARCH_TOML = """
 [lab]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from exec_fixtures import HARNESS_SPEC, TASKS, TinyHarness, git, make_lab, open_tiny_lab
+from exec_fixtures import TINY_RUNNER, TASKS, TinyHarness, git, make_lab, open_tiny_lab
 from pipeline import runner
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,7 +22,7 @@ SEEDS = [0, 1, 2]
 def start_driver(lab_root: Path, ledger: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), EXEC_LEDGER=str(ledger))
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.runner", str(lab_root), "--harness", HARNESS_SPEC, "--preload", "numpy",
+        [sys.executable, "-c", TINY_RUNNER, str(lab_root), "--preload", "numpy",
          "--workers", "2", "--heartbeat-s", "0.5"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )

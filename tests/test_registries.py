@@ -1,5 +1,6 @@
-"""The seams: a harness, an executor and a policy are each one class registered by name; a toy of
-each, defined here, plugs in and runs through the real driver and the real loop."""
+"""The seams: a harness, an executor, a gate protocol and a policy are each one class registered by
+name in a `pipeline.registry.Registry`; a toy of each, defined here, plugs in through `register()`
+and runs through the real driver, the real gate and the real loop."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from agent.policy import POLICIES, Choice, OfflinePolicy, Proposal
 from agent_fixtures import REPO
-from exec_fixtures import TASKS, make_lab
+from exec_fixtures import TASKS, TinyHarness, make_lab
 from pipeline import runner
 from pipeline.executors import EXECUTORS, JobResult, StageJob, make_executor
 from pipeline.harness import HARNESSES
@@ -58,9 +59,12 @@ class SerialExecutor:
 
 
 @pytest.fixture
-def registered(monkeypatch):
-    monkeypatch.setitem(EXECUTORS, "serial", lambda lab, **_: SerialExecutor())
-    monkeypatch.setitem(HARNESSES, "tiny", "exec_fixtures:TinyHarness")
+def registered():
+    EXECUTORS.register("serial", lambda lab, **_: SerialExecutor())
+    HARNESSES.register("tiny", TinyHarness)
+    yield
+    EXECUTORS.unregister("serial")
+    HARNESSES.unregister("tiny")
 
 
 def test_a_registered_harness_and_executor_measure_like_the_local_executor(registered, tmp_path: Path) -> None:
@@ -120,18 +124,30 @@ class OneIdea:
         return OfflinePolicy().decide(ctx, hyp, verdict, evidence, allowed, look)
 
 
-def test_a_registered_policy_drives_the_real_loop(monkeypatch, tmp_path: Path) -> None:
+def test_a_registered_policy_is_made_by_name() -> None:
+    from agent.policy import make_policy
+
+    POLICIES.register("one-idea", lambda lab, store: OneIdea())
+    try:
+        assert isinstance(make_policy(None, None, "one-idea"), OneIdea)
+    finally:
+        POLICIES.unregister("one-idea")
+    assert "one-idea" not in POLICIES
+
+
+def test_a_registered_policy_drives_the_real_loop(tmp_path: Path) -> None:
     from agent.labinit import init_lab
     from agent.loop import Loop, LoopOptions
     from pipeline.lab import load_lab
 
-    monkeypatch.setitem(POLICIES, "one-idea", lambda lab, store: OneIdea())
+    POLICIES.register("one-idea", lambda lab, store: OneIdea())
     root = init_lab(tmp_path / "lab", harness="command")
     loop = Loop(load_lab(root), LoopOptions(max_hypotheses=1, policy="one-idea", workers=2))
     try:
         loop.run()
     finally:
         loop.close()
+        POLICIES.unregister("one-idea")
     h = loop.records.get(1)
     assert (h.origin, h.title, h.status) == ("one-idea", "Squared features", "done")
     assert h.verdict == "improvement" and h.decision == "promote", (h.verdict, h.decision)
@@ -159,12 +175,12 @@ class Bonferroni(GateProtocol):
         return "Bonferroni p"
 
 
-def test_a_registered_gate_protocol_judges_a_look(monkeypatch) -> None:
+def test_a_registered_gate_protocol_judges_a_look() -> None:
     from pipeline.gate import evaluate
     from pipeline.gate.protocol import PROTOCOLS, get_protocol
     from pipeline.lab import parse_config
 
-    monkeypatch.setitem(PROTOCOLS, "bonferroni", "test_registries:Bonferroni")
+    PROTOCOLS.register("bonferroni", "test_registries:Bonferroni")  # lazy, as the bundled ones are
     get_protocol.cache_clear()
     try:
         toml = '[lab]\nname = "x"\neditable = ["a.py"]\n[[stage]]\nname = "s"\nrun = "python a.py {out}"\n'
@@ -179,4 +195,30 @@ def test_a_registered_gate_protocol_judges_a_look(monkeypatch) -> None:
         assert "harm on a (Bonferroni p)" in result.reasons
         assert [t.flags for t in result.tasks][0] == ["harm"]
     finally:
+        PROTOCOLS.unregister("bonferroni")
         get_protocol.cache_clear()
+
+
+def test_every_registry_names_its_choices_in_one_line() -> None:
+    from pipeline.errors import UserError
+    from pipeline.gate.protocol import PROTOCOLS
+
+    for registry, kind, names in [(HARNESSES, "harness", ["command", "transactions"]),
+                                  (EXECUTORS, "executor", ["local", "ray"]),
+                                  (PROTOCOLS, "protocol", ["fixed", "paired", "sequential"]),
+                                  (POLICIES, "policy", ["llm", "offline"])]:
+        with pytest.raises(UserError) as e:
+            registry.get("nope")
+        assert str(e.value) == f"unknown {kind} 'nope'; expected one of {names}"
+
+
+def test_a_lazy_entry_is_imported_by_get_only() -> None:
+    from pipeline.registry import Registry
+
+    reg = Registry("thing", {"later": "no_such_module_here:Thing", "now": OneIdea})
+    assert "later" in reg and reg.names() == ["later", "now"] and list(reg) == ["later", "now"]
+    assert reg.get("now") is OneIdea
+    with pytest.raises(ModuleNotFoundError):
+        reg.get("later")
+    with pytest.raises(ValueError, match="a lazy entry is 'module:attr'"):
+        reg.register("bad", "no_colon")

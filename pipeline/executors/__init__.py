@@ -1,4 +1,5 @@
-"""Executors: where stage processes run. To add one, implement `Executor` (base.py) and register it in `EXECUTORS`.
+"""Executors: where stage processes run. To add one, implement `Executor` (base.py) in a module and
+register a factory in `EXECUTORS` (one line below; a plugin or a test: `EXECUTORS.register(name, factory)`).
 
 - `local` (default): warm forked workers on this machine (local.py).
 - `ray`: tasks on a Ray cluster (ray_executor.py); Ray is imported only when chosen.
@@ -19,6 +20,7 @@ from pipeline.executors.base import (
     classify,
     scrub_env,
 )
+from pipeline.registry import Registry
 
 if TYPE_CHECKING:
     from pipeline.lab import Lab
@@ -54,18 +56,14 @@ def _ray(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: t
                        memory_mb=run.memory_mb)
 
 
-# name → factory: `--executor NAME`. A new executor is one module and one line here (or, from a
-# plugin, `EXECUTORS["name"] = factory`).
-EXECUTORS: dict[str, ExecutorFactory] = {"local": _local, "ray": _ray}
+# name → factory: `--executor NAME`. A new executor is one module and one line here.
+EXECUTORS: Registry[ExecutorFactory] = Registry("executor", {"local": _local, "ray": _ray}, error=UnknownExecutorError)
 
 
 def make_executor(kind: str, lab: "Lab", *, workers: int | None = None,
                   ray_address: str | None = None, preload: tuple[str, ...] | None = None) -> Executor:
     """The executor the CLI's `--executor/--workers/--ray-address` ask for, sized from `[run]`."""
-    factory = EXECUTORS.get(kind)
-    if factory is None:
-        raise UnknownExecutorError(f"unknown executor {kind!r}; expected one of {sorted(EXECUTORS)}")
-    return factory(lab, workers=workers, ray_address=ray_address, preload=preload)
+    return EXECUTORS.get(kind)(lab, workers=workers, ray_address=ray_address, preload=preload)
 
 
 __all__ = ["Executor", "ExecutorError", "UnknownExecutorError", "JobResult", "StageJob", "classify", "scrub_env",
