@@ -433,3 +433,75 @@ url = "{hook.url}/hang/T0K3N"
     text = cli(root, "status").stdout
     assert "notify: always-500 (webhook, http://127.0.0.1:" in text and "DEAD: " in text and "HTTP 500" in text
     assert "T0K3N" not in text and "T0K3N" not in json.dumps(st)
+
+
+# ----------------------------------------------------------------------------- the outbox on PostgreSQL
+
+PG_ADMIN = __import__("os").environ.get("AUTORESEARCH_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh PostgreSQL database, dropped after the test (as tests/test_agent_loop_pg.py)."""
+    import os
+    import uuid
+
+    import psycopg
+
+    plain = PG_ADMIN.replace("postgresql+psycopg://", "postgresql://")
+    try:
+        admin = psycopg.connect(plain, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL at {PG_ADMIN} is required in CI: {e}")
+        pytest.skip(f"platform limit: no PostgreSQL service at {PG_ADMIN}")
+    name = "ar_" + uuid.uuid4().hex[:12]
+    admin.execute(f"create database {name}")
+    try:
+        yield PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+    finally:
+        admin.execute(f"drop database {name} with (force)")
+        admin.close()
+
+
+def test_the_outbox_on_postgresql_stages_once_and_resends_only_a_claim_a_dead_sender_left(
+        tmp_path: Path, hook: Hook, pg_url: str) -> None:
+    from sqlalchemy import update
+
+    from agent.notify import attach
+    from agent.records import Hypothesis, Notification, Records
+    from pipeline.lab import load_lab
+    from pipeline.store import Store
+
+    lab = load_lab(init_lab(tmp_path / "lab", harness="command"))
+    store = Store(pg_url)
+    rec = Records(store)
+    sender = attach(lab, store, rec, [f"{hook.url}/ok/pg"])
+    assert sender is not None
+    rec.event("plateau", "plateau: 3 measured hypotheses in a row without a promotion")
+    rec.event("mlflow", "#1 not exported")  # not a notification's kind
+    h = rec.add(Hypothesis(title="Held one", status="deciding", look=2, verdict="improvement"))
+    rec.update(h.id, status="held", decision="hold", review="pending")
+    rec.update(h.id, status="held")  # no new transition: nothing staged
+    deadline = time.monotonic() + 30
+    while len(hook.got("ok")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sender.close()
+    assert sorted(r["body"]["event"] for r in hook.got("ok")) == ["hold", "plateau"]
+    # the one window: a claim (pending -> sending) whose sender died before marking it sent is sent
+    # again at the next start, with the same idempotency key
+    with store.session() as s:
+        s.exec(update(Notification).where(Notification.key == f"hold:{h.id}").values(state="sending"))
+        s.commit()
+    again = attach(lab, store, Records(store), [f"{hook.url}/ok/pg"])
+    deadline = time.monotonic() + 30
+    while len(hook.got("ok")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    again.close()
+    posts = hook.got("ok")
+    assert [p["body"]["event"] for p in posts].count("hold") == 2 and len(posts) == 3
+    assert len({p["idem"] for p in posts if p["body"]["event"] == "hold"}) == 1
+    with store.session() as s:
+        from sqlmodel import select
+
+        assert {r.state for r in s.exec(select(Notification))} == {"sent"}
