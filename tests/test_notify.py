@@ -505,3 +505,47 @@ def test_the_outbox_on_postgresql_stages_once_and_resends_only_a_claim_a_dead_se
         from sqlmodel import select
 
         assert {r.state for r in s.exec(select(Notification))} == {"sent"}
+
+
+def test_a_targets_rate_limit_holds_the_rest_back_and_the_next_start_keeps_counting(tmp_path: Path,
+                                                                                   hook: Hook) -> None:
+    from agent.notify import attach
+    from agent.records import Records
+    from pipeline import runner
+    from pipeline.lab import load_lab
+
+    root = command_lab(tmp_path / "lab", "[notify]\nrate_per_hour = 2\n")
+    lab = load_lab(root)
+    store = runner.open_store(lab)
+    rec = Records(store)
+    sender = attach(lab, store, rec, [f"{hook.url}/ok/rate"])
+    for i in range(4):
+        rec.event("guard", f"guard {i}")
+    deadline = time.monotonic() + 20
+    while len(hook.got("ok")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.5)  # a tick more: nothing else may go
+    sender.close(flush_s=1)
+    assert [p["body"]["text"] for p in hook.got("ok")] == ["guard 0", "guard 1"]
+    # a restart counts the attempts of the last hour from the store: still nothing
+    again = attach(lab, store, Records(store), [f"{hook.url}/ok/rate"])
+    time.sleep(1.5)
+    again.close(flush_s=1)
+    assert len(hook.got("ok")) == 2
+    assert [r["state"] for r in outbox(root)] == ["sent", "sent", "pending", "pending"]
+    assert json.loads(cli(root, "status", "--json").stdout)["notify"]["targets"][0]["pending"] == 2
+
+
+def test_notify_urls_parse_into_targets_that_show_no_secret() -> None:
+    from agent.notify import cli_target, resolve
+
+    spec = cli_target("smtp://bot@127.0.0.1:2525?to=a@b.example,c@d.example&from=x@y.example"
+                      "&password_env=NOTIFY_PW&starttls=false")
+    assert (spec.kind, spec.smtp_host, spec.smtp_port, spec.username, spec.password_env, spec.sender, spec.to,
+            spec.starttls) == ("email", "127.0.0.1", 2525, "bot", "NOTIFY_PW", "x@y.example",
+                               ["a@b.example", "c@d.example"], False)
+    t = resolve(spec, ["hold"], {"NOTIFY_PW": "pw-77"})
+    assert t.password == "pw-77" and "pw-77" not in repr(t) and t.events == frozenset({"hold"})
+    slack = resolve(cli_target("slack+https://hooks.example/services/T0K3N"), ["promote"], {})
+    assert (slack.kind, slack.where) == ("slack", "https://hooks.example") and "T0K3N" not in repr(slack)
+    assert slack.id == resolve(cli_target("slack+https://hooks.example/services/T0K3N"), [], {}).id  # stable
