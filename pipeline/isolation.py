@@ -9,6 +9,7 @@ kernel allows the sandbox at all. Stages reach the sandbox through their executo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -37,9 +38,15 @@ KERNEL_REFUSALS = {  # what the kernel's answer to unshare() usually means
 
 def package_dirs() -> list[str]:
     """Our own packages, wherever they are installed (a source tree or site-packages)."""
-    import agent
+    return list(_package_dirs())
 
-    return [str(Path(m.__file__).resolve().parent) for m in (pipeline, agent)]
+
+@lru_cache(maxsize=1)
+def _package_dirs() -> tuple[str, ...]:
+    # `agent` is found, not imported: the pipeline never imports the agent
+    found = importlib.util.find_spec("agent")
+    agent_dirs = found.submodule_search_locations if found is not None else None
+    return tuple(str(Path(d).resolve()) for d in [Path(pipeline.__file__).parent, *(agent_dirs or [])])
 
 
 def spec_for(lab: Any, *, ro: list[Path | str], out: Path | str | None = None,

@@ -1,4 +1,5 @@
-"""The CLI starts light: no torch, peft, ray or langgraph at start-up."""
+"""The CLI starts light: no torch, peft, ray or langgraph at start-up. Imports run one way: the
+pipeline never imports the agent, and reading a lab's config imports no numpy."""
 
 import subprocess
 import sys
@@ -20,6 +21,25 @@ def test_help_imports_nothing_heavy():
     assert proc.returncode == 0, proc.stderr
     assert "Usage" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == "HEAVY=", "heavy modules imported at start-up"
+
+
+def test_the_pipeline_hides_the_agent_without_importing_it(tmp_path):
+    from agent.labinit import init_lab
+
+    lab = init_lab(tmp_path / "lab", harness="command")
+    code = (
+        "import sys\n"
+        "from pipeline import isolation\n"
+        "from pathlib import Path\n"
+        "from pipeline.lab import Lab, parse_config\n"
+        f"path = {str(lab / 'research.toml')!r}\n"
+        f"lab = Lab(Path({str(lab)!r}), parse_config(open(path).read(), path))\n"
+        "hidden = isolation.spec_for(lab, ro=[])['hidden']\n"
+        "print(sorted(p.rsplit('/', 1)[-1] for p in hidden[:2]), 'agent' in sys.modules, 'numpy' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["['agent',", "'pipeline']", "False", "False"], proc.stdout
 
 
 def test_unknown_command_is_usage_error():
