@@ -116,3 +116,103 @@ def test_a_stage_that_writes_past_its_tmpfs_gets_enospc_as_the_methods_failure(t
     assert f"full: {errno.errorcode[errno.ENOSPC]}" in log, log
     assert [(r.status, r.exit_code) for r in done] == [("exit", 3)], log
     assert classify(done[0]) == ("method", "crash")
+
+
+# ----------------------------------------------------------------------------- prepare and score
+
+# inserted into the command template's trusted prepare.py / score.py, after their arguments are read:
+# one array past the bound, as a scorer reading a huge file at once would ask for. np.empty never
+# touches its pages, so without the bound it is granted (overcommit) and uses no RAM: the test is
+# safe on any machine and fails, instead of passing by luck, when the bound is missing
+GREEDY = '''
+import resource as _resource, sys as _sys
+print("rlimit_as", _resource.getrlimit(_resource.RLIMIT_AS)[0], file=_sys.stderr, flush=True)
+_big = np.empty(GREEDY_MB << 20, dtype=np.uint8)
+print("allocated", GREEDY_MB, "MB past the bound", file=_sys.stderr, flush=True)
+'''
+
+
+def command_lab(tmp_path: Path, greedy_in: str) -> tuple[Path, int]:
+    """`autoresearch init --harness command`, its `greedy_in` (prepare.py or score.py) asking for 1 GB
+    more than the bound a process run once gets here, committed on the baseline (the trusted commit)."""
+    from agent_fixtures import git
+    from pipeline.lab import load_lab
+
+    lab = tmp_path / "lab"
+    out = cli(lab, "init", str(lab), "--harness", "command")
+    assert out.returncode == 0, out.stderr
+    bound = isolation.once_memory_mb(load_lab(lab))
+    assert bound is not None and bound >= 1024
+    path = lab / greedy_in
+    text = path.read_text()
+    anchor = "a = p.parse_args()\n"
+    assert anchor in text
+    path.write_text(text.replace(anchor, anchor + GREEDY.replace("GREEDY_MB", str(bound + 1024)), 1))
+    git(lab, "commit", "-qam", f"{greedy_in} asks for more memory than its bound")
+    git(lab, "branch", "-f", "autoresearch/baseline", "HEAD")
+    return lab, bound
+
+
+def test_processes_run_once_get_the_stages_default_bound_or_the_set_one() -> None:
+    """prepare, score and smoke stages (isolation.run_once) had no RLIMIT_AS unless memory_mb was set."""
+    from types import SimpleNamespace
+
+    from pipeline.lab import local_slots
+
+    run = run_section()
+    lab = SimpleNamespace(config=SimpleNamespace(run=run))
+    assert isolation.once_memory_mb(lab) == memory_plan(run).memory_mb is not None
+    lab.config.run = run_section("memory_mb = 1500")
+    assert isolation.once_memory_mb(lab) == 1500
+    gpu = run_section("gpus = 1")  # a GPU lab's stages get no rlimit; its prepare and score get no GPU
+    lab.config.run = gpu
+    assert memory_plan(gpu).memory_mb is None
+    assert isolation.once_memory_mb(lab) == memory_plan(run_section(), local_slots(gpu)).memory_mb is not None
+
+
+def test_a_prepare_that_allocates_past_its_bound_fails_in_one_line_and_is_recorded(tmp_path: Path) -> None:
+    """Through the real CLI: `variance` stops in one line naming the failure (exit 2); the loop
+    records it on the hypothesis it was measuring and on the lab's events, and ends normally."""
+    require_sandbox()
+    lab, bound = command_lab(tmp_path, "prepare.py")
+    out = cli(lab, "variance", "--runs", "2", timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, (out.returncode, out.stderr[-3000:])
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("error: [benchmark] prepare exited with 1 (") and "Unable to allocate" in line, line
+    (log,) = (lab / "runs" / "logs").glob("prepare-command-*.log")
+    text = log.read_text()
+    assert "MemoryError" in text and "allocated" not in text, text[-2000:]
+    # a `python` command runs in the child's interpreter: the bound is on top of what it maps already
+    (limit,) = [int(ln.split()[1]) for ln in text.splitlines() if ln.startswith("rlimit_as ")]
+    assert bound << 20 <= limit < (bound + 512) << 20, (limit >> 20, bound)
+    assert not list((lab / "runs" / "data").glob("command-*"))  # nothing half-prepared is kept
+
+    out = cli(lab, "run", "--offline", "--max-hypotheses", "1", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]  # the driver did not crash
+    st = json.loads(cli(lab, "status", "--json").stdout)
+    (h,) = st["hypotheses"]
+    assert (h["decision"], h["reject_kind"]) == ("reject", "internal_error"), h
+    from agent_fixtures import records
+
+    reason = records(lab).get(h["id"]).reject_reason or ""
+    assert "[benchmark] prepare exited with 1 (" in reason and "Unable to allocate" in reason, reason
+
+
+def test_a_scorer_that_allocates_past_its_bound_is_the_runs_recorded_failure(tmp_path: Path) -> None:
+    """Real driver, real sandboxed stage and scorer: the run is recorded as a method failure whose
+    detail says why; the driver goes on (the next run is scored the same way)."""
+    require_sandbox()
+    from pipeline import runner
+    from pipeline.lab import load_lab
+
+    root, _bound = command_lab(tmp_path, "score.py")
+    lab = load_lab(root)
+    store = runner.open_store(lab)
+    ids = runner.ensure_runs(store, lab, "autoresearch/baseline", ["default", "churn"], [0])
+    with runner.Driver(lab, store, LocalExecutor(preload=(), slots=1)) as d:
+        d.drive(until=ids, timeout_s=240)
+    results = store.results_for(runner.resolve_commit(lab, "autoresearch/baseline"))
+    assert sorted(r.task for r in results) == ["churn", "default"]
+    for r in results:
+        assert (r.outcome, r.kind, r.value) == ("method_failure", "predictions", None), r
+        assert r.detail.startswith("score exited with 1: ") and "Unable to allocate" in r.detail, r.detail

@@ -3,7 +3,8 @@
 The lab names its harness files in `[benchmark] trusted` (globs: `prepare.py`, `score.py`, the data
 they read). They are taken from the **trusted commit** — the tag `autoresearch/trusted`, set to the
 baseline's head at the first run and moved only by a human (`autoresearch trust REV`) — never from
-a challenger, whose diff may not touch them anyway. Both commands run in the sandbox:
+a challenger, whose diff may not touch them anyway. Both commands run in the sandbox, with the
+address-space bound a local stage gets (`[run] memory_mb`, else its default: `isolation.once_memory_mb`):
 
 - `prepare` once per (trusted commit, data_seed), with `{data}` (what stages see) and `{sealed}`
   (what only the scorer sees) as its only writable folders;
@@ -25,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.disk import read_tail
 from pipeline.errors import (
     HarnessCommandError,
     LabConfigError,
@@ -143,7 +145,8 @@ class CommandHarness(Harness):
                 shutil.rmtree(seal, ignore_errors=True)
                 how = "timed out" if done.timed_out else (
                     f"exited with {done.returncode}" if done.returncode is not None else f"killed by signal {done.signal}")
-                raise HarnessCommandError(f"[benchmark] prepare {how}; see {log}")
+                last = _last_line(log)
+                raise HarnessCommandError(f"[benchmark] prepare {how}{f' ({last})' if last else ''}; see {log}")
             for d, mode in ((pub, 0o755), (seal, 0o755)):  # the seal's parent (0700) keeps it private
                 _own(d, mode)
             (pub / ".prepared").write_text(json.dumps({"trusted": sha, "data_seed": data_seed}))
@@ -177,12 +180,18 @@ class CommandHarness(Harness):
             log, out = Path(tmp) / "score.log", Path(tmp) / "stdout"
             done = run_once(lab, argv, cwd=self.trusted_view(), log=log, stdout=out, timeout_s=SCORE_TIMEOUT_S,
                             ro=[predictions, prepared.sealed])
-            text = out.read_text(errors="replace") if out.is_file() else ""
-            err = log.read_text(errors="replace")[-500:].strip() if log.is_file() else ""
+            text = read_tail(out, 64 << 10)[0]  # its last line is all that is read of it
+            err = read_tail(log, 500)[0].strip()
         if done.returncode != 0:
             how = "timed out" if done.timed_out else f"exited with {done.returncode}"
             raise PredictionsError(f"score {how}: {err or text[-300:]}")
         return parse_value(text)
+
+
+def _last_line(log: Path) -> str:
+    """The last line a harness command wrote to its log (e.g. `MemoryError`), at most 300 characters."""
+    lines = [ln.strip() for ln in read_tail(log, 4096)[0].splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 def parse_value(stdout: str) -> float:
