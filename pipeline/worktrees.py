@@ -90,17 +90,6 @@ class Worktrees:
     def path(self, commit: str) -> Path:
         return self.root / commit
 
-    def _registered(self) -> dict[Path, str]:
-        """Worktrees git knows about: path → HEAD sha."""
-        out: dict[Path, str] = {}
-        cur: Path | None = None
-        for line in self.repo.git.worktree("list", "--porcelain").splitlines():
-            if line.startswith("worktree "):
-                cur = Path(line[len("worktree "):]).resolve()
-            elif line.startswith("HEAD ") and cur is not None:
-                out[cur] = line[len("HEAD "):].strip()
-        return out
-
     def ensure(self, rev: str) -> Path:
         """The worktree for `rev`'s commit: reused if it exists and is sound, else (re)created.
 
@@ -197,11 +186,6 @@ class Worktrees:
                     fixed.append(f"reset worktree {path.name[:12]}")
             self.repo.git.worktree("prune")
         return fixed
-
-    def links_at(self, commit: str) -> dict[str, str]:
-        """The commit's symlinks: path → target (from git blobs)."""
-        return {p: b.data_stream.read().decode("utf-8", "surrogateescape")
-                for p, b in self.files_at(commit).items() if b.mode == 0o120000}
 
     def check_tree(self, commit: str) -> None:
         """`UnsafeTree` (one line) if the commit holds a symlink whose final target, resolved within
