@@ -181,6 +181,13 @@ def test_on_loopback_a_token_is_required_and_kept_in_a_0600_file(lab: Path) -> N
                              ("/", f"ar_token_{server.port + 1}={server.token}")):  # another server's cookie
             status, _, body = get_raw(server.port, path, cookie)
             assert status == 403 and "needs its token" in body and svc.lab.config.lab.name not in body, (path, cookie)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)  # a form POST without the token
+        conn.request("POST", f"/hypotheses/{h.id}/review", body="csrf=c&action=comment&comment=no+token",
+                     headers={"Content-Type": "application/x-www-form-urlencoded", "Cookie": "ar_csrf=c",
+                              "Origin": server.url})
+        assert conn.getresponse().status == 403
+        conn.close()
+        assert not svc.records.comments(h.id)
         status, headers, _ = get_raw(server.port, f"/hypotheses?review=pending&token={server.token}")
         assert status == 303 and headers["location"] == "/hypotheses?review=pending"  # the token leaves the URL
         set_cookie = headers["set-cookie"]
