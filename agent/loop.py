@@ -26,7 +26,7 @@ from typing import Any, Callable
 from agent.errors import BudgetExceeded, LLMError
 from agent.records import ACTIVE, Hypothesis, Records
 from pipeline import runner
-from pipeline.errors import MixedDatasets
+from pipeline.errors import HarnessCommandError, MixedDatasets
 from pipeline.lab import Lab
 
 log = logging.getLogger("autoresearch.loop")
@@ -365,8 +365,8 @@ class Loop:
                 break  # stopping: the next start resumes it
             except LLMError as e:
                 return self._llm_failed(h, e)
-            except MixedDatasets:  # the user's to fix: the loop stops, the thread waits at its checkpoint
-                raise
+            except (MixedDatasets, HarnessCommandError):  # the user's to fix (the trusted harness, the
+                raise  # datasets): the loop stops in one line, the thread waits at its checkpoint
             except BrokenPipeError as e:  # a helper process killed under us (git's persistent cat-file)
                 self.svc.workspace.repo.git.clear_cache()  # gitpython starts fresh helpers on next use
                 self.say(f"#{h.id}: a helper process died ({e}); restarted, the thread waits at its checkpoint")

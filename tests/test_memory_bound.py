@@ -188,14 +188,13 @@ def test_a_prepare_that_allocates_past_its_bound_fails_in_one_line_and_is_record
     assert not list((lab / "runs" / "data").glob("command-*"))  # nothing half-prepared is kept
 
     out = cli(lab, "run", "--offline", "--max-hypotheses", "1", timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]  # the driver did not crash
+    # the trusted harness is the user's to fix: the loop stops in one line, the hypothesis is not lost
+    assert out.returncode == 2 and "Traceback" not in out.stderr, (out.returncode, out.stderr[-3000:])
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: [benchmark] prepare exited with 1 (") and "Unable to allocate" in last, last
     st = json.loads(cli(lab, "status", "--json").stdout)
     (h,) = st["hypotheses"]
-    assert (h["decision"], h["reject_kind"]) == ("reject", "internal_error"), h
-    from agent_fixtures import records
-
-    reason = records(lab).get(h["id"]).reject_reason or ""
-    assert "[benchmark] prepare exited with 1 (" in reason and "Unable to allocate" in reason, reason
+    assert h["decision"] is None and h["status"] != "done", h  # it waits at its checkpoint for the fix
 
 
 def test_a_scorer_that_allocates_past_its_bound_is_the_runs_recorded_failure(tmp_path: Path) -> None:
