@@ -4,8 +4,13 @@ JavaScript build; pages refresh themselves.
 - `/` overview: the baseline and its history, the progress chart, queue and runs in flight, recent
   verdicts, compute and goodput, LLM spend, disk, guard/plateau/LLM events;
 - `/hypotheses` with filters (status, decision, awaiting review);
-- `/hypotheses/{id}`: the summary rendered, the forest plot, the per-task table, the diff, every
-  look's verdict, links to the logs of failed runs;
+- `/hypotheses/{id}`: the summary rendered, the forest plot, the per-seed picture (drawn on request
+  from the store: `/files/{id}.seeds.png`), the per-task table, the diff, every look's verdict, links
+  to the logs of failed runs and to the compare page with its parent or refinements;
+- `/directions`: the hypotheses grouped by the config keys or files they changed (`agent.directions`),
+  with each group's verdicts, decisions, banked gain, runs and last result;
+- `/compare?a=ID&b=ID`: two hypotheses side by side: per-task Δ, the two diffs, the two verdict histories;
+- `/timeline`: each promotion with its gate gain, its holdout gain and its re-verification;
 - `POST /hypotheses/{id}/review`: approve / reject / comment, through `agent.commands.review` — the
   very function `autoresearch review` calls, so the loop sees the same rows (a comment joins the
   next prompts; an approval releases a supervised or plausibility hold at the loop's next pass).
@@ -43,6 +48,7 @@ from typing import Any
 TEMPLATES = Path(__file__).resolve().parent / "web_templates"
 CSRF_COOKIE, TOKEN_COOKIE = "ar_csrf", "ar_token"
 PICTURE = re.compile(r"^(\d+\.forest|progress)\.png$")
+SEEDS_PICTURE = re.compile(r"^(\d{1,12})\.seeds\.png$")  # drawn on request, never a file
 # the only link and image targets a rendered summary keeps: the page's own /files/, or a bare file name
 # beside it; any other URL (another host, a local service, javascript:, data:) stays inert text
 OWN_LINK = re.compile(r"^(/files/)?\w[\w.-]*$")
@@ -213,24 +219,83 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         # the summary links its pictures beside it (runs/summaries/): here they are under /files/
         html = re.sub(r'(src|href)="((?:\d+\.forest|progress)\.png)"', r'\1="/files/\2"', html)
         looks = [r.payload | {"look": r.look} for r in store.gate_records(str(hid), kind="verdict")]
-        diff, diff_note = "", ""
-        if h.commit and h.base_commit:
-            ws = Workspace(lab)
-            fork = ws.repo.merge_base(h.base_commit, h.commit)
-            diff = ws.diff(fork[0].hexsha, h.commit) if fork else ""
-            if len(diff) > DIFF_MAX_CHARS:  # a committed data file: not sent on every refresh
-                diff_note = f"the diff is {len(diff) >> 10} KB, over {DIFF_MAX_CHARS >> 10} KB: its summary only"
-                diff = ws.diff_stat(fork[0].hexsha, h.commit)
+        diff, diff_note = bounded_diff(Workspace(lab), h)
         failed = []
         if h.commit:
             ids = [r.id for r in store.runs(commit=h.commit)]
             failed = [e for e in store.stage_execs(ids) if e.outcome in ("method", "timeout", "infra", "lost")
                       and e.log_path]
         comments = rec.comments(hid, limit=50)
+        related = ([("parent", h.parent_id)] if h.parent_id else []) + [
+            ("refinement", c.id) for c in rec.all() if c.parent_id == h.id]
         return page(request, "hypothesis.html", h=h, summary=html, looks=looks, last=looks[-1] if looks else None,
-                    diff=diff, diff_note=diff_note, failed=failed, comments=comments,
+                    diff=diff, diff_note=diff_note, failed=failed, comments=comments, related=related,
                     forest=forest_path(lab, hid).is_file() and f"{hid}.forest.png" not in html,
-                    can_decide=h.review in ("pending", "none"), refresh=30)
+                    seeds=bool(h.commit and h.base_commit), can_decide=h.review in ("pending", "none"), refresh=30)
+
+    def directions(request: Request) -> Response:
+        from agent.directions import group_directions
+        from agent.workspace import Workspace
+
+        lab, store, rec = lab_store()
+        groups = group_directions(Workspace(lab), store, rec)
+        verdicts = sorted({v for g in groups for v in g.verdicts})
+        decisions = sorted({d for g in groups for d in g.decisions})
+        return page(request, "directions.html", groups=groups, verdicts=verdicts, decisions=decisions, refresh=60)
+
+    def compare(request: Request) -> Response:
+        from agent.directions import direction_of, label
+        from agent.workspace import Workspace
+
+        q = request.query_params
+        if not q.get("a") and not q.get("b"):  # the nav's link: pick two
+            _lab, _store, rec = lab_store()
+            return page(request, "compare_pick.html", rows=[h for h in rec.all() if h.title][::-1][:200])
+        ids = []
+        for k in ("a", "b"):
+            v = q.get(k, "").strip()
+            if not v.isdigit() or len(v) > 12:
+                raise HTTPException(400, f"compare needs two hypothesis ids: ?a=ID&b=ID ({k} is {v[:40]!r})")
+            ids.append(int(v))
+        lab, store, rec = lab_store()
+        ws = Workspace(lab)
+        sides = []
+        for hid in ids:
+            h = rec.get(hid)  # an unknown id: UserError "no hypothesis N", a 404 page
+            looks = [r.payload | {"look": r.look} for r in store.gate_records(str(hid), kind="verdict")]
+            diff, note = bounded_diff(ws, h)
+            sides.append({"h": h, "looks": looks, "last": looks[-1] if looks else None, "diff": diff,
+                          "diff_note": note, "direction": label(direction_of(ws, h))})
+        order = list(dict.fromkeys(t["task"] for s in sides if s["last"] for t in s["last"]["tasks"]))
+        tasks = [{"task": t, "sides": [next((x for x in (s["last"] or {}).get("tasks", []) if x["task"] == t), {})
+                                       for s in sides]} for t in order]
+        return page(request, "compare.html", a=sides[0], b=sides[1], tasks=tasks)
+
+    def timeline(request: Request) -> Response:
+        from agent.progress import split_progress
+
+        lab, store, rec = lab_store()
+        split = split_progress(lab, store, rec)
+        own = {p["label"]: p for p in split["points"]}
+        start = own.get("start")
+        sign = 1.0 if lab.config.benchmark.higher_is_better else -1.0
+        promotions, prev = [], start
+        for h in sorted((h for h in rec.all() if h.decision == "promote" and h.promoted_tag),
+                        key=lambda h: (tag_number(h.promoted_tag), h.id)):
+            recs = store.gate_records(str(h.id), kind="verdict")
+            last = recs[-1].payload if recs else {}
+            deltas = [t["delta"] for t in last.get("tasks", []) if t.get("delta") is not None]
+            p = own.get(h.promoted_tag)
+            step = None
+            if p and prev and p["holdout"] is not None and prev["holdout"] is not None:
+                step = sign * (p["holdout"] - prev["holdout"])
+            rv = store.gate_records(str(h.id), kind="reverify")
+            promotions.append({"h": h, "gate": last.get("horizontal") or {}, "look": last.get("look"),
+                               "alpha": last.get("alpha"), "mean_delta": sum(deltas) / len(deltas) if deltas else None,
+                               "own": p, "holdout_step": step, "reverify": rv[-1].payload if rv else None})
+            prev = p or prev
+        return page(request, "timeline.html", promotions=promotions[::-1], split=split, start=start,
+                    metric=lab.config.benchmark.metric, higher=lab.config.benchmark.higher_is_better, refresh=60)
 
     async def review(request: Request) -> Response:
         hid = int(request.path_params["hid"])
@@ -256,7 +321,15 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         from agent.pictures import summaries_dir
 
         name = request.path_params["name"]
-        lab, _store, _rec = lab_store()
+        lab, store, rec = lab_store()
+        m = SEEDS_PICTURE.match(name)
+        if m:  # drawn from the store on request, into memory: nothing is written beside the summaries
+            from agent.pictures import draw_seeds, seed_view
+
+            view = seed_view(lab, store, rec.get(int(m.group(1))))
+            if view is None:
+                raise HTTPException(404, "no runs to draw yet")
+            return Response(draw_seeds(view), media_type="image/png", headers={"Cache-Control": "no-store"})
         path = summaries_dir(lab) / name
         if not PICTURE.match(name) or not path.is_file():
             raise HTTPException(404, "no such picture")
@@ -311,7 +384,8 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
 
     routes = [Route("/", overview), Route("/hypotheses", hypotheses), Route("/hypotheses/{hid:int}", hypothesis),
               Route("/hypotheses/{hid:int}/review", review, methods=["POST"]),
-              Route("/files/{name}", picture), Route("/logs/{eid:int}", stage_log)]
+              Route("/files/{name}", picture), Route("/logs/{eid:int}", stage_log),
+              Route("/directions", directions), Route("/compare", compare), Route("/timeline", timeline)]
     middleware = [Middleware(BaseHTTPMiddleware, dispatch=gate)]
     if loopback:  # only loopback names, or a rebound DNS name would make a page same-origin
         from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -319,6 +393,26 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "::1"]))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={Exception: error_page, HTTPException: error_page})
+
+
+def tag_number(tag: str) -> int:
+    m = re.fullmatch(r"baseline/v(\d+)", tag or "")
+    return int(m.group(1)) if m else 1 << 30
+
+
+def bounded_diff(ws: Any, h: Any) -> tuple[str, str]:
+    """The hypothesis's diff against its fork point with its base, and a note: over `DIFF_MAX_CHARS`
+    (a committed data file, not sent on every refresh) its `git diff --stat` instead."""
+    if not (h.commit and h.base_commit):
+        return "", ""
+    fork = ws.repo.merge_base(h.base_commit, h.commit)
+    if not fork:
+        return "", ""
+    diff = ws.diff(fork[0].hexsha, h.commit)
+    if len(diff) > DIFF_MAX_CHARS:
+        return (ws.diff_stat(fork[0].hexsha, h.commit),
+                f"the diff is {len(diff) >> 10} KB, over {DIFF_MAX_CHARS >> 10} KB: its summary only")
+    return diff, ""
 
 
 def serve(repo: Path, db: str | None, host: str, port: int, token: str | None, generate_token: bool,

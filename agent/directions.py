@@ -1,0 +1,136 @@
+"""Directions: the lab's hypotheses grouped by what they changed, and what each group paid.
+
+A hypothesis's direction is derived from its commit's diff against the fork point with its base
+(the same diff the hypothesis page shows): the `config.toml` keys whose values changed (`section.key`,
+when the lab's editable config is that TOML file and it parses), and every other changed file by its
+path. A hypothesis with no commit yet (queued, or rejected before one was made) is grouped by the
+search-space keys it proposed (`Hypothesis.change`), else as "(no change)". The records carry no
+direction label of the policy's own, so none is used; no LLM is asked.
+
+Per group: counts by verdict and by decision, the gain it banked (the sum of the horizontal Δ, in
+σ units, of the last verdict record of each promoted hypothesis), the runs it spent (its challenger
+runs that finished or failed), and its last result (the newest decided hypothesis). Every number
+comes from the store's records. Read by the web page (`/directions`); `directions_lines` words it
+for a prompt or a terminal.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+CONFIG_FILE = "config.toml"
+NO_CHANGE = "(no change)"
+_CACHE: dict[tuple[str, str], tuple[str, ...]] = {}  # (fork, commit) -> direction; commits never change
+_CACHE_MAX = 4096
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out |= _flat(v, key + ".")
+        else:
+            out[key] = v
+    return out
+
+
+def changed_keys(workspace: Any, base: str | None, commit: str | None) -> dict[str, str]:
+    """`section.key` → new value (as text, at most 500 characters) for every `config.toml` value the
+    commit changed from `base`; {} without both commits, the file, or with a file that does not parse."""
+    if not base or not commit:
+        return {}
+    texts = [workspace.read(rev, CONFIG_FILE) for rev in (base, commit)]
+    if any(t is None for t in texts):
+        return {}
+    try:
+        old, new = (_flat(tomllib.loads(t)) for t in texts)  # type: ignore[arg-type]
+    except tomllib.TOMLDecodeError:
+        return {}
+    out = {k: str(v)[:500] for k, v in new.items() if old.get(k) != v}
+    out |= {k: "(removed)" for k in old if k not in new}
+    return out
+
+
+def fork_point(workspace: Any, base: str, commit: str) -> str | None:
+    fork = workspace.repo.merge_base(base, commit)
+    return fork[0].hexsha if fork else None
+
+
+def direction_of(workspace: Any, h: Any) -> tuple[str, ...]:
+    """The sorted config keys and file paths the hypothesis's commit changed (see the module doc)."""
+    if not (h.commit and h.base_commit):
+        keys = tuple(sorted(str(k) for k in (h.change or {})))
+        return keys or (NO_CHANGE,)
+    fork = fork_point(workspace, h.base_commit, h.commit)
+    if fork is None:
+        return (NO_CHANGE,)
+    hit = _CACHE.get((fork, h.commit))
+    if hit is not None:
+        return hit
+    parts: set[str] = set()
+    for path in workspace.changed_paths(fork, h.commit):
+        keys = changed_keys(workspace, fork, h.commit) if path == CONFIG_FILE else {}
+        parts |= set(keys) if keys else {path}
+    out = tuple(sorted(parts)) or (NO_CHANGE,)
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
+    _CACHE[(fork, h.commit)] = out
+    return out
+
+
+def label(direction: tuple[str, ...]) -> str:
+    return " + ".join(direction)
+
+
+@dataclass
+class Group:
+    direction: tuple[str, ...]
+    hypotheses: list[int] = field(default_factory=list)
+    verdicts: Counter = field(default_factory=Counter)
+    decisions: Counter = field(default_factory=Counter)
+    banked_sigma: float = 0.0  # Σ horizontal Δ (σ units) of the promoted
+    promoted: int = 0
+    runs: int = 0
+    last: dict[str, Any] | None = None  # the newest decided hypothesis: id, title, verdict, decision
+
+    @property
+    def label(self) -> str:
+        return label(self.direction)
+
+
+def group_directions(workspace: Any, store: Any, records: Any) -> list[Group]:
+    """Every proposed hypothesis in its direction's group; groups in order of first appearance."""
+    groups: dict[tuple[str, ...], Group] = {}
+    for h in records.all():
+        if not h.title:
+            continue
+        d = direction_of(workspace, h)
+        g = groups.setdefault(d, Group(d))
+        g.hypotheses.append(h.id)
+        g.verdicts[h.verdict or "not measured"] += 1
+        g.decisions[h.decision or ("held" if h.status == "held" else "in flight" if h.status != "done" else "none")] += 1
+        if h.commit:
+            g.runs += sum(r.status in ("done", "failed") for r in store.runs(commit=h.commit))
+        if h.decision == "promote":
+            g.promoted += 1
+            recs = store.gate_records(str(h.id), kind="verdict")
+            delta = ((recs[-1].payload.get("horizontal") or {}).get("delta")) if recs else None
+            if delta is not None:
+                g.banked_sigma += float(delta)
+        if h.decision or h.verdict:
+            g.last = {"id": h.id, "title": h.title, "verdict": h.verdict, "decision": h.decision}
+    return list(groups.values())
+
+
+def directions_lines(groups: list[Group], limit: int = 20) -> list[str]:
+    """One line per group, most banked first: for a prompt's context or a terminal."""
+    out = []
+    for g in sorted(groups, key=lambda g: (-g.banked_sigma, -len(g.hypotheses)))[:limit]:
+        dec = ", ".join(f"{n} {k}" for k, n in sorted(g.decisions.items()))
+        out.append(f"{g.label}: {len(g.hypotheses)} hypotheses ({dec}), banked {g.banked_sigma:+.3f}σ "
+                   f"in {g.promoted} promotions, {g.runs} runs")
+    return out
