@@ -238,3 +238,50 @@ def test_on_ray_a_link_out_of_the_tree_is_refused_before_anything_runs(attacked_
     assert f"config.toml -> {LINK_OUT}" in reason and "leads out of it" in reason and "Traceback" not in reason
     commit = git(attacked_on_ray["root"], "rev-parse", "attack-link")
     assert db.execute("SELECT count(*) FROM run WHERE \"commit\" = ?", (commit,)).fetchone()[0] == 0
+
+
+def test_the_nodes_default_memory_bound_is_the_local_executors(tmp_path: Path) -> None:
+    """With no `[run] memory_mb`, a Ray node bounds a CPU stage as the local executor does on the same
+    machine (`lab.memory_plan`), from the node's own MemTotal and cores; a GPU stage gets none."""
+    from pipeline.executors import ray_task
+    from pipeline.lab import RunSection, local_slots, memory_plan
+
+    meminfo = tmp_path / "meminfo"
+    for total_mb in (24_000, 3_000, 512_000):
+        meminfo.write_text(f"MemTotal:       {total_mb * 1024} kB\nMemFree:  1 kB\n")
+        for cpus in (1, 2):
+            run = RunSection(cpus=cpus)
+            plan = memory_plan(run, local_slots(run), total_mb)
+            sandbox = {"tmp_max_mb": run.tmp_max_mb, "out_max_mb": run.out_max_mb}
+            assert ray_task.node_memory_mb(cpus, 0, sandbox, str(meminfo)) == plan.memory_mb, (total_mb, cpus)
+    assert ray_task.node_memory_mb(1, 1, {"tmp_max_mb": 1, "out_max_mb": 1}, str(meminfo)) is None
+    assert ray_task.node_memory_mb(1, 0, None, str(tmp_path / "missing")) is None
+
+
+def test_a_ray_stage_without_memory_mb_runs_under_the_nodes_bound(cluster, tmp_path: Path, monkeypatch) -> None:
+    """A real warm-worker actor: the stage's own RLIMIT_AS is the node's default, not unlimited."""
+    from pipeline.executors import ray_task
+    from pipeline.executors.ray_executor import node_sources
+
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.cloudpickle.register_pickle_by_value(ray_task)
+        actor = ray.remote(ray_task.WarmWorker).options(num_cpus=1, max_restarts=0).remote(node_sources(), [])
+        ident = f"rlimit-{uuid.uuid4().hex[:12]}"
+        tree = ray.put(tar_of([("README", None)]))
+        job = {"job_id": ident, "tree_id": ident, "cwd": str(tmp_path / "view"), "out": str(tmp_path / "out"),
+               "argv": ["python", "-c", "import resource; print('rlimit_as', resource.getrlimit(resource.RLIMIT_AS)[0])"],
+               "env": {}, "env_allow": ["PATH"], "env_prefixes": [], "sandbox": None, "cpus": 1, "memory_mb": None,
+               "timeout_s": 60}
+        res = ray.get(actor.run.remote(job, [tree], []), timeout=120)
+        expected = ray.get(ray.remote(lambda: ray_task.node_memory_mb(1, 0, None)).remote())
+        ray.kill(actor)
+    finally:
+        ray.shutdown()
+    assert (res["status"], res["exit_code"]) == ("ok", 0), res
+    (limit,) = [int(ln.split()[1]) for ln in res["log"].decode().splitlines() if ln.startswith("rlimit_as ")]
+    assert expected is not None and expected >= 1024
+    # the bound is on top of what the forked child maps already (child._limit_memory)
+    assert expected << 20 <= limit < (expected + 4096) << 20, (limit >> 20, expected)

@@ -42,6 +42,27 @@ def _own_cache() -> None:
 
 
 MAX_LOG_BYTES = 8 << 20
+# pipeline.lab's MEMORY_SHARE and SHM_MB: this module is standard library only, shipped by value
+MEMORY_SHARE = 0.8
+SHM_MB = 64
+
+
+def node_memory_mb(cpus: int, gpus: int, sandbox: dict[str, Any] | None, meminfo: str = "/proc/meminfo") -> int | None:
+    """A CPU stage's RLIMIT_AS on this node when the lab sets no `[run] memory_mb`: the local
+    executor's default (`pipeline.lab.memory_plan`) from this node's memory and cores, not the
+    driver's. MEMORY_SHARE of MemTotal ÷ the stages of `cpus` the node holds at once, less the
+    stage's tmpfs, never under 1 GB. None for a GPU stage (CUDA maps a huge address space) or
+    where MemTotal cannot be read."""
+    if gpus:
+        return None
+    try:
+        with open(meminfo) as fh:
+            total = next(int(ln.split()[1]) // 1024 for ln in fh if ln.startswith("MemTotal:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    slots = max(1, (os.cpu_count() or 1) // max(1, int(cpus)))
+    tmpfs = (int(sandbox.get("tmp_max_mb", 0)) + SHM_MB + int(sandbox.get("out_max_mb", 0))) if sandbox else 0
+    return max(1024, int(total * MEMORY_SHARE / slots) - tmpfs)
 
 
 def unpack(data: bytes, dest: str, safefs: Any, what: str = "the tree") -> str:
@@ -208,7 +229,9 @@ class WarmWorker:
                 sandbox["gpu_ids"] = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
                 env["CUDA_VISIBLE_DEVICES"] = self._inside_gpu_ids(sandbox["gpu_ids"], env.get("CUDA_VISIBLE_DEVICES", ""))
         spec = {"argv": [local(a) for a in job["argv"]], "cwd": cwd, "env": env, "log": log,
-                "cpus": job["cpus"], "memory_mb": job["memory_mb"], "strip_sys_path": [self.pkg],
+                "cpus": job["cpus"], "strip_sys_path": [self.pkg],
+                "memory_mb": job["memory_mb"] if job["memory_mb"] is not None
+                else node_memory_mb(job["cpus"], job.get("gpus", 0), job.get("sandbox")),
                 "sandbox": sandbox}
         self.current = job["job_id"]
         result: dict[str, Any] = {"cpu_s": 0.0, "wall_s": 0.0, "exit_code": None, "signal": None,
