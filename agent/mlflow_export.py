@@ -1,9 +1,12 @@
 """`autoresearch export mlflow`: the lab's hypotheses as MLflow runs, for teams that read results there.
 
 One parent run per hypothesis — params: the config keys its commit changed (and to what); tags:
-verdict, decision, commit, branch, baseline tag, origin, status; metrics: the horizontal Δ and each
-task's Δ at the last look; artifacts: summary.md and the forest plot — and one nested run per
-(task, seed) of its challenger runs, with the metric's value and the run's CPU seconds.
+verdict, decision, commit, branch, baseline tag, origin, status, and its direction (`agent.directions`:
+the config keys, else the files, it changed); metrics: the horizontal Δ (with its interval) and each
+task's Δ at the last look, and for a promoted hypothesis its champion's figures on its own runs: the
+level on the gate split and on the sealed holdout, and the gains since the first baseline on both
+(`agent.progress.split_progress`; + is better); artifacts: summary.md and the forest plot — and one
+nested run per (task, seed) of its challenger runs, with the metric's value and the run's CPU seconds.
 
 Idempotent, keyed by tags (`autoresearch.hypothesis`, `autoresearch.run`): a second export creates
 no run and logs no metric point that is already there; what changed since (a decision, a later
@@ -17,10 +20,10 @@ import logging
 import math
 import os
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
+from agent.directions import changed_keys, direction_of, label
 from agent.records import Hypothesis, Records
 
 log = logging.getLogger("autoresearch.mlflow")
@@ -28,32 +31,7 @@ log = logging.getLogger("autoresearch.mlflow")
 HYP_TAG = "autoresearch.hypothesis"
 RUN_TAG = "autoresearch.run"
 LAB_TAG = "autoresearch.lab"
-CONFIG_FILE = "config.toml"
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out |= _flat(v, key + ".")
-        else:
-            out[key] = v
-    return out
-
-
-def changed_keys(workspace: Any, base: str | None, commit: str | None) -> dict[str, str]:
-    """`section.key` → new value for every config.toml value the commit changed from its base."""
-    if not base or not commit:
-        return {}
-    texts = [workspace.read(rev, CONFIG_FILE) for rev in (base, commit)]
-    if any(t is None for t in texts):
-        return {}
-    try:
-        old, new = (_flat(tomllib.loads(t)) for t in texts)  # type: ignore[arg-type]
-    except tomllib.TOMLDecodeError:
-        return {}
-    return {k: str(v)[:500] for k, v in new.items() if old.get(k) != v}
+__all__ = ["Exporter", "changed_keys", "export"]  # changed_keys: agent.directions's, for callers of old
 
 
 class Exporter:
@@ -84,6 +62,18 @@ class Exporter:
                 where = (Path(tracking_uri[len("sqlite:///"):]).resolve().parent / "mlflow-artifacts").as_uri()
             self.experiment_id = self.client.create_experiment(name, artifact_location=where)
         self.created = self.updated = 0
+        self._split: dict[str, Any] | None = None  # split_progress, once per export pass
+
+    def _champion(self, h: Hypothesis) -> dict[str, Any] | None:
+        """A promoted hypothesis's champion point of `split_progress` (None: not promoted, or its own runs
+        not all in yet)."""
+        if not h.promoted_tag:
+            return None
+        if self._split is None:
+            from agent.progress import split_progress
+
+            self._split = split_progress(self.lab, self.store, self.records)
+        return next((p for p in self._split["points"] if p["label"] == h.promoted_tag), None)
 
     @staticmethod
     def _call(fn: Any, *args: Any, what: str) -> Any:
@@ -102,6 +92,7 @@ class Exporter:
     # ------------------------------------------------------------------------------------------
 
     def export_all(self) -> dict[str, int]:
+        self._split = None
         for h in self.records.all():
             if h.title:
                 self.export(h)
@@ -116,6 +107,8 @@ class Exporter:
 
     def export(self, h: Hypothesis) -> str:
         """Create or update the hypothesis's run and its nested runs; returns the parent run's id."""
+        if h.promoted_tag:  # a new champion's points: read afresh
+            self._split = None
         return self._call(self._export, h, what="the MLflow tracking server")
 
     def _export(self, h: Hypothesis) -> str:
@@ -151,7 +144,8 @@ class Exporter:
         tags = {HYP_TAG: str(h.id), LAB_TAG: self.lab.config.lab.name, "status": h.status,
                 "verdict": h.verdict or "", "decision": h.decision or "", "commit": h.commit or "",
                 "branch": h.branch or "", "baseline": base_tags[-1] if base_tags else (h.base_commit or "")[:12],
-                "origin": h.origin or "", "promoted_tag": h.promoted_tag or "", "title": (h.title or "")[:500]}
+                "origin": h.origin or "", "promoted_tag": h.promoted_tag or "", "title": (h.title or "")[:500],
+                "direction": label(direction_of(self.workspace, h))[:500]}
         if h.reject_kind:
             tags["reject_kind"] = h.reject_kind
         return tags
@@ -163,11 +157,18 @@ class Exporter:
         g = recs[-1].payload
         out: dict[str, float] = {"look": float(g.get("look") or 0)}
         hz = g.get("horizontal") or {}
-        if hz.get("delta") is not None:
-            out["horizontal_delta_sigma"] = float(hz["delta"])
+        for key, name in (("delta", "horizontal_delta_sigma"), ("ci_low", "horizontal_ci_low_sigma"),
+                          ("ci_high", "horizontal_ci_high_sigma")):
+            if hz.get(key) is not None and math.isfinite(hz[key]):
+                out[name] = float(hz[key])
         for t in g.get("tasks", []):
             if t.get("delta") is not None and math.isfinite(t["delta"]):
                 out[f"delta.{t['task']}"] = float(t["delta"])
+        p = self._champion(h)
+        if p is not None:
+            figures = {"champion.gate_split": p["gate"], "champion.holdout": p["holdout"],
+                       "champion.gate_split_gain": p["gate_gain"], "champion.holdout_gain": p["holdout_gain"]}
+            out |= {k: float(v) for k, v in figures.items() if v is not None and math.isfinite(v)}
         return out
 
     def _artifacts(self, run_id: str, h: Hypothesis) -> None:

@@ -1,7 +1,9 @@
 """`autoresearch export mlflow` to a real tracking store — a `sqlite:///` backend, and an
 `mlflow server` process on 127.0.0.1 — read back with `MlflowClient.search_runs`: counts, params,
 tags and metrics equal the store's; a second export changes nothing; an unreachable server is one
-line. A real loop decides the hypotheses first (real runs, real results)."""
+line. A real loop decides the hypotheses first (real runs, real results). The holdout figures and the
+direction tag are checked on tests/views_fixtures.py's lab too (a promotion, holdout scores, two
+directions; planted runs, no training)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ def export(root: Path, uri: str) -> dict:
 def check_matches_store(root: Path, uri: str) -> None:
     from mlflow.tracking import MlflowClient
 
+    from agent.directions import direction_of, label
     from agent.mlflow_export import HYP_TAG, RUN_TAG, changed_keys
 
     svc = services(root)
@@ -56,6 +59,7 @@ def check_matches_store(root: Path, uri: str) -> None:
         assert r.data.params == changed_keys(svc.workspace, h.base_commit, h.commit) and r.data.params
         (key,) = r.data.params  # the offline policy changes one [search_space] key
         assert key in (h.change or {})
+        assert tags["direction"] == label(direction_of(svc.workspace, h)) == key  # that key is its direction
         gate = svc.store.gate_records(str(h.id), kind="verdict")[-1].payload
         for t in gate["tasks"]:
             assert math.isclose(r.data.metrics[f"delta.{t['task']}"], t["delta"], rel_tol=1e-12)
@@ -151,3 +155,36 @@ def test_run_with_mlflow_exports_each_hypothesis_as_it_is_decided(lab: Path, tmp
     exp = client.get_experiment_by_name(f"autoresearch/{loop.lab.config.lab.name}")
     parents = client.search_runs([exp.experiment_id], filter_string=f"tags.`autoresearch.hypothesis` = '{h.id}'")
     assert len(parents) == 1 and parents[0].data.tags["decision"] == h.decision and h.status == "done"
+
+
+def test_the_export_carries_the_holdout_figures_and_the_direction(lab_template, tmp_path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from agent.mlflow_export import HYP_TAG
+    from agent.progress import split_progress
+    from views_fixtures import build_views_lab
+
+    built = build_views_lab(lab_template, tmp_path / "lab")
+    root, (h1, h2, h3) = built["lab"], built["ids"]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert export(root, uri)["created"] >= 3
+    svc = services(root)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(f"autoresearch/{svc.lab.config.lab.name}")
+    parents = {r.data.tags[HYP_TAG]: r for r in client.search_runs([exp.experiment_id], max_results=1000)
+               if HYP_TAG in r.data.tags}
+    assert {k: parents[str(k)].data.tags["direction"] for k in (h1, h2, h3)} == {
+        h1: "finetune.lr", h2: "finetune.lr", h3: "finetune.lora_rank"}
+    split = split_progress(svc.lab, svc.store, svc.records)
+    (champ,) = [p for p in split["points"] if p["label"] == "baseline/v1"]
+    m = parents[str(h1)].data.metrics
+    assert m["champion.holdout"] == pytest.approx(0.630) and m["champion.holdout_gain"] == pytest.approx(0.020)
+    assert m["champion.gate_split"] == pytest.approx(champ["gate"])
+    assert m["champion.gate_split_gain"] == pytest.approx(champ["gate_gain"])
+    gate = svc.store.gate_records(str(h1), kind="verdict")[-1].payload["horizontal"]
+    assert (m["horizontal_ci_low_sigma"], m["horizontal_ci_high_sigma"]) == pytest.approx(
+        (gate["ci_low"], gate["ci_high"]))
+    for other in (h2, h3):  # not promoted: no champion figures
+        assert not any(k.startswith("champion.") for k in parents[str(other)].data.metrics)
+    again = export(root, uri)
+    assert (again["created"], again["updated"]) == (0, 0)
