@@ -329,7 +329,8 @@ def seed_view(lab: Any, store: Any, h: Any) -> SeedView | None:
     looks = sorted({int(r.payload.get("look") or 0) for r in recs if r.payload.get("is_look")} - {0})
     rows = [SeedTask(t, {s: v for s, v in base.get(t, {}).items() if s in block},
                      {s: v for s, v in chal.get(t, {}).items() if s in block}) for t in tasks]
-    return SeedView(f"#{h.id} {h.title}"[:90], lab.config.benchmark.metric, lab.config.benchmark.higher_is_better,
+    title = f"#{h.id} {h.title}"[:90].replace("$", r"\$")  # a branch-written title is text, never mathtext
+    return SeedView(title, lab.config.benchmark.metric, lab.config.benchmark.higher_is_better,
                     1 - 2 * alpha, block.start, looks, list(lab.config.gate.looks), rows)
 
 
