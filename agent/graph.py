@@ -67,6 +67,16 @@ class Services:
 
 # ----------------------------------------------------------------------------- context
 
+def proposal_context(svc: Services) -> Context:
+    """`build_context` and the directions tried so far, with what each banked (only a proposal reads
+    them: grouping diffs every hypothesis once)."""
+    from agent.directions import directions_lines, group_directions
+
+    ctx = build_context(svc)
+    ctx.directions = directions_lines(group_directions(svc.workspace, svc.store, svc.records))
+    return ctx
+
+
 def build_context(svc: Services) -> Context:
     lab, ws = svc.lab, svc.workspace
     base = ws.baseline_head()
@@ -195,7 +205,7 @@ class Nodes:
         try:
             # the endpoint down, refusing or over budget leaves the node: no answer is no hypothesis,
             # and the loop (which created this empty one) withdraws it and backs off
-            p = self.svc.policy.propose(build_context(self.svc))
+            p = self.svc.policy.propose(proposal_context(self.svc))
         except LLMOutputError as e:  # it answered, but nothing usable after the repair rounds: recorded
             rec.update(h.id, title="(no proposal)", status="summarizing", decision="reject",
                        reject_kind="propose", reject_reason=f"{type(e).__name__}: {e}")

@@ -57,6 +57,7 @@ class Context:
     key_costs: dict[str, int] = field(default_factory=dict)  # search key -> stages its change re-runs
     baseline_states: list[dict[str, Any]] = field(default_factory=list)  # earlier baselines' search values
     plateau: int | None = None  # measured hypotheses in a row without a promotion, once past [agent] plateau_after
+    directions: list[str] = field(default_factory=list)  # one line per direction tried (agent.directions), when proposing
 
 
 @dataclass
@@ -320,6 +321,7 @@ class LLMPolicy:
             baseline=ctx.baseline, files=_md_files(ctx.files), history=history_table(ctx.history),
             comments=prompts.md_list(ctx.comments) if ctx.comments else prompts.phrase("none"),
             plateau=prompts.phrase("plateau", n=ctx.plateau) if ctx.plateau else "",
+            directions=prompts.md_list(ctx.directions) if ctx.directions else prompts.phrase("none_yet"),
         )
         out = self.client.complete_json("propose", msgs, PROPOSAL_SCHEMA, "hypothesis")
         tasks = [t for t in out["tasks_expected"] if t in ctx.tasks] or list(ctx.tasks)

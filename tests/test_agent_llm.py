@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from agent_fixtures import (
     DUMMY_KEY,
     LR_EDIT,
@@ -25,6 +27,8 @@ from agent_fixtures import (
     user_texts,
 )
 from fake_openai import content, garbage
+
+pytestmark = pytest.mark.system
 
 
 def ledger_purposes(loop) -> list[str]:
@@ -223,3 +227,7 @@ def test_code_measured_before_is_refused_as_a_duplicate_without_runs_or_repair(l
     assert len(llm.asked("edits")) == 2  # no repair round asked for: another wording would not help
     assert len(loop.store.runs()) == n_runs  # nothing queued for it
     assert git(lab, "branch", "--list", "hyp/*").split() == [first.branch]
+    # the second proposal saw the first's direction (the config key its commit changed)
+    asks = [user_texts(b) for b in llm.asked("hypothesis")]
+    assert "## Directions tried\n\nnone yet" in asks[0]
+    assert "- finetune.lr: 1 hypotheses (1 in flight), banked +0.000σ in 0 promotions" in asks[1], asks[1]
