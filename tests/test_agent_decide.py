@@ -28,6 +28,8 @@ from agent_fixtures import (
 )
 from fake_openai import content
 
+pytestmark = pytest.mark.system
+
 BASE_VALUES = [0.600, 0.604, 0.598]
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from agent_fixtures import (
     LR_EDIT,
@@ -31,6 +32,8 @@ from agent_fixtures import (
 )
 from fake_openai import content, stall
 from pipeline import runner
+
+pytestmark = pytest.mark.system
 
 
 _stores: dict[Path, object] = {}

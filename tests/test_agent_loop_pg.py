@@ -13,6 +13,8 @@ import pytest
 
 from agent_fixtures import TASKS, RunProcess, cli_json, make_loop, set_research
 
+pytestmark = pytest.mark.system
+
 PG_ADMIN = os.environ.get("AUTORESEARCH_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 

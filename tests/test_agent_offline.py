@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from agent_fixtures import BASELINE, TASKS, cli, cli_json, git, make_branch, make_loop, records
 from pipeline.harness.transactions.variants import NOOPS
+
+pytestmark = pytest.mark.system
 
 
 def seed(lab: Path, *args: str) -> int:

@@ -13,6 +13,8 @@ import pytest
 
 from agent_fixtures import cli, cli_env, cli_json, copy_lab, open_lab
 
+pytestmark = pytest.mark.system
+
 try:
     import ray  # noqa: F401
 except ImportError:  # pragma: no cover - depends on the machine

@@ -28,6 +28,8 @@ import pytest
 from agent_fixtures import cli, cli_env, git
 from exec_fixtures import require_sandbox
 
+pytestmark = pytest.mark.system
+
 try:
     import ray
 except ImportError:  # pragma: no cover - depends on the machine

@@ -14,6 +14,8 @@ import pytest
 
 from agent_fixtures import cli
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 WARNING = ("warning: [run] network = true: stages share the host's network and can reach the review page "
            "(autoresearch serve) and a PostgreSQL store on this machine; prefer network = false")
 

@@ -4,6 +4,10 @@ pipeline never imports the agent, and reading a lab's config imports no numpy.""
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 HEAVY = ["torch", "peft", "ray", "langgraph", "transformers", "scipy", "matplotlib"]
 
 
@@ -47,6 +51,7 @@ def test_unknown_command_is_usage_error():
     assert proc.returncode == 2
 
 
+@pytest.mark.slow
 def test_repo_and_db_are_accepted_after_the_command_name(tmp_path):
     from agent.labinit import init_lab
 

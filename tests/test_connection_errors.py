@@ -7,7 +7,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from agent_fixtures import cli, free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 

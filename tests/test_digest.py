@@ -19,6 +19,8 @@ from agent.policy import LLMPolicy
 from agent.records import Hypothesis
 from agent.summary import summary_path
 
+pytestmark = pytest.mark.system
+
 
 def backdate(svc, hid: int, seconds: float) -> None:
     """Move a hypothesis's timestamps `seconds` into the past (`records.update` stamps updated_at now)."""

@@ -8,11 +8,15 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from exec_fixtures import TASKS, TinyHarness, commit_change, git, make_lab, open_tiny_lab
 
 from pipeline import runner
 from pipeline.dag import Cache
 from pipeline.disk import DiskKeeper
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 BASE = "autoresearch/baseline"
 SEEDS = [0, 1]

@@ -17,6 +17,8 @@ import pytest
 from agent_fixtures import RunProcess, assert_runs_exactly_once, cli, cli_env
 from test_agent_loop_pg import pg_url  # noqa: F401  (the fixture)
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 
 def lease_of(lab: Path, *db: str) -> dict | None:
     out = cli(lab, *db, "status", "--json")

@@ -10,9 +10,12 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from exec_fixtures import TINY_RUNNER, TASKS, TinyHarness, git, make_lab, open_tiny_lab
 from pipeline import runner
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = "autoresearch/baseline"

@@ -16,6 +16,8 @@ from pipeline.executors import JobResult, StageJob, classify
 from pipeline.executors.base import lab_env, scrub_env
 from pipeline.executors.local import LocalExecutor
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 PROBE = """
 import json, os, sys, time
 mode = sys.argv[1]

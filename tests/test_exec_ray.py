@@ -16,6 +16,8 @@ from ray_cluster import ray_exclusive
 from pipeline import runner
 from pipeline.executors.local import LocalExecutor
 
+pytestmark = pytest.mark.system
+
 
 try:
     import ray

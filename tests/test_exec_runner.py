@@ -19,6 +19,8 @@ from pipeline.executors.local import LocalExecutor
 from pipeline.store import Store
 from test_exec_store import db  # noqa: F401  (SQLite and PostgreSQL, a private schema each)
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 BASE = "autoresearch/baseline"
 
 

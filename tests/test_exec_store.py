@@ -18,6 +18,8 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 from pipeline.store import Owner, Result, Run, Store
 
+pytestmark = pytest.mark.integration
+
 PG_URL = os.environ.get("AUTORESEARCH_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,6 +74,7 @@ def test_enqueue_is_idempotent_and_runs_are_unique(store: Store) -> None:
             s.commit()
 
 
+@pytest.mark.slow
 def test_concurrent_claims_take_each_run_exactly_once(db, store: Store, tmp_path: Path) -> None:
     url, schema = db
     store.ensure_arm("d" * 40)

@@ -10,6 +10,8 @@ import pytest
 from pipeline import runner
 from pipeline.lab import load_lab
 
+pytestmark = pytest.mark.system
+
 BASE = "autoresearch/baseline"
 
 

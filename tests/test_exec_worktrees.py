@@ -11,6 +11,8 @@ from exec_fixtures import commit_change, git, make_lab
 from pipeline.dag import Cache, SealedPathError, StageCommandError, check_not_sealed, input_digests, plan_run, render
 from pipeline.worktrees import UnknownCommitError, Worktrees
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def lab(tmp_path: Path):

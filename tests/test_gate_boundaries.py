@@ -16,6 +16,8 @@ from pipeline.gate.boundaries import (
     sequential_boundaries,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_spending_function_shape():
     t = np.linspace(0.05, 1, 40)
@@ -58,6 +60,7 @@ def null_crossings(n: int, looks: tuple[int, ...], upper: tuple[float, ...], sim
     return np.array(out)
 
 
+@pytest.mark.slow
 def test_boundaries_hold_alpha_on_independent_simulation():
     """Raw runs (not the calibrator's sufficient statistics), another seed: each look's crossing
     probability matches the α spent there within 4 binomial standard errors."""

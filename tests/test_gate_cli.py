@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -57,6 +59,7 @@ def test_power_bad_input_exits_2_with_one_line(args):
     assert p.stdout == "" and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow  # a simulation through the CLI
 def test_gate_sim_json_null_and_effect():
     p = cli("gate-sim", "--protocol", "sequential", "--trials", "2000", "--json")
     assert p.returncode == 0, p.stderr

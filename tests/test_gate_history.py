@@ -6,8 +6,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from pipeline.experiment import Experiment
 from pipeline.store import Owner, Result, Store
+
+pytestmark = pytest.mark.integration
 
 TASKS = ["a", "b"]
 

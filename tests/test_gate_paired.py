@@ -12,6 +12,8 @@ from pipeline.gate import Verdict, evaluate
 from pipeline.gate.plausibility import implausible
 from pipeline.gate.sim import simulate
 
+pytestmark = pytest.mark.unit
+
 TASKS = [f"task{j}" for j in range(8)]
 SIGMA = 0.01
 
@@ -109,6 +111,7 @@ def test_the_lazy_baseline_needs_only_the_seeds_the_look_has():
     assert r.baseline_runs_used == 2 * len(TASKS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pair_rho,history_rho", [(0.0, 0.9), (0.95, 0.95), (0.5, 0.0)])
 def test_the_error_rate_holds_whatever_this_hypothesis_pairs(pair_rho, history_rho):
     """Also when it pairs far worse than the lab's history (it changes pretraining): the boundaries
@@ -154,6 +157,7 @@ def test_a_challenger_noisier_than_the_lab_is_held():
     assert "noisier than the lab" in r.seed_spread.reason
 
 
+@pytest.mark.slow
 def test_a_noisier_challenger_costs_the_error_rate_little():
     """The bound assumes a challenger no noisier than the lab; at 3× its variance (a branch that adds
     seed-dependent noise) the challenger's own spread enters the bound and the hold catches some:

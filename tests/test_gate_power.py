@@ -10,6 +10,8 @@ from scipy import integrate, stats
 from pipeline.errors import UserError
 from pipeline.gate.power import PowerInputError, mde, plan, power
 
+pytestmark = pytest.mark.unit
+
 
 def power_by_integration(effect: float, sigma: float, n: int, m: int, alpha: float, two_sided: bool) -> float:
     """Power of the pooled t written from its definition, not from scipy's nct.

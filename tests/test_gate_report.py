@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from pipeline.gate import evaluate, render_markdown, render_text
+
+pytestmark = pytest.mark.unit
 
 
 def data(m: int, effect: float = 0.03) -> dict:

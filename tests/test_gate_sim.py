@@ -15,6 +15,8 @@ import pytest
 from pipeline.errors import UserError
 from pipeline.gate.sim import SimInputError, simulate
 
+pytestmark = pytest.mark.unit
+
 N = 20_000
 ALPHA = 0.025
 
@@ -23,6 +25,7 @@ def limit(p: float, n: int = N) -> float:
     return p + 4 * math.sqrt(p * (1 - p) / n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rho", [0.0, 0.6])
 def test_sequential_false_positive_rates_stay_within_alpha(rho):
     r = simulate(protocol="sequential", rho=rho, trials=N, seed=101)
@@ -34,6 +37,7 @@ def test_sequential_false_positive_rates_stay_within_alpha(rho):
     assert r.to_json()["false_positive_rate"] == r.improvement_rate
 
 
+@pytest.mark.slow
 def test_fixed_protocol_inflates_the_per_task_rate():
     r = simulate(protocol="fixed", trials=N, seed=102)
     assert r.per_task_rate_all_looks > limit(ALPHA)
@@ -68,6 +72,7 @@ def test_bad_settings_are_user_errors(kwargs):
     assert isinstance(e.value, UserError)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol,hib,trim,tasks", [("sequential", True, 0.125, 8), ("sequential", False, 0.25, 3),
                                                      ("fixed", True, 0.125, 4)])
 def test_look_path_judges_every_look_as_evaluate_does(protocol, hib, trim, tasks):

@@ -17,6 +17,8 @@ from pipeline.gate.stats import (
     welch_t,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_pooled_t_is_student_two_sample_t():
     rng = np.random.default_rng(0)

@@ -17,6 +17,8 @@ from pipeline.gate import GateInput, TaskRuns, Verdict, evaluate
 from pipeline.gate.inputs import GateInputError
 from pipeline.gate.stats import bh_qvalues
 
+pytestmark = pytest.mark.unit
+
 SIGMA = 0.01
 LEVELS = [0.62, 0.71, 0.78, 0.81, 0.84, 0.88, 0.90, 0.93]  # tasks at different AUC levels
 

@@ -17,6 +17,8 @@ from pipeline.executors import StageJob
 from pipeline.executors.local import LocalExecutor
 from pipeline.executors.sandbox import DEVICES, SETUP_FAILED, GpuError, device_nodes, gpu_devices, gpu_plan
 
+pytestmark = pytest.mark.integration
+
 NODES = ["nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools",
          "nvidia-modeset"]
 UUIDS = ["GPU-aaaa0000-0000", "GPU-bbbb1111-1111", "GPU-cccc2222-2222", "GPU-dddd3333-3333"]

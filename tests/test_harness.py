@@ -11,6 +11,8 @@ from pipeline.harness import get_harness
 from pipeline.harness.base import PredictionsError, auc, read_predictions
 from pipeline.harness.transactions import data as gen
 
+pytestmark = pytest.mark.unit
+
 N = 600
 
 

@@ -13,11 +13,15 @@ import json
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from agent.labinit import init_lab
 from agent_fixtures import cli, git
 from pipeline import runner
 from pipeline.executors.local import LocalExecutor
 from pipeline.lab import load_lab
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 BASE = "autoresearch/baseline"
 

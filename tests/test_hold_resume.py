@@ -8,8 +8,12 @@ import json
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from agent.labinit import init_lab
 from agent_fixtures import RunProcess, cli, git
+
+pytestmark = pytest.mark.system
 
 
 def _status(root: Path) -> dict:

@@ -18,6 +18,8 @@ import pytest
 from agent_fixtures import cli, cli_json, copy_lab, make_branch, open_lab, records
 from pipeline.harness.base import GATE_SPLIT, HOLDOUT_SPLIT
 
+pytestmark = pytest.mark.system
+
 
 def _prepared(root: Path):
     from pipeline.harness import get_harness

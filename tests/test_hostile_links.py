@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from agent_fixtures import BASELINE, cli, git, records
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 CHAIN = {"config.toml": "model.py/../X", "model.py": "train.py/..", "train.py": "."}
 
 

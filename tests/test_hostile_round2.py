@@ -17,6 +17,8 @@ import pytest
 from agent_fixtures import REPO, Server
 from summary_fixtures import BETTER, decided, implemented, measured, services
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 
 def post(server: Server, path: str, fields: dict[str, str], headers: dict[str, str]) -> tuple[int, str]:
     """One POST as a browser (or another site's page) would send it, with the server's token cookie

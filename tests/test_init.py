@@ -4,8 +4,11 @@ import subprocess
 import sys
 
 import git
+import pytest
 
 from pipeline.lab import BASELINE_BRANCH, load_lab
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def cli(*args, cwd=None):

@@ -11,6 +11,8 @@ import pytest
 from pipeline.errors import LabConfigError, LabNotFoundError
 from pipeline.lab import load_lab, parse_config
 
+pytestmark = pytest.mark.integration
+
 TEMPLATE = Path(__file__).resolve().parent.parent / "pipeline" / "templates" / "transactions"
 GOOD = (TEMPLATE / "research.toml").read_text()
 

@@ -17,6 +17,8 @@ import pytest
 
 from agent_fixtures import cli, cli_json, git
 
+pytestmark = pytest.mark.integration
+
 TRUSTED_TAG = "autoresearch/trusted"
 
 
@@ -138,6 +140,7 @@ def test_check_warns_about_an_editable_file_no_stage_reads(lab: Path) -> None:
     assert "warning: config.toml is editable" in js.stderr
 
 
+@pytest.mark.slow
 def test_trust_shows_nothing_before_a_run_then_moves_the_tag(lab: Path) -> None:
     first = git(lab, "rev-parse", "HEAD")
     before = cli(lab, "trust")
@@ -169,6 +172,7 @@ def test_trust_shows_nothing_before_a_run_then_moves_the_tag(lab: Path) -> None:
     assert git(lab, "rev-parse", f"{TRUSTED_TAG}^{{commit}}") == first
 
 
+@pytest.mark.slow
 def test_trust_on_a_transactions_lab_is_bad_input(tmp_path: Path) -> None:
     root = tmp_path / "tx"
     made = cli(root, "init", str(root))

@@ -42,6 +42,8 @@ from agent.llm import (
 )
 from pipeline.store import Store
 
+pytestmark = pytest.mark.integration
+
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from agent_fixtures import (
     free_port,
     DUMMY_KEY,
@@ -29,6 +31,8 @@ from agent_fixtures import (
     set_research,
 )
 from fake_openai import content, server_error
+
+pytestmark = pytest.mark.system
 
 FAST_RETRIES = ("model = \"gpt-4.1-mini\"", "model = \"gpt-4.1-mini\"\nrequest_attempts = 2\nrequest_timeout_s = 5")
 

@@ -17,6 +17,8 @@ import pytest
 from pipeline.gate import Verdict, evaluate, render_markdown
 from pipeline.gate.power import power
 
+pytestmark = pytest.mark.integration
+
 SIGMA = 0.01
 LEVELS = {"default": 0.61, "churn": 0.62, "fraud": 0.59}  # logloss levels of the command lab's tasks
 

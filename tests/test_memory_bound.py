@@ -20,6 +20,8 @@ from pipeline.executors import StageJob, classify
 from pipeline.executors.local import LocalExecutor
 from pipeline.lab import SHM_MB, LabConfigError, memory_plan, mem_total_mb, parse_config
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = (REPO / "pipeline" / "templates" / "command" / "research.toml").read_text()
 

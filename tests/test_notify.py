@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS:UserWarning")
+pytestmark = [pytest.mark.system,
+              pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS:UserWarning")]
 from agent_fixtures import RunProcess, cli, cli_env, free_port, git
 
 from agent.labinit import init_lab

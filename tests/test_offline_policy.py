@@ -3,7 +3,11 @@
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from agent.policy import Context, OfflinePolicy, config_edit, config_values
+
+pytestmark = pytest.mark.integration
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "pipeline" / "templates" / "transactions"
 SPACE = tomllib.loads((TEMPLATE / "research.toml").read_text())["search_space"]

@@ -18,6 +18,8 @@ from pipeline.executors.child import STAGE_OOM_SCORE_ADJ
 from pipeline.executors.local import LocalExecutor
 from pipeline.executors.zygote import WORKER_OOM_SCORE_ADJ
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 
 @pytest.mark.parametrize("sandboxed", [True, False], ids=["sandboxed", "unsandboxed"])
 def test_stages_are_the_oom_killers_first_victims_and_the_warm_worker_its_last(tmp_path: Path,

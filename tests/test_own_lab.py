@@ -22,6 +22,8 @@ import pytest
 
 from agent_fixtures import BASELINE, cli, cli_json, git, open_lab, records
 
+pytestmark = pytest.mark.system
+
 TASKS = ["north", "south", "east"]
 ROWS, FEATURES, NOISE, TEST_FRACTION, BAG = 3000, 6, 1.2, 1 / 3, 0.8
 BEND = 0.2  # |coefficient| of every (x_j² − 1) term

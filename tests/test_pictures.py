@@ -15,6 +15,8 @@ from agent.pictures import DECISION_COLORS, FLAG_COLORS, draw_forest, forest_pat
 from agent.records import Hypothesis
 from agent.summary import summary_path
 
+pytestmark = pytest.mark.system
+
 
 def pixels(path):
     from matplotlib.image import imread

@@ -8,9 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from agent_fixtures import RoutedOpenAI, cli, proposal, set_research, user_texts
 from fake_openai import content
 from summary_fixtures import SAME, decided, implemented, measured, services
+
+pytestmark = pytest.mark.system
 
 
 def two_without_promotion(lab: Path):

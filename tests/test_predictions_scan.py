@@ -6,7 +6,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from pipeline.runner import _has_nonfinite
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_nan_in_the_rows_is_found_and_a_clean_file_is_not(tmp_path: Path) -> None:

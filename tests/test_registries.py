@@ -20,6 +20,8 @@ from pipeline import runner
 from pipeline.executors import EXECUTORS, JobResult, StageJob, make_executor
 from pipeline.harness import HARNESSES
 
+pytestmark = pytest.mark.integration
+
 BASE = "autoresearch/baseline"
 
 
@@ -135,6 +137,7 @@ def test_a_registered_policy_is_made_by_name() -> None:
     assert "one-idea" not in POLICIES
 
 
+@pytest.mark.system  # the real loop end to end (about a minute): not in make test-fast
 def test_a_registered_policy_drives_the_real_loop(tmp_path: Path) -> None:
     from agent.labinit import init_lab
     from agent.loop import Loop, LoopOptions

@@ -23,6 +23,8 @@ from agent.records import ACTIVE, Hypothesis
 from agent.summary import summary_path
 from pipeline.lab import BASELINE_BRANCH
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture
 def lab(tmp_path):

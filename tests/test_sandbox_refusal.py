@@ -14,8 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from agent.labinit import init_lab
 from agent_fixtures import REPO, cli, cli_env, git
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _run_without_user_namespaces(root: Path) -> subprocess.CompletedProcess[str]:

@@ -10,8 +10,12 @@ import shutil
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from agent_fixtures import cli, git
 from test_attacks import FEATURIZE, RESEARCH, TEMPLATE, TRAIN
+
+pytestmark = pytest.mark.system
 
 
 def _lab(root: Path) -> Path:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 
 def cli(lab, *args):
     return subprocess.run([sys.executable, "-m", "agent.cli", "--repo", str(lab), *args], capture_output=True, text=True)

@@ -16,6 +16,8 @@ from agent.policy import LLMPolicy
 from agent.summary import allowed_numbers, foreign_numbers, latest_result, numbers_in, summary_path
 from pipeline.gate import render_markdown
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 
 @pytest.fixture
 def lab(tmp_path):

@@ -14,6 +14,8 @@ import tomli_w
 from pipeline.harness import get_harness
 from pipeline.harness.transactions.variants import NOOPS, apply_edit
 
+pytestmark = pytest.mark.system
+
 TEMPLATE = Path(__file__).resolve().parent.parent / "pipeline" / "templates" / "transactions"
 TINY = {"data": {"max_events": 8}, "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
         "pretrain": {"epochs": 1}, "finetune": {"epochs": 1}}

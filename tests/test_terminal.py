@@ -15,7 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from agent_fixtures import REPO, cli, cli_env
+
+pytestmark = pytest.mark.system
 
 
 def run_in_pty(root: Path, *args: str, timeout: float = 400) -> str:

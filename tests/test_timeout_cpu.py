@@ -15,6 +15,8 @@ from pipeline import isolation
 from pipeline.executors import StageJob, classify
 from pipeline.executors.local import LocalExecutor
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 SPIN = """
 import os, sys, time
 def spin():  # says the CPU it has used, as it sees it, every 50 ms

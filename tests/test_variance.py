@@ -4,7 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from agent_fixtures import cli_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_variance_study_on_the_tiny_lab(lab):

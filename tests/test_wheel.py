@@ -21,6 +21,8 @@ import pytest
 from agent_fixtures import REPO, RoutedOpenAI, cli_env, decision, edit, edits, git, llm_env, proposal
 from fake_openai import content
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -7,6 +7,8 @@ from agent.workspace import EditRejected, FileEdit, PromotionConflict, Workspace
 from pipeline.harness.transactions.variants import CONDITIONAL, NOOPS, PLANTED
 from pipeline.lab import BASELINE_BRANCH, load_lab
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def ws(tmp_path):
