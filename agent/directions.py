@@ -27,15 +27,39 @@ _CACHE: dict[tuple[str, str], tuple[str, ...]] = {}  # (fork, commit) -> directi
 _CACHE_MAX = 4096
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+MAX_CONFIG_BYTES = 1 << 20  # a branch's config.toml larger than this has no keys worth a direction
+MAX_DEPTH = 32  # tables nested deeper are one key (a branch may nest 1000 deep to break a recursion)
+TOO_DEEP = "(tables nested too deep)"
+
+
+def _flat(d: dict[str, Any]) -> dict[str, Any]:
+    """`section.key` → value, without recursion; a table deeper than MAX_DEPTH is one value, TOO_DEEP
+    (comparing or printing it would recurse)."""
     out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out |= _flat(v, key + ".")
-        else:
-            out[key] = v
+    stack: list[tuple[str, dict[str, Any], int]] = [("", d, 0)]
+    while stack:
+        prefix, table, depth = stack.pop()
+        for k, v in table.items():
+            key = f"{prefix}{k}"
+            if not isinstance(v, dict):
+                out[key] = v
+            elif depth < MAX_DEPTH:
+                stack.append((key + ".", v, depth + 1))
+            else:
+                out[key] = TOO_DEEP
     return out
+
+
+def _config_text(workspace: Any, rev: str) -> str | None:
+    """The commit's config.toml as text, or None: missing, over MAX_CONFIG_BYTES, or not UTF-8 (a
+    branch wrote it: read with a bound, never trusted to decode)."""
+    try:
+        blob = workspace.repo.commit(rev).tree / CONFIG_FILE
+        if blob.type != "blob" or blob.size > MAX_CONFIG_BYTES:
+            return None
+        return blob.data_stream.read().decode("utf-8")
+    except (KeyError, ValueError, UnicodeDecodeError):
+        return None
 
 
 def changed_keys(workspace: Any, base: str | None, commit: str | None) -> dict[str, str]:
@@ -43,14 +67,14 @@ def changed_keys(workspace: Any, base: str | None, commit: str | None) -> dict[s
     commit changed from `base`; {} without both commits, the file, or with a file that does not parse."""
     if not base or not commit:
         return {}
-    texts = [workspace.read(rev, CONFIG_FILE) for rev in (base, commit)]
+    texts = [_config_text(workspace, rev) for rev in (base, commit)]
     if any(t is None for t in texts):
         return {}
-    try:
+    try:  # a branch's arrays may nest deep too: parsing, comparing or printing them can recurse
         old, new = (_flat(tomllib.loads(t)) for t in texts)  # type: ignore[arg-type]
-    except tomllib.TOMLDecodeError:
+        out = {k: str(v)[:500] for k, v in new.items() if old.get(k) != v}
+    except (tomllib.TOMLDecodeError, RecursionError, ValueError):
         return {}
-    out = {k: str(v)[:500] for k, v in new.items() if old.get(k) != v}
     out |= {k: "(removed)" for k in old if k not in new}
     return out
 

@@ -73,7 +73,10 @@ def proposal_context(svc: Services) -> Context:
     from agent.directions import directions_lines, group_directions
 
     ctx = build_context(svc)
-    ctx.directions = directions_lines(group_directions(svc.workspace, svc.store, svc.records))
+    try:  # advice, not evidence: a git or store hiccup here must not cost the proposal
+        ctx.directions = directions_lines(group_directions(svc.workspace, svc.store, svc.records))
+    except Exception:
+        log.exception("directions for the proposal context")
     return ctx
 
 
