@@ -1,4 +1,4 @@
-"""Progress champion by champion, on the gate split and on the sealed holdout (DESIGN §4).
+"""Progress champion by champion, on the gate split and on the sealed holdout.
 
 The gate decides on the `gate` split every time, so over many promotions the baseline can fit that
 split's noise (adaptive overfitting, test-set reuse). A harness with a `holdout` split scores each

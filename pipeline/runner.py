@@ -551,7 +551,8 @@ class Driver:
 
     def _score_holdout(self, run: Any, predictions: Path) -> None:
         """A baseline's run (the first baseline's, a champion's) is also scored on the sealed holdout
-        split, into a table nothing that decides reads; a challenger's never is (DESIGN §4)."""
+        split, into a table nothing that decides reads; a challenger's never is (the holdout measures
+        test-set reuse, so nothing that chooses may see it)."""
         try:
             if not self.harness.has_holdout(self.prepared()):
                 return

@@ -150,7 +150,7 @@ class Comparison(SQLModel, table=True):
 
 
 class HoldoutScore(SQLModel, table=True):
-    """A baseline run's score on the sealed holdout split (DESIGN §4). Only the runs of commits in
+    """A baseline run's score on the sealed holdout split (`Harness` in harness/base.py). Only the runs of commits in
     `baseline_commit` (the first baseline, the champions) are scored on it; it is read by status,
     the digest and the progress chart, never by the gate, the agent or a prompt."""
 

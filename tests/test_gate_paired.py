@@ -1,4 +1,4 @@
-"""The paired protocol (DESIGN §6): tests on d_k = challenger_k - baseline_k, the lab's history as the
+"""The paired protocol (README, The gate): tests on d_k = challenger_k - baseline_k, the lab's history as the
 prior of their variance, looks from 1 run, and seeds that must vary."""
 
 from __future__ import annotations

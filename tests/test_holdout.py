@@ -1,4 +1,4 @@
-"""The sealed holdout (DESIGN §4): scored only for a baseline's own runs, never seen by the gate, the
+"""The sealed holdout (README, The gate: Holdout): scored only for a baseline's own runs, never seen by the gate, the
 agent's context or a prompt, and shown beside the gate's own figure in status and the digest.
 
 The leak check is a non-interference test: two copies of one lab differ only in their holdout labels

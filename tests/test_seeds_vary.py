@@ -1,4 +1,4 @@
-"""Seeds must vary (DESIGN §6), through the real CLI: a branch that ignores the seed it is given and
+"""Seeds must vary (README, The gate), through the real CLI: a branch that ignores the seed it is given and
 hard-codes the baseline's luckiest one repeats that one draw on every run. Its runs have no spread
 while the baseline's do: the gate says so at every look, and the loop never promotes it on its
 own (held for review with the reason, if the gate's verdict is an improvement at all)."""

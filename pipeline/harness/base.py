@@ -32,7 +32,7 @@ GATE_SPLIT, HOLDOUT_SPLIT = "gate", "holdout"
 class Harness:
     """A benchmark: tasks, data preparation and the sealed scorer.
 
-    A harness may seal two test splits (DESIGN §4): `gate`, what every run is scored on and the
+    A harness may seal two test splits: `gate`, what every run is scored on and the
     gate decides with, and `holdout`, scored only for a baseline's own runs (champions), never shown
     to the gate, the agent or its prompts. Runs predict every test id; which ids are holdout is
     sealed, so branch code cannot treat them differently.

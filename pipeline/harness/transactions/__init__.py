@@ -3,7 +3,7 @@
 `prepare` writes the public data a stage sees as `{data}` (train/val labels, test features only)
 and, in a separate folder that no stage argument reaches, the sealed test labels that only
 `score` reads, with the sealed partition of the test rows into the `gate` split (2/3) and the
-`holdout` split (1/3, scored only for champions; DESIGN §4).
+`holdout` split (1/3, scored only for champions; see `Harness` in base.py).
 """
 
 from __future__ import annotations
