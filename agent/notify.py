@@ -67,6 +67,15 @@ TITLES = {
 }
 
 
+SUBJECT_MAX = 200
+STALE_CLAIM_TIMEOUTS = 10  # a claim older than this many timeouts is a sender that died mid-attempt
+
+
+def one_line(text: str) -> str:
+    """A subject: an LLM-written title may hold line breaks, which an e-mail header refuses."""
+    return " ".join(text.split())[:SUBJECT_MAX]
+
+
 class NotifyError(UserError):
     """A notification target that cannot be used (a bad --notify URL, a secret's variable unset)."""
 
@@ -158,7 +167,8 @@ def resolve(spec: Any, defaults: list[str], env: dict[str, str]) -> Target:
         if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
             raise NotifyError(f"[notify] {spec.kind} target {spec.name or spec.url_env}: url_env {spec.url_env} "
                               "is not set to an http(s) URL in the environment")
-        ident, where = f"env:{spec.url_env}", f"${spec.url_env} ({urllib.parse.urlsplit(url).netloc})"
+        parts = urllib.parse.urlsplit(url)  # shown without user info: a secret may sit there
+        ident, where = f"env:{spec.url_env}", f"${spec.url_env} ({parts.hostname}" + (f":{parts.port})" if parts.port else ")")
     else:
         url = spec.url
         ident = url
@@ -208,7 +218,7 @@ class Outbox:
         added = False
         for t in wanted:
             if t.id not in have:
-                s.add(Notification(key=key, target=t.id, kind=kind, subject=f"[{self.lab_name}] {subject}",
+                s.add(Notification(key=key, target=t.id, kind=kind, subject=one_line(f"[{self.lab_name}] {subject}"),
                                    body=body, link=link))
                 added = True
         return added
@@ -222,7 +232,7 @@ class Outbox:
     def on_update(self, s: Any, before: dict[str, Any], h: Any) -> bool:
         staged = False
         if h.status == "held" and before["status"] != "held":
-            link = f"{self.web_url}/hypotheses/{h.id}" if self.web_url else None
+            link = self._link(h)
             body = (f"{_hyp_line(h)} awaits review: verdict {h.verdict} at {h.look} runs.\n"
                     f"{h.rationale_decision or ''}\n"
                     f"Review: {link or 'autoresearch serve'}, or autoresearch review {h.id} --approve / --reject")
@@ -296,7 +306,7 @@ def deliver(t: Target, row: Notification, lab: str, timeout: float) -> None:
                        "link": row.link, "created_at": row.created_at, "idempotency_key": idem}
         req = urllib.request.Request(t.url or "", data=json.dumps(payload).encode(), method="POST", headers={
             "Content-Type": "application/json", "Idempotency-Key": idem, "User-Agent": "autoresearch-notify"})
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with _no_redirects().open(req, timeout=timeout) as resp:
             resp.read(65536)
         return
     import smtplib
@@ -318,6 +328,18 @@ def deliver(t: Target, row: Notification, lab: str, timeout: float) -> None:
         if t.username:
             smtp.login(t.username, t.password or "")
         smtp.send_message(msg)
+
+
+def _no_redirects() -> Any:
+    """An opener for which a 3xx answer is a failed attempt: followed, the POST would become a
+    body-less GET to wherever `Location` points (an internal host too) and count as delivered."""
+    import urllib.request
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    return urllib.request.build_opener(NoRedirect)
 
 
 class Sender:
@@ -343,6 +365,8 @@ class Sender:
         self.stopping.set()
         self.outbox.wake()
         self.thread.join(flush_s + self.cfg.timeout_s * 2 + 1)
+        if self.thread.is_alive():  # an attempt still under way: its row stays claimed, the next run resends it
+            log.warning("notifications: a send was still under way at exit; it is retried at the next start")
 
     # --- the store --------------------------------------------------------------------------------
 
@@ -371,10 +395,24 @@ class Sender:
 
     def _due(self) -> list[Notification]:
         with self.store.session() as s:
+            # a claim left by an attempt that never finished (the store failed as it ended) goes back
+            stale = time.time() - STALE_CLAIM_TIMEOUTS * self.cfg.timeout_s
+            s.exec(update(Notification).where(Notification.state == "sending", Notification.claimed_at < stale)
+                   .values(state="pending"))
+            # a target whose hourly allowance is spent is left out, so it never holds the others back
+            spent = [tid for tid, window in self.sent_at.items() if self._spent(window)]
+            s.commit()
+            open_targets = [tid for tid in self.targets if tid not in spent]
             q = (select(Notification).where(Notification.state == "pending", Notification.next_at <= time.time(),
-                                            Notification.target.in_(list(self.targets)))  # type: ignore[attr-defined]
+                                            Notification.target.in_(open_targets))  # type: ignore[attr-defined]
                  .order_by(Notification.id).limit(50))
             return list(s.exec(q))
+
+    def _spent(self, window: deque[float]) -> bool:
+        """Whether a target's attempts in the last hour reached `rate_per_hour` (the window is trimmed)."""
+        while window and window[0] < time.time() - 3600:
+            window.popleft()
+        return len(window) >= self.cfg.rate_per_hour
 
     def _claim(self, row: Notification) -> bool:
         with self.store.session() as s:
@@ -437,9 +475,7 @@ class Sender:
                 return
             t = self.targets[row.target]
             window = self.sent_at[t.id]
-            while window and window[0] < time.time() - 3600:
-                window.popleft()
-            if len(window) >= self.cfg.rate_per_hour:
+            if self._spent(window):
                 continue  # this target's hourly allowance is spent: the row waits
             if not self._claim(row):
                 continue

@@ -54,14 +54,25 @@ class Hook:
                         status = 500
                     elif mode == "hang":
                         status = None
+                    elif mode == "redirect":
+                        status = 302
                     hook.requests.append({"mode": mode, "status": status, "body": body,
                                           "idem": self.headers.get("Idempotency-Key"), "at": time.time()})
                 if status is None:
                     hook.release.wait(10)
                     return
                 self.send_response(status)
+                if status == 302:  # to another path of this server: a follower would GET it
+                    self.send_header("Location", f"{hook.url}/ok/landed")
                 self.end_headers()
                 self.wfile.write(b"ok" if status == 200 else b"boom")
+
+            def do_GET(self) -> None:  # noqa: N802  (a redirect followed: recorded, then 200)
+                with hook.lock:
+                    hook.requests.append({"mode": "get:" + self.path, "status": 200, "body": None,
+                                          "idem": self.headers.get("Idempotency-Key"), "at": time.time()})
+                self.send_response(200)
+                self.end_headers()
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -550,3 +561,65 @@ def test_notify_urls_parse_into_targets_that_show_no_secret() -> None:
     slack = resolve(cli_target("slack+https://hooks.example/services/T0K3N"), ["promote"], {})
     assert (slack.kind, slack.where) == ("slack", "https://hooks.example") and "T0K3N" not in repr(slack)
     assert slack.id == resolve(cli_target("slack+https://hooks.example/services/T0K3N"), [], {}).id  # stable
+
+
+def test_a_redirect_is_a_failed_attempt_never_followed(tmp_path: Path, hook: Hook) -> None:
+    """A 302 to the POST would turn it into a body-less GET to wherever `Location` points and count
+    as delivered: it is a failure, and the row waits for its retry."""
+    from agent.notify import attach
+    from agent.records import Records
+    from pipeline import runner
+    from pipeline.lab import load_lab
+
+    root = command_lab(tmp_path / "lab", "[notify]\nbackoff_s = 60\n")
+    lab = load_lab(root)
+    store = runner.open_store(lab)
+    sender = attach(lab, store, Records(store), [f"{hook.url}/redirect/x"])
+    Records(store).event("guard", "held back")  # a Records without the outbox stages nothing
+    rec = sender.records
+    rec.event("guard", "held back")
+    deadline = time.monotonic() + 20
+    while not hook.got("redirect", 302) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    sender.close(flush_s=1)
+    assert len(hook.got("redirect", 302)) == 1
+    assert not [r for r in hook.requests if r["mode"].startswith("get:")]  # never followed
+    (row,) = outbox(root)
+    assert (row["state"], row["attempts"]) == ("pending", 1) and "302" in row["last_error"], row
+
+
+def test_a_title_with_line_breaks_reaches_e_mail_as_one_line(tmp_path: Path, mailbox: Mailbox,
+                                                              monkeypatch) -> None:
+    """An LLM-written title may hold line breaks, which an e-mail header refuses (the target would
+    fail, then die): the subject is one line, and no header can be injected through it."""
+    from agent.notify import attach
+    from agent.records import Hypothesis, Records
+    from pipeline import runner
+    from pipeline.lab import load_lab
+
+    monkeypatch.setenv("NOTIFY_PW", SMTP_PASSWORD)
+    root = command_lab(tmp_path / "lab", "")
+    lab = load_lab(root)
+    store = runner.open_store(lab)
+    url = f"smtp://bot@127.0.0.1:{mailbox.port}?to=team@lab.example&password_env=NOTIFY_PW&starttls=false"
+    sender = attach(lab, store, Records(store), [url])
+    rec = sender.records
+    h = rec.add(Hypothesis(title="Raise the LoRA lr\r\nBcc: spy@evil.example", origin="llm"))
+    rec.update(h.id, status="held", verdict="improvement", look=2)
+    deadline = time.monotonic() + 20
+    while not mailbox.messages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sender.close(flush_s=2)
+    (msg,) = mailbox.messages
+    assert msg["Subject"].endswith("held for review: Raise the LoRA lr Bcc: spy@evil.example"), msg["Subject"]
+    assert msg["Bcc"] is None and [r["state"] for r in outbox(root)] == ["sent"]
+
+
+def test_a_url_from_the_environment_is_shown_without_its_user_info() -> None:
+    from agent.notify import resolve
+    from pipeline.lab import NotifyTarget
+
+    t = resolve(NotifyTarget(kind="webhook", url_env="HOOK"), ["hold"],
+                {"HOOK": "https://user:s3cret@hooks.example:8443/x/T0K3N"})
+    assert t.where == "$HOOK (hooks.example:8443)" and "s3cret" not in t.where and "T0K3N" not in t.where
