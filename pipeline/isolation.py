@@ -106,16 +106,17 @@ class Completed:
     wall_s: float
 
 
-def once_memory_mb(lab: Any) -> int | None:
+def once_memory_mb(lab: Any, with_out: bool = True) -> int | None:
     """The RLIMIT_AS of a process run once (`prepare`, `score`, a smoke run's stage): `[run]
     memory_mb`, else the default a local CPU stage gets (`lab.memory_plan`: the slot's share of the
-    machine less its tmpfs). These never get a GPU, so a GPU lab's "no rlimit" does not apply."""
+    machine less its tmpfs, of which `{out}` only `with_out`). These never get a GPU, so a GPU lab's
+    "no rlimit" does not apply."""
     from pipeline.lab import local_slots, memory_plan
 
     run = lab.config.run
     if run.memory_mb is not None:
         return run.memory_mb
-    return memory_plan(run.model_copy(update={"gpus": 0}), local_slots(run)).memory_mb
+    return memory_plan(run.model_copy(update={"gpus": 0}), local_slots(run), with_out=with_out).memory_mb
 
 
 def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: float,
@@ -130,7 +131,7 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
     cpus = lab.config.run.cpus
     env = scrub_env(os.environ, lab.config.run.env) | thread_env(cpus)
     spec = {"argv": argv, "cwd": str(cwd), "env": env, "log": str(log), "cpus": cpus,
-            "memory_mb": once_memory_mb(lab), "stdout": str(stdout) if stdout else None,
+            "memory_mb": once_memory_mb(lab, with_out=out is not None), "stdout": str(stdout) if stdout else None,
             "sandbox": spec_for(lab, ro=[cwd, *ro], out=out, rw=rw)}
     return _run_child(spec, timeout_s)
 

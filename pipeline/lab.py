@@ -171,19 +171,22 @@ class MemoryPlan:
                 "within_budget": self.within_budget, "text": self.describe()}
 
 
-def memory_plan(run: "RunSection", slots: int | None = None, total_mb: int | None = None) -> MemoryPlan:
-    """The memory bound of a stage under `run` on this machine (`total_mb`: MemTotal, read if None)."""
+def memory_plan(run: "RunSection", slots: int | None = None, total_mb: int | None = None,
+                with_out: bool = True) -> MemoryPlan:
+    """The memory bound of a stage under `run` on this machine (`total_mb`: MemTotal, read if None);
+    `with_out` False: a process with no `{out}` tmpfs (`prepare`, `score`), whose share keeps that part."""
     slots = slots if slots is not None else local_slots(run)
     total = total_mb if total_mb is not None else mem_total_mb()
     budget = int(total * MEMORY_SHARE / slots) if total else None
-    tmpfs = run.tmp_max_mb + SHM_MB + run.out_max_mb
+    out_mb = run.out_max_mb if with_out else 0
+    tmpfs = run.tmp_max_mb + SHM_MB + out_mb
     if run.memory_mb is not None:
         mem, source = run.memory_mb, "set"
     elif run.gpus or budget is None:
         mem, source = None, "none"
     else:  # what the slot's share leaves after its tmpfs, never under 1 GB (status then says EXCEEDED)
         mem, source = max(1024, budget - tmpfs), "default"
-    return MemoryPlan(mem, source, run.tmp_max_mb, SHM_MB, run.out_max_mb, slots, budget)
+    return MemoryPlan(mem, source, run.tmp_max_mb, SHM_MB, out_mb, slots, budget)
 
 
 # Seeds (the scheme is pipeline.experiment's): a baseline with g promotions owns the block

@@ -143,7 +143,7 @@ def command_lab(tmp_path: Path, greedy_in: str) -> tuple[Path, int]:
     lab = tmp_path / "lab"
     out = cli(lab, "init", str(lab), "--harness", "command")
     assert out.returncode == 0, out.stderr
-    bound = isolation.once_memory_mb(load_lab(lab))
+    bound = isolation.once_memory_mb(load_lab(lab), with_out=False)  # prepare and score have no {out}
     assert bound is not None and bound >= 1024
     path = lab / greedy_in
     text = path.read_text()
@@ -164,6 +164,10 @@ def test_processes_run_once_get_the_stages_default_bound_or_the_set_one() -> Non
     run = run_section()
     lab = SimpleNamespace(config=SimpleNamespace(run=run))
     assert isolation.once_memory_mb(lab) == memory_plan(run).memory_mb is not None
+    # prepare and score have no {out} tmpfs: their share keeps it (unless the floor decides both)
+    no_out = isolation.once_memory_mb(lab, with_out=False)
+    assert no_out == memory_plan(run, with_out=False).memory_mb
+    assert no_out == max(1024, memory_plan(run).budget_mb - run.tmp_max_mb - 64)
     lab.config.run = run_section("memory_mb = 1500")
     assert isolation.once_memory_mb(lab) == 1500
     gpu = run_section("gpus = 1")  # a GPU lab's stages get no rlimit; its prepare and score get no GPU

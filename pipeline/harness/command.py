@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.disk import read_tail
 from pipeline.errors import (
+    ExecutorError,
     HarnessCommandError,
     LabConfigError,
     UnknownTaskError,
@@ -146,7 +147,10 @@ class CommandHarness(Harness):
                 how = "timed out" if done.timed_out else (
                     f"exited with {done.returncode}" if done.returncode is not None else f"killed by signal {done.signal}")
                 last = _last_line(log)
-                raise HarnessCommandError(f"[benchmark] prepare {how}{f' ({last})' if last else ''}; see {log}")
+                msg = f"[benchmark] prepare {how}{f' ({last})' if last else ''}; see {log}"
+                if done.returncode is None and not done.timed_out:  # the OOM killer, a node going down:
+                    raise ExecutorError(msg)  # infrastructure, retried; an exit or a timeout is the lab's to fix
+                raise HarnessCommandError(msg)
             for d, mode in ((pub, 0o755), (seal, 0o755)):  # the seal's parent (0700) keeps it private
                 _own(d, mode)
             (pub / ".prepared").write_text(json.dumps({"trusted": sha, "data_seed": data_seed}))
