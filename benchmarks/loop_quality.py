@@ -1,4 +1,4 @@
-"""The loop scored as a decision rule (issue 12, DESIGN §6): what it banks, what it wastes, what it fools itself with.
+"""The loop scored as a decision rule (issue 12): what it banks, what it wastes, what it fools itself with.
 
     .venv/bin/python benchmarks/loop_quality.py [--campaigns 300] [--hypotheses 200] [--rho 0.02 0.6]
         [--noise benchmarks/results/headroom.json | --noise VARIANCE.json] [--json] [--out FILE]

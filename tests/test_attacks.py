@@ -1,7 +1,7 @@
 """Hostile branches, run by the real loop on a small lab with the sandbox on: every attack is blocked.
 
 Branch code is written by a model rewarded for a higher number. Each branch below tries one way to
-cheat (DESIGN §5, issue "make the sealed evaluation really sealed") and, where the attempt fails,
+cheat (README "Sandbox", issue "make the sealed evaluation really sealed") and, where the attempt fails,
 trains honestly, so that it would be promoted if the attempt had worked and is measured like any
 other branch if not. One `autoresearch run` measures all of them; each test names one attack's
 outcome: what blocked it, where the attempt is recorded, and that nothing was promoted, and the
@@ -25,6 +25,8 @@ import psutil
 import pytest
 
 from agent_fixtures import REPO, cli, cli_env, git
+
+pytestmark = pytest.mark.system
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "pipeline" / "templates" / "command"
 MARKER = "autoresearch-attack-g-survivor"

@@ -20,6 +20,8 @@ import pytest
 from agent_fixtures import free_port
 from summary_fixtures import cli, make_lab, run_loop, services
 
+pytestmark = pytest.mark.system
+
 
 
 

@@ -29,6 +29,8 @@ from agent_fixtures import (RoutedOpenAI, Server, cli, cli_env, edit, edits, fre
 from fake_openai import content
 from summary_fixtures import BETTER, SAME, decided, implemented, measured, services
 
+pytestmark = pytest.mark.system
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 if not (CHROMIUM and CHROMEDRIVER):

@@ -18,6 +18,8 @@ from agent_fixtures import Server
 from views_fixtures import build_views_lab
 from test_web import browser, shot  # noqa: F401  (the fixture, reused)
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def views_lab(lab_template, tmp_path_factory) -> dict:

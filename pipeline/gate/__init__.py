@@ -1,4 +1,4 @@
-"""The statistical gate (DESIGN §6): challenger runs vs baseline runs → a verdict per look.
+"""The statistical gate: challenger runs vs baseline runs → a verdict per look.
 
 Pure functions over numpy/scipy; no I/O, no torch. The execution layer calls `evaluate` and stores
 the `GateResult` (`result.model_dump(mode="json")` is JSON-safe).

@@ -39,7 +39,7 @@ class GateConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # `paired`: the arms share seed k, so the test is on the paired differences (DESIGN §6)
+    # `paired`: the arms share seed k, so the test is on the paired differences
     protocol: str = "paired"
     # at most: the baseline is measured once and serves every challenger of it; with `paired` its
     # seed k is run only when a challenger first needs seed k (the lazy baseline). 10 instead of 5,

@@ -1,5 +1,5 @@
 """Too good to be true, or seeds that do not vary: a result the loop never promotes on its own
-(DESIGN §6, the plausibility hold).
+(the plausibility hold, README "The gate").
 
 Seed noise can be tiny, so a huge t says little; what gives a leak away is the size of the gain
 against what is possible. A result is held for a human when, on some task, the challenger's mean
@@ -42,6 +42,6 @@ def implausible(result: GateResult, config: Any) -> str | None:
     if gate.implausible_sigma is not None and h.delta is not None and h.delta > gate.implausible_sigma:
         reasons.append(f"horizontal Δ {h.delta:+.2f}σ exceeds [gate] implausible_sigma = {gate.implausible_sigma:g}")
     held = [f"too good to be true ({'; '.join(reasons)})"] if reasons else []
-    if result.seed_spread is not None and result.seed_spread.held:  # DESIGN §6, seeds must vary
+    if result.seed_spread is not None and result.seed_spread.held:  # seeds must vary
         held.append(result.seed_spread.reason or "seeds must vary")
     return "; ".join(held) or None

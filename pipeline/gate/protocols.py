@@ -1,6 +1,6 @@
 """The two protocols and `evaluate`: runs in, one look's `GateResult` out.
 
-Both protocols share every statistic and the verdict table; they differ where DESIGN §6 says:
+Both protocols share every statistic and the verdict table; they differ here:
 
 - `fixed` (the reference post): plain pooled t per task, nominal one-sided α at every look
   (= two-sided 2α), a task is a win or a harm on its own nominal p, no variance prior.

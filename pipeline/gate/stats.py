@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-PRIOR_DF_CAP = 30  # the baseline history can weigh at most as much as 30 df (DESIGN §6)
+PRIOR_DF_CAP = 30  # the baseline history can weigh at most as much as 30 df (the README's "The gate")
 HORIZONTAL_TRIM = 0.125  # the horizontal statistic drops this share of tasks at each end (0.25: the IQM)
 
 

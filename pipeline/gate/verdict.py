@@ -1,6 +1,6 @@
 """The gate's verdict at a look, from the tests' outcomes: one vectorised rule table.
 
-Order matters and is the product's policy (DESIGN §6):
+Order matters and is the product's policy (README, "The gate"):
 
 1. `harm` — a task harmed (BH on the harm tail) or the horizontal test crossed its lower
    boundary: whatever else happened, the agent must not promote, and should know why.

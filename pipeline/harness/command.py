@@ -10,7 +10,7 @@ address-space bound a local stage gets (`[run] memory_mb`, else its default: `is
   (what only the scorer sees) as its only writable folders;
 - `score` once per run, reading only `{predictions}` (a regular file the stage wrote) and
   `{sealed}`; its last line of stdout is `{"value": x}`. A missing or non-finite value is a method
-  failure of the run. A command that names `{split}` has a holdout (DESIGN §4): it is called with
+  failure of the run. A command that names `{split}` has a holdout (README, "The bundled benchmark"): it is called with
   `gate` for every run, and with `holdout` for a baseline's own runs only (champions).
 """
 
