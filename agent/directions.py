@@ -23,7 +23,7 @@ from typing import Any
 
 CONFIG_FILE = "config.toml"
 NO_CHANGE = "(no change)"
-_CACHE: dict[tuple[str, str], tuple[str, ...]] = {}  # (fork, commit) -> direction; commits never change
+_CACHE: dict[tuple[str, str], tuple[str, ...]] = {}  # (base, commit) -> direction; commits never change
 _CACHE_MAX = 4096
 
 
@@ -89,12 +89,12 @@ def direction_of(workspace: Any, h: Any) -> tuple[str, ...]:
     if not (h.commit and h.base_commit):
         keys = tuple(sorted(str(k) for k in (h.change or {})))
         return keys or (NO_CHANGE,)
+    hit = _CACHE.get((h.base_commit, h.commit))  # before merge_base: one git process per hypothesis saved
+    if hit is not None:
+        return hit
     fork = fork_point(workspace, h.base_commit, h.commit)
     if fork is None:
         return (NO_CHANGE,)
-    hit = _CACHE.get((fork, h.commit))
-    if hit is not None:
-        return hit
     parts: set[str] = set()
     for path in workspace.changed_paths(fork, h.commit):
         keys = changed_keys(workspace, fork, h.commit) if path == CONFIG_FILE else {}
@@ -102,7 +102,7 @@ def direction_of(workspace: Any, h: Any) -> tuple[str, ...]:
     out = tuple(sorted(parts)) or (NO_CHANGE,)
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()
-    _CACHE[(fork, h.commit)] = out
+    _CACHE[(h.base_commit, h.commit)] = out
     return out
 
 

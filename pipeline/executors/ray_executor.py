@@ -21,6 +21,7 @@ import hashlib
 import inspect
 import io
 import os
+import shutil
 import tarfile
 from collections import OrderedDict, deque
 from pathlib import Path
@@ -214,7 +215,8 @@ class RayExecutor:
             job.out.mkdir(parents=True, exist_ok=True)
             try:  # no entry written through a link; a link, hard link or device refused
                 safefs.extract_tar(io.BytesIO(res["out"]), job.out, what="the stage's output")
-            except (tarfile.TarError, OSError) as e:  # the stage's doing
+            except (tarfile.TarError, OSError) as e:  # the stage's doing: nothing of it is kept (its links neither)
+                shutil.rmtree(job.out, ignore_errors=True)  # rmtree never follows a link
                 with open(job.log_path, "ab") as log:
                     log.write(f"\nray executor: output not kept: {e}\n".encode())
                 return JobResult(job_id, "exit", exit_code=1, cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]),
