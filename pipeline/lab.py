@@ -13,6 +13,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
@@ -73,6 +74,8 @@ class StageSpec(_Strict):
 
 # A stage with the network shares the host's network namespace: loopback included, so it can reach
 # `autoresearch serve` and a store's PostgreSQL on this machine (their own checks are all that stand)
+INLINE_URL_WARNING = ("[notify] target {name}: its url has a path or query, which for Slack-style hooks is "
+                      "the secret; research.toml is committed and every stage can read it; prefer url_env")
 NETWORK_WARNING = ("[run] network = true: stages share the host's network and can reach the review page "
                    "(autoresearch serve) and a PostgreSQL store on this machine; prefer network = false")
 
@@ -540,6 +543,9 @@ class Lab:
         out = []
         if run.network:
             out.append(NETWORK_WARNING)
+        for t in self.config.notify.target:
+            if t.url and (urlsplit(t.url).path.strip("/") or urlsplit(t.url).query):
+                out.append(INLINE_URL_WARNING.format(name=t.name or t.kind))
         return out
 
     def undeclared_editable(self, paths: list[str]) -> list[str]:

@@ -55,6 +55,24 @@ def test_check_says_nothing_of_the_network_when_it_is_off(lab: Path) -> None:
     assert json.loads(cli(lab, "check", "--json").stdout)["warnings"] == []
 
 
+def test_check_warns_of_a_notify_url_with_a_path_written_into_research_toml(lab: Path) -> None:
+    """A Slack-style hook's path is its secret; research.toml is committed and stages can read it."""
+    toml = lab / "research.toml"
+    before = toml.read_text()
+    try:
+        toml.write_text(before + '\n[notify]\n[[notify.target]]\nkind = "slack"\nname = "team"\n'
+                                 'url = "https://hooks.example/services/T0K3N"\n'
+                                 '[[notify.target]]\nkind = "webhook"\nurl = "http://127.0.0.1:9000"\n')
+        out = cli(lab, "check", "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["warnings"] == [
+            "[notify] target team: its url has a path or query, which for Slack-style hooks is the secret; "
+            "research.toml is committed and every stage can read it; prefer url_env"]
+        assert "T0K3N" not in out.stdout + out.stderr
+    finally:
+        toml.write_text(before)
+
+
 def test_a_network_that_is_not_a_boolean_is_one_line_exit_2(lab: Path) -> None:
     set_network(lab, '"yes"')
     out = cli(lab, "check")
