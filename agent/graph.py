@@ -1,5 +1,5 @@
 """One LangGraph graph per hypothesis: propose → implement → evaluate ⇄ decide → [promote] → summarize
-→ [hold → promote → summarize].
+→ [hold → promote → summarize]; promote → evaluate when a re-based hypothesis is measured again.
 
 The graph is the hypothesis's one state machine: its thread (id = hypothesis id) is checkpointed
 after every node and, after any stop, crash or `kill -9`, resumed from that checkpoint — never
@@ -15,7 +15,9 @@ A thread waits in two places, both a LangGraph `interrupt()` kept in its checkpo
 - `hold`, for a human (`{"kind": "hold"}`): a held promotion (`--supervised`, or a result too
   good to be true); `review --approve/--reject` records the answer and the loop resumes the thread
   with `Command(resume="approve"|"reject")`.
-Promotion happens in the `promote` node only.
+Promotion happens in the `promote` node only, and only against the baseline the hypothesis was
+measured with: one whose base moved meanwhile (several hypotheses in flight) is re-based there,
+promote → evaluate, and measured again (`rebase`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from agent.policy import Choice, Context, Feedback, Policy
 from agent.records import Hypothesis, Records
 from agent.workspace import EditRejected, FileEdit, Workspace, slugify
 from pipeline.experiment import Experiment
-from pipeline.lab import Lab, glob_match
+from pipeline.lab import BASELINE_BRANCH, Lab, glob_match
 
 log = logging.getLogger("autoresearch.agent")
 
@@ -387,9 +389,11 @@ class Nodes:
             choice.rationale = f"Held for human review: {too_good}. {choice.rationale}"
         if choice.decision == "escalate":
             nxt = min(n for n in looks if n > h.look)
-            rec.update(h.id, look=nxt, status="measuring", decision="escalate", rationale_decision=choice.rationale)
+            rec.update(h.id, look=nxt, status="measuring", decision="escalate",
+                       rationale_decision=rebased_note(svc, h) + choice.rationale)
             return {"route": "measure"}
-        fields: dict[str, Any] = {"decision": choice.decision, "rationale_decision": choice.rationale,
+        rationale = rebased_note(svc, h) + choice.rationale
+        fields: dict[str, Any] = {"decision": choice.decision, "rationale_decision": rationale,
                                   "follow_up": choice.follow_up or None, "status": "summarizing"}
         route = "done"
         if choice.decision == "promote":
@@ -420,11 +424,25 @@ class Nodes:
 
     # promote ----------------------------------------------------------------
     def promote(self, state: State) -> State:
-        """The one place a hypothesis becomes the baseline (idempotent: a re-run finds it merged)."""
+        """The one place a hypothesis becomes the baseline (idempotent: a re-run finds it merged).
+
+        Every promote decision is carried out here, the decide node's and an approved hold's, so
+        this is where its base is checked: a hypothesis whose base moved since it was measured is
+        re-based (`rebase`) and goes back to `evaluate`, to be measured against the current baseline
+        from its first look; only a hypothesis compared with the current head is promoted, and that
+        is a fast-forward. Promotions are one at a time: one driver per lab (its lease), and the
+        driver advances its threads one after another in its own thread (`graph.invoke` returns only
+        when a thread stops), so no two promote nodes run at once; `Workspace.promote` moves the
+        baseline branch only from the head it read (`git update-ref NEW OLD`) besides."""
         rec = self.svc.records
         h = rec.get(state["hypothesis_id"])
-        if h.status == "promoting":
-            rec.update(h.id, **{"status": "summarizing", **promote(self.svc, h)})
+        if h.status == "measuring":  # re-based by a pass of this node that died before its checkpoint
+            return {"route": "measure"}
+        if h.status != "promoting":
+            return {"route": ""}
+        if base_moved(self.svc, h):
+            return rebase(self.svc, h)
+        rec.update(h.id, **{"status": "summarizing", **promote(self.svc, h)})
         return {"route": ""}
 
     def _too_good(self, h: Hypothesis) -> str | None:
@@ -522,6 +540,83 @@ def promote(svc: Services, h: Hypothesis) -> dict[str, Any]:
     return {"promoted_tag": tag}
 
 
+def base_moved(svc: Services, h: Hypothesis) -> bool:
+    """Whether the baseline moved since the hypothesis was measured against `base_commit` (not a
+    re-run of a promotion that already landed: then its commit is in the baseline's history)."""
+    ws = svc.workspace
+    head = ws.baseline_head()
+    return bool(h.base_commit and h.commit) and h.base_commit != head and not ws.repo.is_ancestor(h.commit, head)
+
+
+def rebase(svc: Services, h: Hypothesis) -> State:
+    """A hypothesis about to be promoted whose base moved: its commit merged onto the current
+    baseline head (no working tree, as promotion does), measured again from its first look.
+
+    A conflict, or a merge that leaves the baseline as it is, is an `abandon` with the reason and
+    nothing written but unreferenced objects. Otherwise the merge (deterministic for the same head
+    and commit) becomes the hypothesis's commit and its branch moves there (a seeded branch is left
+    alone: `hyp/<id>-<slug>` is made); the old commit stays in the merge's history and under its
+    tag `exp/<id>`. The earlier comparison's gate records are moved aside, to the key
+    `<id>@<old base>`, so no verdict or decision against the old base can promote it: the policy's
+    evidence and the gate's looks start over against the new base, on its generation's seed block.
+    A record `rebase` (and a loop event) says from where to where, and what the old base's verdict
+    was. Each step is idempotent; the hypothesis's row changes last."""
+    from agent.workspace import PromotionConflict
+
+    ws, rec, store = svc.workspace, svc.records, svc.store
+    head = ws.baseline_head()
+    old_base, old_commit = h.base_commit or "", h.commit or ""
+    frm = _baseline_tag(ws, old_base) or f"{BASELINE_BRANCH}@{old_base[:10]}"
+    onto = _baseline_tag(ws, head) or f"{BASELINE_BRANCH}@{head[:10]}"
+    earlier = f"its verdict {h.verdict} at look {h.look} against {frm}"
+    payload: dict[str, Any] = {"from_base": old_base, "from_commit": old_commit, "from_tag": frm, "to_base": head,
+                               "to_tag": onto, "verdict": h.verdict, "look": h.look,
+                               "archived_as": f"{h.id}@{old_base[:12]}"}
+    new, why = None, ""
+    try:
+        new = ws.merge_onto(head, old_commit, f"hyp {h.id} re-based onto {onto}: {h.title}")
+        if ws.tree(new) == ws.tree(head):
+            why = f"merged onto {onto} it changes nothing: its change is in the baseline already"
+    except PromotionConflict as e:
+        why = str(e)
+    done = store.gate_records(str(h.id), kind="rebase")
+    if not any(r.payload.get("to_base") == head and r.payload.get("from_commit") == old_commit for r in done):
+        store.put_gate_record(str(h.id), len(done) + 1, {**payload, "commit": None if why else new,
+                                                         "outcome": why or "re-measured"}, kind="rebase")
+        said = (f"#{h.id} re-based from {frm} onto {onto}: " +
+                (f"abandoned, {why}" if why else f"{earlier} does not count; measured again against {onto}"))
+        rec.event("rebase", said)
+    if why:
+        rec.update(h.id, status="summarizing", decision="abandon",
+                   rationale_decision=f"Re-based from {frm} onto {onto} before its promotion ({earlier}): {why}. "
+                                      f"Abandoned: never measured against {onto}.")
+        return {"route": ""}
+    assert new is not None
+    branch = h.branch if h.branch and h.branch != h.seed_branch else f"hyp/{h.id}-{slugify(h.title)}"
+    if branch == h.seed_branch:
+        branch = f"hyp/{h.id}-rebased"
+    ws.point_branch(branch, new)
+    store.move_gate_records(str(h.id), payload["archived_as"], ("verdict", "decision"))
+    rec.update(h.id, commit=new, base_commit=head, branch=branch, look=svc.lab.config.gate.looks[0], verdict=None,
+               decision=None, follow_up=None, review="none", status="measuring",
+               rationale_decision=f"Re-based from {frm} onto {onto} before its promotion: {earlier} does not "
+                                  f"count; measured again against {onto}.")
+    if old_commit != new:
+        svc.experiment.release(old_commit)
+    return {"route": "measure"}
+
+
+def rebased_note(svc: Services, h: Hypothesis) -> str:
+    """'Re-based from A0 onto A1 (...)' before a re-based hypothesis's decision rationale; '' if it never was."""
+    recs = [r.payload for r in svc.store.gate_records(str(h.id), kind="rebase") if r.payload.get("commit")]
+    if not recs:
+        return ""
+    last = recs[-1]
+    return (f"Re-based from {last['from_tag']} onto {last['to_tag']} before its promotion (its verdict "
+            f"{last['verdict']} at look {last['look']} against {last['from_tag']} does not count); "
+            f"against {last['to_tag']}: ")
+
+
 def reverification(svc: Services, h: Hypothesis) -> dict[str, Any] | None:
     """How the champion of a promotion held up on its fresh baseline seeds (None until they are in)."""
     return svc.experiment.reverification(h.promoted_tag, h.commit, h.base_commit, h.look or 0)
@@ -570,7 +665,8 @@ def build_graph(svc: Services, checkpointer: Any):
     after_decide = {"measure": "evaluate", "promote": "promote", "hold": "hold"}
     g.add_conditional_edges("decide", lambda s: after_decide.get(s.get("route") or "", "summarize"),
                             ["evaluate", "promote", "hold", "summarize"])
-    g.add_edge("promote", "summarize")
+    g.add_conditional_edges("promote", lambda s: "evaluate" if s.get("route") == "measure" else "summarize",
+                            ["evaluate", "summarize"])  # a re-based hypothesis is measured again
     g.add_conditional_edges("summarize", lambda s: "hold" if s.get("route") == "hold" else END, ["hold", END])
     g.add_conditional_edges("hold", lambda s: "promote" if s.get("route") == "promote" else "summarize",
                             ["promote", "summarize"])

@@ -478,6 +478,8 @@ class Loop:
     def report(self, h: Hypothesis) -> None:
         if h.status == "measuring":
             why = f"verdict escalate{self._evidence(h)}; " if h.verdict == "escalate" else ""
+            if h.verdict is None and (h.rationale_decision or "").startswith("Re-based"):  # graph.rebase
+                why = f"{h.rationale_decision.removesuffix('.')}; "
             self.say(f"#{h.id} {h.title!r}: {why}measuring, look of {h.look} challenger runs on "
                      f"{len(self.lab.tasks())} tasks")
         elif h.status == "done" and h.decision == "reject":

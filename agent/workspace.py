@@ -245,6 +245,30 @@ class Workspace:
         self.repo.git.update_ref(f"refs/heads/{BASELINE_BRANCH}", new, head)
         return new, self._next_baseline_tag(new, message)
 
+    def merge_onto(self, head: str, commit: str, message: str) -> str:
+        """`commit` merged onto `head` without a working tree (`git merge-tree`): a merge commit whose
+        first parent is `head` (so `commit` stays in its history), or `commit` itself when it already
+        contains `head`. Nothing but objects is written: no ref moves here. Deterministic: its dates
+        are the later parent's, so the same (head, commit, message) gives the same commit and a
+        re-run finds it instead of making another. `PromotionConflict` names the conflicting paths."""
+        if self.repo.is_ancestor(head, commit):
+            return commit
+        status, out, err = self.repo.git.merge_tree("--write-tree", "--name-only", head, commit,
+                                                    with_extended_output=True, with_exceptions=False)
+        if status == 1:  # conflicts: the tree id, the conflicted paths, a blank line, git's messages
+            head_part, _, messages = out.partition("\n\n")
+            paths = list(dict.fromkeys(line for line in head_part.splitlines()[1:] if line))
+            kinds = [line for line in messages.splitlines() if line.startswith("CONFLICT")]
+            raise PromotionConflict(f"{commit[:10]} conflicts with {head[:10]} in {', '.join(paths) or '?'}"
+                                    + (f" ({'; '.join(kinds)})" if kinds else ""))
+        if status != 0:
+            raise git.GitCommandError(["git", "merge-tree", head, commit], status, err, out)
+        tree = out.splitlines()[0]
+        when = max(self.repo.commit(head).committed_date, self.repo.commit(commit).committed_date)
+        date = f"{when} +0000"
+        return self.repo.git.commit_tree(tree, "-p", head, "-p", commit, "-m", message,
+                                         env={"GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date})
+
     def _baseline_tag(self, commit: str) -> str | None:
         for t in self.repo.tags:
             if t.name.startswith("baseline/v") and t.commit.hexsha == commit:

@@ -822,6 +822,24 @@ class Store:
             s.refresh(rec)
             return rec
 
+    def move_gate_records(self, hypothesis: str, to: str, kinds: tuple[str, ...]) -> int:
+        """Move the records of `kinds` from `hypothesis` to the key `to`, in one transaction (a record
+        already under `to` for the same look and kind is replaced). Idempotent: a second call finds
+        nothing left to move. How a re-based hypothesis's earlier comparison is kept aside."""
+        with self.session() as s:
+            rows = list(s.exec(select(GateRecord).where(GateRecord.hypothesis == hypothesis,
+                                                        GateRecord.kind.in_(kinds))))
+            for rec in rows:
+                for old in s.exec(select(GateRecord).where(GateRecord.hypothesis == to, GateRecord.look == rec.look,
+                                                           GateRecord.kind == rec.kind)):
+                    s.delete(old)
+            s.flush()
+            for rec in rows:
+                rec.hypothesis = to
+                s.add(rec)
+            s.commit()
+            return len(rows)
+
     def gate_records(self, hypothesis: str, kind: str | None = None) -> list[GateRecord]:
         with self.session() as s:
             q = select(GateRecord).where(GateRecord.hypothesis == hypothesis).order_by(GateRecord.look, GateRecord.kind)

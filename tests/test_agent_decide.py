@@ -158,11 +158,14 @@ def test_a_comparison_across_two_datasets_is_refused_in_one_line_and_loses_nothi
         loop.close()
 
 
-def test_a_promotion_after_the_baseline_moved_is_a_merge_commit(lab: Path) -> None:
+def test_a_promotion_after_the_baseline_moved_is_rebased_measured_again_then_a_fast_forward(lab: Path) -> None:
+    """The baseline moves under a measured hypothesis: at its promotion it is merged onto the new head
+    (graph.rebase), measured again against it from its first look, and only then promoted."""
     seed_lr(lab)
     loop = make_loop(lab, offline=True)
     try:
         h = one_pass(loop)
+        old, a0 = h.commit, h.base_commit
         # meanwhile a researcher moves the baseline with an unrelated change
         git(lab, "checkout", "-q", BASELINE)
         (lab / "program.md").write_text((lab / "program.md").read_text() + "\nAlso look at fraud.\n")
@@ -171,15 +174,23 @@ def test_a_promotion_after_the_baseline_moved_is_a_merge_commit(lab: Path) -> No
         moved = git(lab, "rev-parse", BASELINE)
         plant(loop.store, h.base_commit, BASE_VALUES)
         plant(loop.store, h.commit, [0.700, 0.703])
+        h = loop.advance(h)  # improvement against the old base: re-based, not promoted
+        assert (h.status, h.base_commit, h.verdict, h.promoted_tag) == ("measuring", moved, None, None)
+        assert git(lab, "rev-parse", BASELINE) == moved
+        assert git(lab, "rev-parse", f"{h.commit}^1") == moved and git(lab, "rev-parse", f"{h.commit}^2") == old
+        plant(loop.store, moved, BASE_VALUES)
+        plant(loop.store, h.commit, [0.700, 0.703])
         h = loop.advance(h)
     finally:
         loop.close()
     assert h.decision == "promote"
     head = git(lab, "rev-parse", BASELINE)
-    assert git(lab, "rev-parse", f"{head}^1") == moved and git(lab, "rev-parse", f"{head}^2") == h.commit
+    assert head == h.commit  # a fast-forward to the commit measured against `moved`
+    assert git(lab, "rev-parse", f"{head}^1") == moved and git(lab, "rev-parse", f"{head}^2") == old
     assert "Also look at fraud." in git(lab, "show", f"{head}:program.md")
     assert "lr = 3e-3" in git(lab, "show", f"{head}:config.toml")
     assert git(lab, "rev-parse", "baseline/v1^{commit}") == head
+    assert h.rationale_decision.startswith(f"Re-based from {BASELINE}@{a0[:10]} onto {BASELINE}@{moved[:10]}")
 
 
 def test_no_promotion_without_improvement_whatever_the_llm_says(lab: Path, llm: RoutedOpenAI) -> None:
