@@ -193,6 +193,33 @@ def test_a_promotion_after_the_baseline_moved_is_rebased_measured_again_then_a_f
     assert h.rationale_decision.startswith(f"Re-based from {BASELINE}@{a0[:10]} onto {BASELINE}@{moved[:10]}")
 
 
+def test_a_rebase_killed_before_its_record_runs_again_to_the_same_merge(lab: Path) -> None:
+    """kill -9 inside the promote node after the merge, the moved records and the rebase record, before
+    the hypothesis's row changed: the re-run makes no second commit, record or event."""
+    seed_lr(lab)
+    loop = make_loop(lab, offline=True)
+    try:
+        h = one_pass(loop)
+        old, a0 = h.commit, h.base_commit
+        git(lab, "checkout", "-q", BASELINE)
+        (lab / "program.md").write_text((lab / "program.md").read_text() + "\nAlso look at fraud.\n")
+        git(lab, "commit", "-qam", "program: fraud")
+        git(lab, "checkout", "-q", "main")
+        plant(loop.store, h.base_commit, BASE_VALUES)
+        plant(loop.store, h.commit, [0.700, 0.703])
+        first = loop.advance(h)
+        assert first.status == "measuring"
+        h = crash_in(loop, first, "promote", status="promoting", decision="promote", commit=old, base_commit=a0,
+                     verdict="improvement", look=2, branch=f"hyp/{h.id}-fine-tune-with-lr-3e-3")
+        again = loop.advance(h)
+        assert (again.status, again.commit, again.base_commit) == ("measuring", first.commit, first.base_commit)
+        assert len(loop.store.gate_records(str(h.id), kind="rebase")) == 1
+        assert sum(e.kind == "rebase" for e in loop.records.events(50)) == 1
+        assert git(lab, "rev-parse", f"refs/heads/{again.branch}") == first.commit
+    finally:
+        loop.close()
+
+
 def test_no_promotion_without_improvement_whatever_the_llm_says(lab: Path, llm: RoutedOpenAI) -> None:
     seed_lr(lab)
     # the model insists on promoting a change that made things worse
