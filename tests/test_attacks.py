@@ -65,6 +65,7 @@ sandbox = "auto"
 out_max_mb = 32
 tmp_max_mb = 32
 max_procs = 48
+memory_mb = 1024
 
 [gate]
 baseline_runs = 5
@@ -272,6 +273,30 @@ if a.seed == 1 and "/cache/" in str(a.out):
     print("ATTACK k TRIED: seed 1 dies by SIGTERM", file=sys.stderr)
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGTERM)
+''',
+    # (l) memory outside the stage's own accounting: fill the tmpfs mounts (RAM), then allocate past
+    # the bound, hoping the kernel's OOM killer takes a warm worker and the seed reads as infrastructure
+    "l": '''
+if a.seed == 1 and "/cache/" in str(a.out):
+    blocked = []
+    for where in (Path("/dev/shm"), Path("/tmp"), a.out):
+        junk = where / "fill.bin"
+        try:
+            with open(junk, "wb") as fh:
+                for _ in range(2048):  # 2 GiB into each tmpfs
+                    fh.write(b"x" * (1 << 20))
+                    fh.flush()
+        except OSError as e:
+            blocked.append(f"tmpfs {where}: {type(e).__name__}: {e.strerror}")
+        junk.unlink(missing_ok=True)
+    try:
+        hog = np.ones((2 << 30) // 8)  # 2 GiB, touched
+        hog[::4096] = 2.0
+    except MemoryError as e:
+        blocked.append(f"memory: MemoryError: {e}")
+    print(("ATTACK l BLOCKED: " + "; ".join(blocked)) if len(blocked) == 4 else f"ATTACK l SUCCEEDED: {blocked}",
+          file=sys.stderr)
+    sys.exit(1)  # its seed fails: the gate must see it
 ''',
 }
 
@@ -483,6 +508,25 @@ def test_attack_k_a_stage_cannot_pass_its_failures_off_as_the_machinery(attacked
     rows = attacked["db"].execute("SELECT seed, outcome, kind FROM result WHERE \"commit\" = ?", (commit,)).fetchall()
     assert {(o, k) for s, o, k in rows if s == 1} == {("method_failure", "crash")}, rows  # seen by the gate
     assert all(o == "ok" for s, o, k in rows if s != 1) and all(o != "infra_failure" for _, o, _ in rows)
+
+
+def test_attack_l_memory_outside_the_stage_is_bounded_and_its_seed_is_the_methods_failure(attacked: dict) -> None:
+    """tmpfs is RAM that an address-space bound does not count: each mount has a size, the stage's
+    own memory an RLIMIT_AS, so no OOM kill reaches a warm worker; the hostile seed is the method's
+    failure, its other seeds and the concurrent attacks' runs finish."""
+    h = _assert_not_promoted(attacked, "l")
+    text = _logs_of(attacked, "l")
+    assert "ATTACK l BLOCKED" in text, text[-3000:]
+    assert text.count("No space left on device") + text.count("File too large") >= 3, text[-3000:]
+    assert "memory: MemoryError" in text, text[-3000:]
+    commit = attacked["db"].execute("SELECT \"commit\" FROM hypothesis WHERE id = ?", (h["id"],)).fetchone()[0]
+    rows = attacked["db"].execute("SELECT seed, outcome, kind FROM result WHERE \"commit\" = ?", (commit,)).fetchall()
+    assert {(o, k) for s, o, k in rows if s == 1} == {("method_failure", "crash")}, rows
+    assert all(o == "ok" for s, o, k in rows if s != 1), rows
+    # no run of any attack was lost to a warm worker's death (the OOM killer's victim of choice)
+    details = [d for (d,) in attacked["db"].execute("SELECT detail FROM result WHERE outcome = 'infra_failure'")]
+    assert not [d for d in details if d and "warm worker" in d], details
+    assert "warm worker died" not in "\n".join(attacked["logs"].values())
 
 
 def test_attack_i_disk_and_processes_are_bounded(attacked: dict) -> None:
