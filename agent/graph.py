@@ -30,7 +30,7 @@ from typing import Any, TypedDict
 
 from agent.errors import LLMError, LLMOutputError, LLMUnavailable
 from agent.policy import Choice, Context, Feedback, Policy
-from agent.records import Hypothesis, Records
+from agent.records import Decision, Hypothesis, Records
 from agent.workspace import EditRejected, FileEdit, Workspace, slugify
 from pipeline.experiment import Experiment
 from pipeline.lab import BASELINE_BRANCH, Lab, glob_match
@@ -170,29 +170,27 @@ def _baseline_tag(ws: Workspace, commit: str) -> str | None:
 
 def _effect_summary(svc: Services, h: Hypothesis) -> dict[str, Any]:
     """Mean raw Δ (challenger − baseline) and how many tasks improved, by the metric's direction."""
-    recs = svc.store.gate_records(str(h.id), kind="verdict")
-    if not recs:
+    g = svc.records.latest_verdict(h.id)
+    if g is None:
         return {}
-    payload = recs[-1].payload
-    tasks = payload.get("tasks", [])
-    deltas = [t.get("delta") for t in tasks if t.get("delta") is not None]
+    deltas = [t.delta for t in g.tasks if t.delta is not None]
     if not deltas:
         return {}
-    sign = 1.0 if payload.get("higher_is_better", svc.lab.config.benchmark.higher_is_better) else -1.0
+    sign = 1.0 if g.higher_is_better else -1.0
     return {"mean_delta": f"{sum(deltas) / len(deltas):+.4f}",
             "improved": f"{sum(sign * d > 0 for d in deltas)}/{len(deltas)}"}
 
 
 # ----------------------------------------------------------------------------- nodes
 
-def allowed_decisions(verdict: str | None, look: int, looks: list[int], supervised: bool) -> list[str]:
+def allowed_decisions(verdict: str | None, look: int, looks: list[int], supervised: bool) -> list[Decision]:
     """The gate bounds the agent: no promotion without `improvement`, escalation only to a planned look."""
     later = [n for n in looks if n > look]
     if verdict == "improvement":
-        return ["hold" if supervised else "promote", "abandon"]
+        return [Decision.HOLD if supervised else Decision.PROMOTE, Decision.ABANDON]
     if verdict == "escalate" and later:
-        return ["escalate", "abandon"]
-    return ["abandon", "refine"]
+        return [Decision.ESCALATE, Decision.ABANDON]
+    return [Decision.ABANDON, Decision.REFINE]
 
 
 class Nodes:
@@ -212,11 +210,11 @@ class Nodes:
             # and the loop (which created this empty one) withdraws it and backs off
             p = self.svc.policy.propose(proposal_context(self.svc))
         except LLMOutputError as e:  # it answered, but nothing usable after the repair rounds: recorded
-            rec.update(h.id, title="(no proposal)", status="summarizing", decision="reject",
+            rec.update(h.id, title="(no proposal)", status="summarizing", decision=Decision.REJECT,
                        reject_kind="propose", reject_reason=f"{type(e).__name__}: {e}")
             return {"route": "rejected"}
         if p is None:
-            rec.update(h.id, title="(search space exhausted)", status="summarizing", decision="reject",
+            rec.update(h.id, title="(search space exhausted)", status="summarizing", decision=Decision.REJECT,
                        reject_kind="exhausted", reject_reason="the policy has no untried idea left",
                        base_commit=self.svc.workspace.baseline_head())
             return {"route": "rejected"}
@@ -235,7 +233,7 @@ class Nodes:
         """
         svc, rec, ws = self.svc, self.svc.records, self.svc.workspace
         h = rec.get(state["hypothesis_id"])
-        if h.status == "summarizing" or h.decision == "reject":
+        if h.status == "summarizing" or h.decision == Decision.REJECT:
             return {"route": "rejected"}
         if h.commit:
             return {"route": "measure"}
@@ -274,13 +272,13 @@ class Nodes:
             except LLMUnavailable:
                 raise  # infrastructure: the thread stays here and is resumed when the endpoint answers
             except LLMError as e:  # the LLM answered, but nothing usable (or the budget ran out): a reason
-                rec.update(h.id, status="summarizing", decision="reject", reject_kind=_llm_failure_kind(e, "llm"),
+                rec.update(h.id, status="summarizing", decision=Decision.REJECT, reject_kind=_llm_failure_kind(e, "llm"),
                            reject_reason="; ".join([*attempts, f"{type(e).__name__}: {e}"]))
                 return {"route": "rejected"}
         if files is None:
             assert last is not None
             reason = str(last) if len(attempts) == 1 else f"{len(attempts)} attempts rejected: " + " | ".join(attempts)
-            rec.update(h.id, status="summarizing", decision="reject", reject_kind=last.kind, reject_reason=reason)
+            rec.update(h.id, status="summarizing", decision=Decision.REJECT, reject_kind=last.kind, reject_reason=reason)
             return {"route": "rejected"}
         message = f"hyp {h.id}: {h.title}\n\n{h.rationale}\n\nExpected: {h.expected_effect}"
         commit = ws.commit_files(branch, base, files, message)
@@ -310,7 +308,7 @@ class Nodes:
         commit, message = tagged
         if message.strip() != experiment_message(h).strip():
             self.svc.records.update(
-                h.id, status="summarizing", decision="reject", reject_kind="tag_conflict",
+                h.id, status="summarizing", decision=Decision.REJECT, reject_kind="tag_conflict",
                 reject_reason=f"tag exp/{h.id} already exists for another experiment ({message.strip()!r}): "
                               "was this lab run with another store?")
             return {"route": "rejected"}
@@ -342,7 +340,7 @@ class Nodes:
             self._smoke(commit, {})  # a syntax error costs a second here, not a look of failed runs
         except (EditRejected, UserError) as e:
             kind = e.kind if isinstance(e, EditRejected) else "unknown_branch"
-            rec.update(h.id, status="summarizing", decision="reject", reject_kind=kind, reject_reason=str(e),
+            rec.update(h.id, status="summarizing", decision=Decision.REJECT, reject_kind=kind, reject_reason=str(e),
                        branch=h.seed_branch, commit=None)
             return {"route": "rejected"}
         ws.tag(f"exp/{h.id}", commit, experiment_message(h))
@@ -383,24 +381,24 @@ class Nodes:
         allowed = allowed_decisions(h.verdict, h.look, looks, svc.supervised)
         too_good = self._too_good(h)
         if too_good:  # never promoted automatically, whatever --supervised says
-            allowed = ["hold"]
+            allowed = [Decision.HOLD]
         choice = self._choice(h, allowed)
-        if too_good and choice.decision == "hold":
+        if too_good and choice.decision == Decision.HOLD:
             choice.rationale = f"Held for human review: {too_good}. {choice.rationale}"
-        if choice.decision == "escalate":
+        if choice.decision == Decision.ESCALATE:
             nxt = min(n for n in looks if n > h.look)
-            rec.update(h.id, look=nxt, status="measuring", decision="escalate",
+            rec.update(h.id, look=nxt, status="measuring", decision=Decision.ESCALATE,
                        rationale_decision=rebased_note(svc, h) + choice.rationale)
             return {"route": "measure"}
         rationale = rebased_note(svc, h) + choice.rationale
         fields: dict[str, Any] = {"decision": choice.decision, "rationale_decision": rationale,
                                   "follow_up": choice.follow_up or None, "status": "summarizing"}
         route = "done"
-        if choice.decision == "promote":
+        if choice.decision == Decision.PROMOTE:
             fields["status"], route = "promoting", "promote"
-        elif choice.decision == "hold":  # summarized first, then the hold node waits for a human
+        elif choice.decision == Decision.HOLD:  # summarized first, then the hold node waits for a human
             fields |= {"status": "held", "review": "pending"}
-        elif choice.decision == "refine" and choice.follow_up:
+        elif choice.decision == Decision.REFINE and choice.follow_up:
             queue_refinement(svc, h, choice.follow_up)
         rec.update(h.id, **fields)
         return {"route": route}
@@ -417,9 +415,9 @@ class Nodes:
             return {"route": "promote" if h.status == "promoting" else ""}
         answer = interrupt({"kind": HOLD, "hypothesis_id": h.id, "reason": h.rationale_decision or ""})
         if answer == "approve":
-            rec.update(h.id, status="promoting", decision="promote")
+            rec.update(h.id, status="promoting", decision=Decision.PROMOTE)
             return {"route": "promote"}
-        rec.update(h.id, status="summarizing", decision="abandon")
+        rec.update(h.id, status="summarizing", decision=Decision.ABANDON)
         return {"route": ""}
 
     # promote ----------------------------------------------------------------
@@ -448,26 +446,24 @@ class Nodes:
     def _too_good(self, h: Hypothesis) -> str | None:
         if h.verdict != "improvement":
             return None
-        from pipeline.gate import GateResult
         from pipeline.gate.plausibility import implausible
 
-        payload = self.svc.store.gate_records(str(h.id), kind="verdict")[-1].payload
-        return implausible(GateResult.model_validate(payload), self.svc.lab.config)
+        return implausible(self.svc.records.latest_verdict(h.id), self.svc.lab.config)
 
     def _choice(self, h: Hypothesis, allowed: list[str]) -> Choice:
         """The policy's choice at this look, within `allowed`; stored before any side effect, so a
         re-run after a crash carries out the same decision instead of asking again."""
         svc = self.svc
-        for r in svc.store.gate_records(str(h.id), kind="decision"):
-            if r.look == h.look and r.payload.get("decision") in allowed:
-                return Choice(r.payload["decision"], r.payload.get("rationale", ""), r.payload.get("follow_up", ""))
-        from pipeline.gate import GateResult, render_markdown
+        done = svc.records.decision_at(h.id, h.look)
+        if done is not None and done.decision in allowed:  # an unknown decision string is in no allowed list
+            return Choice(done.decision, done.rationale, done.follow_up)
+        from pipeline.gate import render_markdown
 
         from agent import prompts
+        from agent.verdicts import DecisionRecord, put_decision
 
         looks = svc.lab.config.gate.looks
-        payload = svc.store.gate_records(str(h.id), kind="verdict")[-1].payload
-        evidence = render_markdown(GateResult.model_validate(payload))
+        evidence = render_markdown(svc.records.latest_verdict(h.id))
         look_text = prompts.phrase("look", index=looks.index(h.look) + 1 if h.look in looks else "?",
                                    count=len(looks), runs=h.look)
         try:
@@ -478,12 +474,10 @@ class Nodes:
             choice = OfflinePolicy().decide(build_context(svc), h, h.verdict, evidence, allowed, look_text)
             choice.rationale = f"No decision from the policy ({type(e).__name__}: {e}). {choice.rationale}"
         if choice.decision not in allowed:
-            choice = Choice("abandon" if "abandon" in allowed else allowed[-1],
+            choice = Choice(Decision.ABANDON if Decision.ABANDON in allowed else allowed[-1],
                             f"the policy chose {choice.decision!r}, which the verdict {h.verdict} does not allow")
-        svc.store.put_gate_record(str(h.id), h.look, {"decision": choice.decision, "rationale": choice.rationale,
-                                                      "follow_up": choice.follow_up, "allowed": allowed,
-                                                      "verdict": h.verdict, "policy": svc.policy.name},
-                                  kind="decision")
+        put_decision(svc.store, h.id, DecisionRecord(h.look, choice.decision, choice.rationale, choice.follow_up,
+                                                     list(allowed), h.verdict, svc.policy.name))
         return choice
 
     # summarize --------------------------------------------------------------
@@ -535,7 +529,7 @@ def promote(svc: Services, h: Hypothesis) -> dict[str, Any]:
     try:
         new, tag = svc.workspace.promote(h.commit, f"promote hyp {h.id}: {h.title}")
     except PromotionConflict as e:
-        return {"decision": "abandon", "rationale_decision": f"promotion refused: {e}"}
+        return {"decision": Decision.ABANDON, "rationale_decision": f"promotion refused: {e}"}
     svc.experiment.queue_champion(new, tag)
     return {"promoted_tag": tag}
 
@@ -561,6 +555,7 @@ def rebase(svc: Services, h: Hypothesis) -> State:
     evidence and the gate's looks start over against the new base, on its generation's seed block.
     A record `rebase` (and a loop event) says from where to where, and what the old base's verdict
     was. Each step is idempotent; the hypothesis's row changes last."""
+    from agent.verdicts import rebases
     from agent.workspace import PromotionConflict
 
     ws, rec, store = svc.workspace, svc.records, svc.store
@@ -579,15 +574,15 @@ def rebase(svc: Services, h: Hypothesis) -> State:
             why = f"merged onto {onto} it changes nothing: its change is in the baseline already"
     except PromotionConflict as e:
         why = str(e)
-    done = store.gate_records(str(h.id), kind="rebase")
-    if not any(r.payload.get("to_base") == head and r.payload.get("from_commit") == old_commit for r in done):
+    done = rebases(store, h.id)
+    if not any(r.get("to_base") == head and r.get("from_commit") == old_commit for r in done):
         store.put_gate_record(str(h.id), len(done) + 1, {**payload, "commit": None if why else new,
                                                          "outcome": why or "re-measured"}, kind="rebase")
         said = (f"#{h.id} re-based from {frm} onto {onto}: " +
                 (f"abandoned, {why}" if why else f"{earlier} does not count; measured again against {onto}"))
         rec.event("rebase", said)
     if why:
-        rec.update(h.id, status="summarizing", decision="abandon",
+        rec.update(h.id, status="summarizing", decision=Decision.ABANDON,
                    rationale_decision=f"Re-based from {frm} onto {onto} before its promotion ({earlier}): {why}. "
                                       f"Abandoned: never measured against {onto}.")
         return {"route": ""}
@@ -608,7 +603,9 @@ def rebase(svc: Services, h: Hypothesis) -> State:
 
 def rebased_note(svc: Services, h: Hypothesis) -> str:
     """'Re-based from A0 onto A1 (...)' before a re-based hypothesis's decision rationale; '' if it never was."""
-    recs = [r.payload for r in svc.store.gate_records(str(h.id), kind="rebase") if r.payload.get("commit")]
+    from agent.verdicts import rebases
+
+    recs = [r for r in rebases(svc.store, h.id) if r.get("commit")]
     if not recs:
         return ""
     last = recs[-1]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agent.errors import NotConfigured
+from agent.lifecycle import Decision
 from agent.workspace import EditRejected, FileEdit
 from pipeline.registry import Registry
 
@@ -209,10 +210,10 @@ class OfflinePolicy:
         return [FileEdit.from_dict(d) for d in hyp.plan]
 
     def decide(self, ctx: Context, hyp: Any, verdict: str, evidence: str, allowed: list[str], look: str) -> Choice:
-        for preferred in ("promote", "hold", "escalate"):
+        for preferred in (Decision.PROMOTE, Decision.HOLD, Decision.ESCALATE):
             if preferred in allowed:
                 return Choice(preferred, f"The gate's verdict is {verdict}; the offline policy follows it.")
-        return Choice("abandon", f"The gate's verdict is {verdict}: no promotion is allowed and no further look "
+        return Choice(Decision.ABANDON, f"The gate's verdict is {verdict}: no promotion is allowed and no further look "
                                  "is warranted.")
 
 
@@ -258,7 +259,7 @@ def decision_schema(allowed: list[str]) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {
-            "decision": {"type": "string", "enum": allowed},
+            "decision": {"type": "string", "enum": [str(a) for a in allowed]},
             "rationale": {"type": "string", "minLength": 1},
             "follow_up": {"type": "string"},
         },
@@ -363,7 +364,7 @@ class LLMPolicy:
         )
         out = self.client.complete_json("decide", msgs, decision_schema(allowed), "decision", hypothesis_id=str(hyp.id))
         if out["decision"] not in allowed:  # the schema's enum should prevent it; the gate's bounds win anyway
-            fallback = "abandon" if "abandon" in allowed else allowed[-1]
+            fallback = Decision.ABANDON if Decision.ABANDON in allowed else allowed[-1]
             return Choice(fallback, f"the model chose {out['decision']!r}, which the verdict does not allow")
         return Choice(out["decision"], out["rationale"].strip(), out.get("follow_up", "").strip())
 

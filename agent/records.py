@@ -7,20 +7,23 @@ The tables are also what `status --json` and `report --json` print.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import JSON, Column, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel, select
 
 from pipeline.store import Store, create_schema
 
+from agent.lifecycle import Decision, Status  # noqa: F401 (re-exported: the column vocabularies)
+
+if TYPE_CHECKING:
+    from pipeline.gate.report import GateResult
+
+    from agent.verdicts import DecisionRecord
+
 Origin = Literal["human", "llm", "offline"]
-# queued → proposing → implementing → measuring → deciding → summarizing → done
-# (rejected: implementation refused; held: promotion waits for a human approval)
-Status = Literal["queued", "proposing", "implementing", "measuring", "deciding", "promoting", "summarizing", "held",
-                 "done"]
-Decision = Literal["promote", "abandon", "escalate", "refine", "reject", "hold"]
-ACTIVE = ("proposing", "implementing", "measuring", "deciding", "promoting", "summarizing")
+ACTIVE = tuple(s.value for s in Status if s.is_active())
 
 
 def now() -> float:
@@ -157,8 +160,8 @@ class Records:
         with self.store.session() as s:
             h = s.get(Hypothesis, hid)
             before = {k: getattr(h, k) for k in ("status", "decision", "promoted_tag")}
-            for k, v in fields.items():
-                setattr(h, k, v)
+            for k, v in fields.items():  # a `Status` or `Decision` is stored as its plain string
+                setattr(h, k, v.value if isinstance(v, Enum) else v)
             h.updated_at = now()
             s.add(h)
             staged = self.outbox is not None and self.outbox.on_update(s, before, h)
@@ -167,6 +170,27 @@ class Records:
         if staged:
             self.outbox.wake()
         return h
+
+    # the gate records of a hypothesis, typed (agent/verdicts.py) ----------------------------
+    def verdicts(self, hid: int) -> list[GateResult]:
+        from agent import verdicts
+
+        return verdicts.verdicts(self.store, hid)
+
+    def latest_verdict(self, hid: int) -> GateResult | None:
+        from agent import verdicts
+
+        return verdicts.latest_verdict(self.store, hid)
+
+    def verdict_at(self, hid: int, look: int) -> GateResult | None:
+        from agent import verdicts
+
+        return verdicts.verdict_at(self.store, hid, look)
+
+    def decision_at(self, hid: int, look: int | None) -> DecisionRecord | None:
+        from agent import verdicts
+
+        return verdicts.decision_at(self.store, hid, look)
 
     def decide_review(self, hid: int, review: str) -> bool:
         """Set the review to `review` only if none was given yet (an approve from the page and a

@@ -139,6 +139,12 @@ class GateResult(_Record):
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GateResult":
+        """The record back from its JSON form (`to_json`, what the store keeps); a record that does
+        not fit the model is a pydantic `ValidationError`."""
+        return cls.model_validate(d)
+
 
 def _f(v: float | None, digits: int = 4) -> str:
     return "—" if v is None else f"{v:.{digits}f}"

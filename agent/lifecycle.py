@@ -1,0 +1,58 @@
+"""The vocabularies of a hypothesis's lifecycle: its `Status` and the `Decision` made about it.
+
+`StrEnum`s, so a member is its stored string: the `hypothesis` columns and the `decision` gate
+records keep the strings they always had, and an old database reads the same. Standard library only
+(cheap to import from the CLI and the policies); `agent.records` re-exports both.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Status(StrEnum):
+    """`Hypothesis.status`. The column keeps these strings (a `StrEnum` member is its string).
+
+    queued → proposing → implementing → measuring → deciding → (promoting →) summarizing → done;
+    held: a promotion waits for a human approval. A rejected hypothesis ends `done` too."""
+
+    QUEUED = "queued"
+    PROPOSING = "proposing"
+    IMPLEMENTING = "implementing"
+    MEASURING = "measuring"
+    DECIDING = "deciding"
+    PROMOTING = "promoting"
+    SUMMARIZING = "summarizing"
+    HELD = "held"
+    DONE = "done"
+
+    def is_finished(self) -> bool:
+        """Nothing more happens to it (`held` is not: an approval may still promote it)."""
+        return self is Status.DONE
+
+    def is_active(self) -> bool:
+        """A thread is working on it (not waiting in the queue, for a human, or finished)."""
+        return self not in (Status.QUEUED, Status.HELD, Status.DONE)
+
+
+class Decision(StrEnum):
+    """What was decided about a hypothesis (`Hypothesis.decision`, the `decision` gate records).
+
+    The gate bounds the first four (`agent.graph.allowed_decisions`); `hold` is a promotion waiting
+    for a human; `reject` is an implementation refused before any run. Stored as these strings."""
+
+    PROMOTE = "promote"
+    HOLD = "hold"
+    ESCALATE = "escalate"
+    ABANDON = "abandon"
+    REFINE = "refine"
+    REJECT = "reject"
+
+    @classmethod
+    def parse(cls, value: str) -> "Decision | str":
+        """The member for a stored string; a string this version does not know (an old or newer
+        database's) is returned as it is, never raised: it matches no allowed decision."""
+        try:
+            return cls(value)
+        except ValueError:
+            return value

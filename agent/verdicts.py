@@ -1,0 +1,112 @@
+"""Typed reads of a hypothesis's gate records (the store's `gate_record` rows), the one way the
+agent reads them.
+
+- kind `verdict`: the gate's `GateResult` at a look, parsed by `GateResult.from_dict`; a record that
+  does not fit the model is a pydantic `ValidationError` (as `report` and the pictures always had);
+- kind `decision`: the agent's `DecisionRecord` at a look; a decision string this version does not
+  know (an older or newer database's) is kept as the raw string (`Decision.parse`), never raised, so
+  it matches no allowed decision and the policy is asked again.
+
+The JSON the store keeps is unchanged: these only read it. `rebase` and `reverify` records stay
+plain dicts (`rebases`, `reverify_record`). `Records` (agent/records.py) has the same reads as
+methods; the functions here take a `Store` for readers that hold no `Records`. The gate's models
+import numpy, so they are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from agent.lifecycle import Decision
+
+if TYPE_CHECKING:
+    from pipeline.gate.report import GateResult
+    from pipeline.store import Store
+
+VERDICT, DECISION, REBASE, REVERIFY = "verdict", "decision", "rebase", "reverify"
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """The agent's decision at one look, as `Nodes._choice` stores it before any side effect."""
+
+    look: int
+    decision: Decision | str  # a raw str only for a decision this version does not know
+    rationale: str = ""
+    follow_up: str = ""
+    allowed: list[str] = field(default_factory=list)
+    verdict: str | None = None
+    policy: str | None = None
+
+    @classmethod
+    def from_dict(cls, look: int, d: dict[str, Any]) -> DecisionRecord:
+        return cls(look=look, decision=Decision.parse(str(d.get("decision") or "")),
+                   rationale=d.get("rationale") or "", follow_up=d.get("follow_up") or "",
+                   allowed=list(d.get("allowed") or []), verdict=d.get("verdict"), policy=d.get("policy"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON the store keeps (the same keys `Nodes._choice` always wrote)."""
+        return {"decision": str(self.decision), "rationale": self.rationale, "follow_up": self.follow_up,
+                "allowed": [str(a) for a in self.allowed], "verdict": self.verdict, "policy": self.policy}
+
+    @property
+    def known(self) -> bool:
+        return isinstance(self.decision, Decision)
+
+
+def _key(hid: int | str) -> str:
+    return str(hid)
+
+
+def verdicts_by_look(store: Store, hid: int | str) -> dict[int, GateResult]:
+    """Every verdict record of the hypothesis, by the look it is stored at, in look order."""
+    from pipeline.gate.report import GateResult
+
+    return {r.look: GateResult.from_dict(r.payload) for r in store.gate_records(_key(hid), kind=VERDICT)}
+
+
+def verdicts(store: Store, hid: int | str) -> list[GateResult]:
+    return list(verdicts_by_look(store, hid).values())
+
+
+def latest_verdict(store: Store, hid: int | str) -> GateResult | None:
+    """The gate's record of the hypothesis's last look, or None before any."""
+    recs = store.gate_records(_key(hid), kind=VERDICT)
+    if not recs:
+        return None
+    from pipeline.gate.report import GateResult
+
+    return GateResult.from_dict(recs[-1].payload)
+
+
+def verdict_at(store: Store, hid: int | str, look: int) -> GateResult | None:
+    for r in store.gate_records(_key(hid), kind=VERDICT):
+        if r.look == look:
+            from pipeline.gate.report import GateResult
+
+            return GateResult.from_dict(r.payload)
+    return None
+
+
+def decisions(store: Store, hid: int | str) -> list[DecisionRecord]:
+    return [DecisionRecord.from_dict(r.look, r.payload) for r in store.gate_records(_key(hid), kind=DECISION)]
+
+
+def decision_at(store: Store, hid: int | str, look: int | None) -> DecisionRecord | None:
+    return next((d for d in decisions(store, hid) if d.look == look), None)
+
+
+def put_decision(store: Store, hid: int | str, rec: DecisionRecord) -> None:
+    store.put_gate_record(_key(hid), rec.look, rec.to_dict(), kind=DECISION)
+
+
+def rebases(store: Store, hid: int | str) -> list[dict[str, Any]]:
+    """The hypothesis's rebase records (plain dicts: see `agent.graph.rebase`), oldest first."""
+    return [r.payload for r in store.gate_records(_key(hid), kind=REBASE)]
+
+
+def reverify_record(store: Store, hid: int | str) -> dict[str, Any] | None:
+    """How a promoted champion held up on fresh seeds (`agent.graph.reverification`), once recorded."""
+    recs = store.gate_records(_key(hid), kind=REVERIFY)
+    return recs[-1].payload if recs else None

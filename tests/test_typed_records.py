@@ -1,0 +1,88 @@
+"""Typed reads of gate records (agent/verdicts.py, `Records`) on a real SQLite store: a `GateResult`
+put comes back equal; a decision string this version does not know is kept raw, never raised; the
+`Decision` and `Status` enums are their stored strings."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from sqlalchemy import text
+
+from agent import verdicts
+from agent.graph import allowed_decisions
+from agent.records import ACTIVE, Decision, Hypothesis, Records, Status
+from agent.verdicts import DecisionRecord
+from pipeline.gate import GateResult, evaluate
+from pipeline.store import Store
+
+pytestmark = pytest.mark.integration
+
+
+def _result(m: int, effect: float = 0.03) -> GateResult:
+    rng = np.random.default_rng(9)
+    tasks = []
+    for j in range(3):
+        b = list(0.8 + 0.01 * rng.standard_normal(5))
+        tasks.append({"task": f"t{j}", "baseline": b, "challenger": list(0.8 + effect + 0.01 * rng.standard_normal(m)),
+                      "history": b})
+    return evaluate({"tasks": tasks})
+
+
+@pytest.fixture
+def rec(tmp_path) -> Records:
+    return Records(Store(f"sqlite:///{tmp_path / 'store.db'}"))
+
+
+def test_verdicts_round_trip_typed(rec: Records, tmp_path):
+    h = rec.add(Hypothesis(title="x"))
+    assert rec.latest_verdict(h.id) is None and rec.verdicts(h.id) == [] and rec.verdict_at(h.id, 2) is None
+    at2, at5 = _result(2), _result(5)
+    rec.store.put_gate_record(str(h.id), 2, at2)
+    rec.store.put_gate_record(str(h.id), 5, at5)
+    # a second Store on the same file: what a later process reads
+    again = Records(Store(f"sqlite:///{tmp_path / 'store.db'}"))
+    assert again.latest_verdict(h.id) == at5
+    assert again.verdict_at(h.id, 2) == at2 and again.verdict_at(h.id, 3) is None
+    assert again.verdicts(h.id) == [at2, at5]
+    assert verdicts.verdicts_by_look(again.store, h.id) == {2: at2, 5: at5}
+    # the JSON the store keeps is the gate's own, unchanged
+    assert again.store.gate_records(str(h.id), kind="verdict")[-1].payload == at5.to_json()
+    assert GateResult.from_dict(json.loads(json.dumps(at5.to_json()))) == at5
+
+
+def test_decisions_round_trip_and_stored_as_plain_strings(rec: Records):
+    h = rec.add(Hypothesis(title="x"))
+    allowed = allowed_decisions("improvement", 5, [2, 5, 10], supervised=False)
+    assert allowed == [Decision.PROMOTE, Decision.ABANDON] and allowed == ["promote", "abandon"]
+    d = DecisionRecord(5, Decision.PROMOTE, "it won", "", allowed, "improvement", "offline")
+    verdicts.put_decision(rec.store, h.id, d)
+    assert rec.store.gate_records(str(h.id), kind="decision")[0].payload == {
+        "decision": "promote", "rationale": "it won", "follow_up": "", "allowed": ["promote", "abandon"],
+        "verdict": "improvement", "policy": "offline"}
+    back = rec.decision_at(h.id, 5)
+    assert back == d and back.decision is Decision.PROMOTE and back.known
+    assert rec.decision_at(h.id, 2) is None
+    # a column written with an enum holds its string
+    rec.update(h.id, status=Status.DONE, decision=Decision.ABANDON)
+    with rec.store.engine.connect() as c:
+        row = c.execute(text("select status, decision from hypothesis where id = :i"), {"i": h.id}).one()
+    assert tuple(row) == ("done", "abandon") and type(rec.get(h.id).decision) is str
+
+
+def test_an_unknown_decision_from_an_old_database_is_kept_raw(rec: Records):
+    """A decision string this version does not know is read as that string (not raised): it is in no
+    allowed list, so `Nodes._choice` asks the policy again instead of carrying it out."""
+    h = rec.add(Hypothesis(title="x"))
+    rec.store.put_gate_record(str(h.id), 2, {"decision": "postpone", "rationale": "old"}, kind="decision")
+    d = rec.decision_at(h.id, 2)
+    assert d is not None and d.decision == "postpone" and not d.known and not isinstance(d.decision, Decision)
+    assert d.decision not in allowed_decisions("escalate", 2, [2, 5], supervised=False)
+    assert Decision.parse("refine") is Decision.REFINE
+
+
+def test_status_enum():
+    assert Status("done").is_finished() and not Status.HELD.is_finished()
+    assert ACTIVE == ("proposing", "implementing", "measuring", "deciding", "promoting", "summarizing")
+    assert f"{Status.MEASURING}" == "measuring" and json.dumps(Decision.HOLD) == '"hold"'
