@@ -170,12 +170,7 @@ def llm_unreachable_since(rec: Records) -> float | None:
 def report(repo: Path, db: str | None, hid: int) -> tuple[Hypothesis, Any]:
     lab, store, rec = open_lab_store(repo, db)
     h = rec.get(hid)
-    recs = store.gate_records(str(hid), kind="verdict")
-    if not recs:
-        return h, None
-    from pipeline.gate import GateResult
-
-    return h, GateResult.model_validate(recs[-1].payload)
+    return h, rec.latest_verdict(hid)
 
 
 # ----------------------------------------------------------------------------- review

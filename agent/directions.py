@@ -128,6 +128,8 @@ class Group:
 
 def group_directions(workspace: Any, store: Any, records: Any) -> list[Group]:
     """Every proposed hypothesis in its direction's group; groups in order of first appearance."""
+    from agent.verdicts import latest_verdict
+
     groups: dict[tuple[str, ...], Group] = {}
     for h in records.all():
         if not h.title:
@@ -141,8 +143,8 @@ def group_directions(workspace: Any, store: Any, records: Any) -> list[Group]:
             g.runs += sum(r.status in ("done", "failed") for r in store.runs(commit=h.commit))
         if h.decision == "promote":
             g.promoted += 1
-            recs = store.gate_records(str(h.id), kind="verdict")
-            delta = ((recs[-1].payload.get("horizontal") or {}).get("delta")) if recs else None
+            last = latest_verdict(store, h.id)
+            delta = last.horizontal.delta if last is not None else None
             if delta is not None:
                 g.banked_sigma += float(delta)
         if h.decision or h.verdict:

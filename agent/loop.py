@@ -300,8 +300,8 @@ class Loop:
                 self.say(msg)
 
     def _failure_report(self, h: Hypothesis) -> dict | None:
-        recs = self.store.gate_records(str(h.id), kind="verdict")
-        return recs[-1].payload.get("failures") if recs else None
+        g = self.records.latest_verdict(h.id)
+        return g.failures.model_dump(mode="json") if g is not None else None
 
     # -------------------------------------------------------------- hypotheses
 
@@ -490,16 +490,15 @@ class Loop:
 
     def _evidence(self, h: Hypothesis) -> str:
         """` at look N (horizontal Δ +0.42σ, t 1.3 vs boundary 2.9)` from the gate's last record."""
-        recs = self.store.gate_records(str(h.id), kind="verdict")
-        if not recs:
+        g = self.records.latest_verdict(h.id)
+        if g is None:
             return ""
-        g = recs[-1].payload
-        hz = g.get("horizontal") or {}
-        if hz.get("delta") is None or hz.get("t") is None:
-            return f" at look {g.get('look')}"
-        bound = f" vs boundary {hz['boundary']:.2f}" if hz.get("boundary") is not None else ""
-        sep = ", " if g.get("higher_is_better", True) else ", + = better; "  # the horizontal Δ is oriented
-        return f" at look {g.get('look')} (horizontal Δ {hz['delta']:+.2f}σ{sep}t {hz['t']:.2f}{bound})"
+        hz = g.horizontal
+        if hz.delta is None or hz.t is None:
+            return f" at look {g.look}"
+        bound = f" vs boundary {hz.boundary:.2f}" if hz.boundary is not None else ""
+        sep = ", " if g.higher_is_better else ", + = better; "  # the horizontal Δ is oriented
+        return f" at look {g.look} (horizontal Δ {hz.delta:+.2f}σ{sep}t {hz.t:.2f}{bound})"
 
     def release_holds(self) -> None:
         """Resume the threads of held hypotheses a human approved or rejected, at their `hold` node
@@ -510,9 +509,10 @@ class Loop:
     def note_reverifications(self) -> None:
         """Once a promoted champion's fresh baseline runs are all in, record how it held up."""
         from agent.graph import reverification
+        from agent.verdicts import reverify_record
 
         for h in self.records.all(("done",)):
-            if not h.promoted_tag or self.store.gate_records(str(h.id), kind="reverify"):
+            if not h.promoted_tag or reverify_record(self.store, h.id) is not None:
                 continue
             r = reverification(self.svc, h)
             if r is None:

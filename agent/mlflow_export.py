@@ -151,10 +151,10 @@ class Exporter:
         return tags
 
     def _metrics(self, h: Hypothesis) -> dict[str, float]:
-        recs = self.store.gate_records(str(h.id), kind="verdict")
-        if not recs:
+        latest = self.records.latest_verdict(h.id)
+        if latest is None:
             return {}
-        g = recs[-1].payload
+        g = latest.to_json()
         out: dict[str, float] = {"look": float(g.get("look") or 0)}
         hz = g.get("horizontal") or {}
         for key, name in (("delta", "horizontal_delta_sigma"), ("ci_low", "horizontal_ci_low_sigma"),

@@ -81,17 +81,16 @@ def _decision(h: Any) -> str:
 
 def progress_points(store: Any, records: Any) -> list[Point]:
     """Every proposed hypothesis, in order, with its levels from its latest gate record."""
-    from pipeline.gate import GateResult
+    from agent.verdicts import latest_verdict
 
     points = []
     for h in records.all():
         if not h.title:  # not proposed yet
             continue
-        recs = store.gate_records(str(h.id), kind="verdict")
+        r = latest_verdict(store, h.id)
         base = level = hd = None
         ci: tuple[float | None, float | None] = (None, None)
-        if recs:
-            r = GateResult.model_validate(recs[-1].payload)
+        if r is not None:
             pairs = [(t.baseline_mean, t.delta) for t in r.tasks if t.baseline_mean is not None and t.delta is not None]
             if pairs:
                 base = sum(b for b, _ in pairs) / len(pairs)
@@ -323,10 +322,11 @@ def seed_view(lab: Any, store: Any, h: Any) -> SeedView | None:
     block = seed_block(generation(str(lab.root), h.base_commit))
     base = runner.results(store, None, h.base_commit, tasks)  # both are full shas in the records
     chal = runner.results(store, None, h.commit, tasks)
-    recs = store.gate_records(str(h.id), kind="verdict")
-    last = recs[-1].payload if recs else {}
-    alpha = float(last.get("alpha") or lab.config.gate.alpha)
-    looks = sorted({int(r.payload.get("look") or 0) for r in recs if r.payload.get("is_look")} - {0})
+    from agent.verdicts import verdicts
+
+    recs = verdicts(store, h.id)
+    alpha = float((recs[-1].alpha if recs else None) or lab.config.gate.alpha)
+    looks = sorted({int(r.look or 0) for r in recs if r.is_look} - {0})
     rows = [SeedTask(t, {s: v for s, v in base.get(t, {}).items() if s in block},
                      {s: v for s, v in chal.get(t, {}).items() if s in block}) for t in tasks]
     title = f"#{h.id} {h.title}"[:90].replace("$", r"\$")  # a branch-written title is text, never mathtext

@@ -61,10 +61,7 @@ def summary_path(lab: Any, hid: int) -> Path:
 
 def latest_result(svc: Any, h: Hypothesis) -> Any:
     """The gate's record of the hypothesis's last look (a `GateResult`), or None before any."""
-    from pipeline.gate import GateResult
-
-    recs = svc.store.gate_records(str(h.id), kind="verdict")
-    return GateResult.model_validate(recs[-1].payload) if recs else None
+    return svc.records.latest_verdict(h.id)
 
 
 def compute_line(svc: Any, h: Hypothesis) -> str:

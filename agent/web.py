@@ -45,6 +45,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent.lifecycle import Decision
+from agent.verdicts import reverify_record, verdicts_by_look
+
 TEMPLATES = Path(__file__).resolve().parent / "web_templates"
 CSRF_COOKIE, TOKEN_COOKIE = "ar_csrf", "ar_token"
 PICTURE = re.compile(r"^(\d+\.forest|progress)\.png$")
@@ -218,7 +221,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         html = md.render(summary.read_text(encoding="utf-8")) if summary.is_file() else ""
         # the summary links its pictures beside it (runs/summaries/): here they are under /files/
         html = re.sub(r'(src|href)="((?:\d+\.forest|progress)\.png)"', r'\1="/files/\2"', html)
-        looks = [r.payload | {"look": r.look} for r in store.gate_records(str(hid), kind="verdict")]
+        looks = [g.to_json() | {"look": look} for look, g in verdicts_by_look(store, hid).items()]
         diff, diff_note = bounded_diff(Workspace(lab), h)
         failed = []
         if h.commit:
@@ -262,7 +265,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         sides = []
         for hid in ids:
             h = rec.get(hid)  # an unknown id: UserError "no hypothesis N", a 404 page
-            looks = [r.payload | {"look": r.look} for r in store.gate_records(str(hid), kind="verdict")]
+            looks = [g.to_json() | {"look": look} for look, g in verdicts_by_look(store, hid).items()]
             diff, note = bounded_diff(ws, h)
             sides.append({"h": h, "looks": looks, "last": looks[-1] if looks else None, "diff": diff,
                           "diff_note": note, "direction": label(direction_of(ws, h))})
@@ -280,19 +283,18 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         start = own.get("start")
         sign = 1.0 if lab.config.benchmark.higher_is_better else -1.0
         promotions, prev = [], start
-        for h in sorted((h for h in rec.all() if h.decision == "promote" and h.promoted_tag),
+        for h in sorted((h for h in rec.all() if h.decision == Decision.PROMOTE and h.promoted_tag),
                         key=lambda h: (tag_number(h.promoted_tag), h.id)):
-            recs = store.gate_records(str(h.id), kind="verdict")
-            last = recs[-1].payload if recs else {}
+            latest = rec.latest_verdict(h.id)
+            last = latest.to_json() if latest is not None else {}
             deltas = [t["delta"] for t in last.get("tasks", []) if t.get("delta") is not None]
             p = own.get(h.promoted_tag)
             step = None
             if p and prev and p["holdout"] is not None and prev["holdout"] is not None:
                 step = sign * (p["holdout"] - prev["holdout"])
-            rv = store.gate_records(str(h.id), kind="reverify")
             promotions.append({"h": h, "gate": last.get("horizontal") or {}, "look": last.get("look"),
                                "alpha": last.get("alpha"), "mean_delta": sum(deltas) / len(deltas) if deltas else None,
-                               "own": p, "holdout_step": step, "reverify": rv[-1].payload if rv else None})
+                               "own": p, "holdout_step": step, "reverify": reverify_record(store, h.id)})
             prev = p or prev
         return page(request, "timeline.html", promotions=promotions[::-1], split=split, start=start,
                     metric=lab.config.benchmark.metric, higher=lab.config.benchmark.higher_is_better, refresh=60)
