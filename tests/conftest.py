@@ -89,3 +89,31 @@ def llm(monkeypatch: _pytest_llm.MonkeyPatch):
             monkeypatch.setenv(k, v)
         yield server
 # --- end routed fake OpenAI server ------------------------------------------------------------------
+
+
+# --- a fresh PostgreSQL database per test (the machine's service; CI must have it) ------------------
+PG_ADMIN = _os.environ.get("AUTORESEARCH_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@_pytest_llm.fixture
+def pg_url():
+    """The URL of a fresh PostgreSQL database, dropped after the test."""
+    import uuid
+
+    import psycopg
+
+    plain = PG_ADMIN.replace("postgresql+psycopg://", "postgresql://")
+    try:
+        admin = psycopg.connect(plain, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as e:
+        if _os.environ.get("CI"):
+            _pytest_llm.fail(f"PostgreSQL at {PG_ADMIN} is required in CI: {e}")
+        # platform limit: a developer machine without the PostgreSQL service; CI fails above instead
+        _pytest_llm.skip(f"platform limit: no PostgreSQL service at {PG_ADMIN}")
+    name = "ar_" + uuid.uuid4().hex[:12]
+    admin.execute(f"create database {name}")
+    try:
+        yield PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+    finally:
+        admin.execute(f"drop database {name} with (force)")
+        admin.close()

@@ -4,9 +4,7 @@ executor, real git; the tiny lab."""
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -14,30 +12,6 @@ import pytest
 from agent_fixtures import TASKS, RunProcess, cli_json, make_loop, set_research
 
 pytestmark = pytest.mark.system
-
-PG_ADMIN = os.environ.get("AUTORESEARCH_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-
-
-@pytest.fixture
-def pg_url():
-    """The URL of a fresh PostgreSQL database, dropped after the test."""
-    import psycopg
-
-    plain = PG_ADMIN.replace("postgresql+psycopg://", "postgresql://")
-    try:
-        admin = psycopg.connect(plain, autocommit=True, connect_timeout=5)
-    except psycopg.OperationalError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL at {PG_ADMIN} is required in CI: {e}")
-        # platform limit: a developer machine without the PostgreSQL service; CI fails above instead
-        pytest.skip(f"platform limit: no PostgreSQL service at {PG_ADMIN}")
-    name = "ar_" + uuid.uuid4().hex[:12]
-    admin.execute(f"create database {name}")
-    try:
-        yield PG_ADMIN.rsplit("/", 1)[0] + "/" + name
-    finally:
-        admin.execute(f"drop database {name} with (force)")
-        admin.close()
 
 
 def test_two_hypotheses_in_flight_with_store_and_checkpoints_in_postgresql(lab: Path, pg_url: str) -> None:

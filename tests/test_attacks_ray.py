@@ -132,8 +132,10 @@ def cluster():
         yield c
 
 
-def test_a_warm_worker_actor_refuses_a_hostile_code_view_as_the_stages_failure(cluster, tmp_path: Path,
-                                                                               monkeypatch) -> None:
+def on_a_warm_worker(cluster, monkeypatch, tmp_path: Path, ident: str, entries: list[tuple[str, str | None]],
+                     argv: list[str], timeout_s: float, probe) -> tuple[dict, object]:
+    """One unsandboxed stage on a real `WarmWorker` actor of `cluster`, its code view the tar of
+    `entries`: the actor's result, and `probe()` as the node computes it."""
     from pipeline.executors import ray_task
     from pipeline.executors.ray_executor import node_sources
 
@@ -143,16 +145,25 @@ def test_a_warm_worker_actor_refuses_a_hostile_code_view_as_the_stages_failure(c
     try:
         ray.cloudpickle.register_pickle_by_value(ray_task)
         actor = ray.remote(ray_task.WarmWorker).options(num_cpus=1, max_restarts=0).remote(node_sources(), [])
-        ident = f"hostile-{uuid.uuid4().hex[:12]}"
-        tree = ray.put(tar_of([("train.py", "."), ("model.py", "train.py/.."), ("config.toml", "model.py/../X")]))
         job = {"job_id": ident, "tree_id": ident, "cwd": str(tmp_path / "view"), "out": str(tmp_path / "out"),
-               "argv": ["python", "-c", "open('/tmp/ran', 'w')"], "env": {}, "env_allow": ["PATH"],
-               "env_prefixes": [], "sandbox": None, "cpus": 1, "memory_mb": None, "timeout_s": 30}
-        res = ray.get(actor.run.remote(job, [tree], []), timeout=120)
-        node_cache = ray.get(ray.remote(lambda: ray_task.NODE_CACHE).remote())
+               "argv": argv, "env": {}, "env_allow": ["PATH"], "env_prefixes": [], "sandbox": None, "cpus": 1,
+               "memory_mb": None, "timeout_s": timeout_s}
+        res = ray.get(actor.run.remote(job, [ray.put(tar_of(entries))], []), timeout=120)
+        seen = ray.get(ray.remote(probe).remote())
         ray.kill(actor)
     finally:
         ray.shutdown()
+    return res, seen
+
+
+def test_a_warm_worker_actor_refuses_a_hostile_code_view_as_the_stages_failure(cluster, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    from pipeline.executors import ray_task
+
+    ident = f"hostile-{uuid.uuid4().hex[:12]}"
+    res, node_cache = on_a_warm_worker(
+        cluster, monkeypatch, tmp_path, ident, [("train.py", "."), ("model.py", "train.py/.."), ("config.toml", "model.py/../X")],
+        ["python", "-c", "open('/tmp/ran', 'w')"], 30, lambda: ray_task.NODE_CACHE)
     assert (res["status"], res["exit_code"]) == ("exit", 1), res
     assert res["detail"].startswith(f"ray node: the code view {ident} holds a symlink that leads out of it"), res
     assert res["log"].decode().startswith("ray node: ") and res["out"] == b""
@@ -263,25 +274,11 @@ def test_the_nodes_default_memory_bound_is_the_local_executors(tmp_path: Path) -
 def test_a_ray_stage_without_memory_mb_runs_under_the_nodes_bound(cluster, tmp_path: Path, monkeypatch) -> None:
     """A real warm-worker actor: the stage's own RLIMIT_AS is the node's default, not unlimited."""
     from pipeline.executors import ray_task
-    from pipeline.executors.ray_executor import node_sources
 
-    for k, v in ENV.items():
-        monkeypatch.setenv(k, v)
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
-        ray.cloudpickle.register_pickle_by_value(ray_task)
-        actor = ray.remote(ray_task.WarmWorker).options(num_cpus=1, max_restarts=0).remote(node_sources(), [])
-        ident = f"rlimit-{uuid.uuid4().hex[:12]}"
-        tree = ray.put(tar_of([("README", None)]))
-        job = {"job_id": ident, "tree_id": ident, "cwd": str(tmp_path / "view"), "out": str(tmp_path / "out"),
-               "argv": ["python", "-c", "import resource; print('rlimit_as', resource.getrlimit(resource.RLIMIT_AS)[0])"],
-               "env": {}, "env_allow": ["PATH"], "env_prefixes": [], "sandbox": None, "cpus": 1, "memory_mb": None,
-               "timeout_s": 60}
-        res = ray.get(actor.run.remote(job, [tree], []), timeout=120)
-        expected = ray.get(ray.remote(lambda: ray_task.node_memory_mb(1, 0, None)).remote())
-        ray.kill(actor)
-    finally:
-        ray.shutdown()
+    res, expected = on_a_warm_worker(
+        cluster, monkeypatch, tmp_path, f"rlimit-{uuid.uuid4().hex[:12]}", [("README", None)],
+        ["python", "-c", "import resource; print('rlimit_as', resource.getrlimit(resource.RLIMIT_AS)[0])"], 60,
+        lambda: ray_task.node_memory_mb(1, 0, None))
     assert (res["status"], res["exit_code"]) == ("ok", 0), res
     (limit,) = [int(ln.split()[1]) for ln in res["log"].decode().splitlines() if ln.startswith("rlimit_as ")]
     assert expected is not None and expected >= 1024

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from agent_fixtures import RunProcess, assert_runs_exactly_once, cli, cli_env
-from test_agent_loop_pg import pg_url  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -448,33 +448,7 @@ url = "{hook.url}/hang/T0K3N"
 
 
 # ----------------------------------------------------------------------------- the outbox on PostgreSQL
-
-PG_ADMIN = __import__("os").environ.get("AUTORESEARCH_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-
-
-@pytest.fixture
-def pg_url():
-    """A fresh PostgreSQL database, dropped after the test (as tests/test_agent_loop_pg.py)."""
-    import os
-    import uuid
-
-    import psycopg
-
-    plain = PG_ADMIN.replace("postgresql+psycopg://", "postgresql://")
-    try:
-        admin = psycopg.connect(plain, autocommit=True, connect_timeout=5)
-    except psycopg.OperationalError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL at {PG_ADMIN} is required in CI: {e}")
-        pytest.skip(f"platform limit: no PostgreSQL service at {PG_ADMIN}")
-    name = "ar_" + uuid.uuid4().hex[:12]
-    admin.execute(f"create database {name}")
-    try:
-        yield PG_ADMIN.rsplit("/", 1)[0] + "/" + name
-    finally:
-        admin.execute(f"drop database {name} with (force)")
-        admin.close()
-
+# (pg_url: tests/conftest.py)
 
 def test_the_outbox_on_postgresql_stages_once_and_resends_only_a_claim_a_dead_sender_left(
         tmp_path: Path, hook: Hook, pg_url: str) -> None:
