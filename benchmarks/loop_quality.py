@@ -1,7 +1,8 @@
 """The loop scored as a decision rule (issue 12): what it banks, what it wastes, what it fools itself with.
 
     .venv/bin/python benchmarks/loop_quality.py [--campaigns 300] [--hypotheses 200] [--rho 0.02 0.6]
-        [--noise benchmarks/results/headroom.json | --noise VARIANCE.json] [--json] [--out FILE]
+        [--noise benchmarks/results/headroom.json | --noise VARIANCE.json] [--in-flight 1 4 16] [--overlap 0]
+        [--json] [--out FILE]
 
 One population of hypotheses is drawn from a stated prior (`PRIOR` below: mostly no effect, gains of
 0.5-3σ on every task or on one, some harms) and run, one campaign of `--hypotheses` after another,
@@ -42,11 +43,30 @@ Rules:
 - `keep-discard` — karpathy/autoresearch: one challenger run against the current best's one measured
                   run, kept if its mean over tasks is higher; a kept run *is* the new best's measurement.
 
+In flight (issue 22, `--in-flight K ...`, default 1 4 16): with k hypotheses measured at once, each
+campaign has k slots, each measuring one hypothesis at a time at one run per time unit (a look of m
+runs ends m time units after the measurement began; the lazy baseline's runs and a new champion's
+re-verification take no slot time). Every step takes, in each campaign, the measurement that ends
+first. A measurement is judged when it begins, through all its looks, against the baseline and with
+the lab's histories of that moment (the histories move on as other hypotheses end: a simplification,
+at k = 1 exact). A promote decision against a baseline that is no longer the current one is what the
+product's promote node re-bases (`agent.graph.rebase`, ARCHITECTURE's data-flow step 5): the
+hypothesis is measured again from its first look against the current baseline, on that baseline's seed
+block, through the same gate, in the same slot (those runs count), and promoted only if that
+comparison says `improvement`; its earlier looks never promote. Interaction: effects add (its true
+effect against the new baseline is its own); `--overlap F` makes a share F of re-bases overlapping
+ones, whose effect against the new baseline is × `OVERLAP_KEEP` (0.5). k = 1 is the sequential code
+path (`campaign`); `concurrent_campaign` at k = 1 reproduces it number for number
+(tests/test_loop_quality.py checks). Reported besides: re-bases per hypothesis, the share of
+hypotheses re-based and of those promoted in the end, the campaign's span in one slot's run times per
+hypothesis, and the gain per run over keep/discard's at the same k.
+
 Reported per rule: the share of each class promoted (horizontal gains by size, one-task gains, nulls,
 harms), runs per hypothesis (challenger runs, plus baseline runs), true improvement banked per 1000
 runs, and the baseline's drift after the campaign: the true improvement of the final baseline over
 the first (mean over tasks, σ units) against what the rule measured (the sum of the Δ it saw at each
-promotion). Exit status 1 if the `sequential` rule misses a target of issue 12.
+promotion). Exit status 1 if the default rule (`paired`) misses a target (issue 19's, `check`), at
+any number in flight.
 """
 
 from __future__ import annotations
@@ -93,6 +113,7 @@ TARGET_GAIN_OTHER = 1.0  # ... under any other prior (the small-effect ones of b
 TARGET_NULL = 0.01
 TARGET_HARM = 0.005
 TARGET_H05 = 0.80  # horizontal gains of 0.5σ promoted, at ρ 0.02
+OVERLAP_KEEP = 0.5  # --overlap: a re-based hypothesis that overlaps what was promoted keeps this share of its effect
 
 
 @dataclass(frozen=True)
@@ -275,6 +296,227 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
             else:
                 runs_base += promote * rule.baseline_runs
 
+    return summary(rule, rho, campaigns, hypotheses, seeds, unit, prior, counts, runs_by_class, sigma, mu,
+                   runs_chal, runs_base, measured,
+                   {"in_flight": 1, "overlap": 0.0, "rebases_per_hypothesis": 0.0, "rebased_share": 0.0,
+                    "rebased_promoted": None, "span_per_hypothesis": float(runs_chal.mean() / hypotheses)})
+
+
+def concurrent_campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int, sigma: np.ndarray,
+                        rule_index: int = 0, fresh_seeds: bool = False, pair: np.ndarray | None = None,
+                        prior: Prior = PRIOR, in_flight: int = 1, overlap: float = 0.0,
+                        trace: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`campaign` with `in_flight` hypotheses measured at once in each campaign (issue 22).
+
+    Each campaign has `in_flight` slots; a slot measures one hypothesis at a time, a run per time unit
+    (the lazy baseline's runs and a champion's re-verification take no slot time). A measurement is
+    judged through its looks when it starts (`look_path` against the baseline of that moment, with
+    the lab's histories of that moment), so it ends `looks[stop]` time units later; each step takes,
+    in every campaign at once, the measurement that ends first (ties: the lower slot). At its end it
+    is decided as `campaign` decides; a promote decision against a baseline that has moved since it
+    started is a re-base: measured again from its first look against the current baseline, on that
+    baseline's seed block, in the same slot (those runs count), and promoted only on that comparison. Effects
+    add: its true effect against the new baseline is its own; with `overlap` > 0 that share of
+    re-bases halves it (`OVERLAP_KEEP`: its change overlaps what was promoted meanwhile).
+
+    The same hypotheses in the same order as `campaign` (campaign b's i-th hypothesis is the i-th
+    draw's row b) and the same noise stream, drawn in the same order when `in_flight` is 1: the
+    result is then `campaign`'s, number for number. `trace`, if a list, gets one dict per
+    measurement's end: campaign, hypothesis, its base generation and the current one, the decision.
+    """
+    from agent.graph import allowed_decisions
+
+    population = np.random.default_rng([seed, 1])
+    rng = np.random.default_rng([seed, 2, rule_index])
+    coin = np.random.default_rng([seed, 3, rule_index])  # overlapping re-bases (drawn only if overlap > 0)
+    B, J, H, S = campaigns, TASKS, hypotheses, max(int(in_flight), 1)
+    sigma = np.asarray(sigma, dtype=float)[:J]
+    pair = np.zeros(J) if pair is None else np.asarray(pair, dtype=float)[:J]
+    unit = float(np.median(sigma))
+    seeds = "fresh" if fresh_seeds else rule.seeds
+    block = max(rule.looks[-1], rule.baseline_runs)
+    last = rule.looks[-1]
+    rows = np.arange(B)
+    hyp_cls, hyp_size = np.zeros((H, B), int), np.zeros((H, B))
+    hyp_effect, hyp_own = np.zeros((H, B, J)), np.zeros((H, B), bool)
+    for i in range(H):  # the population, in campaign's order of draws
+        cls, size, effect = draw_hypotheses(population, B, J, prior)
+        hyp_own[i] = population.random(B) < PRETRAIN_SHARE
+        hyp_cls[i], hyp_size[i], hyp_effect[i] = cls, size, effect * sigma[None, :]
+
+    mu = np.zeros((B, J))
+    base_u = draw_noise(rng, B, J, block, rho)
+    gen = np.zeros(B, int)  # the current baseline's generation (promotions so far)
+    gen_depth = np.zeros((B, H + 2), int)  # lazy: the seeds run so far of each generation's baseline
+    runs_chal = np.zeros(B)
+    runs_base = np.zeros(B) if rule.lazy else np.full(B, float(rule.baseline_runs))
+    pair_hist = np.full((B, J, HISTORY, 2), np.nan)
+    arm_hist = np.full((B, ARMS, J, block), np.nan)
+    arm_next = np.zeros(B, int)
+    ended = np.zeros(B, int)  # measurements ended so far (the paired history's ring index)
+
+    def push_arms(runs: np.ndarray, width: np.ndarray, keep: np.ndarray) -> None:
+        keep = keep & (width >= 2)
+        if not keep.any():
+            return
+        cols = np.arange(block)[None, None, :] < width[:, None, None]
+        padded = np.full((B, J, block), np.nan)
+        padded[..., : runs.shape[-1]] = runs[..., :block]
+        padded = np.where(cols, padded, np.nan)
+        at = np.flatnonzero(keep)
+        arm_hist[at, arm_next[at] % ARMS] = padded[at]
+        arm_next[at] += 1
+    measured = np.zeros(B)
+    best_seen = (base_u[..., :1] * sigma[None, :, None]).mean(axis=(1, 2))
+    counts: dict[str, list[int]] = {}
+    runs_by_class: dict[str, float] = {}
+    improvement_code = CODE[Verdict.improvement]
+    looks = np.asarray(rule.looks)
+    # the slots: what each is measuring, against which baseline, and how that measurement ends
+    s_hyp = np.full((B, S), -1)
+    s_gen = np.zeros((B, S), int)
+    s_end = np.full((B, S), np.inf)
+    s_promote = np.zeros((B, S), bool)
+    s_spent = np.zeros((B, S), int)
+    s_seen, s_value = np.zeros((B, S)), np.zeros((B, S))
+    s_effect = np.zeros((B, S, J))  # its true effect against the baseline it is measured against
+    s_chal, s_base = np.zeros((B, S, J, last)), np.zeros((B, S, J, block))
+    rebased = np.zeros((B, H), int)  # re-bases per hypothesis
+    banked = np.zeros((B, H), bool)  # promoted in the end
+    next_h = np.zeros(B, int)
+
+    def start(go: np.ndarray, slot: np.ndarray, idx: np.ndarray, effect: np.ndarray, t0: np.ndarray) -> None:
+        """Measure hypothesis `idx` (with true effect `effect` against the current baseline) in `slot`
+        from `t0`, where `go`: its noise and its whole look path, drawn and judged now."""
+        if not go.any():
+            return
+        own = hyp_own[np.minimum(idx, H - 1), rows]
+        if seeds == "block":
+            r = np.where(own[:, None], PRETRAIN_PAIR * pair[None, :], pair[None, :])
+            chal_u = paired_noise(rng, base_u[..., :last], r, rho)
+        else:
+            chal_u = draw_noise(rng, B, J, last, rho)
+        chal = mu[..., None] + effect[..., None] + sigma[None, :, None] * chal_u
+        base = mu[..., None] + sigma[None, :, None] * base_u
+        value = np.zeros(B)
+        if rule.protocol is None:
+            value = (chal[..., 0] / sigma).mean(axis=1)
+            promote = value > best_seen
+            spent = np.ones(B, int)
+            seen = value - best_seen
+        else:
+            depth = gen_depth[rows, gen]
+            path = look_path(rule.protocol, base if rule.lazy else base[..., : rule.baseline_runs], chal, rule.looks,
+                             horizontal_trim=rule.trim, futility_p=rule.futility_p,
+                             pair_history=pair_hist if rule.lazy else None, base_depth=depth if rule.lazy else None,
+                             arm_history=arm_hist if rule.lazy else None)
+            code, k_stop = path.first_stop()
+            held = path.held[rows, k_stop]
+            promote = np.array([
+                bool(g) and allowed_decisions(ORDER[c].value, rule.looks[k], list(rule.looks), supervised=False)[0]
+                == "promote" for c, k, g in zip(code, k_stop, go)
+            ]) & ~held
+            assert np.array_equal(promote, (code == improvement_code) & ~held & go)
+            spent = looks[k_stop]
+            seen = (path.task_delta[rows, k_stop] / sigma).mean(axis=1)
+        at = np.flatnonzero(go)
+        sl = slot[at]
+        s_hyp[at, sl], s_gen[at, sl], s_end[at, sl] = idx[at], gen[at], t0[at] + spent[at]
+        s_promote[at, sl], s_spent[at, sl] = promote[at], spent[at]
+        s_seen[at, sl], s_value[at, sl] = seen[at], value[at]
+        s_effect[at, sl], s_chal[at, sl], s_base[at, sl] = effect[at], chal[at], base[at]
+
+    for slot in range(min(S, H)):  # the first `in_flight` hypotheses start at once
+        go = next_h < H
+        start(go, np.full(B, slot), next_h, hyp_effect[np.minimum(next_h, H - 1), rows], np.zeros(B))
+        next_h += go
+
+    span = np.zeros(B)
+    while True:
+        s = np.argmin(s_end, axis=1)
+        now = s_end[rows, s]
+        on = np.isfinite(now)
+        if not on.any():
+            break
+        span = np.where(on, now, span)
+        h_idx, g = s_hyp[rows, s], s_gen[rows, s]
+        spent = np.where(on, s_spent[rows, s], 0)
+        runs_chal += spent
+        chal, base = s_chal[rows, s], s_base[rows, s]
+        if rule.protocol is not None and rule.lazy:
+            d0 = gen_depth[rows, g]
+            grown = np.where(on, np.maximum(d0, np.maximum(spent, 2)), d0)
+            runs_base += grown - d0
+            gen_depth[rows, g] = grown
+            d = chal[..., :2] - base[..., :2]  # this comparison's first pairs join the history
+            d = np.where(((spent >= 2) & on)[:, None, None], d, np.nan)
+            col = ended % HISTORY
+            pair_hist[rows, :, col] = np.where(np.isfinite(d), d, pair_hist[rows, :, col])
+            push_arms(chal, spent, on)
+        ended += on
+        wants = on & s_promote[rows, s]
+        stale = wants & (g != gen)  # its base moved while it was measured: re-based, not promoted
+        promote = wants & ~stale
+        final = on & ~stale
+        for i in np.flatnonzero(on):
+            name = prior[hyp_cls[h_idx[i], i]][0]
+            runs_by_class[name] = runs_by_class.get(name, 0.0) + spent[i]
+            if final[i]:
+                banked[i, h_idx[i]] = promote[i]
+                c = counts.setdefault(f"{name}@{hyp_size[h_idx[i], i]:g}", [0, 0])
+                c[0] += 1
+                c[1] += int(promote[i])
+            if trace is not None:
+                trace.append({"campaign": int(i), "hypothesis": int(h_idx[i]), "slot": int(s[i]),
+                              "ended": float(now[i]), "runs": int(spent[i]), "base_generation": int(g[i]),
+                              "generation": int(gen[i]), "rebases": int(rebased[i, h_idx[i]]),
+                              "effect": float((s_effect[i, s[i]] / sigma).mean()),
+                              "decision": "rebase" if stale[i] else "promote" if promote[i] else "stop"})
+        measured += np.where(promote, s_seen[rows, s], 0.0)
+        effect = s_effect[rows, s]
+        mu = np.where(promote[:, None], mu + effect, mu)
+        if rule.protocol is None:
+            best_seen = np.where(promote, s_value[rows, s], best_seen)
+        elif promote.any():
+            if rule.lazy:
+                push_arms(base, gen_depth[rows, g], promote)
+            base_u = np.where(promote[:, None, None], draw_noise(rng, B, J, block, rho), base_u)
+            if rule.lazy:
+                first = max(rule.looks[0], 2)
+                runs_base += promote * first
+                gen_depth[rows[promote], gen[promote] + 1] = first
+            else:
+                runs_base += promote * rule.baseline_runs
+        gen = gen + promote
+        # the slot's next measurement: the re-based hypothesis again, or the campaign's next one
+        if stale.any():
+            rebased[rows[stale], h_idx[stale]] += 1
+            if overlap > 0:
+                shrink = stale & (coin.random(B) < overlap)
+                effect = np.where(shrink[:, None], OVERLAP_KEEP * effect, effect)
+        fresh = final & (next_h < H)
+        go = stale | fresh
+        s_end[rows[on & ~go], s[on & ~go]] = np.inf
+        s_hyp[rows[on & ~go], s[on & ~go]] = -1
+        idx = np.where(stale, h_idx, next_h)
+        start(go, s, idx, np.where(stale[:, None], effect, hyp_effect[np.minimum(next_h, H - 1), rows]), now)
+        next_h += fresh
+
+    ever = rebased > 0
+    extra = {"in_flight": S, "overlap": overlap, "rebases_per_hypothesis": float(rebased.sum() / (B * H)),
+             "rebased_share": float(ever.mean()),
+             "rebased_promoted": float(banked[ever].mean()) if ever.any() else None,  # of the re-based ones
+             "span_per_hypothesis": float(span.mean() / H)}
+    return summary(rule, rho, campaigns, hypotheses, seeds, unit, prior, counts, runs_by_class, sigma, mu,
+                   runs_chal, runs_base, measured, extra)
+
+
+def summary(rule: Rule, rho: float, campaigns: int, hypotheses: int, seeds: str, unit: float, prior: Prior,
+            counts: dict[str, list[int]], runs_by_class: dict[str, float], sigma: np.ndarray, mu: np.ndarray,
+            runs_chal: np.ndarray, runs_base: np.ndarray, measured: np.ndarray,
+            extra: dict[str, Any]) -> dict[str, Any]:
+    """A rule's row: shares promoted by class, runs, gain per run and drift (`extra` joins it)."""
+
     def rate(pred: Any) -> float | None:
         n = sum(v[0] for k, v in counts.items() if pred(k))
         p = sum(v[1] for k, v in counts.items() if pred(k))
@@ -290,7 +532,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
     hyp_by_class = {name: sum(v[0] for k, v in counts.items() if cls_of(k) == name) for name, _, _ in prior}
     true_gain = (mu / sigma).mean(axis=1)  # the final baseline's true improvement over the first, σ units
     total_runs = runs_chal + runs_base
-    out = {
+    out: dict[str, Any] = {
         "rule": rule.name,
         "protocol": rule.protocol or "keep/discard",
         "baseline_runs": rule.baseline_runs,
@@ -323,44 +565,97 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
             "gap": float((measured - true_gain).mean()),
             "true_sd": float(true_gain.std()),
         },
+        **extra,
     }
+    return out
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 19's targets for the default rule (`paired`), per (prior, ρ, in flight): each target's
+    value, bound and whether it is met. The gain is judged against keep/discard's at the same number
+    in flight (else at 1; not judged without a keep/discard row)."""
+    keep = {(r["prior"], r["rho"], r.get("in_flight", 1)): r["true_gain_per_1000_runs"]
+            for r in rows if r["rule"] == "keep-discard"}
+    out = []
+    for r in rows:
+        if r["rule"] != DEFAULT_RULE:
+            continue
+        k = r.get("in_flight", 1)
+        got: dict[str, Any] = {"prior": r["prior"], "rho": r["rho"], "in_flight": k}
+        got["null"] = {"value": r["promoted"]["null"] or 0, "max": TARGET_NULL}
+        got["harm"] = {"value": r["promoted"]["harm"] or 0, "max": TARGET_HARM}
+        got["runs_per_hypothesis"] = {"value": r["runs_per_hypothesis"], "max": TARGET_RUNS}
+        kd = keep.get((r["prior"], r["rho"], k), keep.get((r["prior"], r["rho"], 1)))
+        if kd is not None:
+            share = TARGET_GAIN_BUNDLED if r["prior"] == "bundled" else TARGET_GAIN_OTHER
+            got["gain_per_1000_runs"] = {"value": r["true_gain_per_1000_runs"], "min": share * kd,
+                                         "keep_discard": kd, "ratio": r["true_gain_per_1000_runs"] / kd if kd else None}
+        if r["prior"] == "bundled" and r["rho"] == 0.02:
+            got["horizontal@0.5"] = {"value": r["promoted"].get("horizontal@0.5"), "min": TARGET_H05}
+        for t in got.values():
+            if isinstance(t, dict):
+                t["met"] = t["value"] is not None and t["value"] <= t.get("max", math.inf) and t["value"] >= t.get(
+                    "min", -math.inf)
+        out.append(got)
     return out
 
 
 def check(rows: list[dict[str, Any]]) -> list[str]:
     """Issue 19's targets for the default rule (`paired`); a list of misses (empty: all met)."""
     misses = []
-    keep = {(r["prior"], r["rho"]): r["true_gain_per_1000_runs"] for r in rows if r["rule"] == "keep-discard"}
-    for r in rows:
-        if r["rule"] != DEFAULT_RULE:
-            continue
-        where = f"prior {r['prior']}, rho {r['rho']}"
-        if r["runs_per_hypothesis"] > TARGET_RUNS:
-            misses.append(f"{where}: {r['runs_per_hypothesis']:.2f} runs per hypothesis > {TARGET_RUNS}")
-        want = (TARGET_GAIN_BUNDLED if r["prior"] == "bundled" else TARGET_GAIN_OTHER) * keep[(r["prior"], r["rho"])]
-        if r["true_gain_per_1000_runs"] < want:
-            misses.append(f"{where}: gain/1k {r['true_gain_per_1000_runs']:.1f} < {want:.1f}")
-        if (r["promoted"]["null"] or 0) > TARGET_NULL:
-            misses.append(f"{where}: nulls promoted {r['promoted']['null']:.4f} > {TARGET_NULL}")
-        if (r["promoted"]["harm"] or 0) > TARGET_HARM:
-            misses.append(f"{where}: harms promoted {r['promoted']['harm']:.4f} > {TARGET_HARM}")
-        h05 = r["promoted"].get("horizontal@0.5")
-        if r["prior"] == "bundled" and r["rho"] == 0.02 and (h05 is None or h05 < TARGET_H05):
-            misses.append(f"{where}: horizontal@0.5 promoted {h05} < {TARGET_H05}")
+    for t in targets(rows):
+        where = f"prior {t['prior']}, rho {t['rho']}" + (f", {t['in_flight']} in flight" if t["in_flight"] != 1 else "")
+        if not t["runs_per_hypothesis"]["met"]:
+            misses.append(f"{where}: {t['runs_per_hypothesis']['value']:.2f} runs per hypothesis > {TARGET_RUNS}")
+        g = t.get("gain_per_1000_runs")
+        if g is not None and not g["met"]:
+            misses.append(f"{where}: gain/1k {g['value']:.1f} < {g['min']:.1f}")
+        if not t["null"]["met"]:
+            misses.append(f"{where}: nulls promoted {t['null']['value']:.4f} > {TARGET_NULL}")
+        if not t["harm"]["met"]:
+            misses.append(f"{where}: harms promoted {t['harm']['value']:.4f} > {TARGET_HARM}")
+        h05 = t.get("horizontal@0.5")
+        if h05 is not None and not h05["met"]:
+            misses.append(f"{where}: horizontal@0.5 promoted {h05['value']} < {TARGET_H05}")
     return misses
+
+
+def target_lines(rows: list[dict[str, Any]]) -> str:
+    """One line per default-rule row: each target, its value and whether it is met."""
+    lines = []
+    for t in targets(rows):
+        cells = [f"nulls {t['null']['value']:.4f} (≤ {TARGET_NULL}) {'met' if t['null']['met'] else 'MISSED'}",
+                 f"harms {t['harm']['value']:.4f} (≤ {TARGET_HARM}) {'met' if t['harm']['met'] else 'MISSED'}",
+                 f"runs/hyp {t['runs_per_hypothesis']['value']:.2f} (≤ {TARGET_RUNS}) "
+                 f"{'met' if t['runs_per_hypothesis']['met'] else 'MISSED'}"]
+        g = t.get("gain_per_1000_runs")
+        if g is not None:
+            cells.append(f"gain/1k {g['value']:.1f} = {g['ratio']:.2f} × keep/discard's {g['keep_discard']:.1f} "
+                         f"(≥ {g['min'] / g['keep_discard'] if g['keep_discard'] else 0:.1f} ×) "
+                         f"{'met' if g['met'] else 'MISSED'}")
+        h05 = t.get("horizontal@0.5")
+        if h05 is not None:
+            cells.append(f"h@0.5 {h05['value']:.3f} (≥ {TARGET_H05}) {'met' if h05['met'] else 'MISSED'}")
+        lines.append(f"  prior {t['prior']}, ρ {t['rho']}, {t['in_flight']:>2} in flight: " + "; ".join(cells))
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]], sigma_median: float | None) -> str:
     lines = []
+    many = any(r.get("in_flight", 1) != 1 for r in rows)  # concurrency: its columns, and k in the rule's name
+    width = 20 if many else 15
     for prior in dict.fromkeys(r["prior"] for r in rows):
         for rho in sorted({r["rho"] for r in rows if r["prior"] == prior}):
             group = [r for r in rows if r["prior"] == prior and r["rho"] == rho]
+            keep = {r.get("in_flight", 1): r["true_gain_per_1000_runs"] for r in group if r["rule"] == "keep-discard"}
             sizes = [k for k in group[0]["promoted"] if k.startswith("horizontal@")]
             cols = [k.replace("horizontal", "h") for k in sizes] + ["1task", "null", "harm", "runs/null", "chal/hyp",
                                                                       "base/hyp", "runs/hyp", "gain/1k", "true", "measured"]
+            if many:
+                cols += [" rebase/hyp", "rebased", "reb→prom", "span/hyp", "gain÷kd"]
             lines.append(f"\nprior {prior}, ρ = {rho}  (share promoted; runs per task; gain and drift in σ units, "
                          "mean over tasks)")
-            lines.append(f"{'rule':<15}" + "".join(f"{c:>10}" for c in cols))
+            lines.append(f"{'rule':<{width}}" + "".join(f"{c:>10}" for c in cols))
             for r in group:
                 p = r["promoted"]
                 vals = [p[k] for k in sizes] + [p["one_task"], p["null"], p["harm"]]
@@ -369,7 +664,21 @@ def table(rows: list[dict[str, Any]], sigma_median: float | None) -> str:
                           f"{r['baseline_runs_per_hypothesis']:>10.2f}", f"{r['runs_per_hypothesis']:>10.2f}",
                           f"{r['true_gain_per_1000_runs']:>10.1f}", f"{r['drift']['true']:>10.2f}",
                           f"{r['drift']['measured']:>10.2f}"]
-                lines.append(f"{r['rule']:<15}" + "".join(cells))
+                name = r["rule"]
+                if many:
+                    k = r.get("in_flight", 1)
+                    kd = keep.get(k)
+                    name = f"{name} k={k}"
+                    rp = r.get("rebased_promoted")
+                    cells += [f"{r.get('rebases_per_hypothesis', 0.0):>10.3f}", f"{r.get('rebased_share', 0.0):>10.3f}",
+                              f"{rp:>10.3f}" if rp is not None else f"{'—':>10}",
+                              f"{r['span_per_hypothesis']:>10.2f}",
+                              f"{r['true_gain_per_1000_runs'] / kd:>10.2f}" if kd else f"{'—':>10}"]
+                lines.append(f"{name:<{width}}" + "".join(cells))
+    if many:
+        lines.append("\nrebase/hyp: re-bases per hypothesis; rebased: share of hypotheses re-based at least once; "
+                     "reb→prom: share of those promoted in the end; span/hyp: the campaign's length in run times "
+                     "of one slot, per hypothesis; gain÷kd: gain/1k over keep/discard's at the same k")
     if sigma_median:
         lines.append(f"\nσ units → AUC: × the median per-task σ {sigma_median:.4f}")
     return "\n".join(lines)
@@ -401,9 +710,16 @@ def main(argv: list[str] | None = None) -> int:
                                                               f"{', '.join(r.name for r in RULES)})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fresh-seeds", action="store_true", help="challengers draw fresh seed shocks (no shared seeds)")
+    ap.add_argument("--in-flight", type=int, nargs="+", default=[1, 4, 16], metavar="K",
+                    help="hypotheses measured at once per campaign (1: one after another; more: re-bases)")
+    ap.add_argument("--overlap", type=float, default=0.0, metavar="F",
+                    help=f"share of re-bases whose effect against the new baseline is × {OVERLAP_KEEP} (default 0: "
+                         "effects add)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
+    if any(k < 1 for k in args.in_flight) or not 0 <= args.overlap <= 1:
+        raise SystemExit("--in-flight: expected 1 or more; --overlap: expected a share in [0, 1]")
     noise = read_noise(args.noise)
     sigma = np.array(noise["sigma"], dtype=float)
     if len(sigma) < TASKS or not np.all(sigma > 0):
@@ -416,12 +732,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for pname, prior in priors.items():
         for rho in args.rho:
-            for i, rule in enumerate(rules):
-                t = time.perf_counter()
-                row = campaign(rule, rho, args.campaigns, args.hypotheses, args.seed, sigma, RULES.index(rule),
-                               args.fresh_seeds, pair, prior)
-                rows.append({"prior": pname, **row})
-                print(f"  [{pname} {rule.name} ρ={rho}: {time.perf_counter() - t:.1f}s]", file=sys.stderr)
+            for rule in rules:
+                for k in args.in_flight:
+                    t = time.perf_counter()
+                    if k == 1:  # one after another: the sequential code path itself
+                        row = campaign(rule, rho, args.campaigns, args.hypotheses, args.seed, sigma, RULES.index(rule),
+                                       args.fresh_seeds, pair, prior)
+                    else:
+                        row = concurrent_campaign(rule, rho, args.campaigns, args.hypotheses, args.seed, sigma,
+                                                  RULES.index(rule), args.fresh_seeds, pair, prior, k, args.overlap)
+                    rows.append({"prior": pname, **row})
+                    print(f"  [{pname} {rule.name} ρ={rho} k={k}: {time.perf_counter() - t:.1f}s]", file=sys.stderr)
     misses = check(rows) if any(r.name == "keep-discard" for r in rules) else []
     doc = {
         "priors": {k: [{"class": c, "share": s, "sizes": list(z)} for c, s, z in v] for k, v in priors.items()},
@@ -431,6 +752,10 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {"rule": DEFAULT_RULE, "runs_per_hypothesis_max": TARGET_RUNS,
                     "gain_vs_keep_discard_bundled": TARGET_GAIN_BUNDLED, "gain_vs_keep_discard_other": TARGET_GAIN_OTHER,
                     "null_max": TARGET_NULL, "harm_max": TARGET_HARM, "horizontal@0.5_min_rho_0.02": TARGET_H05},
+        "in_flight": args.in_flight,
+        "overlap": args.overlap,
+        "overlap_keep": OVERLAP_KEEP,
+        "target_rows": targets(rows) if any(r.name == "keep-discard" for r in rules) else [],
         "misses": misses,
         "seconds": round(time.perf_counter() - t0, 1),
         "command": "benchmarks/loop_quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -448,7 +773,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{PRETRAIN_SHARE:.0%}: × {PRETRAIN_PAIR}); seeds "
               f"{'fresh for every rule' if args.fresh_seeds else 'per rule (block / separate / fresh)'}; "
               f"{args.campaigns} campaigns × {args.hypotheses} hypotheses per rule")
+        if args.in_flight != [1]:
+            print(f"in flight per campaign: {', '.join(map(str, args.in_flight))} (a re-based hypothesis is measured "
+                  "again from its first look against the current baseline; effects add" +
+                  (f"; {args.overlap:.0%} of re-bases keep × {OVERLAP_KEEP} of their effect)" if args.overlap else ")"))
         print(table(rows, sigma_median))
+        if args.in_flight != [1] and any(r.name == "keep-discard" for r in rules):
+            print(f"\ntargets of {DEFAULT_RULE}, per row:\n" + target_lines(rows))
         print(f"\ntargets ({DEFAULT_RULE}):", "all met" if not misses else "; ".join(misses))
     return 1 if misses else 0
 
