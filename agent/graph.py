@@ -633,9 +633,15 @@ def check_not_measured(svc: Services, h: Hypothesis, tree: str) -> None:
             raise EditRejected("duplicate", f"the same code as {tag}: measured already as a baseline")
 
 
+def queue_rank(h: Hypothesis) -> int:
+    """Where a hypothesis's runs go in the queue among looks equally deep (0-99, higher first): a
+    human seed before the policy's proposals, then by the seed's priority."""
+    return min(99, (50 if h.origin == "human" else 0) + min(max(h.priority, 0), 49))
+
+
 def queue_look(svc: Services, h: Hypothesis) -> list[int]:
     """Queue (idempotently) the runs of the hypothesis's current look: the baseline's and its own."""
-    return svc.experiment.queue_look(h.base_commit, h.commit, h.look or 0, label=h.branch)
+    return svc.experiment.queue_look(h.base_commit, h.commit, h.look or 0, label=h.branch, rank=queue_rank(h))
 
 
 # ----------------------------------------------------------------------------- graph

@@ -17,6 +17,7 @@ backs off (doubling, capped) while human seeds and runs in flight go on.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -37,7 +38,67 @@ MAX_GRAPH_FAILURES = 3  # unexpected errors in one hypothesis's graph before it 
 PROGRESS_EVERY_S = 30.0  # how often `run` reports the runs of the looks in flight
 _NOTHING = object()  # a thread with nothing to do now
 LEASE_HEARTBEAT_S = 5.0
+IN_FLIGHT_PER_FILL = 3  # the derived max_in_flight: at most this many times the hypotheses whose first looks fill the slots
+QUEUE_DEPTH = 2  # ... started while fewer runs than this many times the slots (plus a first look) are outstanding
+LOOK_POLL_S = 0.2  # how often the loop's thread looks for a look with all its runs in
+DRIVER_POLL_S = 0.2  # the driver's thread: the longest it waits for a stage result before it claims again
 LLM_BACKOFF_S = (5.0, 300.0)  # the first and the longest wait before asking an unreachable endpoint again
+
+
+class DriverThread:
+    """The execution layer works the queue in a thread of its own: stages are submitted, polled,
+    cached and scored while the loop's thread advances hypotheses (a gate, a summary and its
+    pictures, a smoke run, an LLM request), so no slot waits for the graph. Only this thread
+    touches the driver and its executor, and it closes the driver when halted; the loop meets it
+    through the store (it queues runs and reads their status). An error of the driver's is
+    re-raised in the loop's thread by `check`, as if the loop had driven the queue itself."""
+
+    def __init__(self, driver: Any, stop: threading.Event):
+        self.driver, self.stop = driver, stop
+        self._halt = threading.Event()
+        self.error: BaseException | None = None
+        self.cpu_s = 0.0
+        self._thread = threading.Thread(target=self._work, name="autoresearch-driver", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _work(self) -> None:
+        t0 = time.thread_time()
+        try:
+            self.driver.drive(until=self._halt.is_set, stop=self.stop, poll_s=DRIVER_POLL_S)
+        except BaseException as e:  # handed to the loop's thread
+            self.error = e
+        finally:
+            self.cpu_s = time.thread_time() - t0  # the driver's own CPU (benchmarks/scale.py reports it per run)
+            # closed by this thread, before it ends: a warm worker it started dies with it (PDEATHSIG
+            # follows the thread that forked, not the process), so no stage may still be in flight then
+            try:
+                self.driver.close()
+            except BaseException as e:
+                log.exception("closing the driver failed")
+                self.error = self.error or e
+
+    def check(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        if self.started and not self.alive and not (self._halt.is_set() or self.stop.is_set()):
+            raise RuntimeError("the driver thread ended unexpectedly")
+
+    def halt(self) -> None:
+        """Stop the thread after its current step and wait until it has closed the driver."""
+        self._halt.set()
+        while self.started and self.alive:
+            self._thread.join(0.5)
 
 
 @dataclass
@@ -57,6 +118,26 @@ class LoopOptions:
     notify: tuple[str, ...] = ()  # `--notify URL`s, beside research.toml's [notify] targets (agent.notify)
     db: str | None = None
     idle_poll_s: float = 10.0
+
+
+def in_flight_room(slots: int, first_look_runs: int, in_flight: int, outstanding: int) -> bool:
+    """The derived `max_in_flight`: whether another hypothesis should start.
+
+    Where one first look (tasks × its runs) already has as many runs as there are slots, one
+    hypothesis at a time: the slots are full but for the tail of each look, and no decision waits
+    on a re-base. Beyond that (a cluster), hypotheses start while the runs outstanding (queued,
+    claimed, and a first look for each one not queued yet) are fewer than QUEUE_DEPTH × the slots
+    plus one first look: the queue stays a round of stages deeper than the slots, so a slot freed
+    at a look's tail finds a run while the loop's thread is busy deciding; at most
+    IN_FLIGHT_PER_FILL × slots / first look of them (each re-base a promotion causes costs a
+    hypothesis in flight its looks so far: more in flight buys utilisation with re-measurements)."""
+    if in_flight == 0:
+        return True
+    if slots <= first_look_runs:
+        return False
+    if in_flight >= IN_FLIGHT_PER_FILL * math.ceil(slots / first_look_runs):
+        return False
+    return outstanding < QUEUE_DEPTH * slots + first_look_runs
 
 
 def reverification_message(r: dict[str, Any], metric: str, higher_is_better: bool) -> str:
@@ -525,6 +606,20 @@ class Loop:
 
     # -------------------------------------------------------------- main loop
 
+    def room_for_another(self, in_flight: list[Hypothesis], slots: int) -> bool:
+        """Whether one more hypothesis may start now. `[agent] max_in_flight`, if set, is the limit;
+        unset, it is derived from the slots (`in_flight_room`), with the runs outstanding now."""
+        limit = self.lab.config.agent.max_in_flight
+        if limit is not None:
+            return len(in_flight) < limit
+        first = len(self.lab.tasks()) * self.lab.config.gate.looks[0]
+        if not in_flight or slots <= first:
+            return not in_flight
+        counts = self.store.queue_counts()
+        coming = sum(1 for h in in_flight if h.status != "measuring")  # not queued yet: a first look each
+        return in_flight_room(slots, first, len(in_flight), counts["queued"] + counts["running"] + coming * first)
+
+
     def pending_runs(self, h: Hypothesis) -> list[int]:
         """The runs the hypothesis's thread waits for (none unless it waits for a look)."""
         from agent.graph import LOOK
@@ -539,8 +634,10 @@ class Loop:
         self.say(f"loop started: policy {self.policy.name}, executor {self.opts.executor} "
                  f"({executor.slots} slots), lab {self.lab.root}")
         clock = self._start_clock()
+        worker = self.driver_thread = DriverThread(driver, self.stop)
         try:
-            driver.start()
+            driver.start()  # here: a sandbox that cannot start is one line before any thread runs
+            worker.start()
             resumed = self.records.all(ACTIVE)
             for h in resumed:
                 self.say(f"#{h.id} {h.title!r}: resuming ({h.status})")
@@ -552,7 +649,7 @@ class Loop:
                 if self.plateau() and self.stop.is_set():
                     break
                 in_flight = self.records.all(ACTIVE)
-                while len(in_flight) < self.lab.config.agent.max_in_flight and self.may_start():
+                while self.room_for_another(in_flight, executor.slots) and self.may_start():
                     h = self.next_hypothesis()
                     if h is None:
                         break
@@ -603,14 +700,26 @@ class Loop:
                             f"{sum(r.status == 'running' for r in rs)} running" for h, rs in runs.items()))
                     return any(all(r.status in ("done", "failed") for r in rs) for rs in runs.values())
 
-                driver.drive(until=one_look_complete, stop=self.stop)
+                while not self.stop.is_set() and not one_look_complete():
+                    worker.check()  # the driver's own error (a trusted prepare failing): raised here
+                    self.stop.wait(LOOK_POLL_S)
+                worker.check()
                 if self.on_looks is not None:
                     self.on_looks({})
         finally:
             if clock is not None:
                 clock.cancel()
-            driver.close()
-            self.say("loop stopped" + (f" ({self.stop_reason})" if self.stop_reason else ""))
+            try:
+                worker.halt()  # the driver's thread closes the driver: stages cancelled, claimed runs re-queued
+            finally:
+                if not worker.started:  # the driver's start failed: closed here
+                    driver.close()
+                elif worker.alive:  # a second signal while it finished a step (a long prepare): not closed under it
+                    log.warning("the driver thread did not stop; its claimed runs are re-queued at the next start")
+                from agent.summary import redraw_stale_progress
+
+                redraw_stale_progress(self.svc)
+                self.say("loop stopped" + (f" ({self.stop_reason})" if self.stop_reason else ""))
         hyps = {h.id: h for h in self.records.all()}  # a withdrawn proposal is not among them
         return {"started": self.started, "hypotheses": list(hyps), "stopped": self.stop_reason or None,
                 "this_run": [self._row(hyps[hid]) for hid in self.touched if hid in hyps]}

@@ -81,13 +81,14 @@ def _decision(h: Any) -> str:
 
 def progress_points(store: Any, records: Any) -> list[Point]:
     """Every proposed hypothesis, in order, with its levels from its latest gate record."""
-    from agent.verdicts import latest_verdict
+    from agent.verdicts import latest_verdicts
 
     points = []
+    latest = latest_verdicts(store)
     for h in records.all():
         if not h.title:  # not proposed yet
             continue
-        r = latest_verdict(store, h.id)
+        r = latest.get(h.id)
         base = level = hd = None
         ci: tuple[float | None, float | None] = (None, None)
         if r is not None:
@@ -214,21 +215,31 @@ def draw_progress(points: list[Point], path: Path, lab_name: str, metric: str, h
         ax.step([xs[0] - 0.6, *xs, xs[-1] + 0.6], [base[0], *base, base[-1]], where="mid", color="#444444", lw=1.5,
                 label="baseline", zorder=1)
     seen: set[str] = set()
+    groups: dict[tuple[str, str], tuple[list[float], list[float]]] = {}  # one scatter per (decision, marker)
     for p in points:
-        color = DECISION_COLORS[p.decision]
-        label = p.decision if p.decision not in seen else None
         seen.add(p.decision)
         if p.level is None:
             y = next((b for x, b in zip(reversed(xs), reversed(base)) if x <= p.id), None)
             if y is None:
                 y = measured[0].base if measured else 0.0
-            ax.scatter([p.id], [y], marker="x", color=color, s=60, linewidths=2.5, label=label, zorder=3)
-            continue
-        marker = "*" if p.decision == "promote" else "o"
-        ax.scatter([p.id], [p.level], marker=marker, color=color, s=110 if marker == "*" else 40,
-                   edgecolors="black" if marker == "*" else "none", linewidths=0.5, label=label, zorder=3)
-        if p.tag:
-            ax.annotate(p.tag, xy=(p.id, p.level), xytext=(4, 6), textcoords="offset points", fontsize=8)
+            marker, level = "x", y
+        else:
+            marker, level = ("*" if p.decision == "promote" else "o"), p.level
+            if p.tag:
+                ax.annotate(p.tag, xy=(p.id, p.level), xytext=(4, 6), textcoords="offset points", fontsize=8)
+        gx, gy = groups.setdefault((p.decision, marker), ([], []))
+        gx.append(p.id)
+        gy.append(level)
+    labelled: set[str] = set()
+    for (decision, marker), (gx, gy) in groups.items():
+        color = DECISION_COLORS[decision]
+        label = decision if decision not in labelled else None
+        labelled.add(decision)
+        if marker == "x":
+            ax.scatter(gx, gy, marker="x", color=color, s=60, linewidths=2.5, label=label, zorder=3)
+        else:
+            ax.scatter(gx, gy, marker=marker, color=color, s=110 if marker == "*" else 40,
+                       edgecolors="black" if marker == "*" else "none", linewidths=0.5, label=label, zorder=3)
     promoted = sum(p.decision == "promote" for p in points)
     ax.set_title(f"{lab_name}: {len(points)} hypotheses, {promoted} promoted", fontsize=10, loc="left")
     ax.set_xlabel("hypothesis (in the order proposed)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -353,6 +354,41 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
     return TEMPLATE.read_text().format_map(values), prose
 
 
+PROGRESS_EVERY_S = 30.0  # the lab's progress chart, redrawn at a decision at most this often (and at each promotion)
+_progress_drawn: dict[str, float] = {}  # progress chart path → when this process last drew it
+_progress_stale: set[str] = set()  # progress charts a decision was left out of
+
+
+def progress_due(lab: Any, promoted: bool = False) -> bool:
+    """Whether the progress chart is to be redrawn now: it plots every hypothesis, so drawing it at
+    each of thousands of decisions an hour would cost the loop more than all their gates; it is
+    drawn at a promotion, when missing, or PROGRESS_EVERY_S after its last drawing (and when a
+    loop stops: `agent.loop.Loop.close`)."""
+    from agent import pictures
+
+    path = pictures.progress_path(lab)
+    last = _progress_drawn.get(str(path))
+    if promoted or last is None or not path.exists() or time.monotonic() - last >= PROGRESS_EVERY_S:
+        _progress_drawn[str(path)] = time.monotonic()
+        _progress_stale.discard(str(path))
+        return True
+    _progress_stale.add(str(path))
+    return False
+
+
+def redraw_stale_progress(svc: Any) -> None:
+    """The progress chart as of now, if a decision since its last drawing was left out of it."""
+    from agent import pictures
+
+    if str(pictures.progress_path(svc.lab)) not in _progress_stale:
+        return
+    try:
+        pictures.write_progress(svc.lab, svc.store, svc.records)
+        _progress_stale.discard(str(pictures.progress_path(svc.lab)))
+    except Exception as e:  # a picture must never stop the loop
+        log.warning("progress chart not drawn: %s: %s", type(e).__name__, e)
+
+
 def draw_pictures(svc: Any, h: Hypothesis, result: Any) -> None:
     """The forest plot of this hypothesis and the lab's progress chart; a failure only logs."""
     from agent import pictures
@@ -360,7 +396,8 @@ def draw_pictures(svc: Any, h: Hypothesis, result: Any) -> None:
     try:
         if result is not None:
             pictures.write_forest(svc.lab, h.id, h.title, result)
-        pictures.write_progress(svc.lab, svc.store, svc.records)
+        if progress_due(svc.lab, promoted=h.promoted_tag is not None):
+            pictures.write_progress(svc.lab, svc.store, svc.records)
     except Exception as e:  # a picture must never stop the loop
         log.warning("hypothesis %s: pictures not drawn: %s: %s", h.id, type(e).__name__, e)
 

@@ -33,6 +33,7 @@ MB = 1 << 20
 # (pipeline.smoke.SMOKE_TIMEOUT_S, 300 s), so a silent stage's log, opened at its start, stays
 SMOKE_FRESH_S = 600.0
 LOW_WATER = 0.9  # evict down to this fraction of the cap, so that not every publication evicts
+REREAD_EVERY = 50  # bounds between two reads of the cache's size from the store (other drivers publish too)
 
 
 def tree_bytes(path: Path) -> int:
@@ -56,6 +57,8 @@ class DiskKeeper:
         self.cache_max = int(run.cache_max_gb * GB) if run.cache_max_gb is not None else None
         self.logs_max = run.logs_max_mb * MB
         self.evicted = 0
+        self._known: int | None = None  # the cache's bytes at the last read, plus what this driver published since
+        self._unread = 0  # bounds since that read (other drivers publish too: read again every REREAD_EVERY)
 
     # --- the cache ------------------------------------------------------------------------------
 
@@ -71,7 +74,10 @@ class DiskKeeper:
         return n
 
     def published(self, key: str) -> None:
-        self.store.cache_touch(key, tree_bytes(self.cache.path(key)))
+        size = tree_bytes(self.cache.path(key))
+        self.store.cache_touch(key, size)
+        if self._known is not None:
+            self._known += size
 
     def used(self, key: str) -> None:
         self.store.cache_touch(key)
@@ -91,7 +97,13 @@ class DiskKeeper:
     def bound(self, held: Iterable[str]) -> int:
         """Evict least recently used entries until the cache is under its low-water mark; returns
         how many. `held`: keys this driver is using right now (inputs of active runs, flights)."""
-        if self.cache_max is None or self.store.cache_bytes() <= self.cache_max:
+        if self.cache_max is None:
+            return 0
+        if self._known is not None and self._known <= self.cache_max * LOW_WATER and self._unread < REREAD_EVERY:
+            self._unread += 1  # under the cap by what this driver published since the last read: no query
+            return 0
+        self._known, self._unread = self.store.cache_bytes(), 0
+        if self._known <= self.cache_max:
             return 0
         uses = self.store.cache_uses()
         total = sum(u.size_bytes for u in uses)
@@ -106,6 +118,7 @@ class DiskKeeper:
             self._evict(u.key)
             total -= u.size_bytes
             n += 1
+        self._known = total
         if n:
             self.evicted += n
             state = "" if total <= self.cache_max else (

@@ -4,7 +4,7 @@ The agent hands in commits and gets back run ids, gate results and re-verificati
 picks a seed, builds a gate input or touches an executor. One object per lab and store:
 
     exp = Experiment(lab, store)
-    ids = exp.queue_look(base, commit, look)          # the runs a look needs of both arms, idempotent
+    ids = exp.queue_look(base, commit, look, rank=r)  # the runs a look needs of both arms, idempotent
     if exp.finished(ids):
         result = exp.judge_look(base, commit, look)   # pipeline.gate.GateResult
     exp.queue_champion(commit, tag)                   # a promoted champion's fresh baseline runs
@@ -38,6 +38,7 @@ from pipeline import runner
 from pipeline.lab import SEED_BLOCK, SEED_BLOCKS, Lab
 
 BASELINE_TAGS = "baseline/v*"  # one tag per promotion: the generation of a baseline is how many it holds
+LOOK_RANK = 100  # queue priority: a look's place in the schedule outranks the caller's rank (0-99)
 MIN_BASELINE_RUNS = 2  # a lazy baseline still runs 2 seeds at the first look: a task's σ needs a variance
 
 
@@ -118,16 +119,29 @@ class Experiment:
         return self.baseline_seeds(base_commit, min(max(look, MIN_BASELINE_RUNS), self.lab.config.gate.baseline_runs),
                                    gen=gen)
 
-    def queue_look(self, base_commit: str, commit: str, look: int, label: str | None = None) -> list[int]:
-        """Queue (idempotently) the baseline's runs and the challenger's runs for a look."""
+    def run_priority(self, look: int, rank: int = 0) -> int:
+        """The queue priority of a look's runs (both arms): the look's place in `[gate] looks` first
+        (a deeper look is nearer a decision, and a decision frees its slots for a new hypothesis),
+        then the caller's `rank` (0-99: the agent ranks human seeds first). Always above 0, the
+        priority of runs nothing waits for (variance studies, a champion's runs until a look asks)."""
+        looks = self.lab.config.gate.looks
+        place = sum(1 for n in looks if n <= look)
+        return 1 + place * LOOK_RANK + min(max(int(rank), 0), LOOK_RANK - 1)
+
+    def queue_look(self, base_commit: str, commit: str, look: int, label: str | None = None, *,
+                   rank: int = 0) -> list[int]:
+        """Queue (idempotently) the baseline's runs and the challenger's runs for a look, at the
+        look's priority (`run_priority`): a baseline run already queued for a shallower look is
+        raised to it, so a look never waits behind the runs of looks further from a decision."""
         tasks = self.lab.tasks()
         g = self.generation(base_commit)
         base_sha, sha = runner.resolve_commit(self.lab, base_commit), runner.resolve_commit(self.lab, commit)
         self.store.mark_baseline(base_sha)
+        priority = self.run_priority(look, rank)
         ids = runner.ensure_runs(self.store, self.lab, base_commit, tasks, self.look_baseline_seeds(base_commit, look, gen=g),
-                                 label="baseline")
+                                 label="baseline", priority=priority)
         ids += runner.ensure_runs(self.store, self.lab, commit, tasks, challenger_seeds(look, g), label=label,
-                                  priority=1)
+                                  priority=priority)
         if sha != base_sha:
             self.store.mark_comparison(sha, base_sha)
         return ids

@@ -80,6 +80,9 @@ NETWORK_WARNING = ("[run] network = true: stages share the host's network and ca
                    "(autoresearch serve) and a PostgreSQL store on this machine; prefer network = false")
 
 
+MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
 class RunSection(_Strict):
     timeout_s: float = Field(default=900, gt=0)
     cpus: int = Field(default=1, ge=1)
@@ -95,6 +98,16 @@ class RunSection(_Strict):
     logs_max_mb: int = Field(default=2048, gt=0)  # stage logs, oldest removed past it
     # the driver's variables a stage may see beyond the allow-list (PATH, locale, threads: executors.base)
     env: tuple[str, ...] = ()
+    # the modules a warm worker imports once, before it forks stages (None: numpy, torch and peft)
+    preload: list[str] | None = None
+
+    @field_validator("preload")
+    @classmethod
+    def _module_names(cls, names: list[str] | None) -> list[str] | None:
+        for name in names or []:
+            if not MODULE_NAME.match(name):
+                raise ValueError(f"a module name such as \"torch\" or \"my_pkg.models\", not {name!r}")
+        return names
 
     @field_validator("env", mode="before")
     @classmethod
@@ -204,7 +217,8 @@ GateSection = GateConfig
 
 class AgentSection(_Strict):
     model: str = "gpt-4.1-mini"
-    max_in_flight: int = Field(default=1, ge=1)
+    # hypotheses measured at once; None: derived from the executor's slots (agent.loop.in_flight_room)
+    max_in_flight: int | None = Field(default=None, ge=1)
     max_usd_per_day: float = Field(default=20.0, ge=0)
     repair_rounds: int = Field(default=2, ge=0)
     plateau_after: int = Field(default=20, ge=1)  # measured hypotheses in a row without a promotion

@@ -362,29 +362,40 @@ class Store:
     def enqueue(self, commit: str, pairs: Iterable[tuple[str, int]], priority: int = 0) -> list[int]:
         """Queue (task, seed) runs of `commit` unless they exist; return every run id, in order.
 
-        Idempotent: the agent may call it again after a crash without creating duplicates.
+        Idempotent: the agent may call it again after a crash without creating duplicates. A run
+        that exists and is still queued has its priority raised to `priority` if that is higher
+        (a baseline run a deeper look now waits for goes ahead with that look's runs); never lowered.
+        One read of the commit's runs and one transaction for the new ones, whatever the count.
         """
-        pairs = list(pairs)
-        ids: list[int] = []
+        pairs = [(t, int(seed)) for t, seed in pairs]
         with self.session() as s:
-            for task, seed in pairs:
-                existing = s.exec(
-                    select(Run.id).where(Run.commit == commit, Run.task == task, Run.seed == seed)
-                ).first()
-                if existing is None:
-                    run = Run(commit=commit, task=task, seed=seed, priority=priority)
-                    s.add(run)
-                    try:
-                        s.commit()
-                    except IntegrityError:
-                        s.rollback()
-                        existing = s.exec(
-                            select(Run.id).where(Run.commit == commit, Run.task == task, Run.seed == seed)
-                        ).one()
-                    else:
-                        existing = run.id
-                ids.append(int(existing))  # type: ignore[arg-type]
+            known = self._run_ids(s, commit)
+            missing = [p for p in dict.fromkeys(pairs) if p not in known]
+            if missing:
+                s.add_all([Run(commit=commit, task=t, seed=seed, priority=priority) for t, seed in missing])
+                try:
+                    s.commit()
+                except IntegrityError:  # another driver queued some of them meanwhile: theirs stand
+                    s.rollback()
+                    for t, seed in missing:
+                        s.add(Run(commit=commit, task=t, seed=seed, priority=priority))
+                        try:
+                            s.commit()
+                        except IntegrityError:
+                            s.rollback()
+                known = self._run_ids(s, commit)
+            ids = [known[p] for p in pairs]
+            raise_ids = [i for p, i in zip(pairs, ids) if p not in missing]
+            if raise_ids and priority:
+                s.exec(update(Run).where(Run.id.in_(raise_ids), Run.status == "queued",  # type: ignore[call-overload,union-attr]
+                                         Run.priority < priority).values(priority=priority))  # type: ignore[operator]
+                s.commit()
         return ids
+
+    @staticmethod
+    def _run_ids(s: Session, commit: str) -> dict[tuple[str, int], int]:
+        rows = s.exec(select(Run.task, Run.seed, Run.id).where(Run.commit == commit)).all()  # type: ignore[call-overload]
+        return {(t, int(seed)): int(i) for t, seed, i in rows}
 
     def claim(self, owner: Owner, limit: int = 1, commits: Iterable[str] | None = None) -> list[Claim]:
         """Atomically take up to `limit` queued runs (highest priority, then oldest).
@@ -839,6 +850,12 @@ class Store:
                 s.add(rec)
             s.commit()
             return len(rows)
+
+    def latest_gate_records(self, kind: str) -> dict[str, GateRecord]:
+        """Every hypothesis's record of `kind` at its deepest look, in one read: {hypothesis: record}."""
+        with self.session() as s:
+            rows = s.exec(select(GateRecord).where(GateRecord.kind == kind).order_by(GateRecord.look))
+            return {r.hypothesis: r for r in rows}
 
     def gate_records(self, hypothesis: str, kind: str | None = None) -> list[GateRecord]:
         with self.session() as s:

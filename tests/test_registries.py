@@ -206,7 +206,7 @@ def test_every_registry_names_its_choices_in_one_line() -> None:
     from pipeline.errors import UserError
     from pipeline.gate.protocol import PROTOCOLS
 
-    for registry, kind, names in [(HARNESSES, "harness", ["command", "transactions"]),
+    for registry, kind, names in [(HARNESSES, "harness", ["command", "sim", "transactions"]),
                                   (EXECUTORS, "executor", ["local", "ray"]),
                                   (PROTOCOLS, "protocol", ["fixed", "paired", "sequential"]),
                                   (POLICIES, "policy", ["llm", "offline"])]:

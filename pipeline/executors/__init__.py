@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.executors.base import (
     ExecutorError,
@@ -29,6 +29,13 @@ ExecutorFactory = Callable[..., Executor]
 """(lab, *, workers, ray_address, preload) → an executor sized from the lab's `[run]`."""
 
 
+def _preload(run: Any, asked: tuple[str, ...] | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """What the warm worker imports once: the caller's list, else `[run] preload`, else torch and peft."""
+    if asked is not None:
+        return asked
+    return default if run.preload is None else tuple(run.preload)
+
+
 def _local(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: tuple[str, ...] | None) -> Executor:
     from pipeline.executors.local import DEFAULT_PRELOAD, LocalExecutor
 
@@ -40,7 +47,7 @@ def _local(lab: "Lab", *, workers: int | None, ray_address: str | None, preload:
     # with [run] memory_mb unset: the machine's share per slot, less the slot's tmpfs (lab.MemoryPlan)
     plan = memory_plan(run, workers if workers is not None else local_slots(run))
     return LocalExecutor(cpus=run.cpus, gpus=run.gpus, slots=workers,
-                         preload=DEFAULT_PRELOAD if preload is None else preload, worker_log=Path(logs) / "worker.log",
+                         preload=_preload(run, preload, DEFAULT_PRELOAD), worker_log=Path(logs) / "worker.log",
                          default_memory_mb=plan.memory_mb)
 
 
@@ -52,7 +59,7 @@ def _ray(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: t
     from pipeline.executors.local import DEFAULT_PRELOAD
 
     return RayExecutor(Worktrees(lab.root, lab.state), address=ray_address, cpus=run.cpus, gpus=run.gpus,
-                       slots=workers, preload=DEFAULT_PRELOAD if preload is None else preload,
+                       slots=workers, preload=_preload(run, preload, DEFAULT_PRELOAD),
                        memory_mb=run.memory_mb)
 
 

@@ -292,6 +292,21 @@ def null_paired_paths(looks: tuple[int, ...], prior_df: int, sims: int, seed: in
     return out
 
 
+EXACT_PRIOR_DF = 128  # prior df up to this are calibrated as they are; above, on a grid (calibration_df)
+
+
+def calibration_df(prior_df: int) -> int:
+    """The prior df a paired boundary is calibrated at: `prior_df` itself up to EXACT_PRIOR_DF, above
+    it the largest point of the grid 128 · 2^(k/4) not above it (steps of 19 %). The lab's history
+    grows by every comparison, so without a grid nearly every look would miss the cache and pay a
+    calibration of CALIBRATION_SIMS paths; rounding down is conservative (fewer df: heavier tails,
+    a higher boundary), and at 128 df and more the boundary moves by less than 0.01 on the t scale."""
+    if prior_df <= EXACT_PRIOR_DF:
+        return int(prior_df)
+    k = math.floor(4 * math.log2(prior_df / EXACT_PRIOR_DF) + 1e-9)
+    return int(math.floor(EXACT_PRIOR_DF * 2 ** (k / 4)))
+
+
 @lru_cache(maxsize=512)
 def paired_boundaries(
     looks: tuple[int, ...],

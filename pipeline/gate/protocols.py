@@ -606,6 +606,10 @@ def _welch_record(w: TwoSample, j: int, sign: float, alpha: float) -> WelchResul
 
 
 def _next_crit(cfg: GateConfig, n: int, counts: tuple[int, ...], planned_max: int, prior_df: int, weight: float) -> float | None:
+    """The next look's boundary, for the minimum detectable effect (a report: nothing decides on it).
+    Its prior df is rounded down to a power of two, so the hypothetical schedule's calibration is
+    shared by every look of a lab whose history grows (a slightly larger, conservative MDE)."""
+    prior_df = 1 << (int(prior_df).bit_length() - 1) if prior_df > 0 else 0
     b = _boundaries(cfg, n, counts, planned_max, prior_df, weight)
     return b.upper[-1] if b else None
 

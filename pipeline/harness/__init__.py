@@ -14,6 +14,7 @@ from pipeline.registry import Registry
 HARNESSES: Registry[type[Harness]] = Registry("harness", {
     "transactions": "pipeline.harness.transactions:TransactionsHarness",
     "command": "pipeline.harness.command:CommandHarness",
+    "sim": "pipeline.harness.sim:SimHarness",  # a simulated lab for trying the loop at scale (benchmarks/scale.py)
 })
 
 

@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from pipeline.gate.boundaries import Boundaries, paired_boundaries, paired_df
+from pipeline.gate.boundaries import Boundaries, calibration_df, paired_boundaries, paired_df
 from pipeline.gate.protocol.base import GateProtocol
 
 
@@ -39,7 +39,8 @@ class Paired(GateProtocol):
                    prior_df: int = 0, prior_weight: float = 0.0) -> Boundaries:
         # the bound's weight at each look follows from its df (`stats.bound_weight`): `prior_weight` is
         # not a parameter of the calibration, and leaving it out of the cache key keeps one per schedule
-        return paired_boundaries(looks, max(planned_max, looks[-1]), alpha, int(prior_df))
+        # a history past EXACT_PRIOR_DF is calibrated on a grid, rounded down (`calibration_df`)
+        return paired_boundaries(looks, max(planned_max, looks[-1]), alpha, calibration_df(int(prior_df)))
 
     def flags(self, p_up: np.ndarray, p_down: np.ndarray, q: np.ndarray, t: np.ndarray, alpha: float,
               harm_q: float) -> tuple[np.ndarray, np.ndarray]:
