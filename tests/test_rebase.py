@@ -203,3 +203,38 @@ def test_merge_onto_is_deterministic_and_a_conflict_writes_no_ref(tmp_path: Path
         ws.merge_onto(a, c, "hyp 3 re-based")
     assert "in config.toml" in str(info.value) and "\n" not in str(info.value)
     assert refs(root) == before  # objects only: no branch or tag moved or made
+
+
+def test_an_approved_hold_whose_base_moved_is_rebased_and_measured_against_the_new_baseline(tmp_path: Path):
+    """`--supervised`: both hypotheses are gains against A0 and wait for a human; both are approved.
+    The first approval promotes (A1); the second's base has moved, so its approval is no promotion of
+    an unmeasured merge: it is re-based onto A1, measured again, and abandoned there (a harm together)."""
+    root = planted_lab(tmp_path / "lab")
+    a0 = git(root, "rev-parse", BASELINE)
+    make_branch(root, "sharpen", [("config.toml", "sharpen = false", "sharpen = true")])
+    make_branch(root, "stretch", [("config.toml", "stretch = false", "stretch = true")])
+    ids = [seed_branch(root, "sharpen"), seed_branch(root, "stretch")]
+    out = cli(root, "run", "--offline", "--supervised", "--max-hypotheses", "2", "--workers", "2", "--json",
+              timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    held = hypotheses(root)
+    assert [(held[i]["status"], held[i]["verdict"]) for i in ids] == [("held", "improvement")] * 2, held
+    assert git(root, "rev-parse", BASELINE) == a0  # nothing promoted without a human
+    for i in ids:
+        r = cli(root, "review", str(i), "--approve")
+        assert r.returncode == 0, r.stderr
+    out = cli(root, "run", "--offline", "--supervised", "--max-hypotheses", "2", "--workers", "2", "--json",
+              timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    rec = store_records(root)
+    first, second = rec.get(ids[0]), rec.get(ids[1])
+    a1 = git(root, "rev-parse", BASELINE)
+    assert (first.decision, first.promoted_tag, first.base_commit, first.commit) == ("promote", "baseline/v1", a0, a1)
+    (moved,) = gate_records(root, str(second.id), "rebase")
+    assert (moved["from_base"], moved["to_base"], moved["to_tag"]) == (a0, a1, "baseline/v1")
+    assert second.base_commit == a1 and second.decision == "abandon" and not second.promoted_tag
+    assert second.verdict in ("futile", "harm"), second.verdict
+    why = second.rationale_decision or ""
+    assert why.startswith(f"Re-based from {BASELINE}@{a0[:10]} onto baseline/v1 before its promotion"), why
+    assert git(root, "tag", "--list", "baseline/*").split() == ["baseline/v1"]
