@@ -1,6 +1,6 @@
 """A planted-truth campaign on the real pipeline (issue 12): known gains, no-ops and harms, scored.
 
-    .venv/bin/python benchmarks/planted.py [--lab runs/planted-lab] [--workers 2] [--json OUT]
+    .venv/bin/python benchmarks/planted.py [--lab runs/planted-lab] [--workers 2] [--in-flight K] [--json OUT]
 
 Builds a demo lab (`autoresearch init`, the small suite's 8 tasks, on which `benchmarks/headroom.py`
 measured the planted gains; `--tasks` cuts it down), then plays a researcher: for each hypothesis of
@@ -10,6 +10,14 @@ measured the planted gains; `--tasks` cuts it down), then plays a researcher: fo
 --max-hypotheses 1`): the real CLI, git, store, warm workers, sandbox, sealed scorer and gate. At
 the end `autoresearch variance --runs N` finishes the last champion's own runs, so its holdout
 score is in.
+
+With `--in-flight K` (issue 22) the researcher does not wait: the lab's `[agent] max_in_flight = K`
+is committed into the first baseline A0, all of `CAMPAIGN`'s branches are made off A0 up front
+(the same edits), seeded in `CAMPAIGN` order, and the loop runs once (`autoresearch run --offline
+--max-hypotheses len(CAMPAIGN)`), up to K hypotheses measured at once. One whose base moved
+before its promotion is re-based onto the current baseline and measured again from its first
+look (`agent.graph.rebase`); a merge conflict is an abandon with the reason. Each line then says
+which were re-based or conflicted, and the seconds are from the loop's start to its finish.
 
 Prints the truth × decision table, each hypothesis's verdict, look and horizontal Δ, the wall time,
 and from `status --json` the final champion's gain on the gate split beside its gain on the sealed
@@ -63,7 +71,7 @@ def cli(lab: Path, *args: str, timeout: float | None = None) -> subprocess.Compl
     return sh(str(ROOT / ".venv" / "bin" / "autoresearch"), "--repo", str(lab), *args, cwd=lab, timeout=timeout)
 
 
-def make_lab(lab: Path, tasks: list[str] | None) -> None:
+def make_lab(lab: Path, tasks: list[str] | None, in_flight: int | None = None) -> None:
     if lab.exists():
         shutil.rmtree(lab)
     sh(str(ROOT / ".venv" / "bin" / "autoresearch"), "init", str(lab), "--suite", "small", cwd=ROOT)
@@ -73,6 +81,13 @@ def make_lab(lab: Path, tasks: list[str] | None) -> None:
         assert "data_seed = 0\n" in text
         research.write_text(text.replace("data_seed = 0\n", f"data_seed = 0\ntasks = {json.dumps(tasks)}\n", 1))
         sh("git", "commit", "-qam", f"planted campaign: {len(tasks)} tasks", cwd=lab)
+    if in_flight is not None:  # in the first baseline A0, so every branch made off it has it too
+        research = lab / "research.toml"
+        lines = research.read_text().splitlines(keepends=True)
+        (i,) = [n for n, line in enumerate(lines) if line.startswith("max_in_flight = ")]
+        lines[i] = f"max_in_flight = {in_flight}   # planted campaign: --in-flight {in_flight}\n"
+        research.write_text("".join(lines))
+        sh("git", "commit", "-qam", f"planted campaign: max_in_flight = {in_flight}", cwd=lab)
     sh("git", "branch", "-f", BASELINE, "HEAD", cwd=lab)
 
 
@@ -88,20 +103,86 @@ def branch(lab: Path, name: str, kind: str, variant: str) -> None:
         sh("git", "worktree", "remove", "--force", str(wt), cwd=lab)
 
 
+def gate_row(lab: Path, hid: int, kind: str, variant: str) -> dict[str, Any]:
+    rep = json.loads(cli(lab, "report", str(hid), "--json").stdout)
+    h, gate = rep["hypothesis"], rep.get("gate") or {}
+    hz = gate.get("horizontal") or {}
+    return {"id": hid, "truth": kind, "variant": variant, "verdict": h.get("verdict"),
+            "decision": h.get("decision"), "look": gate.get("look"), "tag": h.get("promoted_tag"),
+            "horizontal_delta": hz.get("delta"), "horizontal_t": hz.get("t")}
+
+
+def row_line(r: dict[str, Any], when: str) -> str:
+    d = r["horizontal_delta"]
+    return (f"#{r['id']} {r['truth']:<4} {r['variant']:<22} {r['verdict']!s:<13} {r['decision']!s:<8} look {r['look']} "
+            f"Δh {d if d is None else round(d, 3)}σ  ({when})")
+
+
+def concurrent(lab: Path, workers: int, k: int) -> list[dict[str, Any]]:
+    """All of CAMPAIGN branched off A0 and seeded, then one loop with up to k in flight; a row each."""
+    ids: list[tuple[int, str, str]] = []
+    for kind, variant in CAMPAIGN:
+        name = f"res/{variant}"
+        branch(lab, name, kind, variant)  # off BASELINE, which is A0 for all of them
+        ids.append((int(cli(lab, "seed", "--branch", name, "--title", f"{kind}: {variant}").stdout.strip()),
+                    kind, variant))
+    t = time.time()
+    loop = cli(lab, "run", "--offline", "--max-hypotheses", str(len(CAMPAIGN)), "--workers", str(workers),
+               "--json", timeout=6 * 3600)
+    t_end = time.time()
+    from agent.records import Records
+    from agent.verdicts import rebases
+    from pipeline import runner
+    from pipeline.lab import load_lab
+
+    store = runner.open_store(load_lab(lab))
+    rec = Records(store)
+    events = sorted(({"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(10_000)
+                     if e.kind == "rebase"), key=lambda e: e["at"])
+    rows = []
+    for hid, kind, variant in ids:
+        r = gate_row(lab, hid, kind, variant)
+        h = rec.get(hid)
+        moves = rebases(store, hid)
+        runs = [x for c in {h.commit, *(m.get("from_commit") for m in moves)} if c for x in store.runs(commit=c)]
+        r.update({"tag": h.promoted_tag, "rationale_decision": h.rationale_decision,
+                  "rebases": [{k_: m.get(k_) for k_ in ("from_tag", "to_tag", "verdict", "look", "commit", "outcome")}
+                              for m in moves],
+                  "conflict": any(m.get("commit") is None for m in moves),
+                  "runs_of_its_commits": len({x.id for x in runs}),  # a champion's: its later baseline runs too
+                  "finished_s": None if h.finished_at is None else round(h.finished_at - t, 1)})
+        rows.append(r)
+        when = "unfinished" if r["finished_s"] is None else f"done {r['finished_s']:.0f} s into the loop"
+        print(row_line(r, when) + (f"  -> {r['tag']}" if r["tag"] else ""), flush=True)
+        for m in moves:
+            how = (f"abandoned: {m.get('outcome')}" if m.get("commit") is None
+                   else "measured again from its first look")
+            print(f"     re-based {m.get('from_tag')} -> {m.get('to_tag')} (its {m.get('verdict')} at look "
+                  f"{m.get('look')} against {m.get('from_tag')} set aside): {how}")
+    print(f"loop: {(t_end - t) / 60:.1f} min, {len(events)} re-base events; run --json stopped: "
+          f"{json.loads(loop.stdout).get('stopped')}")
+    for e in events:
+        print(f"  event: {e['message']}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lab", type=Path, default=ROOT / "runs" / "planted-lab")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--tasks", default="", help="comma-separated subset of the small suite (default: all 8)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--in-flight", type=int, default=None, metavar="K",
+                    help="all hypotheses branched off the first baseline and seeded, one loop with "
+                         "[agent] max_in_flight = K (default: one at a time, each off the current baseline)")
     args = ap.parse_args(argv)
     lab = args.lab.resolve()
     tasks = [t for t in args.tasks.split(",") if t] or TASKS
     t0 = time.time()
-    make_lab(lab, tasks)
+    make_lab(lab, tasks, args.in_flight)
     tasks = json.loads(cli(lab, "check", "--json").stdout).get("tasks") if tasks is None else tasks
-    rows: list[dict[str, Any]] = []
-    for kind, variant in CAMPAIGN:
+    rows: list[dict[str, Any]] = concurrent(lab, args.workers, args.in_flight) if args.in_flight else []
+    for kind, variant in CAMPAIGN if not args.in_flight else []:
         t = time.time()
         name = f"res/{variant}"
         branch(lab, name, kind, variant)
@@ -138,11 +219,18 @@ def main(argv: list[str] | None = None) -> int:
     if pr.get("reuse_gap") is not None:
         print(f"test-reuse gap of the final champion: gate-split gain {pr['gate_gain']:+.4f} − holdout gain "
               f"{pr['holdout_gain']:+.4f} = {pr['reuse_gap']:+.4f} AUC")
-    print(f"wall time {wall / 60:.1f} min on {os.cpu_count()} cores, {args.workers} workers")
+    print(f"wall time {wall / 60:.1f} min on {os.cpu_count()} cores, {args.workers} workers"
+          + (f", max_in_flight = {args.in_flight}" if args.in_flight else ""))
+    if args.in_flight:
+        c = st.get("compute") or {}
+        print(f"stages executed {c.get('stages_executed')}, cache hits {c.get('cache_hits')}, "
+              f"useful CPU {c.get('useful_cpu_s', 0):.0f} s, requeues {c.get('requeues')}, "
+              f"infra retries {c.get('infra_retries')}")
     if args.json:
         args.json.write_text(json.dumps({"tasks": tasks, "campaign": rows, "confusion": table, "progress": pr,
                                          "compute": st.get("compute"), "wall_s": round(wall, 1),
                                          "cores": os.cpu_count(), "workers": args.workers,
+                                         **({"in_flight": args.in_flight} if args.in_flight else {}),
                                          "command": "benchmarks/planted.py " + " ".join(argv or sys.argv[1:])},
                                         indent=2) + "\n")
     return 0
