@@ -59,13 +59,49 @@ def challenger_seeds(n_runs: int, generation: int = 0) -> range:
     return seed_block(generation)[:n_runs]
 
 
+_generations: dict[tuple[str, str, Any], int] = {}
+
+
 def generation(root: str, commit: str) -> int:
     """How many promotions (tags baseline/v*) the commit's history holds: 0 for the first baseline.
 
-    Not cached: a challenger's commit gains a generation when it is promoted (fast-forward)."""
+    A challenger's commit gains a generation when it is promoted (fast-forward), so the answer is
+    cached per (commit, the state of the repository's baseline tags: their folder's listing and the
+    packed refs' change time), never per commit alone."""
     import git
 
-    return len(git.Repo(root).git.tag("--merged", commit, "--list", BASELINE_TAGS).split())
+    tags = _tags_state(root)
+    key = (root, commit, tags)
+    if tags is None or key not in _generations:
+        n = len(git.Repo(root).git.tag("--merged", commit, "--list", BASELINE_TAGS).split())
+        if tags is None:
+            return n
+        if len(_generations) > 10_000:
+            _generations.clear()
+        _generations[key] = n
+    return _generations[key]
+
+
+def _tags_state(root: str) -> Any:
+    """What the baseline tags of the repository at `root` are, cheaply (no git process), or None
+    where it cannot be told (a lab that is itself a linked worktree: its .git is a file)."""
+    import os
+
+    gitdir = os.path.join(root, ".git")
+    if not os.path.isdir(gitdir):
+        return None
+    folder = os.path.join(gitdir, "refs", "tags", "baseline")
+    try:
+        names = tuple(sorted(os.listdir(folder)))
+    except FileNotFoundError:
+        names = ()
+    except OSError:
+        return None
+    try:
+        packed = os.stat(os.path.join(gitdir, "packed-refs")).st_mtime_ns
+    except FileNotFoundError:
+        packed = None
+    return names, packed
 
 
 def _one_dataset(rows: list[Any]) -> str | None:

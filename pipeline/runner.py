@@ -35,6 +35,7 @@ import argparse
 import functools
 import logging
 import math
+import re
 import threading
 import time
 import uuid
@@ -69,8 +70,29 @@ def open_store(lab: Lab, url: str | None = None) -> Store:
     return Store.for_lab(lab, url)
 
 
+_local = threading.local()  # per thread: a git.Repo's helper processes are not to be shared between threads
+_FULL_SHA = re.compile(r"[0-9a-f]{40}")
+
+
 def resolve_commit(lab: Lab, rev: str) -> str:
-    return Worktrees(lab.root, lab.state).resolve(rev)
+    """The full sha of `rev`. A full sha once found in the lab's repository is known from then on
+    (commits do not change); a branch or tag is resolved each time, by this thread's one `Worktrees`
+    of the lab (not a new repository object and its helper processes per call)."""
+    known = _local.__dict__.setdefault("shas", set())
+    key = (str(lab.root), rev)
+    if key in known:
+        return rev
+    trees = _local.__dict__.setdefault("trees", {})
+    wt = trees.pop(key[0], None)
+    if wt is None:
+        wt = Worktrees(lab.root, lab.state)
+        while len(trees) >= 4:  # a process that opens many labs (a test run) keeps helpers for 4
+            trees.pop(next(iter(trees))).repo.close()
+    trees[key[0]] = wt  # most recently used last
+    sha = wt.resolve(rev)
+    if sha == rev and _FULL_SHA.fullmatch(rev):
+        known.add(key)
+    return sha
 
 
 def ensure_runs(store: Store, lab: Lab, commit: str, tasks: Iterable[str], seeds: Iterable[int], *,
