@@ -118,6 +118,16 @@ def row_line(r: dict[str, Any], when: str) -> str:
             f"Δh {d if d is None else round(d, 3)}σ  ({when})")
 
 
+def contains(lab: Path, base: str, commit: str) -> bool:
+    """Whether `commit` has `base` in its history (git merge-base --is-ancestor)."""
+    return subprocess.run(["git", "merge-base", "--is-ancestor", base, commit], cwd=lab).returncode == 0
+
+
+def baseline_name(lab: Path, commit: str) -> str:
+    tags = [t for t in sh("git", "tag", "--points-at", commit, cwd=lab).stdout.split() if t.startswith("baseline/")]
+    return tags[-1] if tags else f"{BASELINE}@{commit[:10]}"
+
+
 def concurrent(lab: Path, workers: int, k: int) -> list[dict[str, Any]]:
     """All of CAMPAIGN branched off A0 and seeded, then one loop with up to k in flight; a row each."""
     ids: list[tuple[int, str, str]] = []
@@ -149,6 +159,10 @@ def concurrent(lab: Path, workers: int, k: int) -> list[dict[str, Any]]:
                   "rebases": [{k_: m.get(k_) for k_ in ("from_tag", "to_tag", "verdict", "look", "commit", "outcome")}
                               for m in moves],
                   "conflict": any(m.get("commit") is None for m in moves),
+                  "base_commit": h.base_commit, "commit": h.commit,
+                  # False: measured against a baseline its commit does not contain (a seeded branch off
+                  # A0 adopted after a promotion is measured as-is against the new head)
+                  "commit_contains_base": None if not (h.base_commit and h.commit) else contains(lab, h.base_commit, h.commit),
                   "runs_of_its_commits": len({x.id for x in runs}),  # a champion's: its later baseline runs too
                   "finished_s": None if h.finished_at is None else round(h.finished_at - t, 1)})
         rows.append(r)
@@ -159,6 +173,10 @@ def concurrent(lab: Path, workers: int, k: int) -> list[dict[str, Any]]:
                    else "measured again from its first look")
             print(f"     re-based {m.get('from_tag')} -> {m.get('to_tag')} (its {m.get('verdict')} at look "
                   f"{m.get('look')} against {m.get('from_tag')} set aside): {how}")
+        if r["commit_contains_base"] is False:
+            print(f"     measured against {baseline_name(lab, h.base_commit)}, which its commit {h.commit[:10]} does not "
+                  f"contain (its branch is off {baseline_name(lab, sh('git', 'merge-base', h.base_commit, h.commit, cwd=lab).stdout.strip())}"
+                  f"; adopted as-is after the baseline moved, not re-based)")
     print(f"loop: {(t_end - t) / 60:.1f} min, {len(events)} re-base events; run --json stopped: "
           f"{json.loads(loop.stdout).get('stopped')}")
     for e in events:
