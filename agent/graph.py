@@ -61,6 +61,9 @@ class Services:
     smoke: bool = True
     stop: threading.Event | None = None  # set when the loop is asked to stop: long steps give up early
     experiment: Experiment | None = None  # the measurement API; made from lab and store if not given
+    # the lab's progress chart: redrawn at every decision (None), or at most this often (and at each
+    # promotion): `autoresearch run` sets it, where thousands of decisions an hour may come
+    progress_every_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.experiment is None:
@@ -322,11 +325,18 @@ class Nodes:
         return {"route": "measure"}
 
     def _adopt_branch(self, h: Hypothesis, base: str) -> State:
-        """A researcher's branch is measured as-is, after the same editable-path check."""
-        from agent.workspace import check_path
+        """A researcher's branch is measured as-is, after the same editable-path check, against the
+        baseline it contains. A branch made off an older baseline (the baseline moved since, as with
+        several in flight) is first merged onto the current one, exactly as a re-base is
+        (`Workspace.merge_onto`; its branch `hyp/<id>-<slug>`, the researcher's branch untouched): a
+        comparison of the branch as made with the current baseline would count the promotions it
+        lacks against it, and a win would promote a merge nobody measured. A conflict is a reject
+        naming the paths."""
+        from agent.workspace import PromotionConflict, check_path
         from pipeline.errors import UserError
 
         ws, rec = self.svc.workspace, self.svc.records
+        branch = h.seed_branch
         try:
             commit = ws.resolve(h.seed_branch)
             forks = ws.repo.merge_base(base, commit)
@@ -337,14 +347,30 @@ class Nodes:
                 raise EditRejected("empty", f"branch {h.seed_branch} changes nothing relative to the baseline")
             for path in changed:
                 check_path(self.svc.lab, path)
+            tagged = commit
+            if not ws.repo.is_ancestor(base, commit):
+                onto = _baseline_tag(ws, base) or f"{BASELINE_BRANCH}@{base[:10]}"
+                try:
+                    commit = ws.merge_onto(base, commit, f"hyp {h.id}: branch {h.seed_branch} merged onto {onto}")
+                except PromotionConflict as e:
+                    raise EditRejected("conflict", f"branch {h.seed_branch} was made off an earlier baseline and "
+                                                   f"does not merge onto {onto}: {e}") from None
+                if ws.tree(commit) == ws.tree(base):
+                    raise EditRejected("empty", f"branch {h.seed_branch} merged onto {onto} changes nothing: "
+                                                "its change is in the baseline already")
+                branch = f"hyp/{h.id}-{slugify(h.title)}"
+                rec.event("rebase", f"#{h.id}: branch {h.seed_branch} was made off an earlier baseline; "
+                                    f"merged onto {onto} and measured against it")
             self._smoke(commit, {})  # a syntax error costs a second here, not a look of failed runs
         except (EditRejected, UserError) as e:
             kind = e.kind if isinstance(e, EditRejected) else "unknown_branch"
             rec.update(h.id, status="summarizing", decision=Decision.REJECT, reject_kind=kind, reject_reason=str(e),
                        branch=h.seed_branch, commit=None)
             return {"route": "rejected"}
-        ws.tag(f"exp/{h.id}", commit, experiment_message(h))
-        rec.update(h.id, branch=h.seed_branch, base_commit=base, commit=commit, status="measuring",
+        if commit != tagged:
+            ws.point_branch(branch, commit)
+        ws.tag(f"exp/{h.id}", tagged, experiment_message(h))
+        rec.update(h.id, branch=branch, base_commit=base, commit=commit, status="measuring",
                    look=self.svc.lab.config.gate.looks[0])
         return {"route": "measure"}
 

@@ -40,6 +40,7 @@ _NOTHING = object()  # a thread with nothing to do now
 LEASE_HEARTBEAT_S = 5.0
 IN_FLIGHT_PER_FILL = 3  # the derived max_in_flight: at most this many times the hypotheses whose first looks fill the slots
 QUEUE_DEPTH = 2  # ... started while fewer runs than this many times the slots (plus a first look) are outstanding
+PROGRESS_CHART_EVERY_S = 30.0  # the lab's progress chart: redrawn at most this often at decisions (and at promotions)
 LOOK_POLL_S = 0.2  # how often the loop's thread looks for a look with all its runs in
 DRIVER_POLL_S = 0.2  # the driver's thread: the longest it waits for a stage result before it claims again
 LLM_BACKOFF_S = (5.0, 300.0)  # the first and the longest wait before asking an unreachable endpoint again
@@ -180,7 +181,7 @@ class Loop:
             self.records = Records(self.store)
             self.policy = choose_policy(lab, self.store, opts.offline, opts.policy)
             self.svc = Services(lab, self.store, self.records, Workspace(lab), self.policy, opts.supervised,
-                                opts.smoke, stop=self.stop)
+                                opts.smoke, stop=self.stop, progress_every_s=PROGRESS_CHART_EVERY_S)
             self.checkpointer = open_checkpointer(self.svc)
             self.graph = build_graph(self.svc, self.checkpointer)
             self._exporter = None

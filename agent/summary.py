@@ -354,21 +354,21 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
     return TEMPLATE.read_text().format_map(values), prose
 
 
-PROGRESS_EVERY_S = 30.0  # the lab's progress chart, redrawn at a decision at most this often (and at each promotion)
 _progress_drawn: dict[str, float] = {}  # progress chart path → when this process last drew it
 _progress_stale: set[str] = set()  # progress charts a decision was left out of
 
 
-def progress_due(lab: Any, promoted: bool = False) -> bool:
-    """Whether the progress chart is to be redrawn now: it plots every hypothesis, so drawing it at
-    each of thousands of decisions an hour would cost the loop more than all their gates; it is
-    drawn at a promotion, when missing, or PROGRESS_EVERY_S after its last drawing (and when a
-    loop stops: `agent.loop.Loop.close`)."""
+def progress_due(lab: Any, every_s: float | None, promoted: bool = False) -> bool:
+    """Whether the progress chart is to be redrawn at this decision: always where `every_s` is None;
+    else at a promotion, when missing, or `every_s` after its last drawing (it plots every
+    hypothesis, so drawing it at each of thousands of decisions an hour would cost the loop more
+    than all their gates; a loop that stops draws what it left out: `redraw_stale_progress`)."""
     from agent import pictures
 
     path = pictures.progress_path(lab)
     last = _progress_drawn.get(str(path))
-    if promoted or last is None or not path.exists() or time.monotonic() - last >= PROGRESS_EVERY_S:
+    if (every_s is None or promoted or last is None or not path.exists()
+            or time.monotonic() - last >= every_s):
         _progress_drawn[str(path)] = time.monotonic()
         _progress_stale.discard(str(path))
         return True
@@ -396,7 +396,7 @@ def draw_pictures(svc: Any, h: Hypothesis, result: Any) -> None:
     try:
         if result is not None:
             pictures.write_forest(svc.lab, h.id, h.title, result)
-        if progress_due(svc.lab, promoted=h.promoted_tag is not None):
+        if progress_due(svc.lab, getattr(svc, "progress_every_s", None), promoted=h.promoted_tag is not None):
             pictures.write_progress(svc.lab, svc.store, svc.records)
     except Exception as e:  # a picture must never stop the loop
         log.warning("hypothesis %s: pictures not drawn: %s: %s", h.id, type(e).__name__, e)

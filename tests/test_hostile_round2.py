@@ -169,7 +169,7 @@ def test_a_smoke_stage_is_stopped_at_the_labs_timeout_not_at_300_s(lab: Path) ->
     started = time.monotonic()
     with pytest.raises(SmokeFailed, match=r"stage pretrain timed out after 3 s"):
         smoke_run(the_lab, "autoresearch/baseline", {"train.py": "import time\ntime.sleep(600)\n"})
-    assert time.monotonic() - started < 30  # not the old hard-coded 300 s
+    assert time.monotonic() - started < 150  # not the old hard-coded 300 s (a 3 s limit; slack for loaded cores)
 
 
 # ----------------------------------------------------------------------------- bounded reads

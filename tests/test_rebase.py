@@ -238,3 +238,31 @@ def test_an_approved_hold_whose_base_moved_is_rebased_and_measured_against_the_n
     why = second.rationale_decision or ""
     assert why.startswith(f"Re-based from {BASELINE}@{a0[:10]} onto baseline/v1 before its promotion"), why
     assert git(root, "tag", "--list", "baseline/*").split() == ["baseline/v1"]
+
+
+def test_a_seeded_branch_made_off_an_earlier_baseline_is_merged_onto_the_current_one_before_it_is_measured(
+        tmp_path: Path):
+    """One hypothesis at a time: both branches are made off A0; the first is promoted (A1) before the
+    second starts. The second is not compared as made (without the first's change, which would count
+    the promotion it lacks against it): it is merged onto A1 and measured against A1 (a harm there)."""
+    from agent_fixtures import set_research
+
+    root = planted_lab(tmp_path / "lab")
+    set_research(root, "max_in_flight = 2", "max_in_flight = 1")
+    make_branch(root, "sharpen", [("config.toml", "sharpen = false", "sharpen = true")])
+    stretch = make_branch(root, "stretch", [("config.toml", "stretch = false", "stretch = true")])
+    first_id, second_id = seed_branch(root, "sharpen"), seed_branch(root, "stretch")
+    run_loop(root)
+
+    rec = store_records(root)
+    first, second = rec.get(first_id), rec.get(second_id)
+    a1 = git(root, "rev-parse", BASELINE)
+    assert first.promoted_tag == "baseline/v1" and first.commit == a1
+    assert second.base_commit == a1
+    assert git(root, "rev-list", "--parents", "-n", "1", second.commit).split()[1:] == [a1, stretch]
+    assert second.branch.startswith(f"hyp/{second.id}-") and git(root, "rev-parse", "stretch") == stretch
+    assert git(root, "rev-parse", f"exp/{second.id}^{{commit}}") == stretch
+    assert second.decision == "abandon" and second.verdict in ("futile", "harm") and not second.promoted_tag
+    events = [e.message for e in rec.events(50) if e.kind == "rebase"]
+    assert events == [f"#{second.id}: branch stretch was made off an earlier baseline; merged onto baseline/v1 "
+                      "and measured against it"], events
