@@ -620,7 +620,6 @@ class Loop:
         coming = sum(1 for h in in_flight if h.status != "measuring")  # not queued yet: a first look each
         return in_flight_room(slots, first, len(in_flight), counts["queued"] + counts["running"] + coming * first)
 
-
     def pending_runs(self, h: Hypothesis) -> list[int]:
         """The runs the hypothesis's thread waits for (none unless it waits for a look)."""
         from agent.graph import LOOK
@@ -689,7 +688,8 @@ class Loop:
                 last_shown = [0.0]
 
                 def one_look_complete() -> bool:
-                    runs = {h: self.store.runs(ids) for h, ids in waiting.items()}
+                    every = {r.id: r for r in self.store.runs([i for ids in waiting.values() for i in ids])}  # one read
+                    runs = {h: [every[i] for i in ids if i in every] for h, ids in waiting.items()}
                     if self.on_looks is not None:
                         if time.monotonic() - last_shown[0] > 0.5:
                             last_shown[0] = time.monotonic()
