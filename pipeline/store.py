@@ -424,9 +424,8 @@ class Store:
                 )
                 s.commit()
                 if res.rowcount == 1:
-                    run = s.get(Run, run_id)
-                    assert run is not None
-                    s.refresh(run)
+                    run = s.get(Run, run_id)  # not loaded in this session before: read as just updated
+                    assert run is not None and run.claim_token == token
                     claims.append(Claim(run, token))
         return claims
 
