@@ -64,6 +64,8 @@ class Services:
     # the lab's progress chart: redrawn at every decision (None), or at most this often (and at each
     # promotion): `autoresearch run` sets it, where thousands of decisions an hour may come
     progress_every_s: float | None = None
+    progress_drawn_at: float | None = None  # when this loop last drew it (time.monotonic)
+    progress_stale: bool = False  # a decision since was left out of it (drawn when the loop stops)
 
     def __post_init__(self) -> None:
         if self.experiment is None:

@@ -354,25 +354,19 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
     return TEMPLATE.read_text().format_map(values), prose
 
 
-_progress_drawn: dict[str, float] = {}  # progress chart path → when this process last drew it
-_progress_stale: set[str] = set()  # progress charts a decision was left out of
-
-
-def progress_due(lab: Any, every_s: float | None, promoted: bool = False) -> bool:
-    """Whether the progress chart is to be redrawn at this decision: always where `every_s` is None;
-    else at a promotion, when missing, or `every_s` after its last drawing (it plots every
-    hypothesis, so drawing it at each of thousands of decisions an hour would cost the loop more
-    than all their gates; a loop that stops draws what it left out: `redraw_stale_progress`)."""
+def progress_due(svc: Any, promoted: bool = False) -> bool:
+    """Whether the progress chart is to be redrawn at this decision: always where the loop sets no
+    `progress_every_s`; else at a promotion, when missing, or that long after its last drawing (it
+    plots every hypothesis, so drawing it at each of thousands of decisions an hour would cost the
+    loop more than all their gates; a loop that stops draws what it left out: `redraw_stale_progress`)."""
     from agent import pictures
 
-    path = pictures.progress_path(lab)
-    last = _progress_drawn.get(str(path))
-    if (every_s is None or promoted or last is None or not path.exists()
-            or time.monotonic() - last >= every_s):
-        _progress_drawn[str(path)] = time.monotonic()
-        _progress_stale.discard(str(path))
+    every, last = svc.progress_every_s, svc.progress_drawn_at
+    if (every is None or promoted or last is None or not pictures.progress_path(svc.lab).exists()
+            or time.monotonic() - last >= every):
+        svc.progress_drawn_at, svc.progress_stale = time.monotonic(), False
         return True
-    _progress_stale.add(str(path))
+    svc.progress_stale = True
     return False
 
 
@@ -380,11 +374,11 @@ def redraw_stale_progress(svc: Any) -> None:
     """The progress chart as of now, if a decision since its last drawing was left out of it."""
     from agent import pictures
 
-    if str(pictures.progress_path(svc.lab)) not in _progress_stale:
+    if not svc.progress_stale:
         return
     try:
         pictures.write_progress(svc.lab, svc.store, svc.records)
-        _progress_stale.discard(str(pictures.progress_path(svc.lab)))
+        svc.progress_stale = False
     except Exception as e:  # a picture must never stop the loop
         log.warning("progress chart not drawn: %s: %s", type(e).__name__, e)
 
@@ -396,7 +390,7 @@ def draw_pictures(svc: Any, h: Hypothesis, result: Any) -> None:
     try:
         if result is not None:
             pictures.write_forest(svc.lab, h.id, h.title, result)
-        if progress_due(svc.lab, getattr(svc, "progress_every_s", None), promoted=h.promoted_tag is not None):
+        if progress_due(svc, promoted=h.promoted_tag is not None):
             pictures.write_progress(svc.lab, svc.store, svc.records)
     except Exception as e:  # a picture must never stop the loop
         log.warning("hypothesis %s: pictures not drawn: %s: %s", h.id, type(e).__name__, e)

@@ -192,6 +192,24 @@ def draw_hypotheses(rng: np.random.Generator, b: int, j: int, prior: Prior) -> t
     return cls, size, effect
 
 
+def _push_arms(arm_hist: np.ndarray, arm_next: np.ndarray, runs: np.ndarray, width: np.ndarray,
+               keep: np.ndarray) -> None:
+    """Earlier arms join the bound's history `arm_hist` (B, ARMS, J, block), a ring per campaign
+    at `arm_next`: `runs` (B, J, ≥ width) of which the first `width` seeds were run, where `keep`
+    (and 2 seeds or more: one seed has no spread)."""
+    keep = keep & (width >= 2)
+    if not keep.any():
+        return
+    B, _, J, block = arm_hist.shape
+    cols = np.arange(block)[None, None, :] < width[:, None, None]
+    padded = np.full((B, J, block), np.nan)
+    padded[..., : runs.shape[-1]] = runs[..., :block]
+    padded = np.where(cols, padded, np.nan)
+    rows = np.flatnonzero(keep)
+    arm_hist[rows, arm_next[rows] % ARMS] = padded[rows]
+    arm_next[rows] += 1
+
+
 def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int, sigma: np.ndarray,
              rule_index: int = 0, fresh_seeds: bool = False, pair: np.ndarray | None = None,
              prior: Prior = PRIOR) -> dict[str, Any]:
@@ -216,18 +234,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
     arm_next = np.zeros(B, int)
 
     def push_arms(runs: np.ndarray, width: np.ndarray, keep: np.ndarray) -> None:
-        """Earlier arms join the bound's history: `runs` (B, J, ≥ width) of which the first `width`
-        seeds were run, where `keep` (and 2 seeds or more: one seed has no spread)."""
-        keep = keep & (width >= 2)
-        if not keep.any():
-            return
-        cols = np.arange(block)[None, None, :] < width[:, None, None]
-        padded = np.full((B, J, block), np.nan)
-        padded[..., : runs.shape[-1]] = runs[..., :block]
-        padded = np.where(cols, padded, np.nan)
-        rows = np.flatnonzero(keep)
-        arm_hist[rows, arm_next[rows] % ARMS] = padded[rows]
-        arm_next[rows] += 1
+        _push_arms(arm_hist, arm_next, runs, width, keep)
     measured = np.zeros(B)  # Σ of the Δ the rule saw at its promotions (mean over tasks)
     best_seen = (base_u[..., :1] * sigma[None, :, None]).mean(axis=(1, 2))  # keep/discard: the best's one run
     counts: dict[str, list[int]] = {}  # key → [hypotheses, promoted]
@@ -356,16 +363,7 @@ def concurrent_campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int,
     ended = np.zeros(B, int)  # measurements ended so far (the paired history's ring index)
 
     def push_arms(runs: np.ndarray, width: np.ndarray, keep: np.ndarray) -> None:
-        keep = keep & (width >= 2)
-        if not keep.any():
-            return
-        cols = np.arange(block)[None, None, :] < width[:, None, None]
-        padded = np.full((B, J, block), np.nan)
-        padded[..., : runs.shape[-1]] = runs[..., :block]
-        padded = np.where(cols, padded, np.nan)
-        at = np.flatnonzero(keep)
-        arm_hist[at, arm_next[at] % ARMS] = padded[at]
-        arm_next[at] += 1
+        _push_arms(arm_hist, arm_next, runs, width, keep)
     measured = np.zeros(B)
     best_seen = (base_u[..., :1] * sigma[None, :, None]).mean(axis=(1, 2))
     counts: dict[str, list[int]] = {}
