@@ -240,10 +240,10 @@ def run_cmd(
 
     from agent.loop import Loop, LoopOptions
     from agent.terminal import RunDisplay
-    from pipeline.executors import EXECUTORS
+    from pipeline.experiment import check_executor
     from pipeline.lab import load_lab
 
-    EXECUTORS.get(executor)  # an unknown name: one line before the lab is read
+    check_executor(executor)  # an unknown name: one line before the lab is read
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     lab = load_lab(Ctx.repo)
     opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever, executor=executor,
@@ -391,15 +391,13 @@ def variance_cmd(
     """The variance study: N identical baseline runs per task, per-task σ, correlation, MDE table;
     with --pair REV, per task the seed-k pair correlation of REV with the baseline, the sd of the
     paired differences and the variance ratio (a noise model for benchmarks/loop_quality.py)."""
-    from pipeline import runner
+    from pipeline.experiment import Experiment, open_store
     from pipeline.lab import load_lab
-    from pipeline.variance import pairing, study
 
     lab = load_lab(Ctx.repo)
-    store = runner.open_store(lab, Ctx.db)
-    ex = runner.make_executor(executor, lab, workers=workers, ray_address=ray_address)
+    exp = Experiment(lab, open_store(lab, Ctx.db))
     if pair is not None:
-        out = pairing(lab, store, ex, pair, runs)
+        out = exp.pairing(pair, runs, executor, workers=workers, ray_address=ray_address)
         if as_json:
             emit_json(out)
             return
@@ -413,7 +411,7 @@ def variance_cmd(
         typer.echo(f"median pair correlation {med:.2f}, median variance ratio {ratio:.2f} (paired / unpaired)"
                    if med is not None and ratio is not None else "pairing: n/a (fewer than 3 pairs)")
         return
-    out = study(lab, store, ex, runs)
+    out = exp.variance(runs, executor, workers=workers, ray_address=ray_address)
     if as_json:
         emit_json(out)
         return
@@ -434,15 +432,11 @@ def trust(
     """Show or move the trusted commit the harness files come from (`harness = "command"`)."""
     import git
 
-    from pipeline.errors import UserError as _UserError
-    from pipeline.harness.command import TRUSTED_TAG, set_trusted, trusted_commit
+    from pipeline.experiment import Experiment, open_store
     from pipeline.lab import load_lab
 
     lab = load_lab(Ctx.repo)
-    if not lab.config.benchmark.trusted:
-        raise _UserError(f"harness {lab.config.benchmark.harness!r} has no trusted files; "
-                         'only a lab with harness = "command" has a trusted commit')
-    sha = set_trusted(lab, rev) if rev is not None else trusted_commit(lab, create=False)
+    TRUSTED_TAG, sha = Experiment(lab, open_store(lab, Ctx.db)).trust(rev)
     commit = git.Repo(lab.root).commit(sha)
     info = {"tag": TRUSTED_TAG, "commit": sha, "subject": commit.summary, "trusted": lab.config.benchmark.trusted,
             "moved": rev is not None}

@@ -15,7 +15,8 @@ from typing import Any
 
 from agent.errors import ReviewError
 from agent.records import ACTIVE, Hypothesis, Records
-from pipeline import disk, isolation, lease, runner
+from pipeline import disk, isolation, lease
+from pipeline.experiment import Experiment, open_store
 from pipeline.errors import UserError
 from pipeline.lab import Lab, load_lab, memory_plan
 
@@ -23,7 +24,7 @@ from pipeline.lab import Lab, load_lab, memory_plan
 
 def open_lab_store(repo: Path, db: str | None) -> tuple[Lab, Any, Records]:
     lab = load_lab(repo)
-    store = runner.open_store(lab, db)
+    store = open_store(lab, db)
     return lab, store, Records(store)
 
 
@@ -40,7 +41,7 @@ def parse_duration(text: str) -> float:
 def seed(repo: Path, db: str | None, text: str | None, title: str | None, priority: int, branch: str | None,
          file: Path | None) -> Hypothesis:
     lab, store, rec = open_lab_store(repo, db)
-    h = Hypothesis(origin="human", priority=priority, status="queued")
+    h = Hypothesis(origin="human", priority=priority)  # queued
     if file is not None:
         if not file.is_file():
             raise UserError(f"{file}: no such file")
@@ -102,7 +103,6 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
 def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
     """`status` over a lab, store and records already open (the review page keeps them open)."""
     from agent.ledger import Ledger
-    from pipeline.variance import lab_pairing
 
     hyps = rec.all()
     queue = store.queue_counts()
@@ -140,8 +140,8 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
         "plateau": _plateau(lab, rec),
         "progress": split_progress(lab, store, rec),
         "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == "reject").items())),
-        "compute": runner.goodput(store).as_dict(),
-        "pairing": lab_pairing(lab, store),  # what the shared seeds buy, from this lab's comparisons
+        "compute": Experiment(lab, store).goodput().as_dict(),
+        "pairing": Experiment(lab, store).lab_pairing(),  # what the shared seeds buy, from this lab's comparisons
         "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day,
                 "unreachable_since": llm_unreachable_since(rec)},
         "events": [{"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(5)],
@@ -218,7 +218,7 @@ def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
         "in_flight": [{"id": h.id, "title": h.title, "status": h.status} for h in hyps if h.status in ACTIVE],
         "awaiting_review": [h.id for h in rec.all() if h.review == "pending"],
         "plateau": _plateau(lab, rec),
-        "compute": runner.goodput(store, since=t0).as_dict(),
+        "compute": Experiment(lab, store).goodput(since=t0).as_dict(),
         "llm_usd": round(Ledger(store.engine).spent_usd(t0), 4),
         **digest_extras(lab, store, rec, t0),  # baseline progress, holds, the progress chart (agent.summary)
     }

@@ -26,10 +26,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, Callable, TypedDict
 
 from agent.errors import LLMError, LLMOutputError, LLMUnavailable
 from agent.policy import Choice, Context, Feedback, Policy
+from agent.lifecycle import Status, project
 from agent.records import Decision, Hypothesis, Records
 from agent.workspace import EditRejected, FileEdit, Workspace, slugify
 from pipeline.experiment import Experiment
@@ -43,8 +44,14 @@ REPAIR_STAGE = {"compile_error": "compile", "smoke_failed": "smoke", "not_applyi
 
 
 class State(TypedDict, total=False):
+    """A thread's state: the hypothesis, and where it is in its lifecycle. The graph routes on
+    `phase` alone (the named routers below); `agent.lifecycle.project` writes the same step onto the
+    hypothesis's row (`status`, `look`, `verdict`), which is what the rest of the tool reads."""
     hypothesis_id: int
-    route: str  # "waiting" | "rejected" | "measure" | "done" | ""
+    phase: str  # an `agent.lifecycle.Status` value
+    look: int | None  # challenger runs wanted at the current look
+    verdict: str | None  # the gate's verdict at the last look judged
+    champion: str | None  # the baseline tag a promotion made, until its re-verification is recorded
 
 
 LOOK, HOLD = "look", "hold"  # the kinds of a thread's interrupt: waiting for runs, or for a human
@@ -198,35 +205,63 @@ def allowed_decisions(verdict: str | None, look: int, looks: list[int], supervis
     return [Decision.ABANDON, Decision.REFINE]
 
 
+KEEP: Any = object()  # `Nodes._to`: leave the look or the verdict as it is
+
+
+def phase_of(state: State, h: Hypothesis) -> str:
+    """Where the thread is: its state's phase; for a thread checkpointed by a version before the
+    phase was in the state (or a node called alone, as tests do), the row's status."""
+    return state.get("phase") or h.status
+
+
 class Nodes:
+    """The graph's nodes. Each reads where its thread is from the state (`phase_of`), does its one
+    step (its side effects keyed, so a node that died half-way is simply run again), and returns
+    the state's update from `_to`, which projects it onto the hypothesis's row in the same step.
+    Where the thread goes next is the builder's (`ROUTES`), never a node's."""
+
     def __init__(self, svc: Services):
         self.svc = svc
+
+    def _to(self, h: Hypothesis, phase: Status, *, look: Any = KEEP, verdict: Any = KEEP, **fields: Any) -> State:
+        """The state's update for entering `phase` (with a new look or verdict), and its projection
+        onto the row with `fields` (`agent.lifecycle.project`, the one writer of `status`)."""
+        update: State = {"phase": phase.value}
+        if look is not KEEP:
+            update["look"] = look
+        if verdict is not KEEP:  # a plain string in the checkpoint (the gate's `Verdict` is an enum)
+            update["verdict"] = getattr(verdict, "value", verdict)
+        project(self.svc.records, h.id, dict(update), **fields)
+        return update
+
+    def _reject(self, h: Hypothesis, kind: str, reason: str, **fields: Any) -> State:
+        """Refused before any run: summarized, with the kind and the reason."""
+        return self._to(h, Status.SUMMARIZING, decision=Decision.REJECT, reject_kind=kind, reject_reason=reason,
+                        **fields)
+
+    def _measuring(self, h: Hypothesis, branch: str, base: str, commit: str) -> State:
+        """Committed and tagged: measured from the first look."""
+        return self._to(h, Status.MEASURING, look=self.svc.lab.config.gate.looks[0], branch=branch,
+                        base_commit=base, commit=commit)
 
     # propose ----------------------------------------------------------------
     def propose(self, state: State) -> State:
         rec = self.svc.records
         h = rec.get(state["hypothesis_id"])
-        if h.title:
-            if h.status == "proposing":
-                rec.update(h.id, status="implementing")
-            return {"route": ""}
+        if h.title:  # a seed, or a proposal recorded by a pass that died before its checkpoint
+            return self._to(h, Status.IMPLEMENTING)
         try:
             # the endpoint down, refusing or over budget leaves the node: no answer is no hypothesis,
             # and the loop (which created this empty one) withdraws it and backs off
             p = self.svc.policy.propose(proposal_context(self.svc))
         except LLMOutputError as e:  # it answered, but nothing usable after the repair rounds: recorded
-            rec.update(h.id, title="(no proposal)", status="summarizing", decision=Decision.REJECT,
-                       reject_kind="propose", reject_reason=f"{type(e).__name__}: {e}")
-            return {"route": "rejected"}
+            return self._reject(h, "propose", f"{type(e).__name__}: {e}", title="(no proposal)")
         if p is None:
-            rec.update(h.id, title="(search space exhausted)", status="summarizing", decision=Decision.REJECT,
-                       reject_kind="exhausted", reject_reason="the policy has no untried idea left",
-                       base_commit=self.svc.workspace.baseline_head())
-            return {"route": "rejected"}
-        rec.update(h.id, title=p.title, rationale=p.rationale, expected_effect=p.expected_effect,
-                   expected_tasks=p.expected_tasks, change=p.change, plan=p.plan, seed_text=p.notes or None,
-                   origin=self.svc.policy.name, status="implementing")
-        return {"route": ""}
+            return self._reject(h, "exhausted", "the policy has no untried idea left", title="(search space exhausted)",
+                                base_commit=self.svc.workspace.baseline_head())
+        return self._to(h, Status.IMPLEMENTING, title=p.title, rationale=p.rationale, expected_effect=p.expected_effect,
+                        expected_tasks=p.expected_tasks, change=p.change, plan=p.plan, seed_text=p.notes or None,
+                        origin=self.svc.policy.name)
 
     # implement --------------------------------------------------------------
     def implement(self, state: State) -> State:
@@ -236,12 +271,12 @@ class Nodes:
         with them first; a policy that can repair (the LLM) then gets each rejection fed back, up
         to `repair_rounds` times. Every rejected attempt is kept in the reason recorded.
         """
-        svc, rec, ws = self.svc, self.svc.records, self.svc.workspace
-        h = rec.get(state["hypothesis_id"])
-        if h.status == "summarizing" or h.decision == Decision.REJECT:
-            return {"route": "rejected"}
+        svc, ws = self.svc, self.svc.workspace
+        h = svc.records.get(state["hypothesis_id"])
+        if h.decision == Decision.REJECT:  # rejected by a pass that died before its checkpoint
+            return self._to(h, Status.SUMMARIZING)
         if h.commit:
-            return {"route": "measure"}
+            return self._to(h, Status.MEASURING, look=h.look or svc.lab.config.gate.looks[0])
         resumed = self._resume_tagged(h)  # a crash between the commit and its record
         if resumed is not None:
             return resumed
@@ -277,27 +312,22 @@ class Nodes:
             except LLMUnavailable:
                 raise  # infrastructure: the thread stays here and is resumed when the endpoint answers
             except LLMError as e:  # the LLM answered, but nothing usable (or the budget ran out): a reason
-                rec.update(h.id, status="summarizing", decision=Decision.REJECT, reject_kind=_llm_failure_kind(e, "llm"),
-                           reject_reason="; ".join([*attempts, f"{type(e).__name__}: {e}"]))
-                return {"route": "rejected"}
+                return self._reject(h, _llm_failure_kind(e, "llm"), "; ".join([*attempts, f"{type(e).__name__}: {e}"]))
         if files is None:
             assert last is not None
             reason = str(last) if len(attempts) == 1 else f"{len(attempts)} attempts rejected: " + " | ".join(attempts)
-            rec.update(h.id, status="summarizing", decision=Decision.REJECT, reject_kind=last.kind, reject_reason=reason)
-            return {"route": "rejected"}
+            return self._reject(h, last.kind, reason)
         message = f"hyp {h.id}: {h.title}\n\n{h.rationale}\n\nExpected: {h.expected_effect}"
         commit = ws.commit_files(branch, base, files, message)
         ws.tag(f"exp/{h.id}", commit, experiment_message(h))
-        rec.update(h.id, branch=branch, base_commit=base, commit=commit, status="measuring",
-                   look=svc.lab.config.gate.looks[0])
-        return {"route": "measure"}
+        return self._measuring(h, branch, base, commit)
 
     def _smoke(self, base: str, files: dict[str, str]) -> None:
         """The candidate's whole pipeline on tiny data, sandboxed; `EditRejected` if it fails."""
         svc = self.svc
         if not svc.smoke:
             return
-        from pipeline.smoke import SmokeFailed
+        from pipeline.errors import SmokeFailed
 
         try:
             svc.experiment.smoke(base, files, stop=svc.stop)
@@ -312,19 +342,14 @@ class Nodes:
             return None
         commit, message = tagged
         if message.strip() != experiment_message(h).strip():
-            self.svc.records.update(
-                h.id, status="summarizing", decision=Decision.REJECT, reject_kind="tag_conflict",
-                reject_reason=f"tag exp/{h.id} already exists for another experiment ({message.strip()!r}): "
-                              "was this lab run with another store?")
-            return {"route": "rejected"}
+            return self._reject(h, "tag_conflict", f"tag exp/{h.id} already exists for another experiment "
+                                                   f"({message.strip()!r}): was this lab run with another store?")
         if h.seed_branch:
             branch, base = h.seed_branch, ws.baseline_head()
         else:
             branch, base = h.branch or f"hyp/{h.id}-{slugify(h.title)}", ws.repo.commit(commit).parents[0].hexsha
             ws.point_branch(branch, commit)
-        self.svc.records.update(h.id, branch=branch, base_commit=base, commit=commit, status="measuring",
-                                look=self.svc.lab.config.gate.looks[0])
-        return {"route": "measure"}
+        return self._measuring(h, branch, base, commit)
 
     def _adopt_branch(self, h: Hypothesis, base: str) -> State:
         """A researcher's branch is measured as-is, after the same editable-path check, against the
@@ -366,70 +391,60 @@ class Nodes:
             self._smoke(commit, {})  # a syntax error costs a second here, not a look of failed runs
         except (EditRejected, UserError) as e:
             kind = e.kind if isinstance(e, EditRejected) else "unknown_branch"
-            rec.update(h.id, status="summarizing", decision=Decision.REJECT, reject_kind=kind, reject_reason=str(e),
-                       branch=h.seed_branch, commit=None)
-            return {"route": "rejected"}
+            return self._reject(h, kind, str(e), branch=h.seed_branch, commit=None)
         if commit != tagged:
             ws.point_branch(branch, commit)
         ws.tag(f"exp/{h.id}", tagged, experiment_message(h))
-        rec.update(h.id, branch=branch, base_commit=base, commit=commit, status="measuring",
-                   look=self.svc.lab.config.gate.looks[0])
-        return {"route": "measure"}
+        return self._measuring(h, branch, base, commit)
 
     # evaluate ---------------------------------------------------------------
     def evaluate(self, state: State) -> State:
-        svc, rec = self.svc, self.svc.records
-        h = rec.get(state["hypothesis_id"])
-        if h.status != "measuring":
-            return {"route": "measure" if h.status in ("deciding", "promoting", "held") else ""}
-        ids = queue_look(svc, h)
+        """The look's runs queued (idempotently); the thread waits for them in an interrupt, and is
+        then judged by the gate (one record per look)."""
+        svc = self.svc
+        h = svc.records.get(state["hypothesis_id"])
+        look = state.get("look") or h.look or svc.lab.config.gate.looks[0]
+        ids = queue_look(svc, h, look)
         if not svc.experiment.finished(ids):
             from langgraph.types import interrupt
 
             # the thread pauses here, in its checkpoint, until the loop resumes it with the runs in;
-            # resumed early, it waits again (a fresh pass of this node)
-            interrupt({"kind": LOOK, "hypothesis_id": h.id, "look": h.look, "runs": ids})
-            return {"route": "waiting"}
-        result = svc.experiment.judge_look(h.base_commit, h.commit, h.look)
-        svc.store.put_gate_record(str(h.id), h.look, result)
-        rec.update(h.id, verdict=result.verdict or "inconclusive", status="deciding")
-        return {"route": "measure"}
+            # resumed early, it waits again (a fresh pass of this node: the phase stays `measuring`)
+            interrupt({"kind": LOOK, "hypothesis_id": h.id, "look": look, "runs": ids})
+            return {}
+        result = svc.experiment.judge_look(h.base_commit, h.commit, look)
+        svc.store.put_gate_record(str(h.id), look, result)
+        return self._to(h, Status.DECIDING, look=look, verdict=result.verdict or "inconclusive")
 
     # decide -----------------------------------------------------------------
     def decide(self, state: State) -> State:
-        svc, rec = self.svc, self.svc.records
-        h = rec.get(state["hypothesis_id"])
-        if h.status in ("measuring", "promoting"):  # work of a later node, after a restart
-            return {"route": {"measuring": "measure", "promoting": "promote"}[h.status]}
-        if h.status == "held":  # to its summary, which leads to the hold
-            return {"route": "done"}
-        if h.status != "deciding":
-            return {"route": "done"}
+        """The policy's choice within what the verdict allows: escalate (→ evaluate the next look),
+        promote (→ promote), hold (→ summarize, then wait for a human), abandon or refine (→ summarize)."""
+        svc = self.svc
+        h = svc.records.get(state["hypothesis_id"])
+        look = state.get("look") or h.look or 0
+        verdict = state.get("verdict", h.verdict)
         looks = svc.lab.config.gate.looks
-        allowed = allowed_decisions(h.verdict, h.look, looks, svc.supervised)
-        too_good = self._too_good(h)
+        allowed = allowed_decisions(verdict, look, looks, svc.supervised)
+        too_good = self._too_good(h, verdict)
         if too_good:  # never promoted automatically, whatever --supervised says
             allowed = [Decision.HOLD]
-        choice = self._choice(h, allowed)
+        choice = self._choice(h, look, verdict, allowed)
         if too_good and choice.decision == Decision.HOLD:
             choice.rationale = f"Held for human review: {too_good}. {choice.rationale}"
-        if choice.decision == Decision.ESCALATE:
-            nxt = min(n for n in looks if n > h.look)
-            rec.update(h.id, look=nxt, status="measuring", decision=Decision.ESCALATE,
-                       rationale_decision=rebased_note(svc, h) + choice.rationale)
-            return {"route": "measure"}
         rationale = rebased_note(svc, h) + choice.rationale
+        if choice.decision == Decision.ESCALATE:
+            return self._to(h, Status.MEASURING, look=min(n for n in looks if n > look), decision=Decision.ESCALATE,
+                            rationale_decision=rationale)
         fields: dict[str, Any] = {"decision": choice.decision, "rationale_decision": rationale,
-                                  "follow_up": choice.follow_up or None, "status": "summarizing"}
-        route = "done"
+                                  "follow_up": choice.follow_up or None}
         if choice.decision == Decision.PROMOTE:
-            fields["status"], route = "promoting", "promote"
-        elif choice.decision == Decision.HOLD:  # summarized first, then the hold node waits for a human
-            fields |= {"status": "held", "review": "pending"}
-        elif choice.decision == Decision.REFINE and choice.follow_up:
+            return self._to(h, Status.PROMOTING, **fields)
+        if choice.decision == Decision.HOLD:  # summarized first, then the hold node waits for a human
+            return self._to(h, Status.HELD, review="pending", **fields)
+        if choice.decision == Decision.REFINE and choice.follow_up:
             queue_refinement(svc, h, choice.follow_up)
-        rec.update(h.id, **fields)
-        return {"route": route}
+        return self._to(h, Status.SUMMARIZING, **fields)
 
     # hold -------------------------------------------------------------------
     def hold(self, state: State) -> State:
@@ -437,16 +452,11 @@ class Nodes:
         interrupt in the thread's checkpoint, until `review --approve/--reject` resumes it."""
         from langgraph.types import interrupt
 
-        rec = self.svc.records
-        h = rec.get(state["hypothesis_id"])
-        if h.status != "held":
-            return {"route": "promote" if h.status == "promoting" else ""}
+        h = self.svc.records.get(state["hypothesis_id"])
         answer = interrupt({"kind": HOLD, "hypothesis_id": h.id, "reason": h.rationale_decision or ""})
         if answer == "approve":
-            rec.update(h.id, status="promoting", decision=Decision.PROMOTE)
-            return {"route": "promote"}
-        rec.update(h.id, status="summarizing", decision=Decision.ABANDON)
-        return {"route": ""}
+            return self._to(h, Status.PROMOTING, decision=Decision.PROMOTE)
+        return self._to(h, Status.SUMMARIZING, decision=Decision.ABANDON)
 
     # promote ----------------------------------------------------------------
     def promote(self, state: State) -> State:
@@ -460,29 +470,27 @@ class Nodes:
         driver advances its threads one after another in its own thread (`graph.invoke` returns only
         when a thread stops), so no two promote nodes run at once; `Workspace.promote` moves the
         baseline branch only from the head it read (`git update-ref NEW OLD`) besides."""
-        rec = self.svc.records
-        h = rec.get(state["hypothesis_id"])
-        if h.status == "measuring":  # re-based by a pass of this node that died before its checkpoint
-            return {"route": "measure"}
-        if h.status != "promoting":
-            return {"route": ""}
+        h = self.svc.records.get(state["hypothesis_id"])
+        if h.promoted_tag:  # promoted by a pass that died before its checkpoint
+            return {**self._to(h, Status.SUMMARIZING), "champion": h.promoted_tag}
         if base_moved(self.svc, h):
-            return rebase(self.svc, h)
-        rec.update(h.id, **{"status": "summarizing", **promote(self.svc, h)})
-        return {"route": ""}
+            update, fields = rebase(self.svc, h)
+            return self._to(h, Status(update.pop("phase")), **update, **fields)
+        fields = promote(self.svc, h)
+        return {**self._to(h, Status.SUMMARIZING, **fields), "champion": fields.get("promoted_tag")}
 
-    def _too_good(self, h: Hypothesis) -> str | None:
-        if h.verdict != "improvement":
+    def _too_good(self, h: Hypothesis, verdict: str | None) -> str | None:
+        if verdict != "improvement":
             return None
         from pipeline.gate.plausibility import implausible
 
         return implausible(self.svc.records.latest_verdict(h.id), self.svc.lab.config)
 
-    def _choice(self, h: Hypothesis, allowed: list[str]) -> Choice:
+    def _choice(self, h: Hypothesis, look: int, verdict: str | None, allowed: list[str]) -> Choice:
         """The policy's choice at this look, within `allowed`; stored before any side effect, so a
         re-run after a crash carries out the same decision instead of asking again."""
         svc = self.svc
-        done = svc.records.decision_at(h.id, h.look)
+        done = svc.records.decision_at(h.id, look)
         if done is not None and done.decision in allowed:  # an unknown decision string is in no allowed list
             return Choice(done.decision, done.rationale, done.follow_up)
         from pipeline.gate import render_markdown
@@ -492,40 +500,76 @@ class Nodes:
 
         looks = svc.lab.config.gate.looks
         evidence = render_markdown(svc.records.latest_verdict(h.id))
-        look_text = prompts.phrase("look", index=looks.index(h.look) + 1 if h.look in looks else "?",
-                                   count=len(looks), runs=h.look)
+        look_text = prompts.phrase("look", index=looks.index(look) + 1 if look in looks else "?",
+                                   count=len(looks), runs=look)
         try:
-            choice = svc.policy.decide(build_context(svc), h, h.verdict, evidence, allowed, look_text)
+            choice = svc.policy.decide(build_context(svc), h, verdict, evidence, allowed, look_text)
         except LLMError as e:  # no answer (budget, endpoint down, no valid JSON): follow the gate
             from agent.policy import OfflinePolicy
 
-            choice = OfflinePolicy().decide(build_context(svc), h, h.verdict, evidence, allowed, look_text)
+            choice = OfflinePolicy().decide(build_context(svc), h, verdict, evidence, allowed, look_text)
             choice.rationale = f"No decision from the policy ({type(e).__name__}: {e}). {choice.rationale}"
         if choice.decision not in allowed:
             choice = Choice(Decision.ABANDON if Decision.ABANDON in allowed else allowed[-1],
-                            f"the policy chose {choice.decision!r}, which the verdict {h.verdict} does not allow")
-        put_decision(svc.store, h.id, DecisionRecord(h.look, choice.decision, choice.rationale, choice.follow_up,
-                                                     list(allowed), h.verdict, svc.policy.name))
+                            f"the policy chose {choice.decision!r}, which the verdict {verdict} does not allow")
+        put_decision(svc.store, h.id, DecisionRecord(look, choice.decision, choice.rationale, choice.follow_up,
+                                                     list(allowed), verdict, svc.policy.name))
         return choice
 
     # summarize --------------------------------------------------------------
     def summarize(self, state: State) -> State:
+        """The summary a human reviews: at a hold (before the reviewer approves), or at the end."""
         from agent.summary import write_summary
 
         svc, rec = self.svc, self.svc.records
         h = rec.get(state["hypothesis_id"])
-        if h.status == "held":  # the summary a reviewer reads before approving
+        if phase_of(state, h) == Status.HELD:  # the summary a reviewer reads before approving
             write_summary(svc, h)
-            return {"route": "hold"}
-        if h.status != "summarizing":
-            return {"route": "done"}
+            return {}
         # every summary waits for a human read; approvals and comments steer the agent
         h = rec.update(h.id, review="pending" if h.review == "none" else h.review)
         write_summary(svc, h)
-        rec.update(h.id, status="done", finished_at=time.time())
         if h.commit and not h.promoted_tag:  # a champion's worktree serves its baseline runs
             svc.experiment.release(h.commit)
-        return {"route": "done"}
+        return self._to(h, Status.DONE, finished_at=time.time())
+
+    # reverify ---------------------------------------------------------------
+    def reverify(self, state: State) -> State:
+        """After a promotion: the new champion's own runs (queued by `promote`, on seeds it was not
+        selected on) are waited for in an interrupt, and how it held up is recorded (a `reverify`
+        gate record and a loop event). The thread ends here; the hypothesis was decided before."""
+        from agent.verdicts import reverify_record
+
+        svc = self.svc
+        h = svc.records.get(state["hypothesis_id"])
+        tag = state.get("champion") or h.promoted_tag
+        if not tag or reverify_record(svc.store, h.id) is not None:
+            return {"champion": None}
+        ids = svc.experiment.queue_champion(tag, tag)  # idempotent: the runs `promote` queued
+        if not svc.experiment.finished(ids):
+            from langgraph.types import interrupt
+
+            interrupt({"kind": LOOK, "hypothesis_id": h.id, "champion": tag, "runs": ids})
+            return {}
+        r = reverification(svc, h)
+        if r is None:  # a fresh run failed: nothing to compare on all tasks, said once
+            svc.records.event("reverified", f"{tag}: not re-verified, a fresh run has no metric")
+            return {"champion": None}
+        svc.store.put_gate_record(str(h.id), 0, r, kind="reverify")
+        bench = svc.lab.config.benchmark
+        svc.records.event("reverified", reverification_message(r, bench.metric, bench.higher_is_better))
+        return {"champion": None}
+
+
+def reverification_message(r: dict[str, Any], metric: str, higher_is_better: bool) -> str:
+    """One line on how a champion held up on fresh seeds, worded by the metric's direction
+    (for a lower-is-better metric a rise of the mean is a loss, and `tasks_worse` counts rises)."""
+    shrink = r["shrinkage"]
+    moved = "no change" if shrink == 0 else "better" if (shrink > 0) == higher_is_better else "worse"
+    return (f"{r['tag']} re-verified on {len(r['fresh_seeds'])} fresh seeds: mean {metric} "
+            f"{r['fresh_mean']:.4f} vs {r['selected_mean']:.4f} on the runs it was selected on "
+            f"({shrink:+.4f}, {moved}: {'higher' if higher_is_better else 'lower'} is better; "
+            f"{r['tasks_worse']}/{len(r['tasks'])} tasks worse)")
 
 
 def experiment_message(h: Hypothesis) -> str:
@@ -547,7 +591,7 @@ def queue_refinement(svc: Services, h: Hypothesis, follow_up: str) -> Hypothesis
     return svc.records.add(Hypothesis(
         title=first[:120], seed_text=follow_up.strip(), parent_id=h.id, origin=svc.policy.name, priority=h.priority,
         rationale=f"Refines #{h.id} ({h.title}), verdict {h.verdict}: {follow_up.strip()}",
-        expected_effect=h.expected_effect, expected_tasks=list(h.expected_tasks or []), status="queued"))
+        expected_effect=h.expected_effect, expected_tasks=list(h.expected_tasks or [])))
 
 
 def promote(svc: Services, h: Hypothesis) -> dict[str, Any]:
@@ -570,7 +614,7 @@ def base_moved(svc: Services, h: Hypothesis) -> bool:
     return bool(h.base_commit and h.commit) and h.base_commit != head and not ws.repo.is_ancestor(h.commit, head)
 
 
-def rebase(svc: Services, h: Hypothesis) -> State:
+def rebase(svc: Services, h: Hypothesis) -> tuple[State, dict[str, Any]]:
     """A hypothesis about to be promoted whose base moved: its commit merged onto the current
     baseline head (no working tree, as promotion does), measured again from its first look.
 
@@ -582,7 +626,8 @@ def rebase(svc: Services, h: Hypothesis) -> State:
     `<id>@<old base>`, so no verdict or decision against the old base can promote it: the policy's
     evidence and the gate's looks start over against the new base, on its generation's seed block.
     A record `rebase` (and a loop event) says from where to where, and what the old base's verdict
-    was. Each step is idempotent; the hypothesis's row changes last."""
+    was. Each step is idempotent; the hypothesis's row changes last: the state's update and the
+    row's fields are returned, for the promote node to project."""
     from agent.verdicts import rebases
     from agent.workspace import PromotionConflict
 
@@ -610,23 +655,22 @@ def rebase(svc: Services, h: Hypothesis) -> State:
                 (f"abandoned, {why}" if why else f"{earlier} does not count; measured again against {onto}"))
         rec.event("rebase", said)
     if why:
-        rec.update(h.id, status="summarizing", decision=Decision.ABANDON,
-                   rationale_decision=f"Re-based from {frm} onto {onto} before its promotion ({earlier}): {why}. "
-                                      f"Abandoned: never measured against {onto}.")
-        return {"route": ""}
+        return {"phase": Status.SUMMARIZING.value}, {
+            "decision": Decision.ABANDON,
+            "rationale_decision": f"Re-based from {frm} onto {onto} before its promotion ({earlier}): {why}. "
+                                  f"Abandoned: never measured against {onto}."}
     assert new is not None
     branch = h.branch if h.branch and h.branch != h.seed_branch else f"hyp/{h.id}-{slugify(h.title)}"
     if branch == h.seed_branch:
         branch = f"hyp/{h.id}-rebased"
     ws.point_branch(branch, new)
     store.move_gate_records(str(h.id), payload["archived_as"], ("verdict", "decision"))
-    rec.update(h.id, commit=new, base_commit=head, branch=branch, look=svc.lab.config.gate.looks[0], verdict=None,
-               decision=None, follow_up=None, review="none", status="measuring",
-               rationale_decision=f"Re-based from {frm} onto {onto} before its promotion: {earlier} does not "
-                                  f"count; measured again against {onto}.")
     if old_commit != new:
         svc.experiment.release(old_commit)
-    return {"route": "measure"}
+    return {"phase": Status.MEASURING.value, "look": svc.lab.config.gate.looks[0], "verdict": None}, {
+        "commit": new, "base_commit": head, "branch": branch, "decision": None, "follow_up": None, "review": "none",
+        "rationale_decision": f"Re-based from {frm} onto {onto} before its promotion: {earlier} does not "
+                              f"count; measured again against {onto}."}
 
 
 def rebased_note(svc: Services, h: Hypothesis) -> str:
@@ -667,41 +711,133 @@ def queue_rank(h: Hypothesis) -> int:
     return min(99, (50 if h.origin == "human" else 0) + min(max(h.priority, 0), 49))
 
 
-def queue_look(svc: Services, h: Hypothesis) -> list[int]:
-    """Queue (idempotently) the runs of the hypothesis's current look: the baseline's and its own."""
-    return svc.experiment.queue_look(h.base_commit, h.commit, h.look or 0, label=h.branch, rank=queue_rank(h))
+def queue_look(svc: Services, h: Hypothesis, look: int) -> list[int]:
+    """Queue (idempotently) the runs of the hypothesis's look: the baseline's and its own."""
+    return svc.experiment.queue_look(h.base_commit, h.commit, look, label=h.branch, rank=queue_rank(h))
 
 
 # ----------------------------------------------------------------------------- graph
 
-def build_graph(svc: Services, checkpointer: Any):
-    from langgraph.graph import END, START, StateGraph
+# the routers: where a thread goes after each node, from its state alone (named, so that a node can be
+# put between two others by moving a router: `GraphSpec.insert_after`)
 
+def from_start(s: State) -> str:
+    """A new thread (the loop gives it the row's status as its phase), or one an earlier version
+    ended while its hypothesis was still active: to the node of its phase."""
+    return {Status.QUEUED: "propose", Status.PROPOSING: "propose", Status.IMPLEMENTING: "implement",
+            Status.MEASURING: "evaluate", Status.DECIDING: "decide", Status.PROMOTING: "promote",
+            Status.HELD: "hold", Status.SUMMARIZING: "summarize"}.get(s.get("phase") or "",
+                                                                     "reverify" if s.get("champion") else END)
+
+
+def after_propose(s: State) -> str:
+    return "summarize" if s.get("phase") == Status.SUMMARIZING else "implement"
+
+
+def after_implement(s: State) -> str:
+    return "evaluate" if s.get("phase") == Status.MEASURING else "summarize"
+
+
+def after_evaluate(s: State) -> str:
+    return "decide" if s.get("phase") == Status.DECIDING else "evaluate"  # resumed early: it waits again
+
+
+def after_decide(s: State) -> str:
+    # a hold is summarized first (the summary the reviewer reads), then waits in `hold`
+    return {Status.MEASURING: "evaluate", Status.PROMOTING: "promote"}.get(s.get("phase") or "", "summarize")
+
+
+def after_promote(s: State) -> str:
+    return "evaluate" if s.get("phase") == Status.MEASURING else "summarize"  # re-based: measured again
+
+
+def after_summarize(s: State) -> str:
+    if s.get("phase") == Status.HELD:
+        return "hold"
+    return "reverify" if s.get("champion") else END
+
+
+def after_hold(s: State) -> str:
+    return "promote" if s.get("phase") == Status.PROMOTING else "summarize"
+
+
+def after_reverify(s: State) -> str:
+    return "reverify" if s.get("champion") else END  # resumed early: it waits again
+
+
+END = "__end__"  # langgraph.graph.END, without importing langgraph where only the routers are needed
+
+
+@dataclass
+class GraphSpec:
+    """The graph as data: its nodes and, for each, its router (`ROUTES`). `build_graph` compiles it;
+    a new step is a node and one `insert_after`, and no other node changes."""
+
+    nodes: dict[str, Callable[[State], State]]
+    routes: dict[str, Callable[[State], str]]
+
+    def insert_after(self, after: str, name: str, node: Callable[[State], State]) -> None:
+        """Put `node` right after `after`: it takes over `after`'s router, and `after` leads to it."""
+        self.nodes[name] = node
+        self.routes[name] = self.routes[after]
+        self.routes[after] = lambda _s: name
+
+    def compile(self, checkpointer: Any, projection: Records | None = None):
+        from langgraph.graph import START, StateGraph
+
+        g = StateGraph(State)
+        for name, node in self.nodes.items():
+            g.add_node(name, node if projection is None else _replayed(node, projection))
+        g.add_conditional_edges(START, from_start, [*self.nodes, END])
+        for name, router in self.routes.items():
+            g.add_conditional_edges(name, router, [*self.nodes, END])
+        return g.compile(checkpointer=checkpointer)
+
+
+def graph_spec(svc: Services) -> GraphSpec:
     nodes = Nodes(svc)
-    g = StateGraph(State)
-    g.add_node("propose", nodes.propose)
-    g.add_node("implement", nodes.implement)
-    g.add_node("evaluate", nodes.evaluate)
-    g.add_node("decide", nodes.decide)
-    g.add_node("promote", nodes.promote)
-    g.add_node("summarize", nodes.summarize)
-    g.add_node("hold", nodes.hold)
-    g.add_edge(START, "propose")
-    g.add_conditional_edges("propose", lambda s: "summarize" if s.get("route") == "rejected" else "implement",
-                            ["summarize", "implement"])
-    g.add_conditional_edges("implement", lambda s: "summarize" if s.get("route") == "rejected" else "evaluate",
-                            ["summarize", "evaluate"])
-    g.add_conditional_edges("evaluate", lambda s: "evaluate" if s.get("route") == "waiting" else "decide",
-                            ["decide", "evaluate"])
-    after_decide = {"measure": "evaluate", "promote": "promote", "hold": "hold"}
-    g.add_conditional_edges("decide", lambda s: after_decide.get(s.get("route") or "", "summarize"),
-                            ["evaluate", "promote", "hold", "summarize"])
-    g.add_conditional_edges("promote", lambda s: "evaluate" if s.get("route") == "measure" else "summarize",
-                            ["evaluate", "summarize"])  # a re-based hypothesis is measured again
-    g.add_conditional_edges("summarize", lambda s: "hold" if s.get("route") == "hold" else END, ["hold", END])
-    g.add_conditional_edges("hold", lambda s: "promote" if s.get("route") == "promote" else "summarize",
-                            ["promote", "summarize"])
-    return g.compile(checkpointer=checkpointer)
+    return GraphSpec(
+        nodes={"propose": nodes.propose, "implement": nodes.implement, "evaluate": nodes.evaluate,
+               "decide": nodes.decide, "promote": nodes.promote, "summarize": nodes.summarize, "hold": nodes.hold,
+               "reverify": nodes.reverify},
+        routes={"propose": after_propose, "implement": after_implement, "evaluate": after_evaluate,
+                "decide": after_decide, "promote": after_promote, "summarize": after_summarize, "hold": after_hold,
+                "reverify": after_reverify})
+
+
+def _replayed(node: Callable[[State], State], records: Records) -> Callable[[State], State]:
+    """A node run again after a crash between its projection and its checkpoint finds the row a step
+    ahead of its state (the row is written first): the step is done, its update is the row's. Every
+    node's side effects come before its projection, so nothing of the step is lost."""
+
+    def run(state: State) -> State:
+        phase = state.get("phase")
+        if phase:
+            h = records.get(state["hypothesis_id"])
+            if h.status != phase:
+                update: State = {"phase": h.status, "look": h.look, "verdict": h.verdict}
+                if h.promoted_tag:
+                    update["champion"] = h.promoted_tag
+                return update
+        return node(state)
+
+    run.__name__ = getattr(node, "__name__", "node")
+    return run
+
+
+def build_graph(svc: Services, checkpointer: Any):
+    """One hypothesis's graph, checkpointed by `checkpointer`:
+    propose → implement → evaluate ⇄ decide → [promote] → summarize → [reverify]; decide → summarize
+    → hold → promote (a held promotion); promote → evaluate (a re-based hypothesis)."""
+    return graph_spec(svc).compile(checkpointer, projection=svc.records)
+
+
+def thread_input(h: Hypothesis) -> State:
+    """What a thread starts from (a new one, or one an earlier version ended): the row's lifecycle."""
+    state: State = {"hypothesis_id": h.id, "phase": h.status, "look": h.look, "verdict": h.verdict}
+    if h.promoted_tag:
+        state["champion"] = h.promoted_tag
+    return state
 
 
 CHECKPOINT_SETUP_LOCK = 7_272_742  # a PostgreSQL advisory lock: one process at a time sets the saver up

@@ -25,13 +25,13 @@ def init_lab(directory: str | Path, suite: str = "small", force: bool = False, h
     """
     import git
 
-    from pipeline.harness import HARNESSES, get_harness
+    from pipeline.experiment import harness_suites
 
     root = Path(directory).resolve()
-    if harness not in HARNESSES or not template_dir(harness).is_dir():
-        known = sorted(h for h in HARNESSES if template_dir(h).is_dir())
+    suites = harness_suites(harness)
+    if suites is None or not template_dir(harness).is_dir():
+        known = sorted(p.name for p in TEMPLATES.iterdir() if p.is_dir() and harness_suites(p.name) is not None)
         raise InitError(f"no template for harness {harness!r}; expected one of {known}")
-    suites = get_harness(harness).suites
     if suites and suite not in suites:
         raise InitError(f"unknown suite {suite!r}; expected one of {sorted(suites)}")
     if root.exists() and not root.is_dir():

@@ -8,6 +8,7 @@ records keep the strings they always had, and an old database reads the same. St
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 
 class Status(StrEnum):
@@ -56,3 +57,16 @@ class Decision(StrEnum):
             return cls(value)
         except ValueError:
             return value
+
+
+# what a thread carries through its graph (agent.graph.State): where it is, and the look and verdict
+LIFECYCLE_KEYS = ("phase", "look", "verdict")
+
+
+def project(records: Any, hid: int, update: dict[str, Any], **fields: Any) -> Any:
+    """The one writer of a hypothesis's `status`: the graph's state update (`phase`, and `look` or
+    `verdict` where it changes them) projected onto its row, with the facts the step produced
+    (`fields`), in one write. The row is what `status`, `report`, the web page and the loop read;
+    the graph's state is what the graph routes on. `records` is an `agent.records.Records`."""
+    cols = {k: update[k] for k in ("look", "verdict") if k in update}
+    return records.update(hid, status=Status(update["phase"]), **cols, **fields)

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from agent.errors import BudgetExceeded, LLMError
+from agent.lifecycle import Decision, Status, project
 from agent.records import ACTIVE, Hypothesis, Records
-from pipeline import runner
 from pipeline.errors import HarnessCommandError, MixedDatasets
+from pipeline.experiment import open_store
 from pipeline.lab import Lab
 
 log = logging.getLogger("autoresearch.loop")
@@ -141,17 +142,6 @@ def in_flight_room(slots: int, first_look_runs: int, in_flight: int, outstanding
     return outstanding < QUEUE_DEPTH * slots + first_look_runs
 
 
-def reverification_message(r: dict[str, Any], metric: str, higher_is_better: bool) -> str:
-    """One line on how a champion held up on fresh seeds, worded by the metric's direction
-    (for a lower-is-better metric a rise of the mean is a loss, and `tasks_worse` counts rises)."""
-    shrink = r["shrinkage"]
-    moved = "no change" if shrink == 0 else "better" if (shrink > 0) == higher_is_better else "worse"
-    return (f"{r['tag']} re-verified on {len(r['fresh_seeds'])} fresh seeds: mean {metric} "
-            f"{r['fresh_mean']:.4f} vs {r['selected_mean']:.4f} on the runs it was selected on "
-            f"({shrink:+.4f}, {moved}: {'higher' if higher_is_better else 'lower'} is better; "
-            f"{r['tasks_worse']}/{len(r['tasks'])} tasks worse)")
-
-
 def choose_policy(lab: Lab, store: Any, offline: bool, name: str | None = None):
     """`--policy NAME`, `--offline` (= offline), or the first configured policy of the registry."""
     from agent.policy import make_policy
@@ -171,7 +161,7 @@ class Loop:
         self.say = progress or (lambda msg: log.info(msg))
         self.on_looks = looks
         self.touched: list[int] = []  # the hypotheses this run worked on, in order
-        self.store = runner.open_store(lab, opts.db)
+        self.store = open_store(lab, opts.db)
         self.stop = threading.Event()
         self.stop_reason = ""
         self.notifier = None
@@ -208,6 +198,7 @@ class Loop:
         self.llm_down_since: float | None = None
         self.llm_waiting: set[int] = set()  # threads stopped at a node that needs the endpoint
         self._budget_said = False
+        self.reverifying: set[int] | None = None  # promoted hypotheses whose threads wait in `reverify`
 
     def close(self) -> None:
         """Stop the smoke runs' worker, release the checkpointer's connection and the lab's lease
@@ -231,9 +222,8 @@ class Loop:
     def _take_lease(self) -> None:
         """One driver per lab (`pipeline.lease`): take it, or a dead holder's; refresh it while we live."""
         from pipeline import lease
-        from pipeline.store import Owner
 
-        self.owner = Owner.current()
+        self.owner = lease.Owner.current()
         dead = lease.acquire(self.store, self.owner)
         if dead is not None:
             self._took_over = (f"took over the lab from pid {dead.pid} on {dead.host}, which died "
@@ -394,15 +384,16 @@ class Loop:
             h = min(seeds, key=lambda x: (-x.priority, x.id or 0), default=None)
         else:
             h = self.records.next_queued()
-        if h is not None:
-            return self.records.update(h.id, status="proposing" if not h.title else "implementing")
+        if h is not None:  # taken off the queue: its thread starts at its first node
+            return project(self.records, h.id, {"phase": Status.IMPLEMENTING if h.title else Status.PROPOSING})
         if held or self.llm_blocked():
             return None
         base = self.svc.workspace.baseline_head()
         if any(x.reject_kind == "exhausted" and x.origin == self.policy.name and x.base_commit == base
                for x in self.records.all(("done",))):
             return None  # nothing untried around this baseline; wait for human seeds or a new baseline
-        return self.records.add(Hypothesis(status="proposing", origin=self.policy.name))
+        h = self.records.add(Hypothesis(origin=self.policy.name))  # an empty one: its thread proposes
+        return project(self.records, h.id, {"phase": Status.PROPOSING})
 
     def _thread(self, h: Hypothesis) -> dict[str, Any]:
         return {"configurable": {"thread_id": str(h.id)}}
@@ -426,7 +417,7 @@ class Loop:
         hypothesis is given up: one broken idea must not stop the loop."""
         from sqlalchemy.exc import OperationalError
 
-        from pipeline.smoke import Interrupted
+        from pipeline.errors import Interrupted
 
         config = self._thread(h)
         before = (h.status, h.look, h.verdict)
@@ -460,8 +451,8 @@ class Loop:
                 self.records.event("error", msg)
                 self.say(msg)
                 if n >= MAX_GRAPH_FAILURES:
-                    self.records.update(h.id, status="done", decision="reject", reject_kind="internal_error",
-                                        reject_reason=msg, finished_at=time.time())
+                    project(self.records, h.id, {"phase": Status.DONE}, decision=Decision.REJECT,
+                            reject_kind="internal_error", reject_reason=msg, finished_at=time.time())
                 break
             h = self.records.get(h.id)
             if h.status == "done":
@@ -473,6 +464,8 @@ class Loop:
             self._export(h)
         if (h.status, h.look, h.verdict) != before:
             self.report(h)
+        if h.promoted_tag and h.status == Status.DONE and self.reverifying is not None:
+            self.reverifying.add(h.id)  # its thread waits for the champion's fresh runs
         return h
 
     def _step(self, h: Hypothesis) -> Any:
@@ -480,7 +473,7 @@ class Loop:
         its interrupt — or `_NOTHING` while it waits for runs, a human or the LLM's back-off."""
         from langgraph.types import Command
 
-        from agent.graph import LOOK
+        from agent.graph import LOOK, thread_input
 
         if h.id in self.llm_waiting:
             if time.time() < self.llm_retry_at:
@@ -496,11 +489,14 @@ class Loop:
             return _NOTHING if answer is None else Command(resume=answer)
         if snap.next:
             return None  # stopped or killed inside a node: that node runs again (its side effects are keyed)
-        if snap.created_at is not None and self.records.get(h.id).status == "done":
-            return _NOTHING
+        h = self.records.get(h.id)
+        if snap.created_at is not None and h.status == Status.DONE:
+            # ended; but a champion whose thread an earlier version ended at its promotion is re-verified
+            legacy = "phase" not in (snap.values or {}) and h.id in (self.reverifying or ())
+            return thread_input(h) if legacy else _NOTHING
         # a new thread; or one that ended while its hypothesis is active, which only a lab driven by an
-        # earlier version has (its threads ended at every wait): the nodes pass what the store says is done
-        return {"hypothesis_id": h.id}
+        # earlier version has (its threads ended at every wait): started at the node of its row's status
+        return thread_input(h)
 
     def _export(self, h: Hypothesis) -> None:
         """`run --mlflow URI`: the decided hypothesis to MLflow; a tracking server that fails is said
@@ -589,21 +585,30 @@ class Loop:
             self.advance(h)
 
     def note_reverifications(self) -> None:
-        """Once a promoted champion's fresh baseline runs are all in, record how it held up."""
-        from agent.graph import reverification
+        """Resume the threads that wait, in their `reverify` node, for a new champion's fresh runs,
+        once the runs are in; say how it held up. A thread an earlier version ended at the promotion
+        (it re-verified in the loop) is given its `reverify` node once."""
+        from agent.graph import reverification_message
         from agent.verdicts import reverify_record
 
-        for h in self.records.all(("done",)):
-            if not h.promoted_tag or reverify_record(self.store, h.id) is not None:
+        if self.reverifying is None:
+            self.reverifying = {h.id for h in self.records.all(("done",))
+                                if h.promoted_tag and reverify_record(self.store, h.id) is None}
+        for hid in sorted(self.reverifying):
+            h = self.records.get(hid)
+            try:
+                step = self._step(h)
+                if step is not _NOTHING and not self.stop.is_set():
+                    self.graph.invoke(step, self._thread(h))
+            except Exception as e:  # the store or git hiccuping: the thread waits at its checkpoint
+                log.warning("#%s: re-verification: %s", hid, e)
                 continue
-            r = reverification(self.svc, h)
-            if r is None:
-                continue
-            self.store.put_gate_record(str(h.id), 0, r, kind="reverify")
-            bench = self.lab.config.benchmark
-            msg = reverification_message(r, bench.metric, bench.higher_is_better)
-            self.records.event("reverified", msg)
-            self.say(msg)
+            if self.waits_for(h) is None:
+                self.reverifying.discard(hid)
+                r = reverify_record(self.store, hid)
+                if r is not None:
+                    bench = self.lab.config.benchmark
+                    self.say(reverification_message(r, bench.metric, bench.higher_is_better))
 
     # -------------------------------------------------------------- main loop
 
@@ -628,11 +633,10 @@ class Loop:
         return list(waits["runs"]) if waits and waits.get("kind") == LOOK else []
 
     def run(self) -> dict[str, Any]:
-        executor = runner.make_executor(self.opts.executor, self.lab, workers=self.opts.workers,
-                                        ray_address=self.opts.ray_address)
-        driver = runner.Driver(self.lab, self.store, executor)
+        driver = self.svc.experiment.driver(self.opts.executor, workers=self.opts.workers,
+                                            ray_address=self.opts.ray_address)
         self.say(f"loop started: policy {self.policy.name}, executor {self.opts.executor} "
-                 f"({executor.slots} slots), lab {self.lab.root}")
+                 f"({driver.slots} slots), lab {self.lab.root}")
         clock = self._start_clock()
         worker = self.driver_thread = DriverThread(driver, self.stop)
         try:
@@ -649,7 +653,7 @@ class Loop:
                 if self.plateau() and self.stop.is_set():
                     break
                 in_flight = self.records.all(ACTIVE)
-                while self.room_for_another(in_flight, executor.slots) and self.may_start():
+                while self.room_for_another(in_flight, driver.slots) and self.may_start():
                     h = self.next_hypothesis()
                     if h is None:
                         break
@@ -693,7 +697,7 @@ class Loop:
                     if self.on_looks is not None:
                         if time.monotonic() - last_shown[0] > 0.5:
                             last_shown[0] = time.monotonic()
-                            self.on_looks(self._look_state(runs, executor.slots))
+                            self.on_looks(self._look_state(runs, driver.slots))
                     elif time.monotonic() - last_said[0] > PROGRESS_EVERY_S:
                         last_said[0] = time.monotonic()
                         self.say("runs: " + "; ".join(

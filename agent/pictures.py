@@ -324,15 +324,15 @@ def seed_view(lab: Any, store: Any, h: Any) -> SeedView | None:
     """The runs of a hypothesis and of its baseline by seed, on the seed block they share (a
     promoted challenger's later runs, and its baseline's runs as a challenger before, lie in other
     blocks and are left out); None before its commit exists."""
-    from pipeline import runner
-    from pipeline.experiment import generation, seed_block
+    from pipeline.experiment import Experiment, generation, seed_block
 
     if not (h.commit and h.base_commit):
         return None
     tasks = lab.tasks()
     block = seed_block(generation(str(lab.root), h.base_commit))
-    base = runner.results(store, None, h.base_commit, tasks)  # both are full shas in the records
-    chal = runner.results(store, None, h.commit, tasks)
+    exp = Experiment(lab, store)
+    base = exp.results(h.base_commit, tasks)  # both are full shas in the records
+    chal = exp.results(h.commit, tasks)
     from agent.verdicts import verdicts
 
     recs = verdicts(store, h.id)

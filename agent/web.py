@@ -339,11 +339,9 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
 
     def stage_log(request: Request) -> Response:
         from pipeline.disk import read_tail
-        from pipeline.store import StageExec
 
         lab, store, _rec = lab_store()
-        with store.session() as s:
-            ex = s.get(StageExec, int(request.path_params["eid"]))
+        ex = store.stage_exec(int(request.path_params["eid"]))
         logs = (lab.state / "logs").resolve()
         path = Path(ex.log_path).resolve() if ex is not None and ex.log_path else None
         if path is None or logs not in path.parents or not path.is_file():

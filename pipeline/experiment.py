@@ -13,6 +13,10 @@ picks a seed, builds a gate input or touches an executor. One object per lab and
     exp.release(commit)                               # a decided challenger's worktree goes
     exp.close()
 
+    driver = exp.driver("local", workers=8)           # the execution layer: works the queue
+    driver.start(); driver.drive(until=...); driver.close()
+    exp.variance(runs), exp.pairing(rev, runs)        # the variance study, what the seeds buy
+
 Seeds. A baseline that has had g promotions owns the seed block g * SEED_BLOCK, g * SEED_BLOCK + 1,
 ...: its own runs and its challengers' use the first seeds of it. So a challenger and its baseline
 share seed k, and with it every seed-scoped stage (pretraining) through the cache whenever the
@@ -118,13 +122,83 @@ def _one_dataset(rows: list[Any]) -> str | None:
     return next(iter(seen), None)
 
 
+def open_store(lab: Lab, url: str | None = None) -> Any:
+    """The lab's store (`pipeline.store.Store`): `url` (any SQLAlchemy URL) or SQLite at
+    `runs/autoresearch.db`."""
+    return runner.open_store(lab, url)
+
+
+def check_executor(name: str) -> None:
+    """`UserError` naming the executors if `name` is none of them (no executor is built)."""
+    from pipeline.executors import EXECUTORS
+
+    EXECUTORS.get(name)
+
+
+def harness_suites(name: str) -> dict[str, Any] | None:
+    """The suites of the harness `name` (`autoresearch init`), or None if no harness has that name."""
+    from pipeline.harness import HARNESSES, get_harness
+
+    return dict(get_harness(name).suites or {}) if name in HARNESSES else None
+
+
 class Experiment:
-    """The measurement protocol of one lab, over one store."""
+    """The measurement protocol of one lab, over one store, and the execution layer behind it."""
 
     def __init__(self, lab: Lab, store: Any):
         self.lab = lab
         self.store = store
         self._smoke_runner: Any = None
+
+    # --- the execution layer -------------------------------------------------------------------
+
+    def driver(self, executor: str = "local", *, workers: int | None = None,
+               ray_address: str | None = None) -> "runner.Driver":
+        """The one thing that executes runs: a `Driver` working this lab's queue in this store on the
+        named executor's slots (`driver.slots`). `drive` it in one thread; `close` it in the same."""
+        ex = runner.make_executor(executor, self.lab, workers=workers, ray_address=ray_address)
+        return runner.Driver(self.lab, self.store, ex)
+
+    def variance(self, runs: int, executor: str = "local", *, workers: int | None = None,
+                 ray_address: str | None = None) -> dict[str, Any]:
+        """The variance study (`autoresearch variance`): `runs` identical baseline runs per task."""
+        from pipeline.variance import study
+
+        ex = runner.make_executor(executor, self.lab, workers=workers, ray_address=ray_address)
+        return study(self.lab, self.store, ex, runs)
+
+    def pairing(self, rev: str, runs: int, executor: str = "local", *, workers: int | None = None,
+                ray_address: str | None = None) -> dict[str, Any]:
+        """What the seeds buy (`variance --pair REV`): `rev` against the baseline, seed k with seed k."""
+        from pipeline.variance import pairing
+
+        ex = runner.make_executor(executor, self.lab, workers=workers, ray_address=ray_address)
+        return pairing(self.lab, self.store, ex, rev, runs)
+
+    def lab_pairing(self) -> dict[str, Any] | None:
+        """The pairing this lab's comparisons measured so far (no runs queued), for `status`."""
+        from pipeline.variance import lab_pairing
+
+        return lab_pairing(self.lab, self.store)
+
+    def results(self, commit: str, tasks: list[str] | None = None) -> dict[str, dict[int, float | None]]:
+        """{task: {seed: metric, or None for a method failure}} of a commit's finished runs (a full sha)."""
+        return runner.results(self.store, None, commit, tasks)
+
+    def goodput(self, since: float | None = None) -> Any:
+        """Where the compute went (`runner.Goodput`), since a time or ever."""
+        return runner.goodput(self.store, since)
+
+    def trust(self, rev: str | None = None) -> tuple[str, str]:
+        """The trusted commit the harness files come from (`harness = "command"`): moved to `rev`
+        (a human's decision) if given. Its tag and its sha."""
+        from pipeline.errors import UserError
+        from pipeline.harness.command import TRUSTED_TAG, set_trusted, trusted_commit
+
+        if not self.lab.config.benchmark.trusted:
+            raise UserError(f"harness {self.lab.config.benchmark.harness!r} has no trusted files; "
+                            'only a lab with harness = "command" has a trusted commit')
+        return TRUSTED_TAG, set_trusted(self.lab, rev) if rev is not None else trusted_commit(self.lab, create=False)
 
     # --- seeds ---------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Field, SQLModel
 
 from pipeline.errors import LabBusy
-from pipeline.store import Owner, Store, create_schema
+from pipeline.store import Owner, Store, create_schema  # noqa: F401 (Owner: the lease holder, re-exported)
 
 KEY = "driver"
 STALE_S = 120.0

@@ -204,6 +204,11 @@ class Driver:
 
     # --- life cycle -----------------------------------------------------------------------------
 
+    @property
+    def slots(self) -> int:
+        """How many stages the executor runs at once."""
+        return self.executor.slots
+
     def start(self) -> None:
         """Reconcile the queue, repair worktrees and the cache, start the heartbeat. Idempotent."""
         if self._started:

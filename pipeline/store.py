@@ -761,6 +761,11 @@ class Store:
                 out.setdefault(r.task, {})[r.seed] = r.value
         return out
 
+    def stage_exec(self, eid: int) -> StageExec | None:
+        """One stage execution by its id (the web page's log link)."""
+        with self.session() as s:
+            return s.get(StageExec, eid)
+
     def stage_execs(self, run_ids: Iterable[int] | None = None) -> list[StageExec]:
         with self.session() as s:
             q = select(StageExec).order_by(StageExec.id)

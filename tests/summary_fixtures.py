@@ -47,7 +47,7 @@ def implemented(svc: Services) -> Hypothesis:
         h = svc.records.add(Hypothesis(status="proposing", origin="offline"))
         nodes = Nodes(svc)
         nodes.propose({"hypothesis_id": h.id})
-        assert nodes.implement({"hypothesis_id": h.id})["route"] == "measure"
+        assert nodes.implement({"hypothesis_id": h.id})["phase"] == "measuring"
     finally:
         svc.policy = policy
     return svc.records.get(h.id)
@@ -73,16 +73,21 @@ def measured(svc: Services, h: Hypothesis, challenger: dict[str, list[float | No
 
 
 def decided(svc: Services, h: Hypothesis, summary_policy: Any = None) -> Hypothesis:
-    """Run the graph's real decide, promote and summarize nodes, in the graph's order; `summary_policy`
-    (an LLMPolicy) writes the summary only."""
-    nodes = Nodes(svc)
-    nodes.decide({"hypothesis_id": h.id})
-    nodes.promote({"hypothesis_id": h.id})  # a no-op unless the decision was to promote
-    policy, svc.policy = svc.policy, summary_policy or svc.policy
-    try:
-        nodes.summarize({"hypothesis_id": h.id})
-    finally:
-        svc.policy = policy
+    """Run the graph's real nodes from `decide` in the order its routers give (decide → promote →
+    summarize, or decide → summarize for a hold), up to where the thread would wait or end;
+    `summary_policy` (an LLMPolicy) writes the summary only."""
+    from agent.graph import END, graph_spec
+
+    spec = graph_spec(svc)
+    state: dict[str, Any] = {"hypothesis_id": h.id, "phase": "deciding", "look": h.look, "verdict": h.verdict}
+    node = "decide"
+    while node not in (END, "hold", "reverify", "evaluate"):
+        policy, svc.policy = svc.policy, (summary_policy or svc.policy) if node == "summarize" else svc.policy
+        try:
+            state |= spec.nodes[node](state)
+        finally:
+            svc.policy = policy
+        node = spec.routes[node](state)
     return svc.records.get(h.id)
 
 

@@ -226,7 +226,7 @@ def test_re_verification_of_a_logloss_champion_calls_a_rise_worse(svc, monkeypat
     """The champion's fresh seeds come in with a *higher* logloss than the runs it was selected on:
     that is worse on every task (the old line said "3/3 tasks lower", which read as better)."""
     from agent import graph
-    from agent.loop import reverification_message
+    from agent.graph import reverification_message
     from pipeline import experiment
 
     h, _ = _measure(svc, {"default": -8.0, "churn": -8.0, "fraud": -8.0})
