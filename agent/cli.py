@@ -135,14 +135,14 @@ def gate_sim_cmd(
     JSON: "false_positive_rate" (effect 0) or "power" (the rate of `improvement` verdicts) with its
     "_se", "mean_challenger_runs", horizontal and per-task crossing rates, "verdict_rates".
     """
-    from pipeline.gate.sim import SimInputError, simulate
+    from pipeline.gate.sim import UserError, simulate
 
     if looks is None:
         looks = "1,2,5,10" if protocol == "paired" else "2,5,10"
     try:
         planned = tuple(int(x) for x in looks.split(",") if x.strip())
     except ValueError:
-        raise SimInputError(f"--looks: expected comma-separated integers, got {looks!r}") from None
+        raise UserError(f"--looks: expected comma-separated integers, got {looks!r}") from None
     typer.echo(f"simulating {trials} trials ({protocol})...", err=True)
     result = simulate(
         protocol=protocol, effect=effect, tasks=tasks, rho=rho, trials=trials, baseline_runs=baseline_runs,

@@ -13,11 +13,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ReviewError
+from agent.errors import UserError
 from agent.records import ACTIVE, Hypothesis, Records
 from pipeline import disk, isolation, lease
 from pipeline.experiment import Experiment, open_store
-from pipeline.errors import UserError
 from pipeline.lab import Lab, load_lab, memory_plan
 
 
@@ -178,10 +177,10 @@ def report(repo: Path, db: str | None, hid: int) -> tuple[Hypothesis, Any]:
 def review(repo: Path, db: str | None, hid: int | None, approve: bool, reject: bool, comment: str | None) -> dict:
     lab, store, rec = open_lab_store(repo, db)
     if approve and reject:
-        raise ReviewError("--approve and --reject exclude each other")
+        raise UserError("--approve and --reject exclude each other")
     if hid is None:
         if approve or reject or comment:
-            raise ReviewError("give the hypothesis ID to approve, reject or comment on")
+            raise UserError("give the hypothesis ID to approve, reject or comment on")
         pending = [h for h in rec.all() if h.review == "pending"]
         return {"pending": [{"id": h.id, "title": h.title, "status": h.status, "decision": h.decision,
                              "verdict": h.verdict, "summary": str(lab.state / "summaries" / f"{h.id}.md")}
@@ -191,7 +190,7 @@ def review(repo: Path, db: str | None, hid: int | None, approve: bool, reject: b
         rec.comment(hid, "comment", comment)
     if approve or reject:
         if not rec.decide_review(hid, "approved" if approve else "rejected"):
-            raise ReviewError(f"hypothesis {hid} was already {rec.get(hid).review}")
+            raise UserError(f"hypothesis {hid} was already {rec.get(hid).review}")
         rec.comment(hid, "approve" if approve else "reject", comment or "")
         h = rec.get(hid)
     return {"id": hid, "review": h.review, "status": h.status,

@@ -1,32 +1,24 @@
-"""Every error of `agent/`, in one place (the pipeline's are in `pipeline.errors`).
+"""Every error of `agent/`, in one place (the pipeline's are in `pipeline.errors`, whose `UserError`
+is the agent's too: a review action or a notification target that does not fit is one).
 
     Exception
-    ├── pipeline.errors.UserError
-    │   └── ReviewError              a review action that does not fit the hypothesis
     ├── EditRejected                 an implementation the loop refuses; `kind` is recorded
     ├── PromotionConflict            the hypothesis no longer merges into the baseline
     ├── NotConfigured                a policy that cannot work here (no LLM endpoint)
-    ├── LLMError                     the LLM client's
+    ├── LLMError                     the LLM client's; `retryable`: asking again later may answer
     │   ├── LLMNotConfigured
     │   ├── BudgetExceeded           today's spend reached the cap; nothing was sent
-    │   ├── LLMUnavailable           429/5xx/timeouts/connection errors through every attempt
+    │   ├── LLMUnavailable           429/5xx/timeouts/connection errors through every attempt (retryable)
     │   ├── LLMRequestRejected       the endpoint refused the request itself
     │   └── LLMOutputError           no usable answer after every repair round
-    └── PromptError                  a template missing, malformed or filled wrongly
-        ├── PromptNotFound
-        ├── MissingPlaceholder
-        └── UnusedValue
+    └── PromptError                  a template missing, malformed, or filled with a value missing or unused
 
 Each module re-exports the errors it raises, so `from agent.llm import LLMUnavailable` works too.
 """
 
 from __future__ import annotations
 
-from pipeline.errors import UserError
-
-
-class ReviewError(UserError):
-    """A review action that does not fit the hypothesis (unknown id, nothing to approve)."""
+from pipeline.errors import UserError  # noqa: F401 (re-exported: the agent's user errors are the pipeline's)
 
 
 class EditRejected(Exception):
@@ -46,7 +38,10 @@ class NotConfigured(Exception):
 
 
 class LLMError(Exception):
-    """Base of the client's errors."""
+    """Base of the client's errors. `retryable`: the same request may succeed later (the loop
+    backs off and asks again); otherwise the answer is recorded as it is."""
+
+    retryable = False
 
 
 class LLMNotConfigured(LLMError):
@@ -63,6 +58,8 @@ class BudgetExceeded(LLMError):
 
 class LLMUnavailable(LLMError):
     """The endpoint kept failing (429, 5xx, timeouts, connection errors) through every attempt."""
+
+    retryable = True
 
     def __init__(self, purpose: str, attempts: int, last_error: str):
         self.purpose, self.attempts, self.last_error = purpose, attempts, last_error
@@ -94,21 +91,3 @@ class PromptError(Exception):
     """A prompt template is missing, malformed, or was filled with the wrong values."""
 
 
-class PromptNotFound(PromptError):
-    """No `prompts/<name>.md`."""
-
-
-class MissingPlaceholder(PromptError):
-    """A template placeholder was given no value."""
-
-    def __init__(self, template: str, missing: list[str]):
-        self.template, self.missing = template, missing
-        super().__init__(f"prompt {template!r}: no value for placeholder(s) {', '.join(missing)}")
-
-
-class UnusedValue(PromptError):
-    """A value was given for a placeholder the template does not have."""
-
-    def __init__(self, template: str, unused: list[str]):
-        self.template, self.unused = template, unused
-        super().__init__(f"prompt {template!r}: template has no placeholder(s) {', '.join(unused)}")

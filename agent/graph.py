@@ -1,20 +1,28 @@
 """One LangGraph graph per hypothesis: propose → implement → evaluate ⇄ decide → [promote] → summarize
-→ [hold → promote → summarize]; promote → evaluate when a re-based hypothesis is measured again.
+→ [reverify]; decide → summarize → hold → promote (a held promotion); promote → evaluate when a
+re-based hypothesis is measured again.
 
-The graph is the hypothesis's one state machine: its thread (id = hypothesis id) is checkpointed
-after every node and, after any stop, crash or `kill -9`, resumed from that checkpoint — never
-started over. Its state is only the hypothesis id and a routing flag; every fact lives in the
-store (`agent.records`, `pipeline.store`). A node's side effects are keyed (branch names, tags,
-run keys, gate records per look) and each node first looks at what the store already says, so a
-node that died half-way, before its checkpoint, is simply run again.
+The graph is the hypothesis's one state machine. Its state carries the lifecycle: `phase` (a
+`Status`), `look` and `verdict`, and the champion a promotion made until it is re-verified. Each
+node does one step and returns the state's update through `Nodes._to`, which projects it onto the
+hypothesis's row in the same step (`agent.lifecycle.project`, the one writer of `status`); where
+the thread goes next is the named routers' (`GraphSpec`), from the state alone. The thread (id =
+hypothesis id) is checkpointed after every node and, after any stop, crash or `kill -9`, resumed
+from that checkpoint — never started over. The facts of a step (branches, tags, runs, gate
+records, the summary) live in the store and git, keyed, and come before the projection: a node that
+died half-way is simply run again, and one that died after its projection (the row a step ahead of
+the checkpoint) takes the row's update without doing its step twice (`_replayed`).
 
-A thread waits in two places, both a LangGraph `interrupt()` kept in its checkpoint:
+A thread waits in three places, each a LangGraph `interrupt()` kept in its checkpoint:
 - `evaluate`, for the runs of a look (`{"kind": "look", "runs": [...]}`): the driver loop
   (`agent.loop`) executes runs for every hypothesis in flight and resumes the thread with
   `Command(resume="finished")` once they are all in;
 - `hold`, for a human (`{"kind": "hold"}`): a held promotion (`--supervised`, or a result too
   good to be true); `review --approve/--reject` records the answer and the loop resumes the thread
-  with `Command(resume="approve"|"reject")`.
+  with `Command(resume="approve"|"reject")`;
+- `reverify`, after a promotion's summary, for the new champion's runs on fresh seeds
+  (`{"kind": "look", "champion": tag, "runs": [...]}`); the thread ends when how it held up is
+  recorded. The hypothesis is `done` (decided) while its thread waits there.
 Promotion happens in the `promote` node only, and only against the baseline the hypothesis was
 measured with: one whose base moved meanwhile (several hypotheses in flight) is re-based there,
 promote → evaluate, and measured again (`rebase`).

@@ -6,7 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
-from pipeline.errors import InitError
+from pipeline.errors import UserError
 from pipeline.lab import BASELINE_BRANCH, CONFIG_NAME, load_lab
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "pipeline" / "templates"
@@ -31,13 +31,13 @@ def init_lab(directory: str | Path, suite: str = "small", force: bool = False, h
     suites = harness_suites(harness)
     if suites is None or not template_dir(harness).is_dir():
         known = sorted(p.name for p in TEMPLATES.iterdir() if p.is_dir() and harness_suites(p.name) is not None)
-        raise InitError(f"no template for harness {harness!r}; expected one of {known}")
+        raise UserError(f"no template for harness {harness!r}; expected one of {known}")
     if suites and suite not in suites:
-        raise InitError(f"unknown suite {suite!r}; expected one of {sorted(suites)}")
+        raise UserError(f"unknown suite {suite!r}; expected one of {sorted(suites)}")
     if root.exists() and not root.is_dir():
-        raise InitError(f"{root} exists and is not a directory")
+        raise UserError(f"{root} exists and is not a directory")
     if root.exists() and any(root.iterdir()) and not force:
-        raise InitError(f"{root} is not empty; pass --force to create the lab there anyway")
+        raise UserError(f"{root} is not empty; pass --force to create the lab there anyway")
     root.mkdir(parents=True, exist_ok=True)
     src = template_dir(harness)
     for item in src.iterdir():

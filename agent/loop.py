@@ -4,10 +4,11 @@ enforces budgets and guards, and stops gracefully.
 It is deliberately plain, and holds no state of a hypothesis: each hypothesis is its LangGraph
 thread (`agent.graph`), and the loop only schedules threads. It picks or proposes hypotheses up to
 `max_in_flight`, takes each thread as far as it goes from its checkpoint (to the interrupt that
-waits for a look's runs or for a human), then lets the execution layer work the queue until one
-in-flight look has all its runs, and resumes that thread. After a crash or `kill -9`, a restart
-resumes every active thread from its checkpoint; the runs they queued are reconciled by the
-execution layer under the same keys.
+waits for a look's runs, a human, or a new champion's fresh runs), while the execution layer (the
+`Driver` the measurement API gives, `Experiment.driver`, in a thread of its own) works the queue;
+when one in-flight look has all its runs, it resumes that thread. After a crash or `kill -9`, a
+restart resumes every active thread from its checkpoint; the runs they queued are reconciled by
+the execution layer under the same keys.
 
 An LLM outage is infrastructure: a proposal the endpoint could not give creates no hypothesis
 (the empty one is withdrawn), a thread that needs the endpoint waits at its node, and the loop

@@ -76,10 +76,6 @@ def one_line(text: str) -> str:
     return " ".join(text.split())[:SUBJECT_MAX]
 
 
-class NotifyError(UserError):
-    """A notification target that cannot be used (a bad --notify URL, a secret's variable unset)."""
-
-
 # ----------------------------------------------------------------------------- targets
 
 @dataclass(frozen=True)
@@ -105,8 +101,8 @@ def cli_target(url: str) -> Any:
 
     from pipeline.lab import NotifyTarget
 
-    def bad(why: str) -> NotifyError:
-        return NotifyError(f"--notify: {why}; expected https://… (JSON webhook), slack+https://… (Slack-compatible) "
+    def bad(why: str) -> UserError:
+        return UserError(f"--notify: {why}; expected https://… (JSON webhook), slack+https://… (Slack-compatible) "
                            "or smtp://[user@]host[:port]?to=ADDR&from=ADDR[&password_env=VAR][&starttls=false]")
 
     try:
@@ -155,7 +151,7 @@ def resolve(spec: Any, defaults: list[str], env: dict[str, str]) -> Target:
         if spec.password_env:
             password = env.get(spec.password_env)
             if not password:
-                raise NotifyError(f"[notify] e-mail target {spec.name or spec.smtp_host}: password_env "
+                raise UserError(f"[notify] e-mail target {spec.name or spec.smtp_host}: password_env "
                                   f"{spec.password_env} is not set in the environment")
         ident = f"{spec.smtp_host}:{spec.smtp_port}:{','.join(spec.to)}"
         return Target(spec.name or f"email-{_short_hash(ident)}", "email",
@@ -165,7 +161,7 @@ def resolve(spec: Any, defaults: list[str], env: dict[str, str]) -> Target:
     if spec.url_env:
         url = env.get(spec.url_env, "")
         if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
-            raise NotifyError(f"[notify] {spec.kind} target {spec.name or spec.url_env}: url_env {spec.url_env} "
+            raise UserError(f"[notify] {spec.kind} target {spec.name or spec.url_env}: url_env {spec.url_env} "
                               "is not set to an http(s) URL in the environment")
         parts = urllib.parse.urlsplit(url)  # shown without user info: a secret may sit there
         ident, where = f"env:{spec.url_env}", f"${spec.url_env} ({parts.hostname}" + (f":{parts.port})" if parts.port else ")")
@@ -183,7 +179,7 @@ def targets(config: Any, cli_urls: list[str], env: dict[str, str]) -> list[Targe
     for spec in specs:
         t = resolve(spec, list(config.events), env)
         if any(o.id == t.id for o in out):
-            raise NotifyError(f"[notify] two targets named {t.id}; give each its own name")
+            raise UserError(f"[notify] two targets named {t.id}; give each its own name")
         out.append(t)
     return out
 

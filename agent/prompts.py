@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from agent.errors import MissingPlaceholder, PromptError, PromptNotFound, UnusedValue
+from agent.errors import PromptError
 
 # The top-level `prompts/` folder, shipped inside the package as `agent/prompt_files` (a link in the
 # source tree, real files in a wheel): found the same way from a checkout and from an installed wheel.
@@ -43,10 +43,10 @@ class Template:
         """The body with every placeholder replaced by `str(value)`; strict about missing/unused keys."""
         missing = sorted(self.placeholders - values.keys())
         if missing:
-            raise MissingPlaceholder(self.name, missing)
+            raise PromptError(self.name, missing)
         unused = sorted(values.keys() - self.placeholders)
         if unused:
-            raise UnusedValue(self.name, unused)
+            raise PromptError(self.name, unused)
         return self.body.format_map(values)
 
 
@@ -79,7 +79,7 @@ def load(name: str, directory: Path | None = None) -> Template:
     try:
         mtime = path.stat().st_mtime_ns
     except FileNotFoundError:
-        raise PromptNotFound(f"no prompt template {path}") from None
+        raise PromptError(f"no prompt template {path}") from None
     return _load_cached(path, mtime)
 
 
@@ -112,10 +112,10 @@ def phrase(name: str, directory: Path | None = None, /, **values: Any) -> str:
     try:
         mtime = path.stat().st_mtime_ns
     except FileNotFoundError:
-        raise PromptNotFound(f"no phrase file {path}") from None
+        raise PromptError(f"no phrase file {path}") from None
     phrases = _phrases_cached(path, mtime)
     if name not in phrases:
-        raise PromptNotFound(f"no phrase {name!r} in {path}")
+        raise PromptError(f"no phrase {name!r} in {path}")
     return phrases[name].render(**values)
 
 

@@ -1,6 +1,8 @@
 """The agent's durable facts, in the same store as the runs: hypotheses, reviews, loop events.
 
-Graph state holds only a hypothesis id; everything a node needs to resume after a crash is here.
+The graph's state carries a hypothesis's lifecycle (agent.graph); its row here is that lifecycle's
+projection (`status`, `look`, `verdict`, written by `agent.lifecycle.project` only) beside every
+fact a node produced.
 The tables are also what `status --json` and `report --json` print.
 """
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import SealedPathError, StageCommandError
+from pipeline.errors import UserError
 from pipeline.lab import PLACEHOLDER, StageSpec, check_stage_graph, glob_match
 
 if TYPE_CHECKING:
@@ -137,13 +137,13 @@ def render(command: str, values: Mapping[str, str]) -> list[str]:
     try:
         tokens = shlex.split(command)
     except ValueError as e:
-        raise StageCommandError(f"stage command {command!r}: {e}") from None
+        raise UserError(f"stage command {command!r}: {e}") from None
 
     def fill(token: str) -> str:
         def sub(m: re.Match[str]) -> str:
             name = m.group(1)
             if name not in values:
-                raise StageCommandError(f"stage command {command!r}: no value for {{{name}}}")
+                raise UserError(f"stage command {command!r}: no value for {{{name}}}")
             return values[name]
 
         return PLACEHOLDER.sub(sub, token)
@@ -161,7 +161,7 @@ def check_not_sealed(argv: list[str], cwd: Path, sealed_roots: list[Path]) -> No
             p = Path(os.path.realpath(cwd / candidate))
             for root in roots:
                 if p == root or root in p.parents:
-                    raise SealedPathError(
+                    raise UserError(
                         f"stage argument {arg!r} points into the sealed folder {root}; "
                         "expected only {data}, {out} and upstream outputs"
                     )

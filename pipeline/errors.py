@@ -1,36 +1,27 @@
-"""Every error of `pipeline/`, in one place. Users' mistakes are `UserError`s: the CLI prints them
-as one line and exits 2. The others are the pipeline's own conditions, caught where they mean
-something (a method failure, an infrastructure failure).
+"""Every error of `pipeline/`, in one place: a small family, one class per way a caller reacts.
 
     Exception
-    ├── UserError                    one line, exit code 2
-    │   ├── LabConfigError           research.toml: file, key, what was expected
-    │   ├── LabNotFoundError         --repo is not a lab
-    │   ├── UnknownTaskError
-    │   ├── InitError                `init` refused
-    │   ├── UnknownExecutorError     --executor names none
-    │   ├── SandboxUnavailable       the kernel refuses the sandbox; the lab did not opt out
-    │   ├── HarnessCommandError      the lab's own `prepare` failed
-    │   ├── SealedPathError          a stage argument points into the seal
-    │   ├── StageCommandError        a stage command cannot be rendered
-    │   ├── GateInputError, PowerInputError, SimInputError
-    │   └── LabBusy                  another live driver holds the lab's lease
-    ├── ServiceUnavailable           one line, exit code 1: a service does not answer
-    │   ├── StoreUnavailable         the store's database
-    │   └── RayUnavailable           the Ray cluster at --ray-address
-    ├── PredictionsError             predictions.csv unusable: a method failure of the run
-    ├── SmokeFailed                  a candidate's pipeline failed on tiny data (fed back for repair)
-    ├── Interrupted                  the loop is stopping during a smoke run
-    ├── RuntimeError
+    ├── UserError                    a user's mistake: one line on the CLI, exit code 2
+    │   ├── LabConfigError           research.toml: names the file, the key and what was expected
+    │   ├── HarnessCommandError      the lab's own `prepare` failed (the loop stops: the lab's to fix)
+    │   └── MixedDatasets            a comparison would mix datasets (the loop stops: use a fresh store)
+    ├── ServiceUnavailable           a service does not answer (the store's database, a Ray
+    │                                cluster): one line, exit code 1
+    ├── MethodFailure                the branch's code failed: recorded against the hypothesis
+    │   ├── PredictionsError         predictions.csv unusable: a method failure of the run
+    │   └── SmokeFailed              a candidate's pipeline failed on tiny data (fed back for repair)
+    ├── InfrastructureFailure        the machinery failed, not the idea: retried or re-queued
     │   ├── ExecutorError            an executor cannot work (worker, cluster)
-    │   ├── WorktreeError            a commit cannot be resolved or checked out
-    │   │   └── UnknownCommitError
-    │   └── StoreError               the database cannot be opened or is not ours
+    │   └── WorktreeError            a commit cannot be resolved or checked out
+    ├── Interrupted                  the loop is stopping during a smoke run: nothing is recorded
     └── OSError
         └── SandboxError, OutputTooLarge   in executors/sandbox.py, which must stay standard-library
                                            only (it travels to Ray nodes as source)
 
-Each module re-exports the errors it raises, so `from pipeline.dag import SealedPathError` works too.
+A user's mistake of any other kind (an unknown task or executor, a stage argument into the seal,
+`init` refused, a gate, power or gate-sim request that makes no sense, a lab another driver holds)
+is a plain `UserError` whose message says what and where: nothing catches those by kind.
+Each module re-exports the errors it raises, so `from pipeline.dag import UserError` works too.
 """
 
 class UserError(Exception):
@@ -46,55 +37,24 @@ class LabConfigError(UserError):
         super().__init__(where + expected)
 
 
-class UnknownTaskError(UserError):
-    """A task name that the harness's suite does not have."""
-
-
-class LabNotFoundError(UserError):
-    """The --repo directory is not a lab (no research.toml)."""
-
-
-class InitError(UserError):
-    """`autoresearch init` refused: the target exists and is not empty, or is not writable."""
-
-
-class SimInputError(UserError):
-    """A gate-sim request that cannot be simulated (names the flag and what is expected)."""
-
-
-class GateInputError(UserError):
-    """The gate was given runs or settings it cannot judge (names the field and what is expected)."""
-
-
-class PowerInputError(UserError):
-    """A power / MDE request that makes no sense (σ ≤ 0, α outside (0, 1), fewer than 2 runs...)."""
-
-
 class HarnessCommandError(UserError):
     """The lab's own `prepare` failed: its code or its data, not a hypothesis."""
 
 
-class SealedPathError(UserError):
-    """A stage command would hand the branch's code a path into the sealed test labels."""
+class MethodFailure(Exception):
+    """The branch's own code failed (not the machinery): recorded against the hypothesis."""
 
 
-class StageCommandError(UserError):
-    """A stage command cannot be parsed or references a value the run does not have."""
+class InfrastructureFailure(RuntimeError):
+    """The machinery failed, not the idea (a worker, a cluster, git, the database): retried,
+    re-queued or said, never counted against a hypothesis."""
 
 
-class UnknownExecutorError(UserError):
-    """`--executor` names no executor."""
-
-
-class SandboxUnavailable(UserError):
-    """The kernel refuses the namespaces the sandbox needs; the lab did not opt out."""
-
-
-class PredictionsError(Exception):
+class PredictionsError(MethodFailure):
     """predictions.csv is missing, malformed, incomplete or not finite: a method failure of the run."""
 
 
-class SmokeFailed(Exception):
+class SmokeFailed(MethodFailure):
     """The candidate's pipeline failed on tiny data; the message is fed back to the implementer."""
 
 
@@ -102,16 +62,12 @@ class Interrupted(Exception):
     """The loop was asked to stop during a smoke run: nothing is recorded, the next start redoes it."""
 
 
-class ExecutorError(RuntimeError):
+class ExecutorError(InfrastructureFailure):
     """The executor itself cannot work (worker cannot start, cluster unreachable)."""
 
 
-class WorktreeError(RuntimeError):
+class WorktreeError(InfrastructureFailure):
     """A commit cannot be resolved or checked out."""
-
-
-class UnknownCommitError(WorktreeError):
-    """The revision names no commit in the lab's repository."""
 
 
 class ServiceUnavailable(Exception):
@@ -119,22 +75,8 @@ class ServiceUnavailable(Exception):
     line on the CLI, exit code 1."""
 
 
-class StoreUnavailable(ServiceUnavailable):
-    """The store's database does not answer."""
-
-
-class RayUnavailable(ServiceUnavailable):
-    """No Ray cluster at the address given."""
-
-
 class MixedDatasets(UserError):
     """A comparison would mix runs measured on different datasets (a new generator version,
     data_seed, size or trusted commit under an old store): refused, never judged."""
 
 
-class LabBusy(UserError):
-    """Another live driver holds this lab's lease."""
-
-
-class StoreError(RuntimeError):
-    """The database could not be opened or does not hold what the store expects."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pipeline
-from pipeline.errors import SandboxUnavailable
+from pipeline.errors import UserError
 from pipeline.executors import sandbox
 from pipeline.executors.base import scrub_env, thread_env
 
@@ -68,12 +68,12 @@ def is_sandboxed(lab: Any) -> bool:
 
 
 def require(lab: Any) -> None:
-    """Raise `SandboxUnavailable` (one line) unless the lab opted out or the sandbox works here."""
+    """Raise `UserError` (one line) unless the lab opted out or the sandbox works here."""
     if not is_sandboxed(lab):
         return
     problem = _probe()
     if problem:
-        raise SandboxUnavailable(f"the Linux sandbox cannot start here ({problem}); {sandbox.OFF_HINT}")
+        raise UserError(f"the Linux sandbox cannot start here ({problem}); {sandbox.OFF_HINT}")
 
 
 @lru_cache(maxsize=1)

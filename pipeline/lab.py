@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
-from pipeline.errors import LabConfigError, LabNotFoundError
+from pipeline.errors import LabConfigError, UserError
 from pipeline.gate.inputs import GateConfig
 
 if TYPE_CHECKING:
@@ -582,7 +582,7 @@ def load_lab(root: str | Path, check_files: bool = True) -> Lab:
     root = Path(root).resolve()
     path = root / CONFIG_NAME
     if not path.is_file():
-        raise LabNotFoundError(f"{root}: no {CONFIG_NAME} here; create a lab with `autoresearch init DIR`")
+        raise UserError(f"{root}: no {CONFIG_NAME} here; create a lab with `autoresearch init DIR`")
     config = parse_config(path.read_text(encoding="utf-8"), path)
     validate_against_harness(config, path)
     if check_files:

@@ -1,7 +1,7 @@
 """One driver per lab: a lease row in the store (holder host, pid, start time, heartbeat).
 
 Two drivers on one lab would drive the same hypotheses (seen: a real gain abandoned by one while
-the other escalated it, and a tag conflict). `acquire` takes the lease or raises `LabBusy` naming
+the other escalated it, and a tag conflict). `acquire` takes the lease or raises `UserError` naming
 the holder; a holder that is dead — on this host its process is gone (or its pid was recycled), on
 another its heartbeat is older than `stale_s` — is taken over. The taking is a compare-and-swap on
 the row, so of two drivers starting at the same instant exactly one wins. The holder refreshes the
@@ -18,7 +18,7 @@ from sqlalchemy import delete, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Field, SQLModel
 
-from pipeline.errors import LabBusy
+from pipeline.errors import UserError
 from pipeline.store import Owner, Store, create_schema  # noqa: F401 (Owner: the lease holder, re-exported)
 
 KEY = "driver"
@@ -70,7 +70,7 @@ def holder(store: Store, stale_s: float = STALE_S) -> Holder | None:
 def acquire(store: Store, owner: Owner, stale_s: float = STALE_S) -> Holder | None:
     """Take the lab's lease for `owner`; returns the dead holder taken over from, if any.
 
-    Raises `LabBusy` (one line naming the holder) when a live driver holds it.
+    Raises `UserError` (one line naming the holder) when a live driver holds it.
     """
     create_schema(store.engine, [Lease.__table__])
     for _ in range(5):
@@ -90,7 +90,7 @@ def acquire(store: Store, owner: Owner, stale_s: float = STALE_S) -> Holder | No
             if Owner(row.host, row.pid, row.started).same(owner):
                 return None  # ours already (a second Loop in this process)
             if old.alive:
-                raise LabBusy(f"this lab is already driven by {old.describe()}; stop that `autoresearch run` "
+                raise UserError(f"this lab is already driven by {old.describe()}; stop that `autoresearch run` "
                               "first (a second driver would decide the same hypotheses twice)")
             res = s.exec(update(Lease).where(  # type: ignore[call-overload]
                 Lease.key == KEY, Lease.pid == row.pid, Lease.host == row.host,  # type: ignore[arg-type]
@@ -100,7 +100,7 @@ def acquire(store: Store, owner: Owner, stale_s: float = STALE_S) -> Holder | No
                 s.commit()
                 return old
             s.rollback()  # someone else took it over in between: look again
-    raise LabBusy("could not take this lab's driver lease (other drivers keep taking it); try again")
+    raise UserError("could not take this lab's driver lease (other drivers keep taking it); try again")
 
 
 def refresh(store: Store, owner: Owner) -> bool:

@@ -104,7 +104,7 @@ def ensure_runs(store: Store, lab: Lab, commit: str, tasks: Iterable[str], seeds
     """
     sha = resolve_commit(lab, commit)
     tasks = list(tasks)
-    (harness or lab.harness()).tasks(lab.config.benchmark.suite, tasks)  # raises UnknownTaskError
+    (harness or lab.harness()).tasks(lab.config.benchmark.suite, tasks)  # raises UserError
     store.ensure_arm(sha, label or (commit if commit != sha else None))
     return store.enqueue(sha, [(t, int(s)) for t in tasks for s in seeds], priority=priority)
 

@@ -36,7 +36,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlmodel import Field, Session, SQLModel, create_engine, select
 
-from pipeline.errors import StoreError, StoreUnavailable
+from pipeline.errors import InfrastructureFailure, ServiceUnavailable, UserError
 
 if TYPE_CHECKING:
     from pipeline.lab import Lab
@@ -278,7 +278,7 @@ _SCHEMA_LOCK_KEY = 7_272_741  # PostgreSQL advisory lock: one process at a time 
 def create_schema(engine: Engine, tables: list[Any] | None = None) -> None:
     """Create the missing tables (all registered ones, or `tables`), safely when several processes
     start at the same instant: under an advisory lock on PostgreSQL, a file lock beside a SQLite
-    file. An unreachable database is `StoreUnavailable`: one line, not a traceback."""
+    file. An unreachable database is `ServiceUnavailable`: one line, not a traceback."""
     try:
         if engine.dialect.name == "postgresql":
             with engine.begin() as conn:
@@ -295,7 +295,7 @@ def create_schema(engine: Engine, tables: list[Any] | None = None) -> None:
             fcntl.flock(lock, fcntl.LOCK_EX)
             SQLModel.metadata.create_all(engine, tables=tables)
     except OperationalError as e:
-        raise StoreUnavailable(f"cannot reach the store at {engine.url.render_as_string(hide_password=True)}: "
+        raise ServiceUnavailable(f"cannot reach the store at {engine.url.render_as_string(hide_password=True)}: "
                                f"{str(e.orig).strip().splitlines()[0] if e.orig else e}") from None
 
 
@@ -330,7 +330,7 @@ class Store:
         try:
             self.engine: Engine = create_engine(url, **kwargs)
         except Exception as e:  # a malformed URL or a missing driver
-            raise StoreError(f"cannot open store {url!r}: {e}") from None
+            raise UserError(f"cannot open store {url!r}: {e}") from None
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
         if create:
@@ -578,7 +578,7 @@ class Store:
         with self.session() as s:
             ex = s.get(StageExec, exec_id)
             if ex is None:
-                raise StoreError(f"stage execution {exec_id} does not exist")
+                raise InfrastructureFailure(f"stage execution {exec_id} does not exist")
             ex.outcome = outcome
             ex.finished_at = now()
             for k, v in fields.items():

@@ -26,7 +26,7 @@ from pathlib import Path
 import git
 
 from pipeline import safefs
-from pipeline.errors import UnknownCommitError, WorktreeError
+from pipeline.errors import WorktreeError
 from pipeline.lab import glob_match
 
 SHA = re.compile(r"^[0-9a-f]{40}$")
@@ -64,7 +64,7 @@ class Worktrees:
         try:
             return self.repo.commit(rev).hexsha
         except (git.BadName, ValueError, git.GitCommandError):
-            raise UnknownCommitError(f"{rev!r} is not a commit of {self.repo_root}") from None
+            raise WorktreeError(f"{rev!r} is not a commit of {self.repo_root}") from None
 
     def files_at(self, commit: str) -> dict[str, git.Blob]:
         """Every file of the commit's tree, by POSIX path."""

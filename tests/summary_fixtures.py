@@ -73,14 +73,14 @@ def measured(svc: Services, h: Hypothesis, challenger: dict[str, list[float | No
 
 
 def decided(svc: Services, h: Hypothesis, summary_policy: Any = None) -> Hypothesis:
-    """Run the graph's real nodes from `decide` in the order its routers give (decide → promote →
+    """Run the graph's real nodes from where the row stands (`decide`) in the order its routers give (decide → promote →
     summarize, or decide → summarize for a hold), up to where the thread would wait or end;
     `summary_policy` (an LLMPolicy) writes the summary only."""
-    from agent.graph import END, graph_spec
+    from agent.graph import END, from_start, graph_spec, thread_input
 
     spec = graph_spec(svc)
-    state: dict[str, Any] = {"hypothesis_id": h.id, "phase": "deciding", "look": h.look, "verdict": h.verdict}
-    node = "decide"
+    state: dict[str, Any] = dict(thread_input(svc.records.get(h.id)))  # as the loop starts a thread
+    node = from_start(state)  # decide, or summarize for one rejected before any run
     while node not in (END, "hold", "reverify", "evaluate"):
         policy, svc.policy = svc.policy, (summary_policy or svc.policy) if node == "summarize" else svc.policy
         try:

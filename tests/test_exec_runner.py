@@ -14,7 +14,7 @@ import pytest
 
 from exec_fixtures import TASKS, TinyHarness, commit_change, make_lab, open_tiny_lab
 from pipeline import runner
-from pipeline.dag import SealedPathError
+from pipeline.dag import UserError
 from pipeline.executors.local import LocalExecutor
 from pipeline.store import Store
 from test_exec_store import db  # noqa: F401  (SQLite and PostgreSQL, a private schema each)
@@ -170,7 +170,7 @@ def test_a_stage_argument_into_the_sealed_labels_is_refused(lab) -> None:
     store = runner.open_store(lab)
     harness = TinyHarness()
     ids = runner.ensure_runs(store, lab, BASE, ["a"], [0], harness=harness)
-    with pytest.raises(SealedPathError):
+    with pytest.raises(UserError):
         with runner.Driver(lab, store, local(), harness=harness) as d:
             d.drive(until=ids, timeout_s=30)
     assert store.runs(ids)[0].status == "queued"  # given back, not failed and not lost

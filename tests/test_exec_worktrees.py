@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from exec_fixtures import commit_change, git, make_lab
-from pipeline.dag import Cache, SealedPathError, StageCommandError, check_not_sealed, input_digests, plan_run, render
-from pipeline.worktrees import UnknownCommitError, Worktrees
+from pipeline.dag import Cache, UserError, check_not_sealed, input_digests, plan_run, render
+from pipeline.worktrees import WorktreeError, Worktrees
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ def test_one_worktree_per_commit_created_then_reused(lab) -> None:
     assert wt.clean(keep=[branch]) == [p1.name]
     assert not p1.exists() and p2.exists()
     assert git(lab.root, "worktree", "list").count("\n") == 1  # the lab's own checkout and p2
-    with pytest.raises(UnknownCommitError):
+    with pytest.raises(WorktreeError):
         wt.ensure("no-such-branch")
 
 
@@ -90,7 +90,7 @@ def test_a_finetune_only_change_keeps_the_pretrain_key(lab) -> None:
 def test_render_and_sealed_paths(tmp_path: Path) -> None:
     argv = render("python train.py --data {data} --out={out} --tag '{task} x'", {"data": "/d ir", "out": "/o", "task": "t"})
     assert argv == ["python", "train.py", "--data", "/d ir", "--out=/o", "--tag", "t x"]
-    with pytest.raises(StageCommandError):
+    with pytest.raises(UserError):
         render("python x.py {nope}", {})
     sealed = tmp_path / "runs" / "sealed"
     sealed.mkdir(parents=True)
@@ -98,7 +98,7 @@ def test_render_and_sealed_paths(tmp_path: Path) -> None:
     cwd.mkdir(parents=True)
     check_not_sealed(["python", "x.py", "--data", str(tmp_path / "runs" / "data")], cwd, [sealed])
     for bad in (str(sealed / "ds" / "labels.npz"), "../../sealed", f"--labels={sealed}"):
-        with pytest.raises(SealedPathError):
+        with pytest.raises(UserError):
             check_not_sealed(["python", "x.py", bad], cwd, [sealed])
 
 

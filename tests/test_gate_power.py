@@ -8,7 +8,7 @@ import pytest
 from scipy import integrate, stats
 
 from pipeline.errors import UserError
-from pipeline.gate.power import PowerInputError, mde, plan, power
+from pipeline.gate.power import UserError, mde, plan, power
 
 pytestmark = pytest.mark.unit
 
@@ -112,6 +112,6 @@ def test_plan_shape_one_row_per_challenger_count():
     ],
 )
 def test_bad_input_is_a_user_error(kwargs):
-    with pytest.raises(PowerInputError) as e:
+    with pytest.raises(UserError) as e:
         mde(**kwargs)
     assert isinstance(e.value, UserError)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.errors import UserError
-from pipeline.gate.sim import SimInputError, simulate
+from pipeline.gate.sim import UserError, simulate
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +67,7 @@ def test_seeded_simulation_is_reproducible():
     [dict(rho=1.0), dict(protocol="bayes"), dict(tasks=0), dict(alpha=0.7), dict(looks=(5, 2)), dict(affected=9)],
 )
 def test_bad_settings_are_user_errors(kwargs):
-    with pytest.raises(SimInputError) as e:
+    with pytest.raises(UserError) as e:
         simulate(trials=10, **kwargs)
     assert isinstance(e.value, UserError)
 

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.errors import UserError
 from pipeline.gate import GateInput, TaskRuns, Verdict, evaluate
-from pipeline.gate.inputs import GateInputError
+from pipeline.gate.inputs import UserError
 from pipeline.gate.stats import bh_qvalues
 
 pytestmark = pytest.mark.unit
@@ -221,12 +221,12 @@ def test_record_is_json_safe_and_round_trips():
 
 
 def test_bad_input_is_a_user_error():
-    with pytest.raises(GateInputError) as e:
+    with pytest.raises(UserError) as e:
         evaluate({"tasks": [{"task": "a", "baseline": [0.8], "challenger": [0.8, 0.81]}]})
     assert isinstance(e.value, UserError) and "baseline" in str(e.value)
-    with pytest.raises(GateInputError):
+    with pytest.raises(UserError):
         evaluate({"tasks": [{"task": "a", "baseline": [0.8, 0.7], "challenger": [math.inf]}]})
-    with pytest.raises(GateInputError):
+    with pytest.raises(UserError):
         evaluate({"tasks": [{"task": "a", "baseline": [0.8, 0.7], "challenger": [0.8]}] * 2})
     assert isinstance(GateInput.model_validate(dataset([0.0] * 2, m=2)), GateInput)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import LabConfigError, LabNotFoundError
+from pipeline.errors import LabConfigError, UserError
 from pipeline.lab import load_lab, parse_config
 
 pytestmark = pytest.mark.integration
@@ -86,7 +86,7 @@ def test_missing_program_file(lab):
 
 
 def test_not_a_lab(tmp_path):
-    with pytest.raises(LabNotFoundError):
+    with pytest.raises(UserError):
         load_lab(tmp_path)
 
 

@@ -381,11 +381,11 @@ def test_templates_are_filled_strictly(tmp_path: Path) -> None:
     text = prompts.render("repair", **values)
     assert "<error>" in text and "{" not in text.replace("{{", "")
 
-    with pytest.raises(prompts.MissingPlaceholder, match="error"):
+    with pytest.raises(prompts.PromptError, match="error"):
         prompts.render("repair", **{k: v for k, v in values.items() if k != "error"})
-    with pytest.raises(prompts.UnusedValue, match="colour"):
+    with pytest.raises(prompts.PromptError, match="colour"):
         prompts.render("repair", **values, colour="red")
-    with pytest.raises(prompts.PromptNotFound):
+    with pytest.raises(prompts.PromptError):
         prompts.load("no-such-prompt")
 
     (tmp_path / "t.md").write_text("<!-- {x} -->\nA literal {{brace}} and {x}.\n")
@@ -402,7 +402,7 @@ def test_every_phrase_is_used_and_every_placeholder_filled() -> None:
     import tomllib
 
     from agent import prompts
-    from agent.errors import MissingPlaceholder
+    from agent.errors import PromptError
 
     keys = tomllib.loads((prompts.PROMPTS_DIR / "phrases.toml").read_text())
     code = "\n".join(p.read_text() for p in (prompts.PROMPTS_DIR.parent).glob("*.py"))
@@ -410,7 +410,7 @@ def test_every_phrase_is_used_and_every_placeholder_filled() -> None:
                                                               ("promote", "hold", "escalate", "abandon", "refine")}
     used |= {k for k in keys if f'"{k}"' in code}  # chosen by a conditional expression
     assert set(keys) <= used, sorted(set(keys) - used)
-    with pytest.raises(MissingPlaceholder, match="look"):
+    with pytest.raises(PromptError, match="look"):
         prompts.phrase("look", index=1, count=3)
 
 

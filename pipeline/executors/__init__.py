@@ -16,7 +16,7 @@ from pipeline.executors.base import (
     Executor,
     JobResult,
     StageJob,
-    UnknownExecutorError,
+    UserError,
     classify,
     scrub_env,
 )
@@ -64,7 +64,7 @@ def _ray(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: t
 
 
 # name → factory: `--executor NAME`. A new executor is one module and one line here.
-EXECUTORS: Registry[ExecutorFactory] = Registry("executor", {"local": _local, "ray": _ray}, error=UnknownExecutorError)
+EXECUTORS: Registry[ExecutorFactory] = Registry("executor", {"local": _local, "ray": _ray}, error=UserError)
 
 
 def make_executor(kind: str, lab: "Lab", *, workers: int | None = None,
@@ -73,5 +73,5 @@ def make_executor(kind: str, lab: "Lab", *, workers: int | None = None,
     return EXECUTORS.get(kind)(lab, workers=workers, ray_address=ray_address, preload=preload)
 
 
-__all__ = ["Executor", "ExecutorError", "UnknownExecutorError", "JobResult", "StageJob", "classify", "scrub_env",
+__all__ = ["Executor", "ExecutorError", "UserError", "JobResult", "StageJob", "classify", "scrub_env",
            "make_executor", "EXECUTORS"]

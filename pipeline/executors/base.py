@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from pipeline.errors import ExecutorError, UnknownExecutorError  # noqa: F401 (re-exported: the executors raise them)
+from pipeline.errors import ExecutorError, UserError  # noqa: F401 (re-exported: the executors raise them)
 from pipeline.executors.child import THREAD_VARS
 
 JobStatus = Literal["ok", "exit", "signal", "timeout", "cancelled", "infra"]

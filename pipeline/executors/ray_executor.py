@@ -37,7 +37,7 @@ from pipeline.executors.base import (
     StageJob,
     thread_env,
 )
-from pipeline.errors import RayUnavailable
+from pipeline.errors import ServiceUnavailable
 from pipeline.executors.local import DEFAULT_PRELOAD
 
 if TYPE_CHECKING:
@@ -66,12 +66,12 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     hostport = address.split("://", 1)[-1].rstrip("/")
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
-        raise RayUnavailable(f"Ray address {address!r}: expected host:port (or ray://host:port)")
+        raise ServiceUnavailable(f"Ray address {address!r}: expected host:port (or ray://host:port)")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
     except OSError as e:
-        raise RayUnavailable(f"cannot connect to Ray at {address}: {e.strerror or e} "
+        raise ServiceUnavailable(f"cannot connect to Ray at {address}: {e.strerror or e} "
                              "(is the cluster up? `ray start --head` prints its address)") from None
 
 
@@ -100,7 +100,7 @@ class RayExecutor:
                 ray.init(address=address, **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise RayUnavailable(f"cannot connect to Ray at {address or 'a new local instance'}: {first}"
+                raise ServiceUnavailable(f"cannot connect to Ray at {address or 'a new local instance'}: {first}"
                                      + (f" ({AUTH_HINT})" if "auth" in str(e).lower() else "")) from None
             self._owns_ray = True
         ray.cloudpickle.register_pickle_by_value(ray_task)  # nodes need Ray, not our package
@@ -123,7 +123,7 @@ class RayExecutor:
             ray.get([w.warm.remote() for w in self._idle], timeout=WARM_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             self.close()
-            raise RayUnavailable(
+            raise ServiceUnavailable(
                 f"the cluster did not start {self._slots} warm worker(s) of {cpus} CPU / {gpus} GPU each in "
                 f"{WARM_TIMEOUT_S:.0f} s (resources: {dict(resources)}); lower --workers or [run] cpus/gpus") from None
 

@@ -43,13 +43,13 @@ from typing import Any
 _WHERE = {
     "Boundaries": "boundaries", "fixed_boundaries": "boundaries", "obf_spending": "boundaries",
     "sequential_boundaries": "boundaries",
-    "GateConfig": "inputs", "GateInput": "inputs", "GateInputError": "inputs", "TaskRuns": "inputs",
+    "GateConfig": "inputs", "GateInput": "inputs", "TaskRuns": "inputs",
     "parse_input": "inputs",
-    "PowerInputError": "power", "mde": "power",  # power() itself: `from pipeline.gate.power import power`
+    "mde": "power",  # power() itself: `from pipeline.gate.power import power`
     "evaluate": "protocols",
     "FailureReport": "report", "GateResult": "report", "HorizontalResult": "report", "TaskResult": "report",
     "WelchResult": "report", "render_markdown": "report", "render_table": "report", "render_text": "report",
-    "SimInputError": "sim", "SimResult": "sim", "simulate": "sim",
+    "SimResult": "sim", "simulate": "sim",
     "Verdict": "verdict",
 }
 
@@ -67,11 +67,11 @@ __all__ = [
     "FailureReport",
     "GateConfig",
     "GateInput",
-    "GateInputError",
+    "UserError",
     "GateResult",
     "HorizontalResult",
-    "PowerInputError",
-    "SimInputError",
+    "UserError",
+    "UserError",
     "SimResult",
     "TaskResult",
     "TaskRuns",

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.errors import GateInputError
+from pipeline.errors import UserError
 
 TWO_SAMPLE_LOOKS = (2, 5, 10)
 
@@ -174,10 +174,10 @@ class GateInput(BaseModel):
 
 
 def parse_input(data: Any) -> GateInput:
-    """Validate a dict (e.g. from JSON) into a `GateInput`; errors become one-line `GateInputError`s."""
+    """Validate a dict (e.g. from JSON) into a `GateInput`; errors become one-line `UserError`s."""
     try:
         return data if isinstance(data, GateInput) else GateInput.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "input"
-        raise GateInputError(f"gate input: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise UserError(f"gate input: {where}: {err['msg'].removeprefix('Value error, ')}") from None

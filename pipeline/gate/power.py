@@ -16,21 +16,21 @@ import math
 
 from scipy import optimize, stats
 
-from pipeline.errors import PowerInputError
+from pipeline.errors import UserError
 
 DEFAULT_POWER = 0.95
 
 
 def _check(sigma: float, n_baseline: int, n_challenger: int, alpha: float | None = None) -> None:
     if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
-        raise PowerInputError(f"--sigma: expected a positive number, got {sigma!r}")
+        raise UserError(f"--sigma: expected a positive number, got {sigma!r}")
     if n_baseline < 1 or n_challenger < 1 or n_baseline + n_challenger < 3:
-        raise PowerInputError(
+        raise UserError(
             f"--baseline/--challenger: expected at least 1 run per arm and 3 in all, "
             f"got {n_baseline} and {n_challenger}"
         )
     if alpha is not None and not (0 < alpha < 1):
-        raise PowerInputError(f"--alpha: expected a number in (0, 1), got {alpha!r}")
+        raise UserError(f"--alpha: expected a number in (0, 1), got {alpha!r}")
 
 
 def standard_error(sigma: float, n_baseline: int, n_challenger: int) -> float:
@@ -62,7 +62,7 @@ def mde_at(se: float, df: float, crit: float, two_sided: bool, target: float = D
     The bracket grows until it holds the root, so small df (heavy tails) and tiny α still work.
     """
     if not (0 < target < 1):
-        raise PowerInputError(f"--power: expected a number in (0, 1), got {target!r}")
+        raise UserError(f"--power: expected a number in (0, 1), got {target!r}")
 
     def gap(effect: float) -> float:
         return power_at(effect, se, df, crit, two_sided) - target
@@ -71,7 +71,7 @@ def mde_at(se: float, df: float, crit: float, two_sided: bool, target: float = D
     while gap(hi) < 0:
         hi *= 2.0
         if hi > se * 1e6:  # only reachable with absurd inputs (df→0); refuse rather than loop
-            raise PowerInputError("no effect reaches the requested power; expected more runs")
+            raise UserError("no effect reaches the requested power; expected more runs")
     if gap(0.0) >= 0:  # α ≥ target: any effect "detects"
         return 0.0
     return float(optimize.brentq(gap, 0.0, hi, xtol=se * 1e-10, rtol=1e-12))
@@ -132,11 +132,11 @@ def plan(
     if alpha is None:
         alpha = 0.05 if two_sided else 0.025
     if not challengers:
-        raise PowerInputError("--challenger: expected at least one run count")
+        raise UserError("--challenger: expected at least one run count")
     if effect is not None and not math.isfinite(effect):
-        raise PowerInputError(f"--effect: expected a finite number, got {effect!r}")
+        raise UserError(f"--effect: expected a finite number, got {effect!r}")
     if not (0 < target_power < 1):
-        raise PowerInputError(f"--power: expected a number in (0, 1), got {target_power!r}")
+        raise UserError(f"--power: expected a number in (0, 1), got {target_power!r}")
     rows = []
     for m in challengers:
         d = mde(sigma, n_baseline, m, alpha, two_sided, target_power)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.errors import SimInputError
+from pipeline.errors import UserError
 from pipeline.gate.protocol import PROTOCOLS, get_protocol
 from pipeline.gate.protocols import (
     SEED_SPREAD_P,
@@ -119,7 +119,7 @@ def _check(protocol: str, effect: float, tasks: int, rho: float, trials: int, ba
     ]
     for bad, message in problems:
         if bad:
-            raise SimInputError(message)
+            raise UserError(message)
 
 
 def simulate(
@@ -165,7 +165,7 @@ def simulate(
                          (get_protocol(protocol).paired and looks[-1] > baseline_runs,
                           "--looks: the paired protocol's last look needs as many --baseline-runs")):
         if bad:
-            raise SimInputError(message)
+            raise UserError(message)
     n, J, last = baseline_runs, tasks, looks[-1]
     shift = np.where(np.arange(J) < affected, effect, 0.0)
     rng = np.random.default_rng(seed)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.errors import LabConfigError, PredictionsError, UnknownTaskError
+from pipeline.errors import LabConfigError, PredictionsError, UserError
 
 if TYPE_CHECKING:
     from pipeline.lab import Lab, ResearchConfig
@@ -69,7 +69,7 @@ class Harness:
             return list(known)
         for t in subset:
             if t not in known:
-                raise UnknownTaskError(f"unknown task {t!r} in suite {suite!r}; expected one of {known}")
+                raise UserError(f"unknown task {t!r} in suite {suite!r}; expected one of {known}")
         return list(subset)
 
     def prepare(self, state_dir: Path, suite: str, data_seed: int) -> Prepared:  # pragma: no cover

@@ -31,7 +31,6 @@ from pipeline.errors import (
     ExecutorError,
     HarnessCommandError,
     LabConfigError,
-    UnknownTaskError,
     UserError,
 )
 from pipeline.harness.base import GATE_SPLIT, HOLDOUT_SPLIT, Harness, PredictionsError, Prepared, check_regular
@@ -91,7 +90,7 @@ class CommandHarness(Harness):
             return known
         for t in subset:
             if t not in known:
-                raise UnknownTaskError(f"unknown task {t!r}; expected one of {known} ([benchmark] tasks)")
+                raise UserError(f"unknown task {t!r}; expected one of {known} ([benchmark] tasks)")
         return list(subset)
 
     # --- the trusted commit -------------------------------------------------------------------

@@ -91,9 +91,9 @@ class TransactionsHarness(Harness):
     def test_labels(self, prepared: Prepared, task: str) -> np.ndarray:
         with np.load(prepared.sealed / "test_labels.npz") as z:
             if task not in z.files:
-                from pipeline.errors import UnknownTaskError
+                from pipeline.errors import UserError
 
-                raise UnknownTaskError(f"unknown task {task!r} for dataset {prepared.dataset_id}")
+                raise UserError(f"unknown task {task!r} for dataset {prepared.dataset_id}")
             return z[task]
 
     def holdout_mask(self, prepared: Prepared) -> np.ndarray | None:
