@@ -1,0 +1,127 @@
+"""The stage cache's and stage executions' rows: what ran, what a cached output cost, what was
+used last (see `pipeline.store`)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import func
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import select
+
+from pipeline.errors import InfrastructureFailure
+from pipeline.store.tables import METHOD_OUTCOMES, CacheEntry, CacheUse, Run, StageExec, StageOutcome, now
+
+
+class CacheRows:
+    """The cache's and stage executions' methods of `Store`. Mixed into `Store`, whose `session()` each method uses."""
+
+    def stage_started(self, run_id: int, stage: str, key: str, *, executor: str, log_path: str | None) -> int:
+        with self.session() as s:
+            ex = StageExec(run_id=run_id, stage=stage, key=key, executor=executor, host=socket.gethostname(),
+                           log_path=log_path)
+            s.add(ex)
+            s.commit()
+            return int(ex.id)  # type: ignore[arg-type]
+
+    def stage_finished(self, exec_id: int, outcome: StageOutcome, **fields: Any) -> None:
+        with self.session() as s:
+            ex = s.get(StageExec, exec_id)
+            if ex is None:
+                raise InfrastructureFailure(f"stage execution {exec_id} does not exist")
+            ex.outcome = outcome
+            ex.finished_at = now()
+            for k, v in fields.items():
+                setattr(ex, k, v)
+            s.add(ex)
+            s.commit()
+
+    def stage_served(self, run_id: int, stage: str, key: str, outcome: StageOutcome, *, executor: str,
+                     saved_cpu_s: float = 0.0, detail: str | None = None) -> None:
+        """Record a stage that did not execute for this run: a cache hit, shared, or upstream failure."""
+        with self.session() as s:
+            t = now()
+            s.add(StageExec(run_id=run_id, stage=stage, key=key, outcome=outcome, executor=executor,
+                            host=socket.gethostname(), saved_cpu_s=saved_cpu_s, detail=detail,
+                            started_at=t, finished_at=t))
+            s.commit()
+
+    def cache_published(self, key: str, stage: str, commit: str, cpu_s: float, wall_s: float) -> None:
+        with self.session() as s:
+            if s.get(CacheEntry, key) is None:
+                s.add(CacheEntry(key=key, stage=stage, commit=commit, cpu_s=cpu_s, wall_s=wall_s))
+                try:
+                    s.commit()
+                except IntegrityError:
+                    s.rollback()
+
+    def cache_touch(self, key: str, size_bytes: int | None = None, used_at: float | None = None) -> None:
+        """Note a use of a cache entry (a hit, or its publication with its size)."""
+        t = used_at if used_at is not None else now()
+        with self.session() as s:
+            row = s.get(CacheUse, key)
+            if row is None:
+                row = CacheUse(key=key, size_bytes=size_bytes or 0, used_at=t)
+            else:
+                row.used_at = max(row.used_at, t)
+                if size_bytes is not None:
+                    row.size_bytes, row.evicted_at = size_bytes, None
+            s.add(row)
+            try:
+                s.commit()
+            except IntegrityError:
+                s.rollback()
+
+    def cache_uses(self) -> list[CacheUse]:
+        """The entries on disk, least recently used first."""
+        with self.session() as s:
+            return list(s.exec(select(CacheUse).where(CacheUse.evicted_at.is_(None))  # type: ignore[union-attr]
+                               .order_by(CacheUse.used_at)))
+
+    def cache_bytes(self) -> int:
+        """The size of the entries on disk (one aggregate: checked after every publication)."""
+        with self.session() as s:
+            q = select(func.coalesce(func.sum(CacheUse.size_bytes), 0)).where(
+                CacheUse.evicted_at.is_(None))  # type: ignore[union-attr]
+            return int(s.exec(q).one())
+
+    def cache_evicted(self, key: str) -> None:
+        with self.session() as s:
+            row = s.get(CacheUse, key)
+            if row is not None:
+                row.evicted_at = now()
+                s.add(row)
+                s.commit()
+
+    def keys_of(self, commits: Iterable[str]) -> set[str]:
+        """Every stage key the runs of these commits used (executed, shared or served)."""
+        commits = list(commits)
+        if not commits:
+            return set()
+        with self.session() as s:
+            q = select(StageExec.key).join(Run, Run.id == StageExec.run_id).where(  # type: ignore[arg-type]
+                Run.commit.in_(commits))  # type: ignore[attr-defined]
+            return set(s.exec(q))
+
+    def commits_in_flight(self) -> set[str]:
+        """Commits with runs queued or running."""
+        with self.session() as s:
+            q = select(Run.commit).where(Run.status.in_(("queued", "running"))).distinct()  # type: ignore[attr-defined]
+            return set(s.exec(q))
+
+    def cache_cost(self, key: str) -> float:
+        with self.session() as s:
+            entry = s.get(CacheEntry, key)
+            return entry.cpu_s if entry else 0.0
+
+    def method_failure_of(self, key: str) -> StageExec | None:
+        """A recorded method failure for this stage key: the same inputs fail the same way, so a
+        stage that failed in branch code is not re-executed for every run that needs it."""
+        with self.session() as s:
+            return s.exec(
+                select(StageExec)
+                .where(StageExec.key == key, StageExec.outcome.in_(METHOD_OUTCOMES))  # type: ignore[attr-defined]
+                .order_by(StageExec.id)
+            ).first()

@@ -1,0 +1,251 @@
+"""The queue: runs queued, claimed under a token, heartbeated, finished or given back, and
+reconciled after a dead driver (see `pipeline.store`)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import func, update
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, select
+
+from pipeline.store.tables import Arm, Claim, Owner, Result, Run, RunStatus, StageExec, now
+
+
+class Queue:
+    """The queue's methods of `Store`. Mixed into `Store`, whose `session()` each method uses."""
+
+    def ensure_arm(self, commit: str, label: str | None = None) -> None:
+        with self.session() as s:
+            if s.get(Arm, commit) is None:
+                s.add(Arm(commit=commit, label=label))
+                try:
+                    s.commit()
+                except IntegrityError:  # another process added it between our read and write
+                    s.rollback()
+
+    def enqueue(self, commit: str, pairs: Iterable[tuple[str, int]], priority: int = 0) -> list[int]:
+        """Queue (task, seed) runs of `commit` unless they exist; return every run id, in order.
+
+        Idempotent: the agent may call it again after a crash without creating duplicates. A run
+        that exists and is still queued has its priority raised to `priority` if that is higher
+        (a baseline run a deeper look now waits for goes ahead with that look's runs); never lowered.
+        One read of the commit's runs and one transaction for the new ones, whatever the count.
+        """
+        pairs = [(t, int(seed)) for t, seed in pairs]
+        with self.session() as s:
+            known = self._run_ids(s, commit)
+            missing = [p for p in dict.fromkeys(pairs) if p not in known]
+            if missing:
+                s.add_all([Run(commit=commit, task=t, seed=seed, priority=priority) for t, seed in missing])
+                try:
+                    s.commit()
+                except IntegrityError:  # another driver queued some of them meanwhile: theirs stand
+                    s.rollback()
+                    for t, seed in missing:
+                        s.add(Run(commit=commit, task=t, seed=seed, priority=priority))
+                        try:
+                            s.commit()
+                        except IntegrityError:
+                            s.rollback()
+                known = self._run_ids(s, commit)
+            ids = [known[p] for p in pairs]
+            raise_ids = [i for p, i in zip(pairs, ids) if p not in missing]
+            if raise_ids and priority:
+                s.exec(update(Run).where(Run.id.in_(raise_ids), Run.status == "queued",  # type: ignore[call-overload,union-attr]
+                                         Run.priority < priority).values(priority=priority))  # type: ignore[operator]
+                s.commit()
+        return ids
+
+    @staticmethod
+    def _run_ids(s: Session, commit: str) -> dict[tuple[str, int], int]:
+        rows = s.exec(select(Run.task, Run.seed, Run.id).where(Run.commit == commit)).all()  # type: ignore[call-overload]
+        return {(t, int(seed)): int(i) for t, seed, i in rows}
+
+    def claim(self, owner: Owner, limit: int = 1, commits: Iterable[str] | None = None) -> list[Claim]:
+        """Atomically take up to `limit` queued runs (highest priority, then oldest).
+
+        A conditional UPDATE (`WHERE status = 'queued'`) is the lock: of two drivers racing for the
+        same row exactly one sees rowcount 1. Works the same on SQLite and PostgreSQL.
+        """
+        claims: list[Claim] = []
+        with self.session() as s:
+            q = select(Run.id).where(Run.status == "queued").order_by(Run.priority.desc(), Run.id)  # type: ignore[attr-defined]
+            if commits is not None:
+                q = q.where(Run.commit.in_(list(commits)))  # type: ignore[attr-defined]
+            candidates = list(s.exec(q.limit(limit * 4 + 4)))
+            for run_id in candidates:
+                if len(claims) >= limit:
+                    break
+                token = uuid.uuid4().hex
+                t = now()
+                res = s.exec(  # type: ignore[call-overload]
+                    update(Run)
+                    .where(Run.id == run_id, Run.status == "queued")  # type: ignore[arg-type]
+                    .values(
+                        status="running", owner_host=owner.host, owner_pid=owner.pid,
+                        owner_started=owner.started, claim_token=token, heartbeat_at=t, started_at=t,
+                    )
+                )
+                s.commit()
+                if res.rowcount == 1:
+                    run = s.get(Run, run_id)  # not loaded in this session before: read as just updated
+                    assert run is not None and run.claim_token == token
+                    claims.append(Claim(run, token))
+        return claims
+
+    def heartbeat(self, owner: Owner) -> int:
+        """Refresh every claim this process holds; a driver on another host reads staleness from it."""
+        with self.session() as s:
+            res = s.exec(  # type: ignore[call-overload]
+                update(Run)
+                .where(Run.status == "running", Run.owner_host == owner.host, Run.owner_pid == owner.pid)  # type: ignore[arg-type]
+                .values(heartbeat_at=now())
+            )
+            s.commit()
+            return int(res.rowcount)
+
+    def set_dataset(self, run_id: int, token: str, dataset_id: str) -> None:
+        with self.session() as s:
+            s.exec(  # type: ignore[call-overload]
+                update(Run).where(Run.id == run_id, Run.claim_token == token).values(dataset_id=dataset_id)  # type: ignore[arg-type]
+            )
+            s.commit()
+
+    def note_infra_failure(self, run_id: int) -> None:
+        with self.session() as s:
+            s.exec(  # type: ignore[call-overload]
+                update(Run).where(Run.id == run_id).values(infra_failures=Run.infra_failures + 1)  # type: ignore[arg-type]
+            )
+            s.commit()
+
+    def finish(self, claim: Claim, result: Result, status: RunStatus = "done") -> bool:
+        """Write the run's result and close its claim in one transaction.
+
+        Returns False (and writes nothing) when the claim is no longer ours: the run was taken back
+        after our heartbeat went stale, or a result already exists. That is how a result is counted
+        exactly once even if two drivers believed they owned the run.
+        """
+        with self.session() as s:
+            res = s.exec(  # type: ignore[call-overload]
+                update(Run)
+                .where(Run.id == claim.run.id, Run.claim_token == claim.token, Run.status == "running")  # type: ignore[arg-type]
+                .values(status=status, finished_at=now(), claim_token=None)
+            )
+            if res.rowcount != 1:
+                s.rollback()
+                return False
+            s.add(result)
+            try:
+                s.commit()
+            except IntegrityError:
+                s.rollback()
+                return False
+            return True
+
+    def release(self, claim: Claim, *, count_requeue: bool) -> bool:
+        """Give a claimed run back to the queue (graceful stop, or a retry after lost ownership)."""
+        with self.session() as s:
+            values: dict[str, Any] = dict(
+                status="queued", owner_host=None, owner_pid=None, owner_started=None, claim_token=None
+            )
+            if count_requeue:
+                values["requeues"] = Run.requeues + 1
+            res = s.exec(  # type: ignore[call-overload]
+                update(Run).where(Run.id == claim.run.id, Run.claim_token == claim.token).values(**values)  # type: ignore[arg-type]
+            )
+            s.commit()
+            return res.rowcount == 1
+
+    def reconcile(self, stale_s: float = 120.0, *, max_requeues: int = 5, reclaim: Owner | None = None,
+                  heartbeat_s: float = 5.0) -> list[int]:
+        """Take back runs left "running" by a dead driver: re-queue them under the same key.
+
+        Dead means: on this host, the owner process is gone (or its pid was recycled); on another
+        host, its heartbeat is older than `stale_s`. Their unfinished stage executions become
+        "lost", counted as compute lost to infrastructure from their start to the driver's death: at
+        most the first heartbeat it missed (`heartbeat_s` after its last), which is the figure kept.
+        A run lost more than `max_requeues`
+        times is failed as an infrastructure failure instead of looping forever (a stage that
+        takes the whole machine down with it). `reclaim` names a live owner whose claims are
+        known to be orphaned too: a new driver in the process of one that failed without closing.
+        """
+        requeued: list[int] = []
+        t = now()
+        with self.session() as s:
+            running = list(s.exec(select(Run).where(Run.status == "running")))
+        for run in running:
+            owner = Owner(run.owner_host or "", run.owner_pid or -1, run.owner_started or 0.0)
+            alive = False if owner.same(reclaim) else owner.alive()
+            if alive is None:
+                alive = (t - (run.heartbeat_at or 0.0)) < stale_s
+            if alive:
+                continue
+            with self.session() as s:
+                lost_execs = list(
+                    s.exec(select(StageExec).where(StageExec.run_id == run.id, StageExec.outcome == "running"))
+                )
+                for ex in lost_execs:
+                    ex.outcome = "lost"
+                    # the driver died between its last heartbeat and the one it missed: the stage's
+                    # work is lost up to then (never past now); a core kept busy all along
+                    last = run.heartbeat_at or ex.started_at
+                    ex.finished_at = max(ex.started_at, min(t, max(last, ex.started_at) + heartbeat_s))
+                    ex.wall_s = ex.finished_at - ex.started_at
+                    ex.cpu_s = ex.wall_s
+                    lo = max(0.0, last - ex.started_at)
+                    ex.detail = (f"driver {owner.host}:{owner.pid} died: {lo:.1f}-{ex.wall_s:.1f} s of work lost "
+                                 "(between its last heartbeat and the one it missed; cpu_s = the upper bound)")
+                    s.add(ex)
+                giving_up = run.requeues + 1 > max_requeues
+                values: dict[str, Any] = dict(
+                    owner_host=None, owner_pid=None, owner_started=None, claim_token=None,
+                    requeues=Run.requeues + 1,
+                )
+                if giving_up:
+                    values.update(status="failed", finished_at=t)
+                else:
+                    values.update(status="queued")
+                res = s.exec(  # type: ignore[call-overload]
+                    update(Run)
+                    .where(Run.id == run.id, Run.claim_token == run.claim_token, Run.status == "running")  # type: ignore[arg-type]
+                    .values(**values)
+                )
+                if res.rowcount != 1:
+                    s.rollback()
+                    continue
+                if giving_up:
+                    s.add(Result(
+                        run_id=run.id, commit=run.commit, task=run.task, seed=run.seed, outcome="infra_failure",
+                        kind="lost", detail=f"driver died {run.requeues + 1} times while running it",
+                        dataset_id=run.dataset_id,
+                    ))
+                try:
+                    s.commit()
+                except IntegrityError:
+                    s.rollback()
+                    continue
+                if not giving_up:
+                    requeued.append(int(run.id))  # type: ignore[arg-type]
+        return requeued
+
+    def count_unfinished(self, ids: Iterable[int]) -> int:
+        """How many of these runs are still queued or running (cheap enough to ask every turn)."""
+        with self.session() as s:
+            q = select(func.count()).select_from(Run).where(
+                Run.id.in_(list(ids)), Run.status.in_(("queued", "running"))  # type: ignore[union-attr,attr-defined]
+            )
+            return int(s.exec(q).one())  # type: ignore[call-overload]
+
+    def count_queued(self) -> int:
+        with self.session() as s:
+            return int(s.exec(select(func.count()).select_from(Run).where(Run.status == "queued")).one())  # type: ignore[call-overload]
+
+    def queue_counts(self) -> dict[str, int]:
+        with self.session() as s:
+            rows = s.exec(select(Run.status, func.count()).group_by(Run.status)).all()  # type: ignore[call-overload]
+        counts = {"queued": 0, "running": 0, "done": 0, "failed": 0}
+        counts.update({status: int(n) for status, n in rows})
+        return counts

@@ -1,0 +1,200 @@
+"""Reads of results, comparisons, holdout scores, stage executions and goodput, and the gate's
+records (see `pipeline.store`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import func
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import select
+
+from pipeline.store.tables import (
+    METHOD_OUTCOMES,
+    BaselineCommit,
+    Comparison,
+    GateRecord,
+    Goodput,
+    HoldoutScore,
+    Result,
+    Run,
+    StageExec,
+    now,
+)
+
+
+class Reads:
+    """The reads and the gate records of `Store`. Mixed into `Store`, whose `session()` each method uses."""
+
+    def runs(self, ids: Iterable[int] | None = None, commit: str | None = None) -> list[Run]:
+        with self.session() as s:
+            q = select(Run).order_by(Run.id)
+            if ids is not None:
+                q = q.where(Run.id.in_(list(ids)))  # type: ignore[union-attr]
+            if commit is not None:
+                q = q.where(Run.commit == commit)
+            return list(s.exec(q))
+
+    def results_for(self, commit: str, tasks: Iterable[str] | None = None) -> list[Result]:
+        with self.session() as s:
+            q = select(Result).where(Result.commit == commit).order_by(Result.task, Result.seed)
+            if tasks is not None:
+                q = q.where(Result.task.in_(list(tasks)))  # type: ignore[attr-defined]
+            return list(s.exec(q))
+
+    def mark_baseline(self, commit: str) -> None:
+        with self.session() as s:
+            if s.get(BaselineCommit, commit) is None:
+                s.add(BaselineCommit(commit=commit))
+                try:
+                    s.commit()
+                except IntegrityError:  # another driver marked it first
+                    s.rollback()
+
+    def mark_comparison(self, challenger: str, baseline: str) -> None:
+        with self.session() as s:
+            if s.get(Comparison, (challenger, baseline)) is None:
+                s.add(Comparison(challenger=challenger, baseline=baseline))
+                try:
+                    s.commit()
+                except IntegrityError:  # another driver recorded it first
+                    s.rollback()
+
+    def comparisons(self) -> list[tuple[str, str]]:
+        """(challenger, baseline) of every comparison, oldest first."""
+        return [(c, b) for c, b, _ in self.comparisons_timed()]
+
+    def comparisons_timed(self) -> list[tuple[str, str, float]]:
+        """(challenger, baseline, when it was first recorded) of every comparison, oldest first."""
+        with self.session() as s:
+            return [(c.challenger, c.baseline, c.created_at)
+                    for c in s.exec(select(Comparison).order_by(Comparison.created_at))]
+
+    def results_of(self, commits: Iterable[str], tasks: Iterable[str] | None = None) -> list[Result]:
+        """Every result row of several commits in one read."""
+        commits = list(commits)
+        if not commits:
+            return []
+        with self.session() as s:
+            q = select(Result).where(Result.commit.in_(commits))  # type: ignore[attr-defined]
+            if tasks is not None:
+                q = q.where(Result.task.in_(list(tasks)))  # type: ignore[attr-defined]
+            return list(s.exec(q))
+
+    def is_baseline(self, commit: str) -> bool:
+        with self.session() as s:
+            return s.get(BaselineCommit, commit) is not None
+
+    def holdout_put(self, run_id: int, commit: str, task: str, seed: int, value: float) -> None:
+        with self.session() as s:
+            if s.get(HoldoutScore, run_id) is None:
+                s.add(HoldoutScore(run_id=run_id, commit=commit, task=task, seed=seed, value=value))
+                s.commit()
+
+    def holdout_scores(self, commit: str) -> dict[str, dict[int, float]]:
+        """{task: {seed: holdout score}} of a commit's holdout-scored runs."""
+        out: dict[str, dict[int, float]] = {}
+        with self.session() as s:
+            for r in s.exec(select(HoldoutScore).where(HoldoutScore.commit == commit)):
+                out.setdefault(r.task, {})[r.seed] = r.value
+        return out
+
+    def stage_exec(self, eid: int) -> StageExec | None:
+        """One stage execution by its id (the web page's log link)."""
+        with self.session() as s:
+            return s.get(StageExec, eid)
+
+    def stage_execs(self, run_ids: Iterable[int] | None = None) -> list[StageExec]:
+        with self.session() as s:
+            q = select(StageExec).order_by(StageExec.id)
+            if run_ids is not None:
+                q = q.where(StageExec.run_id.in_(list(run_ids)))  # type: ignore[attr-defined]
+            return list(s.exec(q))
+
+    def goodput(self, since: float | None = None) -> Goodput:
+        with self.session() as s:
+            q = select(StageExec.outcome, func.sum(StageExec.cpu_s), func.sum(StageExec.saved_cpu_s),  # type: ignore[call-overload]
+                       func.sum(StageExec.gpu_s), func.count()).group_by(StageExec.outcome)
+            if since is not None:
+                q = q.where(StageExec.started_at >= since)
+            rows = s.exec(q).all()
+            rq = select(func.coalesce(func.sum(Run.requeues), 0), func.coalesce(func.sum(Run.infra_failures), 0))
+            requeues, infra = s.exec(rq).one()  # type: ignore[call-overload]
+        by: dict[str, tuple[float, float, float, int]] = {
+            o: (float(c or 0), float(sv or 0), float(g or 0), int(n)) for o, c, sv, g, n in rows
+        }
+
+        def cpu(*outcomes: str) -> float:
+            return sum(by.get(o, (0.0, 0.0, 0.0, 0))[0] for o in outcomes)
+
+        return Goodput(
+            useful_cpu_s=cpu("ok"),
+            method_failed_cpu_s=cpu(*METHOD_OUTCOMES),
+            infra_lost_cpu_s=cpu("infra", "lost", "cancelled"),
+            saved_by_cache_cpu_s=sum(by.get(o, (0.0, 0.0, 0.0, 0))[1] for o in ("cache_hit", "shared")),
+            gpu_s=sum(v[2] for v in by.values()),
+            stages_executed=sum(by.get(o, (0, 0, 0, 0))[3] for o in ("ok", "method", "timeout", "infra", "lost", "cancelled")),
+            cache_hits=sum(by.get(o, (0, 0, 0, 0))[3] for o in ("cache_hit", "shared")),
+            infra_retries=int(infra),
+            requeues=int(requeues),
+        )
+
+    def put_gate_record(self, hypothesis: str, look: int, payload: Any, kind: str = "verdict") -> GateRecord:
+        """Store (or replace) the gate's record for (hypothesis, look, kind).
+
+        `payload` may be a pydantic model (stored as its JSON form) or anything JSON-serialisable.
+        Replacing keeps the call idempotent for an agent node that re-runs after a crash.
+        """
+        if hasattr(payload, "model_dump"):
+            payload = payload.model_dump(mode="json")
+        payload = json.loads(json.dumps(payload, allow_nan=False))
+        with self.session() as s:
+            rec = s.exec(select(GateRecord).where(
+                GateRecord.hypothesis == hypothesis, GateRecord.look == look, GateRecord.kind == kind
+            )).first()
+            if rec is None:
+                rec = GateRecord(hypothesis=hypothesis, look=look, kind=kind, payload=payload)
+            else:
+                rec.payload = payload
+                rec.created_at = now()
+            s.add(rec)
+            try:
+                s.commit()
+            except IntegrityError:  # a concurrent writer inserted it first: overwrite theirs
+                s.rollback()
+                return self.put_gate_record(hypothesis, look, payload, kind)
+            s.refresh(rec)
+            return rec
+
+    def move_gate_records(self, hypothesis: str, to: str, kinds: tuple[str, ...]) -> int:
+        """Move the records of `kinds` from `hypothesis` to the key `to`, in one transaction (a record
+        already under `to` for the same look and kind is replaced). Idempotent: a second call finds
+        nothing left to move. How a re-based hypothesis's earlier comparison is kept aside."""
+        with self.session() as s:
+            rows = list(s.exec(select(GateRecord).where(GateRecord.hypothesis == hypothesis,
+                                                        GateRecord.kind.in_(kinds))))
+            for rec in rows:
+                for old in s.exec(select(GateRecord).where(GateRecord.hypothesis == to, GateRecord.look == rec.look,
+                                                           GateRecord.kind == rec.kind)):
+                    s.delete(old)
+            s.flush()
+            for rec in rows:
+                rec.hypothesis = to
+                s.add(rec)
+            s.commit()
+            return len(rows)
+
+    def latest_gate_records(self, kind: str) -> dict[str, GateRecord]:
+        """Every hypothesis's record of `kind` at its deepest look, in one read: {hypothesis: record}."""
+        with self.session() as s:
+            rows = s.exec(select(GateRecord).where(GateRecord.kind == kind).order_by(GateRecord.look))
+            return {r.hypothesis: r for r in rows}
+
+    def gate_records(self, hypothesis: str, kind: str | None = None) -> list[GateRecord]:
+        with self.session() as s:
+            q = select(GateRecord).where(GateRecord.hypothesis == hypothesis).order_by(GateRecord.look, GateRecord.kind)
+            if kind is not None:
+                q = q.where(GateRecord.kind == kind)
+            return list(s.exec(q))

@@ -1,0 +1,261 @@
+"""The store's tables and value types: every fact about runs in one SQL database (SQLite by default, any SQLAlchemy URL).
+
+Why a database and not files: runs are claimed by concurrent drivers, must survive `kill -9` of any
+of them, and are read by `status`, `report` and the gate while a batch is running. The tables are
+sqlmodel classes, so the same class is a row and the record that `--json` output prints.
+
+- `Arm`: a commit under measurement (baseline or challenger).
+- `Run`: one (commit, task, seed), unique; also the queue: `status` moves queued → running →
+  done | failed, claimed atomically by a conditional UPDATE that carries an owner (host, pid, process
+  start time) and a claim token. Only the holder of the current token can finish or requeue it, so a
+  driver presumed dead that wakes up cannot write a second result.
+- `StageExec`: one stage of one run, executed or served from the cache: CPU, GPU and wall seconds,
+  outcome. Goodput is computed from these rows.
+- `Result`: the run's metric, or the reason it has none; unique per run and per (commit, task, seed).
+- `CacheEntry`: what a cached stage output cost to compute, so a cache hit knows what it saved.
+- `GateRecord`: the gate's records (any JSON payload) keyed by hypothesis, look and kind.
+
+Times are UNIX seconds (floats): comparable across SQLite and PostgreSQL and plain in JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sqlalchemy import JSON, Column, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+RunStatus = Literal["queued", "running", "done", "failed"]
+# running: launched, not finished; ok: executed and published; cache_hit: output existed already;
+# shared: waited on the same key computed for another run in this batch; method/timeout: the branch's
+# code failed (a result the gate sees); infra: the machinery failed (retried); lost: the driver died
+# while it ran; cancelled: a graceful stop; upstream_failed: a stage it needs failed.
+StageOutcome = Literal[
+    "running", "ok", "cache_hit", "shared", "method", "timeout", "infra", "lost", "cancelled", "upstream_failed"
+]
+METHOD_OUTCOMES = ("method", "timeout")
+
+
+def now() -> float:
+    return time.time()
+
+
+class Arm(SQLModel, table=True):
+    """A commit under measurement. `label` is a human name (branch or tag) at the time it was queued."""
+
+    __tablename__ = "arm"
+    commit: str = Field(primary_key=True, max_length=64)
+    label: str | None = None
+    created_at: float = Field(default_factory=now)
+
+
+class Run(SQLModel, table=True):
+    """One (commit, task, seed) measurement and its place in the queue."""
+
+    __tablename__ = "run"
+    __table_args__ = (UniqueConstraint("commit", "task", "seed", name="uq_run_commit_task_seed"),)
+    id: int | None = Field(default=None, primary_key=True)
+    commit: str = Field(foreign_key="arm.commit", index=True, max_length=64)
+    task: str
+    seed: int
+    status: str = Field(default="queued", index=True)
+    priority: int = 0
+    infra_failures: int = 0  # stage attempts lost to the machinery, retried with the same seed
+    requeues: int = 0  # times a dead driver's claim was taken back
+    owner_host: str | None = None
+    owner_pid: int | None = None
+    owner_started: float | None = None
+    claim_token: str | None = None
+    heartbeat_at: float | None = None
+    queued_at: float = Field(default_factory=now)
+    started_at: float | None = None
+    finished_at: float | None = None
+    dataset_id: str | None = None
+
+
+class StageExec(SQLModel, table=True):
+    """One stage of one run: executed, served from the cache, or failed; with the compute it used."""
+
+    __tablename__ = "stage_exec"
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="run.id", index=True)
+    stage: str
+    key: str = Field(index=True)
+    outcome: str = "running"
+    executor: str = "local"
+    host: str | None = None
+    cpu_s: float = 0.0
+    gpu_s: float = 0.0
+    wall_s: float = 0.0
+    saved_cpu_s: float = 0.0  # for cache_hit/shared: the compute the original execution took
+    exit_code: int | None = None
+    signal: int | None = None
+    detail: str | None = None
+    log_path: str | None = None
+    started_at: float = Field(default_factory=now)
+    finished_at: float | None = None
+
+
+class Result(SQLModel, table=True):
+    """A run's metric (`value`), or why it has none (`outcome`, `kind`, `detail`). Written once."""
+
+    __tablename__ = "result"
+    __table_args__ = (UniqueConstraint("commit", "task", "seed", name="uq_result_commit_task_seed"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="run.id", unique=True)
+    commit: str = Field(index=True, max_length=64)
+    task: str
+    seed: int
+    value: float | None = None
+    outcome: str = "ok"
+    kind: str | None = None  # crash, timeout, signal, predictions, nan, memory, infra
+    detail: str | None = None
+    dataset_id: str | None = None
+    cpu_s: float = 0.0  # compute executed for this run (cache hits excluded)
+    created_at: float = Field(default_factory=now)
+
+
+class BaselineCommit(SQLModel, table=True):
+    """A commit measured as a baseline (its own runs, re-verification, variance study): only its runs
+    are scored on a harness's sealed holdout."""
+
+    __tablename__ = "baseline_commit"
+    commit: str = Field(primary_key=True, max_length=64)
+    marked_at: float = Field(default_factory=now)
+
+
+class Comparison(SQLModel, table=True):
+    """A challenger commit measured against a baseline commit on the baseline's seed block: the
+    lab's history of paired differences (the `paired` protocol's prior, `variance --pair`)."""
+
+    challenger: str = Field(primary_key=True, max_length=64)
+    baseline: str = Field(primary_key=True, max_length=64)
+    created_at: float = Field(default_factory=now)
+
+
+class HoldoutScore(SQLModel, table=True):
+    """A baseline run's score on the sealed holdout split (`Harness` in harness/base.py). Only the runs of commits in
+    `baseline_commit` (the first baseline, the champions) are scored on it; it is read by status,
+    the digest and the progress chart, never by the gate, the agent or a prompt."""
+
+    __tablename__ = "holdout_score"
+    run_id: int = Field(foreign_key="run.id", primary_key=True)
+    commit: str = Field(index=True, max_length=64)
+    task: str
+    seed: int
+    value: float
+    created_at: float = Field(default_factory=now)
+
+
+class CacheEntry(SQLModel, table=True):
+    """A published stage output: what it cost, so later hits can count the compute they saved."""
+
+    __tablename__ = "cache_entry"
+    key: str = Field(primary_key=True)
+    stage: str
+    commit: str
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    created_at: float = Field(default_factory=now)
+
+
+class CacheUse(SQLModel, table=True):
+    """A cache entry's size on disk and when it was last used: what LRU eviction reads."""
+
+    __tablename__ = "cache_use"
+    key: str = Field(primary_key=True)
+    size_bytes: int = 0
+    used_at: float = Field(default_factory=now, index=True)
+    evicted_at: float | None = None
+
+
+class GateRecord(SQLModel, table=True):
+    """The gate's output at one look of one hypothesis; `payload` is the gate's own JSON record."""
+
+    __tablename__ = "gate_record"
+    __table_args__ = (UniqueConstraint("hypothesis", "look", "kind", name="uq_gate_record"),)
+    id: int | None = Field(default=None, primary_key=True)
+    hypothesis: str = Field(index=True)
+    look: int
+    kind: str = "verdict"
+    payload: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    created_at: float = Field(default_factory=now)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who holds a claim: enough to tell, from the same host, whether that process still exists.
+
+    The process start time guards against a recycled pid looking alive.
+    """
+
+    host: str
+    pid: int
+    started: float
+
+    @classmethod
+    def current(cls) -> "Owner":
+        import psutil
+
+        return cls(socket.gethostname(), os.getpid(), psutil.Process().create_time())
+
+    def same(self, other: "Owner | None") -> bool:
+        return other is not None and (self.host, self.pid) == (other.host, other.pid) and abs(
+            self.started - other.started) < 1.0
+
+    def alive(self) -> bool | None:
+        """True/False on this host; None when the owner is on another host (use the heartbeat)."""
+        if self.host != socket.gethostname():
+            return None
+        import psutil
+
+        try:
+            proc = psutil.Process(self.pid)
+            return abs(proc.create_time() - self.started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claimed run: its row as it was claimed and the token that proves ownership."""
+
+    run: Run
+    token: str
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Where the compute went. Seconds are CPU seconds unless named otherwise.
+
+    useful: stages that ran to completion (their outputs are cached and feed results);
+    method_failed: stages whose branch code failed (the measurement of a bad idea; not waste of the
+    machinery but not progress either); infra_lost: attempts lost to the machinery (killed workers,
+    dead drivers) that had to be retried; saved_by_cache: what cache hits would have cost.
+    """
+
+    useful_cpu_s: float
+    method_failed_cpu_s: float
+    infra_lost_cpu_s: float
+    saved_by_cache_cpu_s: float
+    gpu_s: float
+    stages_executed: int
+    cache_hits: int
+    infra_retries: int
+    requeues: int
+
+    @property
+    def goodput(self) -> float:
+        """Fraction of spent compute that was useful (1.0 when nothing ran)."""
+        spent = self.useful_cpu_s + self.method_failed_cpu_s + self.infra_lost_cpu_s
+        return self.useful_cpu_s / spent if spent > 0 else 1.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = dict(self.__dict__)
+        out["goodput"] = self.goodput
+        return out
