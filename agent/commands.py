@@ -109,11 +109,13 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
                for r in store.runs() if r.status == "running"]
     import git
 
+    from pipeline.labrepo import LabRepo
+
     try:
-        repo_ = git.Repo(lab.root)
-        base = repo_.commit("autoresearch/baseline").hexsha
-        tags = [t.name for t in repo_.tags if t.name.startswith("baseline/") and t.commit.hexsha == base]
-    except (git.exc.GitError, git.exc.BadName, ValueError):  # no baseline branch yet
+        repo_ = LabRepo(lab.root)
+        base = repo_.baseline_head()
+        tags = [t for t in [repo_.baseline_tag(base)] if t]
+    except (git.exc.GitError, git.exc.BadName, ValueError, UserError):  # no baseline branch yet
         base, tags = None, []
     ledger = Ledger(store.engine)
     driver = lease.holder(store)

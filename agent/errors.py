@@ -3,7 +3,6 @@ is the agent's too: a review action or a notification target that does not fit i
 
     Exception
     ├── EditRejected                 an implementation the loop refuses; `kind` is recorded
-    ├── PromotionConflict            the hypothesis no longer merges into the baseline
     ├── NotConfigured                a policy that cannot work here (no LLM endpoint)
     ├── LLMError                     the LLM client's; `retryable`: asking again later may answer
     │   ├── LLMNotConfigured
@@ -18,7 +17,7 @@ Each module re-exports the errors it raises, so `from agent.llm import LLMUnavai
 
 from __future__ import annotations
 
-from pipeline.errors import UserError  # noqa: F401 (re-exported: the agent's user errors are the pipeline's)
+from pipeline.errors import PromotionConflict, UserError  # noqa: F401 (re-exported: the agent's are the pipeline's)
 
 
 class EditRejected(Exception):
@@ -27,10 +26,6 @@ class EditRejected(Exception):
     def __init__(self, kind: str, message: str):
         self.kind = kind
         super().__init__(message)
-
-
-class PromotionConflict(Exception):
-    """The baseline moved and the hypothesis no longer merges cleanly into it."""
 
 
 class NotConfigured(Exception):

@@ -138,14 +138,14 @@ def build_context(svc: Services) -> Context:
 
     comments = [prompts.phrase("comment", id=c.hypothesis_id, action=c.action, text=c.text)
                 for c in svc.records.comments() if c.text]
-    tag = _baseline_tag(ws, base)
+    tag = ws.baseline_tag(base)
     return Context(
         lab_name=cfg.lab.name,
         program=(lab.root / cfg.lab.program).read_text() if (lab.root / cfg.lab.program).is_file() else "",
         metric=metric_line(cfg),
         tasks=lab.tasks(),
         editable=list(cfg.lab.editable),
-        baseline=prompts.phrase("baseline", tag=tag or "autoresearch/baseline", commit=base[:10]),
+        baseline=prompts.phrase("baseline", tag=tag or BASELINE_BRANCH, commit=base[:10]),
         files=files,
         history=history,
         comments=comments,
@@ -181,11 +181,6 @@ def search_key_costs(lab: Lab) -> dict[str, int]:
                 dirty.add(st.name)
         out[key] = len(dirty)
     return out
-
-
-def _baseline_tag(ws: Workspace, commit: str) -> str | None:
-    tags = [t.name for t in ws.repo.tags if t.name.startswith("baseline/") and t.commit.hexsha == commit]
-    return tags[-1] if tags else None
 
 
 def _effect_summary(svc: Services, h: Hypothesis) -> dict[str, Any]:
@@ -384,7 +379,7 @@ class Nodes:
                 check_path(self.svc.lab, path)
             tagged = commit
             if not ws.repo.is_ancestor(base, commit):
-                onto = _baseline_tag(ws, base) or f"{BASELINE_BRANCH}@{base[:10]}"
+                onto = ws.baseline_name(base)
                 try:
                     commit = ws.merge_onto(base, commit, f"hyp {h.id}: branch {h.seed_branch} merged onto {onto}")
                 except PromotionConflict as e:
@@ -642,8 +637,7 @@ def rebase(svc: Services, h: Hypothesis) -> tuple[State, dict[str, Any]]:
     ws, rec, store = svc.workspace, svc.records, svc.store
     head = ws.baseline_head()
     old_base, old_commit = h.base_commit or "", h.commit or ""
-    frm = _baseline_tag(ws, old_base) or f"{BASELINE_BRANCH}@{old_base[:10]}"
-    onto = _baseline_tag(ws, head) or f"{BASELINE_BRANCH}@{head[:10]}"
+    frm, onto = ws.baseline_name(old_base), ws.baseline_name(head)
     earlier = f"its verdict {h.verdict} at look {h.look} against {frm}"
     payload: dict[str, Any] = {"from_base": old_base, "from_commit": old_commit, "from_tag": frm, "to_base": head,
                                "to_tag": onto, "verdict": h.verdict, "look": h.look,

@@ -13,7 +13,6 @@ the agent's context or a prompt (tests/test_holdout.py checks it).
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 log = logging.getLogger("autoresearch.progress")
@@ -27,9 +26,11 @@ def champions(records: Any) -> list[tuple[str, str, int | None]]:
         return []
     promoted = [h for h in hyps if h.decision == "promote" and h.promoted_tag and h.commit]
 
+    from pipeline.labrepo import baseline_number
+
     def number(h: Any) -> int:
-        m = re.fullmatch(r"baseline/v(\d+)", h.promoted_tag)
-        return int(m.group(1)) if m else 1 << 30
+        n = baseline_number(h.promoted_tag)
+        return n if n is not None else 1 << 30
 
     start = [("start", hyps[0].base_commit, None)]
     return start + [(h.promoted_tag, h.promoted_tag, h.id) for h in sorted(promoted, key=number)]

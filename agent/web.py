@@ -396,8 +396,10 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
 
 
 def tag_number(tag: str) -> int:
-    m = re.fullmatch(r"baseline/v(\d+)", tag or "")
-    return int(m.group(1)) if m else 1 << 30
+    from pipeline.labrepo import baseline_number
+
+    n = baseline_number(tag)
+    return n if n is not None else 1 << 30
 
 
 def bounded_diff(ws: Any, h: Any) -> tuple[str, str]:

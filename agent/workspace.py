@@ -21,8 +21,9 @@ from pathlib import PurePosixPath
 
 import git
 
-from agent.errors import EditRejected, PromotionConflict
-from pipeline.lab import BASELINE_BRANCH, CONFIG_NAME, Lab, glob_match
+from agent.errors import EditRejected, PromotionConflict  # noqa: F401 (re-exported: promote and merge_onto raise it)
+from pipeline.lab import CONFIG_NAME, Lab, glob_match
+from pipeline.labrepo import LabRepo
 
 PROTECTED = {CONFIG_NAME, ".gitignore"}
 
@@ -90,12 +91,13 @@ def check_syntax(path: str, text: str) -> None:
         raise EditRejected("compile_error", f"{path}: {type(e).__name__}: {e}") from None
 
 
-class Workspace:
-    """The lab's repository seen as hypotheses: branches `hyp/<id>-<slug>`, tags, the baseline."""
+class Workspace(LabRepo):
+    """The lab's repository seen as hypotheses: branches `hyp/<id>-<slug>` and their edits, on the
+    lab's `LabRepo` (resolving, the baseline and its tags, tags, merges, promotion)."""
 
     def __init__(self, lab: Lab):
+        super().__init__(lab.root)
         self.lab = lab
-        self.repo = git.Repo(lab.root)
         self._ensure_identity()
 
     def _ensure_identity(self) -> None:
@@ -106,17 +108,6 @@ class Workspace:
                 cw.set_value("user", "email", "autoresearch@localhost")
 
     # -------------------------------------------------------------- reading
-
-    def baseline_head(self) -> str:
-        return self.repo.commit(BASELINE_BRANCH).hexsha
-
-    def resolve(self, rev: str) -> str:
-        try:
-            return self.repo.commit(rev).hexsha
-        except (git.BadName, ValueError, git.GitCommandError):
-            from pipeline.errors import UserError
-
-            raise UserError(f"unknown branch or commit {rev!r} in {self.lab.root}") from None
 
     def read(self, commit: str, path: str) -> str | None:
         """A file's exact text at a commit (GitPython's `git show` would strip the final newline)."""
@@ -174,12 +165,6 @@ class Workspace:
                 g.update_index("--add", "--cacheinfo", f"{mode},{blob},{path}", env=env)
             return g.write_tree(env=env)
 
-    def tree(self, rev: str) -> str:
-        return self.repo.commit(rev).tree.hexsha
-
-    def baseline_tags(self) -> list[str]:
-        return [t.name for t in self.repo.tags if t.name.startswith("baseline/v")]
-
     def commit_files(self, branch: str, base: str, files: dict[str, str], message: str) -> str:
         """Commit `files` on top of `base` and point `branch` at it, through a private index."""
         tree = self.tree_of(base, files)
@@ -205,82 +190,3 @@ class Workspace:
     def point_branch(self, branch: str, commit: str) -> None:
         self.repo.git.update_ref(f"refs/heads/{branch}", commit)
 
-    def tagged(self, name: str) -> tuple[str, str] | None:
-        """(commit, message) of tag `name`, or None when there is no such tag."""
-        if name not in self.repo.tags:
-            return None
-        ref = self.repo.tags[name]
-        return ref.commit.hexsha, (ref.tag.message if ref.tag is not None else "")
-
-    def tag(self, name: str, commit: str, message: str | None = None) -> None:
-        """Create tag `name` at `commit`; re-tagging the same commit is a no-op."""
-        existing = self.repo.tags[name].commit.hexsha if name in self.repo.tags else None
-        if existing == commit:
-            return
-        if existing is not None:
-            raise ValueError(f"tag {name} already points at {existing[:10]}")
-        if message:
-            self.repo.create_tag(name, ref=commit, message=message)
-        else:
-            self.repo.create_tag(name, ref=commit)
-
-    def promote(self, commit: str, message: str) -> tuple[str, str]:
-        """Merge `commit` into the baseline branch and tag it `baseline/vN`. Idempotent.
-
-        A fast-forward when the baseline has not moved since the hypothesis branched; otherwise a
-        merge commit computed without a working tree (`git merge-tree`), refused on conflict.
-        """
-        head = self.baseline_head()
-        if self.repo.is_ancestor(commit, head):  # already promoted (a re-run of this node)
-            return head, self._baseline_tag(head) or self._next_baseline_tag(head, message)
-        if self.repo.is_ancestor(head, commit):
-            new = commit
-        else:
-            try:
-                tree = self.repo.git.merge_tree("--write-tree", head, commit).splitlines()[0]
-            except git.GitCommandError as e:
-                conflicts = [line for line in str(e.stdout).splitlines() if line.startswith("CONFLICT")]
-                raise PromotionConflict(f"{commit[:10]} does not merge into the baseline: {'; '.join(conflicts) or e}") from None
-            new = self.repo.git.commit_tree(tree, "-p", head, "-p", commit, "-m", message)
-        self.repo.git.update_ref(f"refs/heads/{BASELINE_BRANCH}", new, head)
-        return new, self._next_baseline_tag(new, message)
-
-    def merge_onto(self, head: str, commit: str, message: str) -> str:
-        """`commit` merged onto `head` without a working tree (`git merge-tree`): a merge commit whose
-        first parent is `head` (so `commit` stays in its history), or `commit` itself when it already
-        contains `head`. Nothing but objects is written: no ref moves here. Deterministic: its dates
-        are the later parent's, so the same (head, commit, message) gives the same commit and a
-        re-run finds it instead of making another. `PromotionConflict` names the conflicting paths."""
-        if self.repo.is_ancestor(head, commit):
-            return commit
-        status, out, err = self.repo.git.merge_tree("--write-tree", "--name-only", head, commit,
-                                                    with_extended_output=True, with_exceptions=False)
-        if status == 1:  # conflicts: the tree id, the conflicted paths, a blank line, git's messages
-            head_part, _, messages = out.partition("\n\n")
-            paths = list(dict.fromkeys(line for line in head_part.splitlines()[1:] if line))
-            kinds = [line for line in messages.splitlines() if line.startswith("CONFLICT")]
-            raise PromotionConflict(f"{commit[:10]} conflicts with {head[:10]} in {', '.join(paths) or '?'}"
-                                    + (f" ({'; '.join(kinds)})" if kinds else ""))
-        if status != 0:
-            raise git.GitCommandError(["git", "merge-tree", head, commit], status, err, out)
-        tree = out.splitlines()[0]
-        when = max(self.repo.commit(head).committed_date, self.repo.commit(commit).committed_date)
-        date = f"{when} +0000"
-        return self.repo.git.commit_tree(tree, "-p", head, "-p", commit, "-m", message,
-                                         env={"GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date})
-
-    def _baseline_tag(self, commit: str) -> str | None:
-        for t in self.repo.tags:
-            if t.name.startswith("baseline/v") and t.commit.hexsha == commit:
-                return t.name
-        return None
-
-    def _next_baseline_tag(self, commit: str, message: str) -> str:
-        existing = self._baseline_tag(commit)
-        if existing:
-            return existing
-        numbers = [int(t.name.removeprefix("baseline/v")) for t in self.repo.tags
-                   if re.fullmatch(r"baseline/v\d+", t.name)]
-        name = f"baseline/v{max(numbers, default=0) + 1}"
-        self.tag(name, commit, message)
-        return name

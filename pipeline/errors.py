@@ -13,6 +13,7 @@
     ├── InfrastructureFailure        the machinery failed, not the idea: retried or re-queued
     │   ├── ExecutorError            an executor cannot work (worker, cluster)
     │   └── WorktreeError            a commit cannot be resolved or checked out
+    ├── PromotionConflict            a commit does not merge onto the baseline (names the paths)
     ├── Interrupted                  the loop is stopping during a smoke run: nothing is recorded
     └── OSError
         └── SandboxError, OutputTooLarge   in executors/sandbox.py, which must stay standard-library
@@ -68,6 +69,10 @@ class ExecutorError(InfrastructureFailure):
 
 class WorktreeError(InfrastructureFailure):
     """A commit cannot be resolved or checked out."""
+
+
+class PromotionConflict(Exception):
+    """A hypothesis does not merge onto the baseline (`pipeline.labrepo`): the paths that conflict."""
 
 
 class ServiceUnavailable(Exception):

@@ -40,8 +40,8 @@ from typing import Any
 
 from pipeline import runner
 from pipeline.lab import SEED_BLOCK, SEED_BLOCKS, Lab
+from pipeline.labrepo import generation  # noqa: F401 (re-exported: a baseline's generation)
 
-BASELINE_TAGS = "baseline/v*"  # one tag per promotion: the generation of a baseline is how many it holds
 LOOK_RANK = 100  # queue priority: a look's place in the schedule outranks the caller's rank (0-99)
 MIN_BASELINE_RUNS = 2  # a lazy baseline still runs 2 seeds at the first look: a task's σ needs a variance
 
@@ -61,51 +61,6 @@ def challenger_seeds(n_runs: int, generation: int = 0) -> range:
     """The seeds of the first `n_runs` runs of a challenger of a baseline with `generation` promotions
     (the same block as the baseline's: seed k of one arm pairs with seed k of the other)."""
     return seed_block(generation)[:n_runs]
-
-
-_generations: dict[tuple[str, str, Any], int] = {}
-
-
-def generation(root: str, commit: str) -> int:
-    """How many promotions (tags baseline/v*) the commit's history holds: 0 for the first baseline.
-
-    A challenger's commit gains a generation when it is promoted (fast-forward), so the answer is
-    cached per (commit, the state of the repository's baseline tags: their folder's listing and the
-    packed refs' change time), never per commit alone."""
-    import git
-
-    tags = _tags_state(root)
-    key = (root, commit, tags)
-    if tags is None or key not in _generations:
-        n = len(git.Repo(root).git.tag("--merged", commit, "--list", BASELINE_TAGS).split())
-        if tags is None:
-            return n
-        if len(_generations) > 10_000:
-            _generations.clear()
-        _generations[key] = n
-    return _generations[key]
-
-
-def _tags_state(root: str) -> Any:
-    """What the baseline tags of the repository at `root` are, cheaply (no git process), or None
-    where it cannot be told (a lab that is itself a linked worktree: its .git is a file)."""
-    import os
-
-    gitdir = os.path.join(root, ".git")
-    if not os.path.isdir(gitdir):
-        return None
-    folder = os.path.join(gitdir, "refs", "tags", "baseline")
-    try:
-        names = tuple(sorted(os.listdir(folder)))
-    except FileNotFoundError:
-        names = ()
-    except OSError:
-        return None
-    try:
-        packed = os.stat(os.path.join(gitdir, "packed-refs")).st_mtime_ns
-    except FileNotFoundError:
-        packed = None
-    return names, packed
 
 
 def _one_dataset(rows: list[Any]) -> str | None:

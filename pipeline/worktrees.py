@@ -26,8 +26,9 @@ from pathlib import Path
 import git
 
 from pipeline import safefs
-from pipeline.errors import WorktreeError
+from pipeline.errors import UserError, WorktreeError
 from pipeline.lab import glob_match
+from pipeline.labrepo import LabRepo
 
 SHA = re.compile(r"^[0-9a-f]{40}$")
 
@@ -44,9 +45,10 @@ class Worktrees:
         self._sound_trees: set[str] = set()  # commits whose links were checked (a commit never changes)
         self._sound_checkouts: set[Path] = set()  # worktrees whose links on disk were checked
         try:
-            self.repo = git.Repo(self.repo_root)
-        except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-            raise WorktreeError(f"{self.repo_root}: not a git repository") from None
+            self.lab_repo = LabRepo(self.repo_root)
+        except UserError as e:
+            raise WorktreeError(str(e)) from None
+        self.repo = self.lab_repo.repo
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -60,11 +62,12 @@ class Worktrees:
     # --- reading commits --------------------------------------------------------------------
 
     def resolve(self, rev: str) -> str:
-        """The full sha of a revision (sha, branch, tag)."""
+        """The full sha of a revision (sha, branch, tag), by the lab's `LabRepo`: a revision the
+        driver cannot find is a `WorktreeError` here (the machinery's), a user's unknown one there."""
         try:
-            return self.repo.commit(rev).hexsha
-        except (git.BadName, ValueError, git.GitCommandError):
-            raise WorktreeError(f"{rev!r} is not a commit of {self.repo_root}") from None
+            return self.lab_repo.resolve(rev)
+        except UserError as e:
+            raise WorktreeError(str(e)) from None
 
     def files_at(self, commit: str) -> dict[str, git.Blob]:
         """Every file of the commit's tree, by POSIX path."""

@@ -1,0 +1,196 @@
+"""The lab's git repository: the one place that knows its scheme.
+
+The baseline is the branch `autoresearch/baseline` (`BASELINE_BRANCH`); each promotion tags its
+commit `baseline/vN` (`BASELINE_TAG_PREFIX`), and a commit's generation is how many such tags its
+history holds (the seed block its runs use, `pipeline.experiment`). A revision resolves to a full
+sha here, and only here; tags are created here, and merges are computed here without a working
+tree (`git merge-tree`), so nothing in the lab's checkout moves. `agent.workspace.Workspace` (the
+hypotheses' branches and edits) is a `LabRepo`; `pipeline.worktrees.Worktrees` resolves through one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import git
+
+from pipeline.errors import PromotionConflict, UserError
+from pipeline.lab import BASELINE_BRANCH
+
+BASELINE_TAG_PREFIX = "baseline/v"
+BASELINE_TAGS = BASELINE_TAG_PREFIX + "*"  # a `git tag --list` pattern
+_TAG = re.compile(re.escape(BASELINE_TAG_PREFIX) + r"(\d+)")
+
+
+def baseline_number(tag: str | None) -> int | None:
+    """N of a tag `baseline/vN`; None for any other name."""
+    m = _TAG.fullmatch(tag or "")
+    return int(m.group(1)) if m else None
+
+
+class LabRepo:
+    """The lab's repository at `root`: resolving, the baseline and its tags, generations, tags, merges."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        try:
+            self.repo = git.Repo(self.root)
+        except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+            raise UserError(f"{self.root}: not a git repository") from None
+
+    # -------------------------------------------------------------- revisions
+
+    def resolve(self, rev: str) -> str:
+        """The full sha of a revision (sha, branch, tag); `UserError` naming it if it is none."""
+        try:
+            return self.repo.commit(rev).hexsha
+        except (git.BadName, ValueError, git.GitCommandError):
+            raise UserError(f"unknown branch or commit {rev!r} in {self.root}") from None
+
+    def tree(self, rev: str) -> str:
+        return self.repo.commit(rev).tree.hexsha
+
+    # -------------------------------------------------------------- the baseline
+
+    def baseline_head(self) -> str:
+        return self.repo.commit(BASELINE_BRANCH).hexsha
+
+    def baseline_tags(self) -> list[str]:
+        return [t.name for t in self.repo.tags if baseline_number(t.name) is not None]
+
+    def baseline_tag(self, commit: str) -> str | None:
+        """The newest `baseline/vN` tag at `commit` (None if it was never a promoted baseline)."""
+        at = [t.name for t in self.repo.tags if baseline_number(t.name) is not None and t.commit.hexsha == commit]
+        return max(at, key=lambda name: baseline_number(name) or 0, default=None)
+
+    def baseline_name(self, commit: str) -> str:
+        """How to name a baseline commit to a human: its tag, or `autoresearch/baseline@<sha>`."""
+        return self.baseline_tag(commit) or f"{BASELINE_BRANCH}@{commit[:10]}"
+
+    def generation(self, commit: str) -> int:
+        """How many promotions (tags `baseline/vN`) the commit's history holds: 0 for the first baseline."""
+        return generation(str(self.root), commit)
+
+    # -------------------------------------------------------------- tags
+
+    def tagged(self, name: str) -> tuple[str, str] | None:
+        """(commit, message) of tag `name`, or None when there is no such tag."""
+        if name not in self.repo.tags:
+            return None
+        ref = self.repo.tags[name]
+        return ref.commit.hexsha, (ref.tag.message if ref.tag is not None else "")
+
+    def tag(self, name: str, commit: str, message: str | None = None) -> None:
+        """Create tag `name` at `commit`; re-tagging the same commit is a no-op."""
+        existing = self.repo.tags[name].commit.hexsha if name in self.repo.tags else None
+        if existing == commit:
+            return
+        if existing is not None:
+            raise ValueError(f"tag {name} already points at {existing[:10]}")
+        if message:
+            self.repo.create_tag(name, ref=commit, message=message)
+        else:
+            self.repo.create_tag(name, ref=commit)
+
+    def _next_baseline_tag(self, commit: str, message: str) -> str:
+        existing = self.baseline_tag(commit)
+        if existing:
+            return existing
+        numbers = [n for t in self.repo.tags if (n := baseline_number(t.name)) is not None]
+        name = f"{BASELINE_TAG_PREFIX}{max(numbers, default=0) + 1}"
+        self.tag(name, commit, message)
+        return name
+
+    # -------------------------------------------------------------- merges
+
+    def promote(self, commit: str, message: str) -> tuple[str, str]:
+        """Merge `commit` into the baseline branch and tag it `baseline/vN`. Idempotent.
+
+        A fast-forward when the baseline has not moved since the hypothesis branched; otherwise a
+        merge commit computed without a working tree (`git merge-tree`), refused on conflict. The
+        branch moves only from the head read here (`git update-ref NEW OLD`).
+        """
+        head = self.baseline_head()
+        if self.repo.is_ancestor(commit, head):  # already promoted (a re-run of this node)
+            return head, self.baseline_tag(head) or self._next_baseline_tag(head, message)
+        if self.repo.is_ancestor(head, commit):
+            new = commit
+        else:
+            try:
+                tree = self.repo.git.merge_tree("--write-tree", head, commit).splitlines()[0]
+            except git.GitCommandError as e:
+                conflicts = [line for line in str(e.stdout).splitlines() if line.startswith("CONFLICT")]
+                raise PromotionConflict(f"{commit[:10]} does not merge into the baseline: {'; '.join(conflicts) or e}") from None
+            new = self.repo.git.commit_tree(tree, "-p", head, "-p", commit, "-m", message)
+        self.repo.git.update_ref(f"refs/heads/{BASELINE_BRANCH}", new, head)
+        return new, self._next_baseline_tag(new, message)
+
+    def merge_onto(self, head: str, commit: str, message: str) -> str:
+        """`commit` merged onto `head` without a working tree (`git merge-tree`): a merge commit whose
+        first parent is `head` (so `commit` stays in its history), or `commit` itself when it already
+        contains `head`. Nothing but objects is written: no ref moves here. Deterministic: its dates
+        are the later parent's, so the same (head, commit, message) gives the same commit and a
+        re-run finds it instead of making another. `PromotionConflict` names the conflicting paths."""
+        if self.repo.is_ancestor(head, commit):
+            return commit
+        status, out, err = self.repo.git.merge_tree("--write-tree", "--name-only", head, commit,
+                                                    with_extended_output=True, with_exceptions=False)
+        if status == 1:  # conflicts: the tree id, the conflicted paths, a blank line, git's messages
+            head_part, _, messages = out.partition("\n\n")
+            paths = list(dict.fromkeys(line for line in head_part.splitlines()[1:] if line))
+            kinds = [line for line in messages.splitlines() if line.startswith("CONFLICT")]
+            raise PromotionConflict(f"{commit[:10]} conflicts with {head[:10]} in {', '.join(paths) or '?'}"
+                                    + (f" ({'; '.join(kinds)})" if kinds else ""))
+        if status != 0:
+            raise git.GitCommandError(["git", "merge-tree", head, commit], status, err, out)
+        tree = out.splitlines()[0]
+        when = max(self.repo.commit(head).committed_date, self.repo.commit(commit).committed_date)
+        date = f"{when} +0000"
+        return self.repo.git.commit_tree(tree, "-p", head, "-p", commit, "-m", message,
+                                         env={"GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date})
+
+
+# ----------------------------------------------------------------------------- generations
+
+_generations: dict[tuple[str, str, Any], int] = {}
+
+
+def generation(root: str, commit: str) -> int:
+    """How many promotions (tags baseline/v*) the commit's history holds: 0 for the first baseline.
+
+    A challenger's commit gains a generation when it is promoted (fast-forward), so the answer is
+    cached per (commit, the state of the repository's baseline tags: their folder's listing and the
+    packed refs' change time), never per commit alone."""
+    tags = _tags_state(root)
+    key = (root, commit, tags)
+    if tags is None or key not in _generations:
+        n = len(git.Repo(root).git.tag("--merged", commit, "--list", BASELINE_TAGS).split())
+        if tags is None:
+            return n
+        if len(_generations) > 10_000:
+            _generations.clear()
+        _generations[key] = n
+    return _generations[key]
+
+
+def _tags_state(root: str) -> Any:
+    """What the baseline tags of the repository at `root` are, cheaply (no git process), or None
+    where it cannot be told (a lab that is itself a linked worktree: its .git is a file)."""
+    gitdir = os.path.join(root, ".git")
+    if not os.path.isdir(gitdir):
+        return None
+    folder = os.path.join(gitdir, "refs", "tags", BASELINE_TAG_PREFIX.split("/")[0])
+    try:
+        names = tuple(sorted(os.listdir(folder)))
+    except FileNotFoundError:
+        names = ()
+    except OSError:
+        return None
+    try:
+        packed = os.stat(os.path.join(gitdir, "packed-refs")).st_mtime_ns
+    except FileNotFoundError:
+        packed = None
+    return names, packed
