@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pipeline.dag import Cache
     from pipeline.lab import Lab
     from pipeline.store import Store
+    from pipeline.worktrees import Worktrees
 
 log = logging.getLogger("autoresearch.disk")
 
@@ -33,6 +34,7 @@ MB = 1 << 20
 # (pipeline.smoke.SMOKE_TIMEOUT_S, 300 s), so a silent stage's log, opened at its start, stays
 SMOKE_FRESH_S = 600.0
 LOW_WATER = 0.9  # evict down to this fraction of the cap, so that not every publication evicts
+GC_EVERY_S = 600.0  # how often the driver removes worktrees and views no run needs
 REREAD_EVERY = 50  # bounds between two reads of the cache's size from the store (other drivers publish too)
 
 
@@ -58,6 +60,7 @@ class DiskKeeper:
         self.logs_max = run.logs_max_mb * MB
         self.evicted = 0
         self._known: int | None = None  # the cache's bytes at the last read, plus what this driver published since
+        self._collected_at: float | None = None  # when worktrees and views were last collected
         self._unread = 0  # bounds since that read (other drivers publish too: read again every REREAD_EVERY)
 
     # --- the cache ------------------------------------------------------------------------------
@@ -81,6 +84,28 @@ class DiskKeeper:
 
     def used(self, key: str) -> None:
         self.store.cache_touch(key)
+
+    def collect(self, worktrees: "Worktrees") -> tuple[int, int]:
+        """The worktrees and views of commits nothing needs any more (decided challengers,
+        superseded champions) removed: every commit with runs queued or running and the baseline's
+        head are kept. At the driver's start and every GC_EVERY_S after. (worktrees, views) removed."""
+        from pipeline.errors import WorktreeError
+        from pipeline.lab import BASELINE_BRANCH
+        from pipeline.runner import resolve_commit
+
+        self._collected_at = time.monotonic()
+        keep = set(self.store.commits_in_flight())
+        try:
+            keep.add(resolve_commit(self.lab, BASELINE_BRANCH))
+        except WorktreeError:  # no baseline branch (a bare benchmark run)
+            pass
+        removed, views = worktrees.gc(keep)
+        if removed or views:
+            log.info("disk: removed %d worktree(s) and %d view(s) of commits no run needs", len(removed), views)
+        return len(removed), views
+
+    def collect_due(self) -> bool:
+        return self._collected_at is None or time.monotonic() - self._collected_at > GC_EVERY_S
 
     def protected(self, held: Iterable[str]) -> set[str]:
         from pipeline.errors import WorktreeError

@@ -232,6 +232,8 @@ class Driver:
         what this driver's runs hold (their inputs, their flights' logs) or what is in flight."""
         held = {p.name for a in self.active.values() for p in a.done.values()} | set(self.flights)
         self.disk.bound(held)
+        if self.disk.collect_due():  # runs of commits in flight keep theirs; a removed one is made again
+            self.disk.collect(self.worktrees)
         if logs:
             self.disk.rotate_logs(keep=[fl.job.log_path for fl in self.flights.values()])
 

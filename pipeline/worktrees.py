@@ -137,16 +137,39 @@ class Worktrees:
         with self._locked():
             self._remove_unlocked(self.path(self.resolve(rev)))
 
-    def clean(self, keep: Iterable[str]) -> list[str]:
-        """Remove every worktree whose commit is not in `keep`; return the removed commits."""
-        keep_set = {self.resolve(k) for k in keep}
+    def gc(self, keep: Iterable[str]) -> tuple[list[str], int]:
+        """Remove the worktrees and the views of every commit not in `keep` (full shas): decided
+        challengers, superseded champions. A view is removed only where it says whose it is (its
+        `<digest>.commit` beside it: views made by an earlier version, and the harness's view of the
+        trusted files, say nothing and stay). Returns the worktrees' commits removed and how many
+        views. Whatever is removed is made again on demand (`ensure`, `view`)."""
+        keep_set = set(keep)
         removed: list[str] = []
         with self._locked():
             for path in sorted(self.root.iterdir()):
                 if path.is_dir() and SHA.match(path.name) and path.name not in keep_set:
                     self._remove_unlocked(path)
                     removed.append(path.name)
-        return removed
+        views = 0
+        for owner in sorted(self.views.glob("*.commit")):
+            try:
+                commit = owner.read_text().strip()
+            except OSError:
+                continue
+            if commit in keep_set:
+                continue
+            view = owner.with_suffix("")
+            gone = self.views / f".gone-{view.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            try:
+                os.rename(view, gone)  # atomic: a stage starting now finds it whole or makes it again
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            owner.unlink(missing_ok=True)
+            shutil.rmtree(gone, ignore_errors=True)
+            views += 1
+        return removed, views
 
     def repair(self) -> list[str]:
         """Start-up repair after a killed process; returns what was fixed, for the log.
@@ -223,14 +246,15 @@ class Worktrees:
         safefs.check_links(path, f"the worktree of {commit[:12]}")
         self._sound_checkouts.add(path)
 
-    def view(self, commit: str, visible: Callable[[str], bool]) -> Path:
+    def view(self, commit: str, visible: Callable[[str], bool], *, collectable: bool = True) -> Path:
         """A folder holding only the files of `commit` that `visible(path)` allows, from git blobs.
 
         What a sandboxed stage sees as its working directory: a stage that reads a file it did not
         declare finds it missing, instead of a cache key that ignores it. Views never change once
         made (`runs/views/<hash of commit and file list>`), so they are shared and built once.
         Laid out without following any link (`pipeline.safefs`); a commit with a link that leaves
-        its tree is refused (`UnsafeTree`) before anything is written.
+        its tree is refused (`UnsafeTree`) before anything is written. A `collectable` view says
+        whose it is (`<digest>.commit` beside it), for `gc`.
         """
         tree = self.files_at(commit)
         links = {p for p, b in tree.items() if b.mode == 0o120000}
@@ -261,6 +285,8 @@ class Worktrees:
             raise
         finally:
             os.close(root_fd)
+        if collectable:
+            (self.views / f"{digest}.commit").write_text(commit + "\n")
         try:
             os.rename(tmp, final)
         except OSError:  # another driver made it meanwhile

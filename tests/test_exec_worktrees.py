@@ -30,7 +30,7 @@ def test_one_worktree_per_commit_created_then_reused(lab) -> None:
     marker = p1 / "marker"
     marker.write_text("x")
     assert wt.ensure("autoresearch/baseline") == p1 and marker.exists()  # reused, not recreated
-    assert wt.clean(keep=[branch]) == [p1.name]
+    assert wt.gc(keep=[wt.resolve(branch)]) == ([p1.name], 0)
     assert not p1.exists() and p2.exists()
     assert git(lab.root, "worktree", "list").count("\n") == 1  # the lab's own checkout and p2
     with pytest.raises(WorktreeError):
@@ -117,3 +117,34 @@ def test_cache_publish_is_atomic_and_first_writer_wins(tmp_path: Path) -> None:
     mine = cache.new_tmp("m" * 64)
     assert cache.clear_tmp() == 1 and not orphan.exists() and mine.exists()
     assert os.getpid() != 999999
+
+
+def test_gc_removes_the_views_and_worktrees_of_commits_no_run_needs_and_the_disk_keeper_keeps_the_rest(lab) -> None:
+    """The disk keeper's collection: a decided challenger's and a superseded champion's worktrees
+    and views go; the baseline head's, a commit with runs queued, and a view that does not say whose
+    it is (the trusted files, an earlier version's) stay. What went is made again on demand."""
+    from pipeline import runner
+    from pipeline.dag import Cache
+    from pipeline.disk import DiskKeeper
+
+    wt = Worktrees(lab.root, lab.state)
+    base = wt.resolve("autoresearch/baseline")
+    decided = wt.resolve(commit_change(lab.root, "hyp/1-scale", "model.py", "SCALE = 1.0", "SCALE = 2.0"))
+    queued = wt.resolve(commit_change(lab.root, "hyp/2-scale", "model.py", "SCALE = 1.0", "SCALE = 3.0"))
+    every = lambda p: True  # noqa: E731
+    views = {c: wt.view(c, every) for c in (base, decided, queued)}
+    trusted = wt.view(decided, lambda p: p == "model.py", collectable=False)
+    trees = {c: wt.ensure(c) for c in (base, decided, queued)}
+    store = runner.open_store(lab)
+    store.ensure_arm(queued)
+    store.enqueue(queued, [("a", 0)])
+    keeper = DiskKeeper(lab, store, Cache(lab.state / "cache"), lab.state / "logs")
+    assert keeper.collect_due()
+    assert keeper.collect(wt) == (1, 1)
+    assert not trees[decided].exists() and not views[decided].exists()
+    assert all(trees[c].is_dir() and views[c].is_dir() for c in (base, queued))
+    assert trusted.is_dir() and not keeper.collect_due()
+    assert not [p for p in (lab.state / "views").iterdir() if p.name.startswith(".gone-")]
+    # made again on demand, at the same place
+    assert wt.view(decided, every) == views[decided] and "SCALE = 2.0" in (views[decided] / "model.py").read_text()
+    assert "SCALE = 2.0" in (wt.ensure(decided) / "model.py").read_text()

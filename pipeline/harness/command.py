@@ -101,7 +101,8 @@ class CommandHarness(Harness):
 
         lab = self._lab()
         sha = trusted_commit(lab)
-        return Worktrees(lab.root, lab.state).view(sha, lambda p: lab.is_trusted(p) or not lab.is_editable(p))
+        return Worktrees(lab.root, lab.state).view(sha, lambda p: lab.is_trusted(p) or not lab.is_editable(p),
+                                                   collectable=False)  # the trusted files: never collected
 
     def _lab(self) -> "Lab":
         if self.lab is None:
