@@ -89,9 +89,6 @@ def _check(ret: int, what: str) -> None:
         e = ctypes.get_errno()
         raise SandboxError(e, f"{what}: {os.strerror(e)}")
 
-    def __str__(self) -> str:
-        return str(self.strerror)
-
 
 def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     enc = lambda s: s.encode() if s is not None else None  # noqa: E731

@@ -137,10 +137,6 @@ def trimmed_mean(x: np.ndarray, axis: int = -1, trim: float = HORIZONTAL_TRIM) -
     return np.where(count[..., 0] > 0, out, np.nan)
 
 
-def iqm(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Interquartile mean along `axis` (the 25 %-trimmed mean), ignoring NaN."""
-    return trimmed_mean(x, axis, 0.25)
-
 
 def horizontal_values(
     base: np.ndarray, chal: np.ndarray, center: np.ndarray, scale: np.ndarray, trim: float = HORIZONTAL_TRIM
