@@ -124,7 +124,7 @@ def build_context(svc: Services) -> Context:
     cfg = lab.config
     # every configuration a baseline ever had was measured too: going back to one is not a new idea
     if cfg.search_space:
-        from agent.policy import CONFIG_FILE, config_values
+        from agent.policy_offline import CONFIG_FILE, config_values
 
         for commit in base_commits:
             text = ws.read(commit, CONFIG_FILE)
@@ -167,7 +167,7 @@ def plateau_of(svc: Services) -> int | None:
 def search_key_costs(lab: Lab) -> dict[str, int]:
     """For each `[search_space]` key: how many stages a change of it re-runs — the stages whose cache
     inputs cover config.toml (or its table), and everything downstream of them."""
-    from agent.policy import CONFIG_FILE
+    from agent.policy_offline import CONFIG_FILE
 
     stages = lab.stages_in_order()
     out = {}
@@ -508,7 +508,7 @@ class Nodes:
         try:
             choice = svc.policy.decide(build_context(svc), h, verdict, evidence, allowed, look_text)
         except LLMError as e:  # no answer (budget, endpoint down, no valid JSON): follow the gate
-            from agent.policy import OfflinePolicy
+            from agent.policy_offline import OfflinePolicy
 
             choice = OfflinePolicy().decide(build_context(svc), h, verdict, evidence, allowed, look_text)
             choice.rationale = f"No decision from the policy ({type(e).__name__}: {e}). {choice.rationale}"

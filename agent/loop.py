@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from agent.errors import BudgetExceeded, LLMError
 from agent.lifecycle import Decision, Status, project
+from agent.policy import llm_client
 from agent.records import ACTIVE, Hypothesis, Records
 from pipeline.errors import HarnessCommandError, MixedDatasets
 from pipeline.experiment import open_store
@@ -297,7 +298,7 @@ class Loop:
         return time.time() < self.backoff_until
 
     def llm_blocked(self) -> bool:
-        if self.policy.llm is None:
+        if llm_client(self.policy) is None:
             return False
         return time.time() < self.llm_retry_at or self.llm_budget_spent()
 
@@ -310,7 +311,7 @@ class Loop:
 
     def llm_budget_spent(self) -> bool:
         """Whether today's LLM spend reached the cap; said once (in `status` too) when it does."""
-        client = self.policy.llm
+        client = llm_client(self.policy)
         cap = getattr(client, "max_usd_per_day", None) if client is not None else None
         if client is None or cap is None:
             return False

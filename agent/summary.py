@@ -268,7 +268,9 @@ def llm_prose(svc: Any, h: Hypothesis, result: Any, evidence: str, diff_stat: st
     """The LLM's prose, checked number by number against what it was shown; else `fallback`."""
     from agent import prompts
 
-    client = svc.policy.llm
+    from agent.policy import llm_client
+
+    client = llm_client(svc.policy)
     cfg = svc.lab.config
     values = {
         "title": h.title, "rationale": h.rationale or prompts.phrase("not_given"),
@@ -317,7 +319,9 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
     diff_stat, diff, files = _diff_parts(svc, h)
     compute = compute_line(svc, h)
     prose = template_prose(h, result, files, svc.lab.config.benchmark.metric)
-    if result is not None and svc.policy.llm is not None:
+    from agent.policy import llm_client
+
+    if result is not None and llm_client(svc.policy) is not None:
         prose = llm_prose(svc, h, result, evidence, diff_stat, diff, compute, prose)
     from agent.pictures import forest_path, progress_path
 

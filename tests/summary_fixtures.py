@@ -18,7 +18,7 @@ from typing import Any
 from agent_fixtures import TASKS, cli_env, make_template
 
 from agent.graph import Nodes, Services
-from agent.policy import OfflinePolicy
+from agent.policy_offline import OfflinePolicy
 from agent.records import Hypothesis, Records
 from agent.workspace import Workspace
 from pipeline import runner

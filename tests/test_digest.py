@@ -15,7 +15,7 @@ from summary_fixtures import BETTER, SAME, cli, decided, implemented, make_lab, 
 from agent.ledger import Ledger
 from agent.llm import LLMClient
 from agent.pictures import forest_path, progress_path
-from agent.policy import LLMPolicy
+from agent.policy_llm import LLMPolicy
 from agent.records import Hypothesis
 from agent.summary import summary_path
 

@@ -35,7 +35,7 @@ def _held(root: Path) -> bool:
 
 def _graph(root: Path):
     from agent.graph import Services, build_graph, open_checkpointer
-    from agent.policy import OfflinePolicy
+    from agent.policy_offline import OfflinePolicy
     from agent.records import Records
     from agent.workspace import Workspace
     from pipeline import runner

@@ -176,7 +176,7 @@ def test_summary_digest_status_and_history_of_a_logloss_lab(svc, capsys):
 
     from agent.commands import digest, status
     from agent.graph import build_context
-    from agent.policy import history_table
+    from agent.policy_llm import history_table
     from agent.views import digest_markdown, print_status
 
     assert svc.lab.config.benchmark.metric == "logloss" and svc.lab.config.benchmark.higher_is_better is False

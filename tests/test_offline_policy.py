@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.policy import Context, OfflinePolicy, config_edit, config_values
+from agent.policy import Context
+
+from agent.policy_offline import OfflinePolicy, config_edit, config_values
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +34,7 @@ def test_round_robin_over_keys_then_pairs_never_repeating():
 
 
 def test_within_a_key_the_farthest_value_comes_first():
-    from agent.policy import coarse_to_fine
+    from agent.policy_offline import coarse_to_fine
 
     assert coarse_to_fine([3e-4, 1e-3, 3e-3], 3e-4) == [3e-3, 1e-3]
     assert coarse_to_fine([3e-4, 1e-3, 3e-3], 1e-3) == [3e-4, 3e-3]  # equally far: list order

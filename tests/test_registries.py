@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from agent.policy import POLICIES, Choice, OfflinePolicy, Proposal
+from agent.policy import POLICIES, Choice, Proposal
+
+from agent.policy_offline import OfflinePolicy
 from agent_fixtures import REPO
 from exec_fixtures import TASKS, TinyHarness, make_lab
 from pipeline import runner
@@ -104,7 +106,6 @@ class OneIdea:
 
     name = "one-idea"
     can_repair = False
-    llm = None
 
     def __init__(self) -> None:
         self.proposed = False
@@ -113,7 +114,7 @@ class OneIdea:
         if self.proposed:
             return None
         self.proposed = True
-        from agent.policy import config_edit
+        from agent.policy_offline import config_edit
 
         return Proposal(title="Squared features", rationale="The labels bend.", expected_effect="lower logloss",
                         expected_tasks=list(ctx.tasks), change={"train.features": "squares"},

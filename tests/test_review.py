@@ -18,7 +18,7 @@ from agent.graph import Nodes
 from agent.ledger import Ledger
 from agent.llm import LLMClient
 from agent.loop import Loop, LoopOptions
-from agent.policy import LLMPolicy
+from agent.policy_llm import LLMPolicy
 from agent.records import ACTIVE, Hypothesis
 from agent.summary import summary_path
 from pipeline.lab import BASELINE_BRANCH

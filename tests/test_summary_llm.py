@@ -12,7 +12,7 @@ from summary_fixtures import BETTER, SAME, decided, implemented, make_lab, measu
 
 from agent.ledger import Ledger
 from agent.llm import LLMClient
-from agent.policy import LLMPolicy
+from agent.policy_llm import LLMPolicy
 from agent.summary import allowed_numbers, foreign_numbers, latest_result, numbers_in, summary_path
 from pipeline.gate import render_markdown
 
@@ -35,7 +35,7 @@ def llm_services(root, server, **kw):
 def abandoned(svc):
     """A measured hypothesis with no effect, decided by the offline rules (abandon), not yet summarized."""
     from agent.graph import Nodes
-    from agent.policy import OfflinePolicy
+    from agent.policy_offline import OfflinePolicy
 
     h = measured(svc, implemented(svc), SAME)
     llm, svc.policy = svc.policy, OfflinePolicy()
