@@ -27,7 +27,7 @@ run: venv
 # two xdist workers: most tests wait on subprocesses (git, the driver, a Ray node, a browser) as much
 # as they compute. --dist loadfile: a module's tests run on one worker in order, so a module fixture is
 # built once (xdist_group marks do not group under pytest 9.2); the two Ray modules take a file lock
-# (tests/ray_cluster.py). TEST_WORKERS=0 runs everything one test after another.
+# (tests/support/ray_cluster.py). TEST_WORKERS=0 runs everything one test after another.
 TEST_WORKERS ?= 2
 
 test: venv

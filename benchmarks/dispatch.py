@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from exec_fixtures import TinyHarness, git  # noqa: E402  (a real tiny harness shared with the tests)
+from support.tiny import TinyHarness, git  # noqa: E402  (a real tiny harness shared with the tests)
 from pipeline import isolation, runner  # noqa: E402
 from pipeline.executors import sandbox as sandbox_mod  # noqa: E402
 from pipeline.executors import StageJob  # noqa: E402

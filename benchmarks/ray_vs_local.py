@@ -25,8 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from agent_fixtures import cli_env, copy_lab, make_template  # noqa: E402
-from ray_cluster import ENV, RayCluster  # noqa: E402
+from support.lab import cli_env, copy_lab, make_template  # noqa: E402
+from support.ray_cluster import ENV, RayCluster  # noqa: E402
 
 
 def autoresearch(lab: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

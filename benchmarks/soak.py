@@ -41,8 +41,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from agent_fixtures import DUMMY_KEY, SUMMARY, asked_name, cli_env, copy_lab, free_port, make_template  # noqa: E402
-from fake_openai import FakeOpenAI, Step, content, garbage, server_error, stall  # noqa: E402
+from support.lab import DUMMY_KEY, SUMMARY, asked_name, cli_env, copy_lab, free_port, make_template  # noqa: E402
+from support.fake_openai import FakeOpenAI, Step, content, garbage, server_error, stall  # noqa: E402
 
 PG_ADMIN = os.environ.get("AUTORESEARCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 REQUEST_TIMEOUT_S = 4
@@ -69,7 +69,7 @@ class FlakyModel(FakeOpenAI):
     def start(self) -> FlakyModel:  # on a fixed port, so that the driver finds it again after an outage
         from http.server import ThreadingHTTPServer
 
-        from fake_openai import _Handler
+        from support.fake_openai import _Handler
 
         ThreadingHTTPServer.allow_reuse_address = True
         server = ThreadingHTTPServer(("127.0.0.1", self.port), _Handler)

@@ -38,10 +38,10 @@ def _hermetic_git(tmp_path_factory: _pytest_llm.TempPathFactory):
 # --- end hermetic host environment ------------------------------------------------------------------
 
 
-# --- fake OpenAI server fixture (owner: LLM client; see tests/fake_openai.py) ----------------------
+# --- fake OpenAI server fixture (owner: LLM client; see tests/support/fake_openai.py) ----------------------
 import pytest as _pytest_llm
 
-from fake_openai import FakeOpenAI as _FakeOpenAI
+from support.fake_openai import FakeOpenAI as _FakeOpenAI
 
 
 @_pytest_llm.fixture
@@ -57,11 +57,11 @@ def fake_openai(monkeypatch: _pytest_llm.MonkeyPatch):
 # --- end fake OpenAI server fixture -----------------------------------------------------------------
 
 
-# --- tiny transactions labs (owner: agent; see tests/agent_fixtures.py) -----------------------------
+# --- tiny transactions labs (owner: agent; see tests/support/lab.py) -----------------------------
 @_pytest_llm.fixture(scope="session")
 def lab_template(tmp_path_factory: _pytest_llm.TempPathFactory):
     """The shrunk template lab, built once per session; copy it with the `lab` fixture."""
-    from agent_fixtures import make_template
+    from support.lab import make_template
 
     return make_template(tmp_path_factory.mktemp("template") / "lab")
 
@@ -69,7 +69,7 @@ def lab_template(tmp_path_factory: _pytest_llm.TempPathFactory):
 @_pytest_llm.fixture
 def lab(lab_template, tmp_path):
     """A fresh copy of the tiny lab (git repo, dataset prepared, empty store) for one test."""
-    from agent_fixtures import copy_lab
+    from support.lab import copy_lab
 
     return copy_lab(lab_template, tmp_path / "lab")
 # --- end tiny transactions labs ---------------------------------------------------------------------
@@ -79,7 +79,7 @@ def lab(lab_template, tmp_path):
 @_pytest_llm.fixture
 def llm(monkeypatch: _pytest_llm.MonkeyPatch):
     """A `RoutedOpenAI` server, and this process's environment pointing the loop at it (with a dummy key)."""
-    from agent_fixtures import DUMMY_KEY, RoutedOpenAI, llm_env
+    from support.lab import DUMMY_KEY, RoutedOpenAI, llm_env
 
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")

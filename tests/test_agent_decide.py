@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import (
+from support.lab import (
     BASELINE,
     LR_EDIT,
     TASKS,
@@ -26,7 +26,7 @@ from agent_fixtures import (
     one_pass,
     proposal,
 )
-from fake_openai import content
+from support.fake_openai import content
 
 pytestmark = pytest.mark.system
 

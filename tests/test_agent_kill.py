@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent_fixtures import (
+from support.lab import (
     LR_EDIT,
     TASKS,
     RoutedOpenAI,
@@ -30,7 +30,7 @@ from agent_fixtures import (
     records,
     smoke_running,
 )
-from fake_openai import content, stall
+from support.fake_openai import content, stall
 from pipeline import runner
 
 pytestmark = pytest.mark.system

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import (
+from support.lab import (
     DUMMY_KEY,
     LR_EDIT,
     TASKS,
@@ -26,7 +26,7 @@ from agent_fixtures import (
     set_research,
     user_texts,
 )
-from fake_openai import content, garbage
+from support.fake_openai import content, garbage
 
 pytestmark = pytest.mark.system
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import TASKS, RunProcess, cli_json, make_loop, set_research
+from support.lab import TASKS, RunProcess, cli_json, make_loop, set_research
 
 pytestmark = pytest.mark.system
 

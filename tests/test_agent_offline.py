@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import BASELINE, TASKS, cli, cli_json, git, make_branch, make_loop, records
+from support.lab import BASELINE, TASKS, cli, cli_json, git, make_branch, make_loop, records
 from pipeline.harness.transactions.variants import NOOPS
 
 pytestmark = pytest.mark.system

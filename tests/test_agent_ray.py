@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import cli, cli_env, cli_json, copy_lab, open_lab
+from support.lab import cli, cli_env, cli_json, copy_lab, open_lab
 
 pytestmark = pytest.mark.system
 
@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     # platform limit: Ray has no wheel for this Python/OS; CI raises above instead of skipping
     pytest.skip("Ray is not installed", allow_module_level=True)
 
-from ray_cluster import ENV, RayCluster, ray_exclusive
+from support.ray_cluster import ENV, RayCluster, ray_exclusive
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent_fixtures import REPO, cli, cli_env, git
+from support.lab import REPO, cli, cli_env, git
 
 pytestmark = pytest.mark.system
 

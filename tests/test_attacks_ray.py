@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import cli, cli_env, git
-from exec_fixtures import require_sandbox
+from support.lab import cli, cli_env, git
+from support.tiny import require_sandbox
 
 pytestmark = pytest.mark.system
 
@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     # platform limit: Ray has no wheel for this Python/OS; CI raises above instead of skipping
     pytest.skip("Ray is not installed", allow_module_level=True)
 
-from ray_cluster import ENV, RayCluster, ray_exclusive
+from support.ray_cluster import ENV, RayCluster, ray_exclusive
 from test_attacks import _attack_train, _branch, _make_lab
 
 CHAIN = {"config.toml": "model.py/../X", "model.py": "train.py/..", "train.py": "."}  # issue 20's chain

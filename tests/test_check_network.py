@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import cli
+from support.lab import cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import cli, free_port
+from support.lab import cli, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

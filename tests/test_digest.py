@@ -9,8 +9,8 @@ import json
 import time
 
 import pytest
-from fake_openai import content
-from summary_fixtures import BETTER, SAME, cli, decided, implemented, make_lab, measured, run_loop, services
+from support.fake_openai import content
+from support.summary import BETTER, SAME, cli, decided, implemented, make_lab, measured, run_loop, services
 
 from agent.ledger import Ledger
 from agent.llm import LLMClient

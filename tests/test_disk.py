@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from exec_fixtures import TASKS, TinyHarness, commit_change, git, make_lab, open_tiny_lab
+from support.tiny import TASKS, TinyHarness, commit_change, git, make_lab, open_tiny_lab
 
 from pipeline import runner
 from pipeline.dag import Cache

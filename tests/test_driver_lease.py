@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import RunProcess, assert_runs_exactly_once, cli, cli_env
+from support.lab import RunProcess, assert_runs_exactly_once, cli, cli_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -26,7 +26,7 @@ def lease_of(lab: Path, *db: str) -> dict | None:
 
 def decided_once(lab: Path, *db: str) -> None:
     """Every hypothesis has at most one decision record per look: nothing was decided twice."""
-    from agent_fixtures import open_lab
+    from support.lab import open_lab
 
     from pipeline import runner
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from exec_fixtures import TINY_RUNNER, TASKS, TinyHarness, git, make_lab, open_tiny_lab
+from support.tiny import TINY_RUNNER, TASKS, TinyHarness, git, make_lab, open_tiny_lab
 from pipeline import runner
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from exec_fixtures import TinyHarness, git, make_lab, open_tiny_lab
-from ray_cluster import ray_exclusive
+from support.tiny import TinyHarness, git, make_lab, open_tiny_lab
+from support.ray_cluster import ray_exclusive
 from pipeline import runner
 from pipeline.executors.local import LocalExecutor
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from exec_fixtures import commit_change, git, make_lab
+from support.tiny import commit_change, git, make_lab
 from pipeline.dag import Cache, UserError, check_not_sealed, input_digests, plan_run, render
 from pipeline.worktrees import WorktreeError, Worktrees
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.system
 
 
 def test_a_notify_node_after_summarize_sees_every_decided_hypothesis_once(tmp_path: Path) -> None:
-    from agent_fixtures import make_loop
+    from support.lab import make_loop
 
     from agent.graph import Status, graph_spec
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent.labinit import init_lab
-from agent_fixtures import cli, git
+from support.lab import cli, git
 from pipeline import runner
 from pipeline.executors.local import LocalExecutor
 from pipeline.lab import load_lab

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.labinit import init_lab
-from agent_fixtures import RunProcess, cli, git
+from support.lab import RunProcess, cli, git
 
 pytestmark = pytest.mark.system
 

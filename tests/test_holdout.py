@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent_fixtures import cli, cli_json, copy_lab, make_branch, open_lab, records
+from support.lab import cli, cli_json, copy_lab, make_branch, open_lab, records
 from pipeline.harness.base import GATE_SPLIT, HOLDOUT_SPLIT
 
 pytestmark = pytest.mark.system

@@ -16,7 +16,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from agent_fixtures import BASELINE, cli, git, records
+from support.lab import BASELINE, cli, git, records
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -167,8 +167,8 @@ def test_a_view_of_a_commit_with_the_chain_is_refused_before_anything_is_written
 
 def test_the_driver_records_a_commit_with_the_chain_as_the_methods_failure(tmp_path: Path) -> None:
     """A run queued for a commit holding the chain: never laid out; the method's failure, in one line."""
-    from exec_fixtures import TinyHarness, make_lab
-    from exec_fixtures import git as xgit
+    from support.tiny import TinyHarness, make_lab
+    from support.tiny import git as xgit
     from pipeline import runner
     from pipeline.executors.local import LocalExecutor
 
@@ -294,8 +294,8 @@ def test_a_worktree_is_checked_as_it_is_on_disk(lab: Path) -> None:
 def test_the_driver_records_a_nul_link_target_as_the_methods_failure_and_keeps_going(tmp_path: Path) -> None:
     """Before: check_tree passed it, git laid out `short -> ..`, the view's os.symlink raised
     ValueError, re-raised after the claim's release: the driver crashed on every start."""
-    from exec_fixtures import TinyHarness, make_lab
-    from exec_fixtures import git as xgit
+    from support.tiny import TinyHarness, make_lab
+    from support.tiny import git as xgit
     from pipeline import runner
     from pipeline.executors.local import LocalExecutor
 

@@ -14,8 +14,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from agent_fixtures import REPO, Server
-from summary_fixtures import BETTER, decided, implemented, measured, services
+from support.lab import REPO, Server
+from support.summary import BETTER, decided, implemented, measured, services
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -212,7 +212,7 @@ def test_a_smoke_stage_that_floods_its_log_gives_a_bounded_reason(lab: Path) -> 
 
 
 def test_the_log_page_serves_only_the_last_2_mb_with_a_notice(lab: Path) -> None:
-    from agent_fixtures import BASELINE
+    from support.lab import BASELINE
 
     from pipeline import runner
 
@@ -237,7 +237,7 @@ def test_the_log_page_serves_only_the_last_2_mb_with_a_notice(lab: Path) -> None
 
 def test_a_huge_diff_is_shown_as_its_stat(lab: Path) -> None:
     from agent.records import Hypothesis
-    from agent_fixtures import BASELINE, git, make_branch
+    from support.lab import BASELINE, git, make_branch
 
     padding = "".join(f"# committed data row {i:06d} " + "z" * 40 + "\n" for i in range(8000))  # ~500 KB
     commit = make_branch(lab, "exp/huge", [("config.toml", "max_events = 8", "max_events = 8\n" + padding)])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import cli, git
+from support.lab import cli, git
 
 from agent.loop import in_flight_room
 
@@ -107,7 +107,7 @@ def test_the_simulated_lab_keeps_several_hypotheses_in_flight_on_more_slots_than
     """8 slots, 2 tasks (a first look is 2 runs): `max_in_flight` unset, so the loop starts more
     hypotheses while the queue is shallow. Runs of different hypotheses run at once; every one is
     decided; the planted 4σ gain is promoted, the -4σ harm never."""
-    from agent_fixtures import records
+    from support.lab import records
 
     root = sim_lab(tmp_path / "lab")
     effects = [0.0, 4.0, 0.0, -4.0, 0.0, 0.0]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import cli, cli_json, git
+from support.lab import cli, cli_json, git
 
 pytestmark = pytest.mark.integration
 

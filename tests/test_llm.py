@@ -1,4 +1,4 @@
-"""The LLM client through the real openai SDK against a real HTTP server (tests/fake_openai.py).
+"""The LLM client through the real openai SDK against a real HTTP server (tests/support/fake_openai.py).
 
 Each test scripts the server, calls the client, and asserts on what came back, what the server
 received, and what the ledger (a real SQLite file) holds.
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_openai import (
+from support.fake_openai import (
     FakeOpenAI,
     content,
     drop,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import (
+from support.lab import (
     free_port,
     DUMMY_KEY,
     LR_EDIT,
@@ -30,7 +30,7 @@ from agent_fixtures import (
     proposal,
     set_research,
 )
-from fake_openai import content, server_error
+from support.fake_openai import content, server_error
 
 pytestmark = pytest.mark.system
 

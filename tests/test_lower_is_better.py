@@ -149,7 +149,7 @@ def test_forest_plot_and_progress_chart_label_the_better_side(tmp_path, monkeypa
 
 @pytest.fixture()
 def svc(tmp_path):
-    from summary_fixtures import services
+    from support.summary import services
 
     from agent.labinit import init_lab
 
@@ -160,7 +160,7 @@ def svc(tmp_path):
 
 
 def _measure(svc, effects: dict[str, float], look: int = 5):
-    from summary_fixtures import implemented
+    from support.summary import implemented
 
     h = implemented(svc)
     cfg = svc.lab.config.gate
@@ -172,7 +172,7 @@ def _measure(svc, effects: dict[str, float], look: int = 5):
 
 
 def test_summary_digest_status_and_history_of_a_logloss_lab(svc, capsys):
-    from summary_fixtures import decided
+    from support.summary import decided
 
     from agent.commands import digest, status
     from agent.graph import build_context
@@ -211,7 +211,7 @@ def test_summary_digest_status_and_history_of_a_logloss_lab(svc, capsys):
 
 
 def test_a_rising_logloss_is_summarised_as_a_harm(svc):
-    from summary_fixtures import decided
+    from support.summary import decided
 
     h, result = _measure(svc, {"default": 8.0, "churn": 8.0, "fraud": 8.0})
     assert result.verdict is Verdict.harm

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import cli
-from exec_fixtures import require_sandbox
+from support.lab import cli
+from support.tiny import require_sandbox
 from pipeline import isolation
 from pipeline.executors import StageJob, classify
 from pipeline.executors.local import LocalExecutor
@@ -137,7 +137,7 @@ print("allocated", GREEDY_MB, "MB past the bound", file=_sys.stderr, flush=True)
 def command_lab(tmp_path: Path, greedy_in: str) -> tuple[Path, int]:
     """`autoresearch init --harness command`, its `greedy_in` (prepare.py or score.py) asking for 1 GB
     more than the bound a process run once gets here, committed on the baseline (the trusted commit)."""
-    from agent_fixtures import git
+    from support.lab import git
     from pipeline.lab import load_lab
 
     lab = tmp_path / "lab"

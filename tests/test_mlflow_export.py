@@ -2,7 +2,7 @@
 `mlflow server` process on 127.0.0.1 — read back with `MlflowClient.search_runs`: counts, params,
 tags and metrics equal the store's; a second export changes nothing; an unreachable server is one
 line. A real loop decides the hypotheses first (real runs, real results). The holdout figures and the
-direction tag are checked on tests/views_fixtures.py's lab too (a promotion, holdout scores, two
+direction tag are checked on tests/support/views.py's lab too (a promotion, holdout scores, two
 directions; planted runs, no training)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import free_port
-from summary_fixtures import cli, make_lab, run_loop, services
+from support.lab import free_port
+from support.summary import cli, make_lab, run_loop, services
 
 pytestmark = pytest.mark.system
 
@@ -144,7 +144,7 @@ def test_an_unreachable_tracking_server_is_one_line(decided_lab: Path) -> None:
 def test_run_with_mlflow_exports_each_hypothesis_as_it_is_decided(lab: Path, tmp_path) -> None:
     from mlflow.tracking import MlflowClient
 
-    from agent_fixtures import make_loop
+    from support.lab import make_loop
 
     uri = f"sqlite:///{tmp_path / 'live.db'}"
     loop = make_loop(lab, offline=True, max_hypotheses=1, mlflow=uri)
@@ -164,7 +164,7 @@ def test_the_export_carries_the_holdout_figures_and_the_direction(lab_template, 
 
     from agent.mlflow_export import HYP_TAG
     from agent.progress import split_progress
-    from views_fixtures import build_views_lab
+    from support.views import build_views_lab
 
     built = build_views_lab(lab_template, tmp_path / "lab")
     root, (h1, h2, h3) = built["lab"], built["ids"]

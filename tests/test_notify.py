@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS:UserWarning")]
-from agent_fixtures import RunProcess, cli, cli_env, free_port, git
+from support.lab import RunProcess, cli, cli_env, free_port, git
 
 from agent.labinit import init_lab
 

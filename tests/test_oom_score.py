@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from exec_fixtures import require_sandbox
+from support.tiny import require_sandbox
 from pipeline import isolation
 from pipeline.executors import StageJob
 from pipeline.executors.child import STAGE_OOM_SCORE_ADJ

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent_fixtures import BASELINE, cli, cli_json, git, open_lab, records
+from support.lab import BASELINE, cli, cli_json, git, open_lab, records
 
 pytestmark = pytest.mark.system
 

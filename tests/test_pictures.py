@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from summary_fixtures import BASELINE, BETTER, SAME, cli, decided, gate_result, implemented, make_lab, measured, services
+from support.summary import BASELINE, BETTER, SAME, cli, decided, gate_result, implemented, make_lab, measured, services
 
 from agent.graph import Nodes
 from agent.pictures import DECISION_COLORS, FLAG_COLORS, draw_forest, forest_path, progress_path, progress_points

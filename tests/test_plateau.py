@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import RoutedOpenAI, cli, proposal, set_research, user_texts
-from fake_openai import content
-from summary_fixtures import SAME, decided, implemented, measured, services
+from support.lab import RoutedOpenAI, cli, proposal, set_research, user_texts
+from support.fake_openai import content
+from support.summary import SAME, decided, implemented, measured, services
 
 pytestmark = pytest.mark.system
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import cli, git, make_branch
+from support.lab import cli, git, make_branch
 
 from agent.labinit import init_lab
 
@@ -245,7 +245,7 @@ def test_a_seeded_branch_made_off_an_earlier_baseline_is_merged_onto_the_current
     """One hypothesis at a time: both branches are made off A0; the first is promoted (A1) before the
     second starts. The second is not compared as made (without the first's change, which would count
     the promotion it lacks against it): it is merged onto A1 and measured against A1 (a harm there)."""
-    from agent_fixtures import set_research
+    from support.lab import set_research
 
     root = planted_lab(tmp_path / "lab")
     set_research(root, "max_in_flight = 2", "max_in_flight = 1")

@@ -16,8 +16,8 @@ import pytest
 from agent.policy import POLICIES, Choice, Proposal
 
 from agent.policy_offline import OfflinePolicy
-from agent_fixtures import REPO
-from exec_fixtures import TASKS, TinyHarness, make_lab
+from support.lab import REPO
+from support.tiny import TASKS, TinyHarness, make_lab
 from pipeline import runner
 from pipeline.executors import EXECUTORS, JobResult, StageJob, make_executor
 from pipeline.harness import HARNESSES

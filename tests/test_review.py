@@ -11,8 +11,8 @@ import json
 
 import git
 import pytest
-from fake_openai import content
-from summary_fixtures import BETTER, SAME, cli, decided, implemented, make_lab, measured, services
+from support.fake_openai import content
+from support.summary import BETTER, SAME, cli, decided, implemented, make_lab, measured, services
 
 from agent.graph import Nodes
 from agent.ledger import Ledger

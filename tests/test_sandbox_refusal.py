@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from agent.labinit import init_lab
-from agent_fixtures import REPO, cli, cli_env, git
+from support.lab import REPO, cli, cli_env, git
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

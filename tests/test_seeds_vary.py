@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import cli, git
+from support.lab import cli, git
 from test_attacks import FEATURIZE, RESEARCH, TEMPLATE, TRAIN
 
 pytestmark = pytest.mark.system

@@ -1,14 +1,14 @@
 """Summaries: the LLM writes the prose, the gate's record the numbers; an altered number is rejected.
 
-The LLM is the real client against the fake OpenAI server (tests/fake_openai.py); the hypothesis is
-a real branch in a real lab with the gate's real record (tests/summary_fixtures.py).
+The LLM is the real client against the fake OpenAI server (tests/support/fake_openai.py); the hypothesis is
+a real branch in a real lab with the gate's real record (tests/support/summary.py).
 """
 
 from __future__ import annotations
 
 import pytest
-from fake_openai import content, server_error
-from summary_fixtures import BETTER, SAME, decided, implemented, make_lab, measured, services
+from support.fake_openai import content, server_error
+from support.summary import BETTER, SAME, decided, implemented, make_lab, measured, services
 
 from agent.ledger import Ledger
 from agent.llm import LLMClient
@@ -64,7 +64,7 @@ def test_numbers_in_reads_numbers_not_identifiers():
 
 
 def test_tolerant_matching_and_rejection():
-    from summary_fixtures import gate_result
+    from support.summary import gate_result
 
     r = gate_result(BETTER, 2)
     allowed = allowed_numbers(r, [render_markdown(r)])

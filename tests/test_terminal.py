@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import REPO, cli, cli_env
+from support.lab import REPO, cli, cli_env
 
 pytestmark = pytest.mark.system
 

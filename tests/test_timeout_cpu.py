@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from exec_fixtures import require_sandbox
+from support.tiny import require_sandbox
 from pipeline import isolation
 from pipeline.executors import StageJob, classify
 from pipeline.executors.local import LocalExecutor
@@ -106,7 +106,7 @@ def test_a_one_off_sandboxed_process_killed_at_its_timeout_reports_its_cpu(lab: 
 
 def test_the_driver_records_a_timed_out_stages_cpu_on_the_stage_and_the_run(tmp_path: Path) -> None:
     """Through the real driver: a pretraining that spins past `[run] timeout_s` (sandbox on)."""
-    from exec_fixtures import TinyHarness, commit_change, make_lab
+    from support.tiny import TinyHarness, commit_change, make_lab
     from pipeline import runner
 
     lab = make_lab(tmp_path / "lab", timeout_s=TIMEOUT_S)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from agent_fixtures import cli_env
+from support.lab import cli_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import (RoutedOpenAI, Server, cli, cli_env, edit, edits, free_port, llm_env, proposal,
+from support.lab import (RoutedOpenAI, Server, cli, cli_env, edit, edits, free_port, llm_env, proposal,
                             user_texts)
-from fake_openai import content
-from summary_fixtures import BETTER, SAME, decided, implemented, measured, services
+from support.fake_openai import content
+from support.summary import BETTER, SAME, decided, implemented, measured, services
 
 pytestmark = pytest.mark.system
 

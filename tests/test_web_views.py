@@ -1,7 +1,7 @@
 """The review page's views of issue 23 in a real headless Chromium: the per-seed picture on a
 hypothesis page, the directions table, the compare page and the baseline's timeline.
 
-The lab (tests/views_fixtures.py): three hypotheses decided by the real loop on planted runs, no
+The lab (tests/support/views.py): three hypotheses decided by the real loop on planted runs, no
 training; one promotion (re-verified, with holdout scores), two hypotheses on `finetune.lr` and one on
 `finetune.lora_rank`, the last a refinement of the one before (so its page links to the compare page).
 
@@ -14,8 +14,8 @@ import urllib.error
 
 import pytest
 
-from agent_fixtures import Server
-from views_fixtures import build_views_lab
+from support.lab import Server
+from support.views import build_views_lab
 from test_web import browser, shot  # noqa: F401  (the fixture, reused)
 
 pytestmark = pytest.mark.system

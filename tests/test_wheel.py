@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import REPO, RoutedOpenAI, cli_env, decision, edit, edits, git, llm_env, proposal
-from fake_openai import content
+from support.lab import REPO, RoutedOpenAI, cli_env, decision, edit, edits, git, llm_env, proposal
+from support.fake_openai import content
 
 pytestmark = pytest.mark.system
 

@@ -1,6 +1,6 @@
 """A lab with decided hypotheses and their runs, for the review page's views and the MLflow export.
 
-The tiny lab of tests/agent_fixtures.py; no model is trained: hypotheses are seeded with real edits of
+The tiny lab of tests/support/lab.py; no model is trained: hypotheses are seeded with real edits of
 config.toml, implemented, queued and decided by the real loop (offline policy), and their runs are
 finished through the store's claim/finish API with chosen values (test_agent_decide's `plant`), so
 every number comes from real gate records. #1 raises the fine-tuning lr and is promoted (baseline/v1),
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agent_fixtures import copy_lab, make_loop, one_pass
+from support.lab import copy_lab, make_loop, one_pass
 from test_agent_decide import plant
 
 BASE = [0.600, 0.604, 0.598]

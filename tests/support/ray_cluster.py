@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from agent_fixtures import free_port
+from support.lab import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

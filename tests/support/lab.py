@@ -24,26 +24,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from fake_openai import FakeOpenAI, Step, content, error, reject_response_format, reject_tools
+from support import REPO, TESTS, cli, cli_env, cli_json, free_port, git  # noqa: F401 (re-exported)
+from support.fake_openai import FakeOpenAI, Step, content, error, reject_response_format, reject_tools
 
-REPO = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
 TASKS = ["default_90d", "churn_60d"]
 BASELINE = "autoresearch/baseline"
 DUMMY_KEY = "sk-dummy-4f1c9e0b7a2d"  # the secret no stage may ever see
-
-
-def git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout.strip()
-
-
-def free_port() -> int:
-    """A port on loopback nobody listens on now (connections to it are refused until one binds it)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- labs
@@ -149,31 +135,6 @@ def one_pass(loop: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- the CLI
-
-def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of a CLI subprocess: no LLM endpoint unless given, this checkout importable.
-
-    Built from this process's environment (so the session's NO_PROXY and git config set in conftest.py
-    pass through), less the host's LLM, lab, Ray cluster and MLflow settings."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OPENAI_", "AUTORESEARCH_")) and k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
-    env.update(extra)
-    return env
-
-
-def cli(root: Path, *args: str, env: dict[str, str] | None = None,
-        timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "agent.cli", "--repo", str(root), *args], cwd=REPO,
-                          env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def cli_json(root: Path, *args: str) -> Any:
-    out = cli(root, *args)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
 
 class RunProcess:
     """`autoresearch run` as a real process, its output in files (a full pipe would block it)."""

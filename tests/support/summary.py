@@ -10,12 +10,12 @@ per-seed metrics into the record the store keeps, so every number in a summary i
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from agent_fixtures import TASKS, cli_env, make_template
+import support
+from support.lab import TASKS, cli_env, make_template
 
 from agent.graph import Nodes, Services
 from agent.policy_offline import OfflinePolicy
@@ -92,9 +92,8 @@ def decided(svc: Services, h: Hypothesis, summary_policy: Any = None) -> Hypothe
 
 
 def cli(root: Path, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """The real console entry point in a subprocess, in `cli_env()` (no host AUTORESEARCH_*, OPENAI_*)."""
-    proc = subprocess.run([sys.executable, "-m", "agent.cli", "--repo", str(root), *args], capture_output=True,
-                          text=True, env=cli_env(**(env or {})), timeout=600)
+    """`support.cli` with `env` added to `cli_env()`, and (unless `check=False`) asserted to succeed."""
+    proc = support.cli(root, *args, env=cli_env(**(env or {})), timeout=600)
     if check:
         assert proc.returncode == 0, f"{args}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc

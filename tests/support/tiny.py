@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import textwrap
 import uuid
 from pathlib import Path
 
 import numpy as np
+
+from support import git  # noqa: F401 (re-exported)
 
 from pipeline.harness.base import Harness, Prepared
 from pipeline.lab import CONFIG_NAME, Lab, parse_config
@@ -70,7 +71,7 @@ class TinyHarness(Harness):
 
 
 # `python -m pipeline.runner` with the tiny harness registered by name, as a plugin would
-TINY_RUNNER = ("from exec_fixtures import TinyHarness; from pipeline.harness import HARNESSES; "
+TINY_RUNNER = ("from support.tiny import TinyHarness; from pipeline.harness import HARNESSES; "
                "HARNESSES.register('tiny', TinyHarness); from pipeline.runner import main; raise SystemExit(main())")
 
 RESEARCH_TOML = """
@@ -191,10 +192,6 @@ with open(out / "predictions.csv", "w") as fh:
 if os.environ.get("EXEC_LEDGER"):  # into the stage log: a sandboxed stage writes nowhere else
     print("ledger:", f"finetune {a.task} {a.seed}")
 '''
-
-
-def git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout.strip()
 
 
 def make_lab(root: Path, *, timeout_s: float = 20, retries: int = 1, pretrain_sleep: float = 0.0,
