@@ -43,6 +43,7 @@ from pipeline.lab import SEED_BLOCK, SEED_BLOCKS, Lab
 from pipeline.labrepo import generation  # noqa: F401 (re-exported: a baseline's generation)
 
 LOOK_RANK = 100  # queue priority: a look's place in the schedule outranks the caller's rank (0-99)
+FROZEN_HISTORIES = 256  # frozen histories kept per Experiment (a few per hypothesis in flight)
 MIN_BASELINE_RUNS = 2  # a lazy baseline still runs 2 seeds at the first look: a task's σ needs a variance
 
 
@@ -104,6 +105,7 @@ class Experiment:
         self.lab = lab
         self.store = store
         self._smoke_runner: Any = None
+        self._frozen: dict[tuple[Any, ...], Any] = {}  # histories frozen at a recorded comparison (`histories`)
 
     # --- the execution layer -------------------------------------------------------------------
 
@@ -275,9 +277,24 @@ class Experiment:
         Frozen for `exclude`'s comparison: only comparisons recorded before it and result rows
         created before it, so the prior and σ_task do not move between its looks (the boundaries are
         calibrated for one draw of them) while other hypotheses add runs. Rows measured on another
-        dataset than `dataset` (default: the newest) are left out."""
+        dataset than `dataset` (default: the newest) are left out. Being frozen, the answer for a
+        recorded `exclude` is computed once per process and kept (`_frozen`, bounded): each later
+        look of the hypothesis reads only the comparisons' times."""
         timed = self.store.comparisons_timed()
         cutoff = next((t for c, b, t in timed if (c, b) == exclude), None)
+        key = (tuple(tasks), exclude, dataset)
+        if cutoff is not None and key in self._frozen:
+            return self._frozen[key]
+        out = self._histories(tasks, timed, exclude, cutoff, dataset)
+        if cutoff is not None:
+            if len(self._frozen) >= FROZEN_HISTORIES:
+                self._frozen.pop(next(iter(self._frozen)))  # the oldest
+            self._frozen[key] = out
+        return out
+
+    def _histories(self, tasks: list[str], timed: list[tuple[str, str, float]], exclude: tuple[str, str] | None,
+                   cutoff: float | None, dataset: str | None
+                   ) -> tuple[list[dict[str, list[float | None]]], list[dict[str, list[float | None]]]]:
         comps = [(c, b) for c, b, t in timed if (c, b) != exclude and (cutoff is None or t < cutoff)]
         if not comps:
             return [], []

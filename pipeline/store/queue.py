@@ -75,6 +75,8 @@ class Queue:
             q = select(Run.id).where(Run.status == "queued").order_by(Run.priority.desc(), Run.id)  # type: ignore[attr-defined]
             if commits is not None:
                 q = q.where(Run.commit.in_(list(commits)))  # type: ignore[attr-defined]
+            if s.get_bind().dialect.name == "postgresql":
+                return self._claim_returning(s, q, owner, limit)
             candidates = list(s.exec(q.limit(limit * 4 + 4)))
             for run_id in candidates:
                 if len(claims) >= limit:
@@ -95,6 +97,23 @@ class Queue:
                     assert run is not None and run.claim_token == token
                     claims.append(Claim(run, token))
         return claims
+
+    @staticmethod
+    def _claim_returning(s: Session, q: Any, owner: Owner, limit: int) -> list[Claim]:
+        """PostgreSQL: up to `limit` runs claimed in one statement (`UPDATE … WHERE id IN (SELECT …
+        FOR UPDATE SKIP LOCKED) RETURNING`): rows another driver is claiming now are skipped, not
+        waited for, and a row is claimed by one driver only. One token for the batch (it proves this
+        claim of each run, as one per run would)."""
+        token, t = uuid.uuid4().hex, now()
+        ids = q.limit(limit).with_for_update(skip_locked=True).scalar_subquery()
+        stmt = (update(Run).where(Run.id.in_(ids), Run.status == "queued")  # type: ignore[attr-defined]
+                .values(status="running", owner_host=owner.host, owner_pid=owner.pid, owner_started=owner.started,
+                        claim_token=token, heartbeat_at=t, started_at=t)
+                .returning(Run).execution_options(synchronize_session=False))
+        runs = list(s.execute(stmt).scalars())
+        s.commit()
+        runs.sort(key=lambda r: (-r.priority, r.id))  # RETURNING's order is the table's, not the queue's
+        return [Claim(r, token) for r in runs]
 
     def heartbeat(self, owner: Owner) -> int:
         """Refresh every claim this process holds; a driver on another host reads staleness from it."""
