@@ -104,12 +104,15 @@ class StoreTimer:
     def __init__(self) -> None:
         from pipeline.store import Store
 
+        import inspect
+
         self.cls, self.saved, self.times = Store, {}, []
         self.lock = threading.Lock()
-        for name, fn in vars(Store).items():
-            if name.startswith("_") or not callable(fn) or isinstance(fn, (staticmethod, classmethod)):
+        for name in dir(Store):  # its own methods and its mixins' (queue, cache, reads)
+            fn = inspect.getattr_static(Store, name)
+            if name.startswith("_") or not inspect.isfunction(fn):
                 continue
-            self.saved[name] = fn
+            self.saved[name] = vars(Store).get(name)
             setattr(Store, name, self._wrap(name, fn))
 
     def _wrap(self, name: str, fn: Any) -> Any:
@@ -125,7 +128,10 @@ class StoreTimer:
 
     def remove(self) -> None:
         for name, fn in self.saved.items():
-            setattr(self.cls, name, fn)
+            if fn is None:  # a mixin's: Store finds it there again
+                delattr(self.cls, name)
+            else:
+                setattr(self.cls, name, fn)
 
     def summary(self) -> dict[str, Any]:
         import numpy as np

@@ -104,6 +104,22 @@ def test_concurrent_claims_take_each_run_exactly_once(db, store: Store, tmp_path
         assert all(owners[i] == proc.pid for i in got)
 
 
+def test_a_claim_takes_at_most_its_limit_in_queue_order(store: Store) -> None:
+    """On both stores: claim(1) takes one run (the highest priority, then the oldest), claim(3) the
+    next three, and nothing is left claimed beyond what was returned."""
+    owner = Owner.current()
+    store.ensure_arm("c" * 40)
+    low = store.enqueue("c" * 40, [("t", i) for i in range(3)], priority=0)
+    high = store.enqueue("c" * 40, [("t", i) for i in range(3, 6)], priority=5)
+    first = store.claim(owner, 1)
+    assert [c.run.id for c in first] == [high[0]]
+    assert store.queue_counts()["running"] == 1
+    nxt = store.claim(owner, 3)
+    assert [c.run.id for c in nxt] == [high[1], high[2], low[0]]
+    assert store.queue_counts() == {"queued": 2, "running": 4, "done": 0, "failed": 0}
+    assert all(c.run.status == "running" and c.run.claim_token == c.token for c in first + nxt)
+
+
 def test_result_is_written_once_and_only_by_the_claim_holder(store: Store) -> None:
     store.ensure_arm("e" * 40)
     store.enqueue("e" * 40, [("a", 0), ("b", 0)])

@@ -100,12 +100,17 @@ class Queue:
 
     @staticmethod
     def _claim_returning(s: Session, q: Any, owner: Owner, limit: int) -> list[Claim]:
-        """PostgreSQL: up to `limit` runs claimed in one statement (`UPDATE … WHERE id IN (SELECT …
-        FOR UPDATE SKIP LOCKED) RETURNING`): rows another driver is claiming now are skipped, not
-        waited for, and a row is claimed by one driver only. One token for the batch (it proves this
-        claim of each run, as one per run would)."""
+        """PostgreSQL: up to `limit` runs claimed in two statements of one transaction, whatever the
+        batch: `SELECT … FOR UPDATE SKIP LOCKED` locks them (rows another driver is claiming now are
+        skipped, not waited for) and one `UPDATE … RETURNING` takes them. Not one statement: as a
+        subquery of the UPDATE, PostgreSQL may run the locking SELECT once per row it updates, each
+        time finding the next unlocked row, and claim every queued run. One token for the batch (it
+        proves this claim of each run, as one per run would)."""
+        ids = list(s.exec(q.limit(limit).with_for_update(skip_locked=True)))
+        if not ids:
+            s.rollback()
+            return []
         token, t = uuid.uuid4().hex, now()
-        ids = q.limit(limit).with_for_update(skip_locked=True).scalar_subquery()
         stmt = (update(Run).where(Run.id.in_(ids), Run.status == "queued")  # type: ignore[attr-defined]
                 .values(status="running", owner_host=owner.host, owner_pid=owner.pid, owner_started=owner.started,
                         claim_token=token, heartbeat_at=t, started_at=t)
