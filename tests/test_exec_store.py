@@ -216,3 +216,27 @@ def test_goodput_splits_useful_failed_lost_and_saved_compute(store: Store) -> No
     assert (g.useful_cpu_s, g.method_failed_cpu_s, g.infra_lost_cpu_s, g.saved_by_cache_cpu_s) == (15.0, 6.0, 3.0, 20.0)
     assert (g.stages_executed, g.cache_hits, g.infra_retries) == (5, 2, 1)
     assert g.goodput == pytest.approx(15 / 24)
+
+
+def test_a_pooled_connection_the_server_dropped_while_idle_is_replaced_not_raised(db, monkeypatch) -> None:
+    """PostgreSQL: the store pings a connection that sat idle in its pool before handing it out, and
+    replaces a dead one; a connection reused within IDLE_PING_S is not pinged (no round trip per call)."""
+    import pipeline.store as store_mod
+
+    url, schema = db
+    if not url.startswith("postgresql"):
+        pytest.skip("a server's connections; SQLite has none")
+    s = Store(url, schema=schema)
+    try:
+        with s.session() as sess:
+            pid = sess.execute(text("select pg_backend_pid()")).scalar()  # the pooled connection's backend
+        admin = create_engine(PG_URL)
+        with admin.begin() as c:
+            assert c.execute(text("select pg_terminate_backend(:p)"), {"p": pid}).scalar()
+        admin.dispose()
+        monkeypatch.setattr(store_mod, "IDLE_PING_S", 0.0)  # it has been idle "long enough"
+        assert s.queue_counts() == {"queued": 0, "running": 0, "done": 0, "failed": 0}
+        with s.session() as sess:
+            assert sess.execute(text("select pg_backend_pid()")).scalar() != pid  # a new connection
+    finally:
+        s.dispose()

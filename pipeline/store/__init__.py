@@ -24,6 +24,7 @@ comparisons, holdout scores, goodput, gate records); `Store` here is all of them
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DisconnectionError, OperationalError
 from sqlmodel import Session, SQLModel, create_engine
 
 from pipeline.errors import ServiceUnavailable, UserError
@@ -93,6 +94,32 @@ def default_url(lab: "Lab") -> str:
     return f"sqlite:///{lab.state / 'autoresearch.db'}"
 
 
+IDLE_PING_S = 10.0  # a pooled server connection unused this long is pinged before it is handed out
+
+
+def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+    """Pessimistic disconnect handling, only where it can matter: a connection that sat in the pool
+    past IDLE_PING_S (the server may have restarted or dropped it meanwhile) is pinged first, and a
+    dead one is replaced (`DisconnectionError`: the pool retries with a new connection). One reused
+    within seconds, as the driver's are under load, is not: SQLAlchemy's `pool_pre_ping` would ping
+    at every checkout, a round trip for each of the driver's store calls."""
+    last = record.info.get("checked_in_at")
+    if last is not None and time.monotonic() - last < IDLE_PING_S:
+        return
+    try:
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute("SELECT 1")
+        finally:
+            cur.close()
+    except Exception as e:
+        raise DisconnectionError(str(e)) from None
+
+
+def _mark_checkin(_dbapi_conn: Any, record: Any) -> None:
+    record.info["checked_in_at"] = time.monotonic()
+
+
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")  # readers (status) never block the driver
@@ -119,14 +146,16 @@ class Store(Queue, CacheRows, Reads):
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
         elif schema:
             kwargs["connect_args"] = {"options": f"-csearch_path={schema}"}
-        if not url.startswith("sqlite"):
-            kwargs["pool_pre_ping"] = True
+
         try:
             self.engine: Engine = create_engine(url, **kwargs)
         except Exception as e:  # a malformed URL or a missing driver
             raise UserError(f"cannot open store {url!r}: {e}") from None
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
+        else:  # a server's connection is pinged when it sat idle in the pool, not at every checkout
+            event.listen(self.engine, "checkout", _ping_if_idle)
+            event.listen(self.engine, "checkin", _mark_checkin)
         if create:
             create_schema(self.engine)
 
