@@ -107,6 +107,7 @@ class StoreTimer:
         import inspect
 
         self.cls, self.saved, self.times = Store, {}, []
+        self.cpu: dict[tuple[str, str], float] = {}  # (thread, method) -> CPU seconds spent in its calls
         self.lock = threading.Lock()
         for name in dir(Store):  # its own methods and its mixins' (queue, cache, reads)
             fn = inspect.getattr_static(Store, name)
@@ -117,13 +118,15 @@ class StoreTimer:
 
     def _wrap(self, name: str, fn: Any) -> Any:
         def timed(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
-                dt = time.perf_counter() - t
+                dt, dc = time.perf_counter() - t, time.thread_time() - c
                 with self.lock:
                     self.times.append((name, dt))
+                    self.cpu[threading.current_thread().name, name] = self.cpu.get(
+                        (threading.current_thread().name, name), 0.0) + dc
         return timed
 
     def remove(self) -> None:
@@ -144,7 +147,9 @@ class StoreTimer:
             by.setdefault(name, []).append(t * 1000)
         worst = sorted(((float(np.percentile(v, 99)), k, len(v)) for k, v in by.items()), reverse=True)[:3]
         return {"calls": len(d), "p50_ms": float(np.percentile(d, 50)), "p99_ms": float(np.percentile(d, 99)),
-                "max_ms": float(d.max()), "worst_p99": [{"method": k, "p99_ms": p, "calls": n} for p, k, n in worst]}
+                "max_ms": float(d.max()), "worst_p99": [{"method": k, "p99_ms": p, "calls": n} for p, k, n in worst],
+                "driver_cpu_s": {m: round(c, 3) for (th, m), c in sorted(self.cpu.items(), key=lambda kv: -kv[1])
+                                 if th == "autoresearch-driver"}}
 
 
 class RayHead:

@@ -76,11 +76,12 @@ class DiskKeeper:
             n += 1
         return n
 
-    def published(self, key: str) -> None:
+    def published(self, key: str) -> int:
+        """A new entry's size (the caller records it with the publication, in one write)."""
         size = tree_bytes(self.cache.path(key))
-        self.store.cache_touch(key, size)
         if self._known is not None:
             self._known += size
+        return size
 
     def used(self, key: str) -> None:
         self.store.cache_touch(key)

@@ -72,6 +72,7 @@ def open_store(lab: Lab, url: str | None = None) -> Store:
 
 _local = threading.local()  # per thread: a git.Repo's helper processes are not to be shared between threads
 _FULL_SHA = re.compile(r"[0-9a-f]{40}")
+CLAIM_IDLE_S = 0.1  # after a claim found the queue empty, the driver claims again no sooner than this
 
 
 def resolve_commit(lab: Lab, rev: str) -> str:
@@ -198,6 +199,10 @@ class Driver:
         self._views: dict[tuple[str, str], Path] = {}
         self.isolation = "sandbox" if isolation.is_sandboxed(lab) else "unsandboxed"
         self._started = False
+        self._queue_empty_until = 0.0  # `_claim`: the last claim found nothing; not asked again before this
+        self._no_failure: set[str] = set()  # stage keys the store had no method failure for
+        self._baselines: set[str] = set()  # commits known to be baselines
+        self._not_baseline_at: dict[str, float] = {}  # commit -> when the store said it was none
         self._last_reconcile = 0.0
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -331,13 +336,25 @@ class Driver:
             if run_id in self.active:
                 self._score(run_id)
 
+    def _claim(self, n: int) -> list[Claim]:
+        """Up to `n` runs off the queue in one claim, with the dataset they are measured on. A claim
+        that found the queue empty is not repeated for CLAIM_IDLE_S (each is a query; runs are
+        queued by the loop's thread, and a stage takes seconds)."""
+        if n <= 0 or time.monotonic() < self._queue_empty_until:
+            return []
+        claims = self.store.claim(self.owner, n, dataset_id=self.prepared().dataset_id)
+        if not claims:
+            self._queue_empty_until = time.monotonic() + CLAIM_IDLE_S
+        return claims
+
     def _prefetch(self) -> None:
         """Claim and plan runs ahead, so a freed slot gets its next stage at once."""
         while len(self.ready) < self.executor.slots and len(self.active) < self.max_active:
-            claims = self.store.claim(self.owner, 1)
+            claims = self._claim(min(self.executor.slots - len(self.ready), self.max_active - len(self.active)))
             if not claims:
                 return
-            self._activate(claims[0])
+            for claim in claims:
+                self._activate(claim)
         self._score_pending()  # runs served entirely from the cache
 
     def _fill(self) -> None:
@@ -349,10 +366,11 @@ class Driver:
                 continue
             if len(self.active) >= self.max_active:
                 return
-            claims = self.store.claim(self.owner, 1)
+            claims = self._claim(min(self.executor.slots - len(self.flights), self.max_active - len(self.active)))
             if not claims:
                 return
-            self._activate(claims[0])
+            for claim in claims:
+                self._activate(claim)
 
     # --- runs ------------------------------------------------------------------------------------
 
@@ -398,7 +416,8 @@ class Driver:
                          self.isolation)
         needed = {n for node in nodes for n in node.spec.needs}
         final = next(node for node in nodes if node.name not in needed)
-        self.store.set_dataset(run.id, claim.token, prepared.dataset_id)
+        if run.dataset_id != prepared.dataset_id:  # claimed with it, unless claimed elsewhere
+            self.store.set_dataset(run.id, claim.token, prepared.dataset_id)
         self.active[run.id] = _Active(claim, worktree, nodes, final, infra_failures=run.infra_failures)
         self._advance(run.id)
 
@@ -434,9 +453,17 @@ class Driver:
             self.to_score.append(run_id)
 
     def _known_failure(self, key: str) -> tuple[str, str, str] | None:
+        """A method failure recorded for this stage key, by this driver (`failed_keys`) or before it
+        (the store, asked once per key: one driver per lab, so a key that had none has one later
+        only if this driver records it)."""
         if key not in self.failed_keys:
+            if key in self._no_failure:
+                return None
             ex = self.store.method_failure_of(key)
             if ex is None:
+                if len(self._no_failure) > 100_000:
+                    self._no_failure.clear()
+                self._no_failure.add(key)
                 return None
             self.failed_keys[key] = (ex.outcome, "timeout" if ex.outcome == "timeout" else "crash",
                                      ex.detail or ex.outcome)
@@ -507,8 +534,8 @@ class Driver:
         if outcome == "ok":
             final = self.cache.publish(fl.tmp, key)
             self.store.stage_finished(fl.exec_id, "ok", **common)
-            self.store.cache_published(key, name, fl.job.commit, res.cpu_s, res.wall_s)
-            self.disk.published(key)
+            self.store.cache_published(key, name, fl.job.commit, res.cpu_s, res.wall_s,
+                                       size_bytes=self.disk.published(key))
             for rid in live:
                 a = self.active[rid]
                 a.pending.discard(name)
@@ -574,9 +601,25 @@ class Driver:
         if not math.isfinite(value):
             self._finish(run_id, "method_failure", None, "nan", f"metric is {value}")
             return
-        if self.store.is_baseline(run.commit):
+        if self._is_baseline(run):
             self._score_holdout(run, predictions)
         self._finish(run_id, "ok", float(value), None, None)
+
+    def _is_baseline(self, run: Any) -> bool:
+        """Whether the run's commit is a baseline (its runs are also scored on the holdout). A commit
+        is marked a baseline before its baseline runs are queued (`Experiment.queue_champion`), so
+        an answer `no` holds for every run queued before it was asked."""
+        if run.commit in self._baselines:
+            return True
+        asked = self._not_baseline_at.get(run.commit)
+        if asked is not None and run.queued_at is not None and run.queued_at < asked:
+            return False
+        t = time.time()
+        if self.store.is_baseline(run.commit):
+            self._baselines.add(run.commit)
+            return True
+        self._not_baseline_at[run.commit] = t
+        return False
 
     def _score_holdout(self, run: Any, predictions: Path) -> None:
         """A baseline's run (the first baseline's, a champion's) is also scored on the sealed holdout

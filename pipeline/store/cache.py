@@ -48,7 +48,10 @@ class CacheRows:
                             started_at=t, finished_at=t))
             s.commit()
 
-    def cache_published(self, key: str, stage: str, commit: str, cpu_s: float, wall_s: float) -> None:
+    def cache_published(self, key: str, stage: str, commit: str, cpu_s: float, wall_s: float,
+                        size_bytes: int | None = None) -> None:
+        """A stage output entered the cache: what it cost, and (with `size_bytes`) its first use and
+        size for the LRU bound, in one transaction."""
         with self.session() as s:
             if s.get(CacheEntry, key) is None:
                 s.add(CacheEntry(key=key, stage=stage, commit=commit, cpu_s=cpu_s, wall_s=wall_s))
@@ -56,23 +59,29 @@ class CacheRows:
                     s.commit()
                 except IntegrityError:
                     s.rollback()
+            if size_bytes is not None:
+                self._touch(s, key, size_bytes, now())
 
     def cache_touch(self, key: str, size_bytes: int | None = None, used_at: float | None = None) -> None:
         """Note a use of a cache entry (a hit, or its publication with its size)."""
         t = used_at if used_at is not None else now()
         with self.session() as s:
-            row = s.get(CacheUse, key)
-            if row is None:
-                row = CacheUse(key=key, size_bytes=size_bytes or 0, used_at=t)
-            else:
-                row.used_at = max(row.used_at, t)
-                if size_bytes is not None:
-                    row.size_bytes, row.evicted_at = size_bytes, None
-            s.add(row)
-            try:
-                s.commit()
-            except IntegrityError:
-                s.rollback()
+            self._touch(s, key, size_bytes, t)
+
+    @staticmethod
+    def _touch(s: Any, key: str, size_bytes: int | None, t: float) -> None:
+        row = s.get(CacheUse, key)
+        if row is None:
+            row = CacheUse(key=key, size_bytes=size_bytes or 0, used_at=t)
+        else:
+            row.used_at = max(row.used_at, t)
+            if size_bytes is not None:
+                row.size_bytes, row.evicted_at = size_bytes, None
+        s.add(row)
+        try:
+            s.commit()
+        except IntegrityError:
+            s.rollback()
 
     def cache_uses(self) -> list[CacheUse]:
         """The entries on disk, least recently used first."""

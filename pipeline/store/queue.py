@@ -64,8 +64,10 @@ class Queue:
         rows = s.exec(select(Run.task, Run.seed, Run.id).where(Run.commit == commit)).all()  # type: ignore[call-overload]
         return {(t, int(seed)): int(i) for t, seed, i in rows}
 
-    def claim(self, owner: Owner, limit: int = 1, commits: Iterable[str] | None = None) -> list[Claim]:
-        """Atomically take up to `limit` queued runs (highest priority, then oldest).
+    def claim(self, owner: Owner, limit: int = 1, commits: Iterable[str] | None = None,
+              dataset_id: str | None = None) -> list[Claim]:
+        """Atomically take up to `limit` queued runs (highest priority, then oldest), recording the
+        dataset they will be measured on (`dataset_id`) in the same write.
 
         A conditional UPDATE (`WHERE status = 'queued'`) is the lock: of two drivers racing for the
         same row exactly one sees rowcount 1. Works the same on SQLite and PostgreSQL.
@@ -76,7 +78,7 @@ class Queue:
             if commits is not None:
                 q = q.where(Run.commit.in_(list(commits)))  # type: ignore[attr-defined]
             if s.get_bind().dialect.name == "postgresql":
-                return self._claim_returning(s, q, owner, limit)
+                return self._claim_returning(s, q, owner, limit, dataset_id)
             candidates = list(s.exec(q.limit(limit * 4 + 4)))
             for run_id in candidates:
                 if len(claims) >= limit:
@@ -89,6 +91,7 @@ class Queue:
                     .values(
                         status="running", owner_host=owner.host, owner_pid=owner.pid,
                         owner_started=owner.started, claim_token=token, heartbeat_at=t, started_at=t,
+                        **({"dataset_id": dataset_id} if dataset_id is not None else {}),
                     )
                 )
                 s.commit()
@@ -99,7 +102,7 @@ class Queue:
         return claims
 
     @staticmethod
-    def _claim_returning(s: Session, q: Any, owner: Owner, limit: int) -> list[Claim]:
+    def _claim_returning(s: Session, q: Any, owner: Owner, limit: int, dataset_id: str | None) -> list[Claim]:
         """PostgreSQL: up to `limit` runs claimed in two statements of one transaction, whatever the
         batch: `SELECT … FOR UPDATE SKIP LOCKED` locks them (rows another driver is claiming now are
         skipped, not waited for) and one `UPDATE … RETURNING` takes them. Not one statement: as a
@@ -113,7 +116,8 @@ class Queue:
         token, t = uuid.uuid4().hex, now()
         stmt = (update(Run).where(Run.id.in_(ids), Run.status == "queued")  # type: ignore[attr-defined]
                 .values(status="running", owner_host=owner.host, owner_pid=owner.pid, owner_started=owner.started,
-                        claim_token=token, heartbeat_at=t, started_at=t)
+                        claim_token=token, heartbeat_at=t, started_at=t,
+                        **({"dataset_id": dataset_id} if dataset_id is not None else {}))
                 .returning(Run).execution_options(synchronize_session=False))
         runs = list(s.execute(stmt).scalars())
         s.commit()
