@@ -200,7 +200,7 @@ class Driver:
         self.isolation = "sandbox" if isolation.is_sandboxed(lab) else "unsandboxed"
         self._started = False
         self._queue_empty_until = 0.0  # `_claim`: the last claim found nothing; not asked again before this
-        self._no_failure: set[str] = set()  # stage keys the store had no method failure for
+        self._recorded_failures: dict[str, Any] | None = None  # stage keys failed before this driver started
         self._baselines: set[str] = set()  # commits known to be baselines
         self._not_baseline_at: dict[str, float] = {}  # commit -> when the store said it was none
         self._last_reconcile = 0.0
@@ -454,16 +454,13 @@ class Driver:
 
     def _known_failure(self, key: str) -> tuple[str, str, str] | None:
         """A method failure recorded for this stage key, by this driver (`failed_keys`) or before it
-        (the store, asked once per key: one driver per lab, so a key that had none has one later
-        only if this driver records it)."""
+        (the store's, read once: one driver per lab, so a key that had none then has one later only
+        if this driver records it)."""
         if key not in self.failed_keys:
-            if key in self._no_failure:
-                return None
-            ex = self.store.method_failure_of(key)
+            if self._recorded_failures is None:  # every one recorded before this driver, in one read
+                self._recorded_failures = self.store.method_failures()
+            ex = self._recorded_failures.get(key)
             if ex is None:
-                if len(self._no_failure) > 100_000:
-                    self._no_failure.clear()
-                self._no_failure.add(key)
                 return None
             self.failed_keys[key] = (ex.outcome, "timeout" if ex.outcome == "timeout" else "crash",
                                      ex.detail or ex.outcome)

@@ -55,9 +55,12 @@ class CacheRows:
         with self.session() as s:
             if s.get(CacheEntry, key) is None:
                 s.add(CacheEntry(key=key, stage=stage, commit=commit, cpu_s=cpu_s, wall_s=wall_s))
+                if size_bytes is not None:  # both rows in one commit, the usual case
+                    s.add(self._use(s, key, size_bytes, now()))
                 try:
                     s.commit()
-                except IntegrityError:
+                    return
+                except IntegrityError:  # another driver published it first: only its use is ours
                     s.rollback()
             if size_bytes is not None:
                 self._touch(s, key, size_bytes, now())
@@ -69,15 +72,17 @@ class CacheRows:
             self._touch(s, key, size_bytes, t)
 
     @staticmethod
-    def _touch(s: Any, key: str, size_bytes: int | None, t: float) -> None:
+    def _use(s: Any, key: str, size_bytes: int | None, t: float) -> CacheUse:
         row = s.get(CacheUse, key)
         if row is None:
-            row = CacheUse(key=key, size_bytes=size_bytes or 0, used_at=t)
-        else:
-            row.used_at = max(row.used_at, t)
-            if size_bytes is not None:
-                row.size_bytes, row.evicted_at = size_bytes, None
-        s.add(row)
+            return CacheUse(key=key, size_bytes=size_bytes or 0, used_at=t)
+        row.used_at = max(row.used_at, t)
+        if size_bytes is not None:
+            row.size_bytes, row.evicted_at = size_bytes, None
+        return row
+
+    def _touch(self, s: Any, key: str, size_bytes: int | None, t: float) -> None:
+        s.add(self._use(s, key, size_bytes, t))
         try:
             s.commit()
         except IntegrityError:
@@ -124,6 +129,15 @@ class CacheRows:
         with self.session() as s:
             entry = s.get(CacheEntry, key)
             return entry.cpu_s if entry else 0.0
+
+    def method_failures(self) -> dict[str, StageExec]:
+        """Every stage key with a recorded method failure, its first (the driver reads them once)."""
+        out: dict[str, StageExec] = {}
+        with self.session() as s:
+            for ex in s.exec(select(StageExec).where(StageExec.outcome.in_(METHOD_OUTCOMES))  # type: ignore[attr-defined]
+                             .order_by(StageExec.id)):
+                out.setdefault(ex.key, ex)
+        return out
 
     def method_failure_of(self, key: str) -> StageExec | None:
         """A recorded method failure for this stage key: the same inputs fail the same way, so a
