@@ -44,6 +44,7 @@ LEASE_HEARTBEAT_S = 5.0
 IN_FLIGHT_PER_FILL = 3  # the derived max_in_flight: at most this many times the hypotheses whose first looks fill the slots
 QUEUE_DEPTH = 2  # ... started while fewer runs than this many times the slots (plus a first look) are outstanding
 PROGRESS_CHART_EVERY_S = 30.0  # the lab's progress chart: redrawn at most this often at decisions (and at promotions)
+REVERIFY_POLL_S = 2.0  # how often the loop looks whether a champion's fresh runs are all in
 LOOK_POLL_S = 0.2  # how often the loop's thread looks for a look with all its runs in
 DRIVER_POLL_S = 0.2  # the driver's thread: the longest it waits for a stage result before it claims again
 LLM_BACKOFF_S = (5.0, 300.0)  # the first and the longest wait before asking an unreachable endpoint again
@@ -201,6 +202,8 @@ class Loop:
         self.llm_waiting: set[int] = set()  # threads stopped at a node that needs the endpoint
         self._budget_said = False
         self.reverifying: set[int] | None = None  # promoted hypotheses whose threads wait in `reverify`
+        self._reverify_runs: dict[int, list[int]] = {}  # ... and the champion's runs each waits for
+        self._reverify_polled = -REVERIFY_POLL_S
 
     def close(self) -> None:
         """Stop the smoke runs' worker, release the checkpointer's connection and the lab's lease
@@ -589,14 +592,23 @@ class Loop:
     def note_reverifications(self) -> None:
         """Resume the threads that wait, in their `reverify` node, for a new champion's fresh runs,
         once the runs are in; say how it held up. A thread an earlier version ended at the promotion
-        (it re-verified in the loop) is given its `reverify` node once."""
-        from agent.graph import reverification_message
+        (it re-verified in the loop) is given its `reverify` node once. Cheap when nothing is due:
+        the runs a thread waits for are read from its checkpoint once, then one store query for
+        all of them (the loop asks at most every REVERIFY_POLL_S)."""
+        from agent.graph import LOOK, reverification_message
         from agent.verdicts import reverify_record
 
         if self.reverifying is None:
             self.reverifying = {h.id for h in self.records.all(("done",))
                                 if h.promoted_tag and reverify_record(self.store, h.id) is None}
+        if not self.reverifying:
+            return
+        waiting = {hid: self._reverify_runs[hid] for hid in self.reverifying if hid in self._reverify_runs}
+        unfinished = {r.id for r in self.store.runs([i for ids in waiting.values() for i in ids])
+                      if r.status not in ("done", "failed")}
         for hid in sorted(self.reverifying):
+            if hid in waiting and any(i in unfinished for i in waiting[hid]):
+                continue  # its champion's runs are not all in
             h = self.records.get(hid)
             try:
                 step = self._step(h)
@@ -605,12 +617,16 @@ class Loop:
             except Exception as e:  # the store or git hiccuping: the thread waits at its checkpoint
                 log.warning("#%s: re-verification: %s", hid, e)
                 continue
-            if self.waits_for(h) is None:
-                self.reverifying.discard(hid)
-                r = reverify_record(self.store, hid)
-                if r is not None:
-                    bench = self.lab.config.benchmark
-                    self.say(reverification_message(r, bench.metric, bench.higher_is_better))
+            waits = self.waits_for(h)
+            if waits is not None and waits.get("kind") == LOOK:
+                self._reverify_runs[hid] = list(waits.get("runs", []))
+                continue
+            self.reverifying.discard(hid)
+            self._reverify_runs.pop(hid, None)
+            r = reverify_record(self.store, hid)
+            if r is not None:
+                bench = self.lab.config.benchmark
+                self.say(reverification_message(r, bench.metric, bench.higher_is_better))
 
     # -------------------------------------------------------------- main loop
 
@@ -650,7 +666,9 @@ class Loop:
             self.started = len(resumed)
             while not self.stop.is_set() and not self.out_of_time():
                 self.release_holds()
-                self.note_reverifications()
+                if time.monotonic() - self._reverify_polled >= REVERIFY_POLL_S:
+                    self._reverify_polled = time.monotonic()
+                    self.note_reverifications()
                 self.guard()
                 if self.plateau() and self.stop.is_set():
                     break
