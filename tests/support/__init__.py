@@ -9,7 +9,7 @@ that reuse a lab put it there themselves). The primitives are here; the labs by 
 - `support.fake_openai` — a real HTTP server speaking the OpenAI protocol, scripted;
 - `support.ray_cluster` — a real Ray cluster started with `ray start`, stopped by pid.
 
-`tests/conftest.py` exposes them as fixtures (`lab`, `lab_template`, `fake_openai`, `llm`, `ray_*`).
+`tests/conftest.py` exposes them as fixtures (`lab`, `lab_template`, `fake_openai`, `llm`, `pg_url`).
 """
 
 from __future__ import annotations
