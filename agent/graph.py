@@ -221,7 +221,7 @@ class Nodes:
     """The graph's nodes. Each reads where its thread is from the state (`phase_of`), does its one
     step (its side effects keyed, so a node that died half-way is simply run again), and returns
     the state's update from `_to`, which projects it onto the hypothesis's row in the same step.
-    Where the thread goes next is the builder's (`ROUTES`), never a node's."""
+    Where the thread goes next is the routers' (`graph_spec`), never a node's."""
 
     def __init__(self, svc: Services):
         self.svc = svc
@@ -720,6 +720,9 @@ def queue_look(svc: Services, h: Hypothesis, look: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- graph
 
+END = "__end__"  # langgraph.graph.END, without importing langgraph where only the routers are needed
+
+
 # the routers: where a thread goes after each node, from its state alone (named, so that a node can be
 # put between two others by moving a router: `GraphSpec.insert_after`)
 
@@ -767,12 +770,9 @@ def after_reverify(s: State) -> str:
     return "reverify" if s.get("champion") else END  # resumed early: it waits again
 
 
-END = "__end__"  # langgraph.graph.END, without importing langgraph where only the routers are needed
-
-
 @dataclass
 class GraphSpec:
-    """The graph as data: its nodes and, for each, its router (`ROUTES`). `build_graph` compiles it;
+    """The graph as data: its nodes and, for each, its router (`graph_spec` fills both). `build_graph` compiles it;
     a new step is a node and one `insert_after`, and no other node changes."""
 
     nodes: dict[str, Callable[[State], State]]
@@ -789,7 +789,7 @@ class GraphSpec:
 
         g = StateGraph(State)
         for name, node in self.nodes.items():
-            g.add_node(name, node if projection is None else _replayed(node, projection))
+            g.add_node(name, node if projection is None else _replayed(name, node, projection))
         g.add_conditional_edges(START, from_start, [*self.nodes, END])
         for name, router in self.routes.items():
             g.add_conditional_edges(name, router, [*self.nodes, END])
@@ -807,23 +807,33 @@ def graph_spec(svc: Services) -> GraphSpec:
                 "reverify": after_reverify})
 
 
-def _replayed(node: Callable[[State], State], records: Records) -> Callable[[State], State]:
+# the phases in which each node does its step: a row in any other phase had it done already
+ENTRY_PHASES: dict[str, tuple[Status, ...]] = {
+    "propose": (Status.QUEUED, Status.PROPOSING), "implement": (Status.IMPLEMENTING,),
+    "evaluate": (Status.MEASURING,), "decide": (Status.DECIDING,), "promote": (Status.PROMOTING,),
+    "summarize": (Status.SUMMARIZING, Status.HELD), "hold": (Status.HELD,), "reverify": (Status.DONE,)}
+
+
+def _replayed(name: str, node: Callable[[State], State], records: Records) -> Callable[[State], State]:
     """A node run again after a crash between its projection and its checkpoint finds the row a step
-    ahead of its state (the row is written first): the step is done, its update is the row's. Every
-    node's side effects come before its projection, so nothing of the step is lost."""
+    ahead (the row is written first, in a phase this node does not work in): the step is done, and
+    its update is the row's. Every node's side effects come before its projection, so nothing of
+    the step is lost, and nothing is done twice (a promotion, a re-base). A thread checkpointed by
+    an earlier version, with no phase in its state, is judged by its row the same way. A node
+    added from outside (`GraphSpec.insert_after`) has no entry phases and always runs."""
+    entry = ENTRY_PHASES.get(name)
 
     def run(state: State) -> State:
-        phase = state.get("phase")
-        if phase:
+        if entry is not None:
             h = records.get(state["hypothesis_id"])
-            if h.status != phase:
+            if h.status not in entry:
                 update: State = {"phase": h.status, "look": h.look, "verdict": h.verdict}
                 if h.promoted_tag:
                     update["champion"] = h.promoted_tag
                 return update
         return node(state)
 
-    run.__name__ = getattr(node, "__name__", "node")
+    run.__name__ = getattr(node, "__name__", name)
     return run
 
 

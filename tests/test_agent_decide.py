@@ -321,6 +321,30 @@ def test_implement_and_promote_run_again_after_a_crash_repeat_nothing(lab: Path)
     assert len(loop.store.runs()) == n_runs
 
 
+def test_a_promote_killed_after_its_projection_is_not_done_again(lab: Path) -> None:
+    """kill -9 inside promote after the row was written (the row a step ahead of the checkpoint):
+    the re-run takes the row's update (`agent.graph._replayed`): no second merge or tag, no second
+    summary, and the thread goes on to re-verify the champion."""
+    seed_lr(lab)
+    loop = make_loop(lab, offline=True)
+    try:
+        h = one_pass(loop)
+        plant(loop.store, h.base_commit, BASE_VALUES)
+        plant(loop.store, h.commit, [0.700, 0.703])
+        h = loop.advance(h)
+        assert (h.status, h.promoted_tag) == ("done", "baseline/v1")
+        head, n_runs, summary = git(lab, "rev-parse", BASELINE), len(loop.store.runs()), h.summary_md
+        h = loop.advance(crash_in(loop, h, "promote"))  # the store as promote and summarize left it
+        snap = loop.graph.get_state({"configurable": {"thread_id": str(h.id)}})
+    finally:
+        loop.close()
+    assert (h.status, h.decision, h.promoted_tag, h.summary_md) == ("done", "promote", "baseline/v1", summary)
+    assert git(lab, "rev-parse", BASELINE) == head
+    assert git(lab, "tag", "--list", "baseline/*").split() == ["baseline/v1"]
+    assert len(loop.store.runs()) == n_runs
+    assert snap.values["phase"] == "done" and snap.next in ((), ("reverify",))
+
+
 def test_a_promoted_champion_is_re_verified_on_fresh_seeds_and_its_shrinkage_recorded(lab: Path) -> None:
     seed_lr(lab)
     loop = make_loop(lab, offline=True)
