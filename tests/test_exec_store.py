@@ -218,14 +218,13 @@ def test_goodput_splits_useful_failed_lost_and_saved_compute(store: Store) -> No
     assert g.goodput == pytest.approx(15 / 24)
 
 
+@pytest.mark.parametrize("db", ["postgres"], indirect=True)  # a server's connections: SQLite has none
 def test_a_pooled_connection_the_server_dropped_while_idle_is_replaced_not_raised(db, monkeypatch) -> None:
     """PostgreSQL: the store pings a connection that sat idle in its pool before handing it out, and
     replaces a dead one; a connection reused within IDLE_PING_S is not pinged (no round trip per call)."""
     import pipeline.store as store_mod
 
     url, schema = db
-    if not url.startswith("postgresql"):
-        pytest.skip("a server's connections; SQLite has none")
     s = Store(url, schema=schema)
     try:
         with s.session() as sess:

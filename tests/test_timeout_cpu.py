@@ -52,7 +52,10 @@ def assert_measured(cpu_s: float, log: Path, what: object) -> None:
     own = spun(log)
     # it spun for a good part of its 2 s (on this busy 2-core machine about half): a real measure
     assert own >= 0.4, (what, own, log.read_text()[-300:])
-    assert own - 0.02 <= cpu_s <= own + 0.3, (what, cpu_s, own)
+    # below by at most one of its 50 ms ticks and the clock's 10 ms: a report it wrote between the
+    # executor's last reading of the stage's CPU and the kill (CI on a loaded machine: 1.91 s read,
+    # 1.935 s said, with a 20 ms bound)
+    assert own - 0.06 <= cpu_s <= own + 0.3, (what, cpu_s, own)
 
 
 def sandbox_spec(work: Path) -> dict:
