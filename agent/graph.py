@@ -827,10 +827,7 @@ def _replayed(name: str, node: Callable[[State], State], records: Records) -> Ca
         if entry is not None:
             h = records.get(state["hypothesis_id"])
             if h.status not in entry:
-                update: State = {"phase": h.status, "look": h.look, "verdict": h.verdict}
-                if h.promoted_tag:
-                    update["champion"] = h.promoted_tag
-                return update
+                return thread_input(h)
         return node(state)
 
     run.__name__ = getattr(node, "__name__", name)

@@ -31,10 +31,8 @@ import argparse
 import json
 import os
 import random
-import re
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # support.ray_cluster: the tests' Ray cluster
 
 # (share, effects in σ) of the seeded hypotheses: mostly nothing, some gains, some harms
 PRIOR = ((0.70, (0.0,)), (0.15, (0.5, 1.0, 2.0)), (0.10, (-0.5, -1.0)), (0.05, ("one_task",)))
@@ -150,43 +148,6 @@ class StoreTimer:
                 "max_ms": float(d.max()), "worst_p99": [{"method": k, "p99_ms": p, "calls": n} for p, k, n in worst],
                 "driver_cpu_s": {m: round(c, 3) for (th, m), c in sorted(self.cpu.items(), key=lambda kv: -kv[1])
                                  if th == "autoresearch-driver"}}
-
-
-class RayHead:
-    """`ray start --head` on this machine, with a temp dir of its own; stopped by its processes' pids."""
-
-    def __init__(self, cpus: int):
-        self.tmp = tempfile.mkdtemp(prefix="ar-scale-ray-")
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-        ray = str(Path(sys.executable).with_name("ray"))
-        out = subprocess.run([ray, "start", "--head", "--port=0", f"--num-cpus={cpus}", "--include-dashboard=false",
-                              f"--temp-dir={self.tmp}", "--disable-usage-stats"], env=self.env, capture_output=True,
-                             text=True, timeout=300)
-        m = re.search(r"ray start --address='([^']+)'", out.stdout + out.stderr)
-        if out.returncode != 0 or m is None:
-            self.stop()
-            raise SystemExit(f"ray start --head failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        self.address = m.group(1)
-        os.environ.update({"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
-
-    def stop(self) -> None:
-        import psutil
-
-        procs = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if self.tmp in " ".join(p.info["cmdline"] or []):
-                    procs.append(p)
-                    procs += p.children(recursive=True)
-            except psutil.Error:
-                continue
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=20)
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def fresh_pg() -> tuple[str, str]:
@@ -316,7 +277,12 @@ def main() -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    head = RayHead(max(args.slots)) if "ray" in args.executor else None
+    head = None
+    if "ray" in args.executor:  # one `ray start --head` node, stopped by its pids (never `ray stop`)
+        from support.ray_cluster import ENV, RayCluster
+
+        head = RayCluster(head_cpus=max(args.slots), worker_cpus=0)
+        os.environ.update(ENV)  # this process drives it
     rows = []
     try:
         for ex in args.executor:

@@ -90,17 +90,8 @@ class DiskKeeper:
         """The worktrees and views of commits nothing needs any more (decided challengers,
         superseded champions) removed: every commit with runs queued or running and the baseline's
         head are kept. At the driver's start and every GC_EVERY_S after. (worktrees, views) removed."""
-        from pipeline.errors import WorktreeError
-        from pipeline.lab import BASELINE_BRANCH
-        from pipeline.runner import resolve_commit
-
         self._collected_at = time.monotonic()
-        keep = set(self.store.commits_in_flight())
-        try:
-            keep.add(resolve_commit(self.lab, BASELINE_BRANCH))
-        except WorktreeError:  # no baseline branch (a bare benchmark run)
-            pass
-        removed, views = worktrees.gc(keep)
+        removed, views = worktrees.gc(self.needed_commits())
         if removed or views:
             log.info("disk: removed %d worktree(s) and %d view(s) of commits no run needs", len(removed), views)
         return len(removed), views
@@ -108,7 +99,8 @@ class DiskKeeper:
     def collect_due(self) -> bool:
         return self._collected_at is None or time.monotonic() - self._collected_at > GC_EVERY_S
 
-    def protected(self, held: Iterable[str]) -> set[str]:
+    def needed_commits(self) -> set[str]:
+        """The commits a run still needs: every one with runs queued or running, and the baseline's head."""
         from pipeline.errors import WorktreeError
         from pipeline.lab import BASELINE_BRANCH
         from pipeline.runner import resolve_commit
@@ -118,7 +110,10 @@ class DiskKeeper:
             commits.add(resolve_commit(self.lab, BASELINE_BRANCH))
         except WorktreeError:  # no baseline branch (a bare benchmark run): nothing more to keep
             pass
-        return self.store.keys_of(commits) | set(held)
+        return commits
+
+    def protected(self, held: Iterable[str]) -> set[str]:
+        return self.store.keys_of(self.needed_commits()) | set(held)
 
     def bound(self, held: Iterable[str]) -> int:
         """Evict least recently used entries until the cache is under its low-water mark; returns

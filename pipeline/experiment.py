@@ -113,24 +113,24 @@ class Experiment:
                ray_address: str | None = None) -> "runner.Driver":
         """The one thing that executes runs: a `Driver` working this lab's queue in this store on the
         named executor's slots (`driver.slots`). `drive` it in one thread; `close` it in the same."""
-        ex = runner.make_executor(executor, self.lab, workers=workers, ray_address=ray_address)
-        return runner.Driver(self.lab, self.store, ex)
+        return runner.Driver(self.lab, self.store, self._executor(executor, workers, ray_address))
+
+    def _executor(self, name: str, workers: int | None, ray_address: str | None) -> Any:
+        return runner.make_executor(name, self.lab, workers=workers, ray_address=ray_address)
 
     def variance(self, runs: int, executor: str = "local", *, workers: int | None = None,
                  ray_address: str | None = None) -> dict[str, Any]:
         """The variance study (`autoresearch variance`): `runs` identical baseline runs per task."""
         from pipeline.variance import study
 
-        ex = runner.make_executor(executor, self.lab, workers=workers, ray_address=ray_address)
-        return study(self.lab, self.store, ex, runs)
+        return study(self.lab, self.store, self._executor(executor, workers, ray_address), runs)
 
     def pairing(self, rev: str, runs: int, executor: str = "local", *, workers: int | None = None,
                 ray_address: str | None = None) -> dict[str, Any]:
         """What the seeds buy (`variance --pair REV`): `rev` against the baseline, seed k with seed k."""
         from pipeline.variance import pairing
 
-        ex = runner.make_executor(executor, self.lab, workers=workers, ray_address=ray_address)
-        return pairing(self.lab, self.store, ex, rev, runs)
+        return pairing(self.lab, self.store, self._executor(executor, workers, ray_address), rev, runs)
 
     def lab_pairing(self) -> dict[str, Any] | None:
         """The pairing this lab's comparisons measured so far (no runs queued), for `status`."""

@@ -96,6 +96,7 @@ class LabRepo:
             self.repo.create_tag(name, ref=commit)
 
     def _next_baseline_tag(self, commit: str, message: str) -> str:
+        """The commit's `baseline/vN` tag: the one it has, or the next number, made now."""
         existing = self.baseline_tag(commit)
         if existing:
             return existing
@@ -115,7 +116,7 @@ class LabRepo:
         """
         head = self.baseline_head()
         if self.repo.is_ancestor(commit, head):  # already promoted (a re-run of this node)
-            return head, self.baseline_tag(head) or self._next_baseline_tag(head, message)
+            return head, self._next_baseline_tag(head, message)  # its tag, or one made now
         if self.repo.is_ancestor(head, commit):
             new = commit
         else:

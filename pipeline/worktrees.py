@@ -152,9 +152,9 @@ class Worktrees:
                     removed.append(path.name)
         views = 0
         for owner in sorted(self.views.glob("*.commit")):
-            try:
-                commit = owner.read_text().strip()
-            except OSError:
+            try:  # the driver's own file, read as any in the lab's state is: no link, bounded
+                commit = safefs.read_bytes(self.views, owner.name, 128).decode("ascii", "replace").strip()
+            except OSError:  # UnsafeTree among them
                 continue
             if commit in keep_set:
                 continue
@@ -286,7 +286,7 @@ class Worktrees:
         finally:
             os.close(root_fd)
         if collectable:
-            (self.views / f"{digest}.commit").write_text(commit + "\n")
+            safefs.write_text(self.views, f"{digest}.commit", commit + "\n")
         try:
             os.rename(tmp, final)
         except OSError:  # another driver made it meanwhile

@@ -4,22 +4,10 @@ Why a database and not files: runs are claimed by concurrent drivers, must survi
 of them, and are read by `status`, `report` and the gate while a batch is running. The tables are
 sqlmodel classes, so the same class is a row and the record that `--json` output prints.
 
-- `Arm`: a commit under measurement (baseline or challenger).
-- `Run`: one (commit, task, seed), unique; also the queue: `status` moves queued → running →
-  done | failed, claimed atomically by a conditional UPDATE that carries an owner (host, pid, process
-  start time) and a claim token. Only the holder of the current token can finish or requeue it, so a
-  driver presumed dead that wakes up cannot write a second result.
-- `StageExec`: one stage of one run, executed or served from the cache: CPU, GPU and wall seconds,
-  outcome. Goodput is computed from these rows.
-- `Result`: the run's metric, or the reason it has none; unique per run and per (commit, task, seed).
-- `CacheEntry`: what a cached stage output cost to compute, so a cache hit knows what it saved.
-- `GateRecord`: the gate's records (any JSON payload) keyed by hypothesis, look and kind.
-
-Times are UNIX seconds (floats): comparable across SQLite and PostgreSQL and plain in JSON.
-
-The package: `tables` (the rows and value types), `queue` (enqueue, claim, heartbeat, finish,
-release, reconcile), `cache` (stage executions and the cache's rows), `reads` (results,
-comparisons, holdout scores, goodput, gate records); `Store` here is all of them over one engine.
+The package: `tables` (the rows, listed there, and value types), `queue` (enqueue, claim,
+heartbeat, finish, release, reconcile), `cache` (stage executions and the cache's rows), `reads`
+(results, comparisons, holdout scores, goodput, gate records); `Store` here is all of them over
+one engine.
 """
 
 from __future__ import annotations

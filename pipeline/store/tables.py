@@ -1,8 +1,4 @@
-"""The store's tables and value types: every fact about runs in one SQL database (SQLite by default, any SQLAlchemy URL).
-
-Why a database and not files: runs are claimed by concurrent drivers, must survive `kill -9` of any
-of them, and are read by `status`, `report` and the gate while a batch is running. The tables are
-sqlmodel classes, so the same class is a row and the record that `--json` output prints.
+"""The store's rows and value types (`pipeline.store` says why a database, and how it is split).
 
 - `Arm`: a commit under measurement (baseline or challenger).
 - `Run`: one (commit, task, seed), unique; also the queue: `status` moves queued → running →

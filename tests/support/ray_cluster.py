@@ -18,12 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from support.lab import free_port
+from support import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-
-
 
 
 @contextlib.contextmanager
