@@ -456,6 +456,10 @@ class Nodes:
         from langgraph.types import interrupt
 
         h = self.svc.records.get(state["hypothesis_id"])
+        if not h.summary_md:  # the reviewer reads a summary, whatever path led here (summarize writes it)
+            from agent.summary import write_summary
+
+            write_summary(self.svc, h)
         answer = interrupt({"kind": HOLD, "hypothesis_id": h.id, "reason": h.rationale_decision or ""})
         if answer == "approve":
             return self._to(h, Status.PROMOTING, decision=Decision.PROMOTE)
@@ -728,46 +732,39 @@ END = "__end__"  # langgraph.graph.END, without importing langgraph where only t
 
 def from_start(s: State) -> str:
     """A new thread (the loop gives it the row's status as its phase), or one an earlier version
-    ended while its hypothesis was still active: to the node of its phase."""
-    return {Status.QUEUED: "propose", Status.PROPOSING: "propose", Status.IMPLEMENTING: "implement",
-            Status.MEASURING: "evaluate", Status.DECIDING: "decide", Status.PROMOTING: "promote",
-            Status.HELD: "hold", Status.SUMMARIZING: "summarize"}.get(s.get("phase") or "",
-                                                                     "reverify" if s.get("champion") else END)
+    ended while its hypothesis was still active: to the node that works in its phase. A hold goes
+    through `summarize` first (it writes the summary the reviewer reads; written again, it is the
+    same), so no path reaches `hold` without one."""
+    return _NODE_OF_PHASE.get(s.get("phase") or "", "reverify" if s.get("champion") else END)
 
 
-def after_propose(s: State) -> str:
-    return "summarize" if s.get("phase") == Status.SUMMARIZING else "implement"
+_NODE_OF_PHASE = {Status.QUEUED: "propose", Status.PROPOSING: "propose", Status.IMPLEMENTING: "implement",
+                  Status.MEASURING: "evaluate", Status.DECIDING: "decide", Status.PROMOTING: "promote",
+                  Status.HELD: "summarize", Status.SUMMARIZING: "summarize"}
 
 
-def after_implement(s: State) -> str:
-    return "evaluate" if s.get("phase") == Status.MEASURING else "summarize"
+def _routed(step: dict[str, str]) -> Callable[[State], str]:
+    """A router: the node after this one for the phases it leaves the thread in (`step`), and for any
+    other phase the node that works in it (`from_start`). A node re-run after a crash takes the row's
+    update (`_replayed`), and the row may be any number of steps ahead of the checkpoint (a kill -9
+    lands between a projection and the checkpoint; LangGraph writes checkpoints asynchronously by
+    default, so one may be lost besides): the thread goes on from where the row is."""
+    def route(s: State) -> str:
+        return step.get(s.get("phase") or "") or from_start(s)
+
+    return route
 
 
-def after_evaluate(s: State) -> str:
-    return "decide" if s.get("phase") == Status.DECIDING else "evaluate"  # resumed early: it waits again
-
-
-def after_decide(s: State) -> str:
-    # a hold is summarized first (the summary the reviewer reads), then waits in `hold`
-    return {Status.MEASURING: "evaluate", Status.PROMOTING: "promote"}.get(s.get("phase") or "", "summarize")
-
-
-def after_promote(s: State) -> str:
-    return "evaluate" if s.get("phase") == Status.MEASURING else "summarize"  # re-based: measured again
-
-
-def after_summarize(s: State) -> str:
-    if s.get("phase") == Status.HELD:
-        return "hold"
-    return "reverify" if s.get("champion") else END
-
-
-def after_hold(s: State) -> str:
-    return "promote" if s.get("phase") == Status.PROMOTING else "summarize"
-
-
-def after_reverify(s: State) -> str:
-    return "reverify" if s.get("champion") else END  # resumed early: it waits again
+# the phases a node leaves its thread in, and the next node for each; any other phase: `from_start`
+after_propose = _routed({Status.IMPLEMENTING: "implement", Status.SUMMARIZING: "summarize"})
+after_implement = _routed({Status.MEASURING: "evaluate", Status.SUMMARIZING: "summarize"})
+after_evaluate = _routed({Status.DECIDING: "decide", Status.MEASURING: "evaluate"})  # resumed early: waits again
+after_decide = _routed({Status.MEASURING: "evaluate", Status.PROMOTING: "promote", Status.HELD: "summarize",
+                        Status.SUMMARIZING: "summarize"})  # a hold is summarized first, then waits in `hold`
+after_promote = _routed({Status.MEASURING: "evaluate", Status.SUMMARIZING: "summarize"})  # re-based: measured again
+after_summarize = _routed({Status.HELD: "hold"})  # done: to `reverify` (a champion) or the end
+after_hold = _routed({Status.PROMOTING: "promote", Status.SUMMARIZING: "summarize", Status.HELD: "hold"})
+after_reverify = _routed({})  # a champion's thread waits again (resumed early), then ends
 
 
 @dataclass

@@ -433,7 +433,7 @@ class Loop:
                 step = self._step(h)
                 if step is _NOTHING or self.stop.is_set():
                     break
-                self.graph.invoke(step, config)
+                self.graph.invoke(step, config, durability="sync")
             except OperationalError as e:  # the store's database went away: infrastructure, not the idea's
                 self.say(f"#{h.id}: the store did not answer ({str(e.orig or e).splitlines()[0][:200]}); "
                          "the thread waits at its checkpoint")
@@ -613,7 +613,7 @@ class Loop:
             try:
                 step = self._step(h)
                 if step is not _NOTHING and not self.stop.is_set():
-                    self.graph.invoke(step, self._thread(h))
+                    self.graph.invoke(step, self._thread(h), durability="sync")
             except Exception as e:  # the store or git hiccuping: the thread waits at its checkpoint
                 log.warning("#%s: re-verification: %s", hid, e)
                 continue

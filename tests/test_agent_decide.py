@@ -262,6 +262,28 @@ def test_a_supervised_improvement_is_held_until_a_human_approves(lab: Path) -> N
     assert git(lab, "rev-parse", BASELINE) == h.commit
 
 
+@pytest.mark.parametrize("node", ["evaluate", "decide"])
+def test_a_hold_killed_before_its_summary_is_summarized_before_it_waits(lab: Path, node: str) -> None:
+    """kill -9 after decide wrote `held`, the thread's checkpoint one or two steps behind (a look's
+    interrupt, or before decide): the restart summarizes the hold, then waits for the reviewer."""
+    from agent.summary import summary_path
+
+    seed_lr(lab)
+    loop = make_loop(lab, offline=True, supervised=True)
+    try:
+        h = measured(loop, [0.700, 0.703])
+        assert (h.status, h.decision) == ("held", "hold")
+        summary_path(loop.lab, h.id).unlink()
+        h = loop.advance(crash_in(loop, h, node, summary_md=None))
+        snap = loop.graph.get_state({"configurable": {"thread_id": str(h.id)}})
+    finally:
+        loop.close()
+    assert (h.status, h.decision, h.review, h.promoted_tag) == ("held", "hold", "pending", None)
+    assert "held for a human's approval" in summary_path(loop.lab, h.id).read_text()
+    assert h.summary_md and snap.next == ("hold",) and snap.interrupts
+    assert loop.records.last_event(("error",)) is None  # no node failed on the way
+
+
 def test_refine_queues_one_child_even_if_decide_runs_again(lab: Path, llm: RoutedOpenAI) -> None:
     llm.on("hypothesis", content(proposal()))
     llm.on("edits", content({"edits": [LR_EDIT], "notes": ""}))
