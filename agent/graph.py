@@ -503,7 +503,7 @@ class Nodes:
         from pipeline.gate import render_markdown
 
         from agent import prompts
-        from agent.verdicts import DecisionRecord, put_decision
+        from agent.verdicts import DecisionRecord
 
         looks = svc.lab.config.gate.looks
         evidence = render_markdown(svc.records.latest_verdict(h.id))
@@ -519,8 +519,8 @@ class Nodes:
         if choice.decision not in allowed:
             choice = Choice(Decision.ABANDON if Decision.ABANDON in allowed else allowed[-1],
                             f"the policy chose {choice.decision!r}, which the verdict {verdict} does not allow")
-        put_decision(svc.store, h.id, DecisionRecord(look, choice.decision, choice.rationale, choice.follow_up,
-                                                     list(allowed), verdict, svc.policy.name))
+        svc.records.put_decision(h.id, DecisionRecord(look, choice.decision, choice.rationale, choice.follow_up,
+                                                      list(allowed), verdict, svc.policy.name))
         return choice
 
     # summarize --------------------------------------------------------------
@@ -670,7 +670,8 @@ def rebase(svc: Services, h: Hypothesis) -> tuple[State, dict[str, Any]]:
     if branch == h.seed_branch:
         branch = f"hyp/{h.id}-rebased"
     ws.point_branch(branch, new)
-    store.move_gate_records(str(h.id), payload["archived_as"], ("verdict", "decision"))
+    store.move_gate_records(str(h.id), payload["archived_as"], ("verdict",))
+    rec.archive_decisions(h.id, payload["archived_as"])
     if old_commit != new:
         svc.experiment.release(old_commit)
     return {"phase": Status.MEASURING.value, "look": svc.lab.config.gate.looks[0], "verdict": None}, {

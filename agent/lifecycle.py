@@ -1,7 +1,7 @@
 """The vocabularies of a hypothesis's lifecycle: its `Status` and the `Decision` made about it.
 
-`StrEnum`s, so a member is its stored string: the `hypothesis` columns and the `decision` gate
-records keep the strings they always had, and an old database reads the same. Standard library only
+`StrEnum`s, so a member is its stored string: the `hypothesis` columns and the `agent_decision`
+rows keep the strings they always had, and an old database reads the same. Standard library only
 (cheap to import from the CLI and the policies); `agent.records` re-exports both.
 """
 
@@ -37,7 +37,7 @@ class Status(StrEnum):
 
 
 class Decision(StrEnum):
-    """What was decided about a hypothesis (`Hypothesis.decision`, the `decision` gate records).
+    """What was decided about a hypothesis (`Hypothesis.decision`, `agent_decision` rows).
 
     The gate bounds the first four (`agent.graph.allowed_decisions`); `hold` is a promotion waiting
     for a human; `reject` is an implementation refused before any run. Stored as these strings."""

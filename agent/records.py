@@ -68,6 +68,27 @@ class Hypothesis(SQLModel, table=True):
     finished_at: float | None = None
 
 
+class DecisionRow(SQLModel, table=True):
+    """The agent's decision at one look (`agent.verdicts.DecisionRecord` is its typed form), written by
+    `decide` before any side effect, so a decide run again after a crash carries out the same one.
+    `hypothesis` is the id as text, or `<id>@<old base>` for a comparison a re-base moved aside (the
+    gate records' key). Stores written before this table kept these as `gate_record` rows of kind
+    `decision`; `Records` moves them here when it opens the store (`_migrate_decisions`)."""
+
+    __tablename__ = "agent_decision"
+    __table_args__ = (UniqueConstraint("hypothesis", "look", name="uq_agent_decision_hypothesis_look"),)
+    id: int | None = Field(default=None, primary_key=True)
+    hypothesis: str = Field(index=True, max_length=80)
+    look: int
+    decision: str
+    rationale: str = Field(default="", sa_column=Column(Text))
+    follow_up: str = Field(default="", sa_column=Column(Text))
+    allowed: list[str] = Field(default_factory=list, sa_column=Column(JSON))
+    verdict: str | None = None
+    policy: str | None = None
+    created_at: float = Field(default_factory=now)
+
+
 class ReviewComment(SQLModel, table=True):
     """A human's review action on a hypothesis's summary; comments steer the next proposals."""
 
@@ -126,7 +147,7 @@ class NotifyTargetState(SQLModel, table=True):
     dead: bool = False
 
 
-AGENT_TABLES = [Hypothesis.__table__, ReviewComment.__table__, LoopEvent.__table__, Notification.__table__,
+AGENT_TABLES = [Hypothesis.__table__, DecisionRow.__table__, ReviewComment.__table__, LoopEvent.__table__, Notification.__table__,
                 NotifyTargetState.__table__]
 
 
@@ -141,6 +162,7 @@ class Records:
         self.store = store
         self.outbox: Any = None
         create_schema(store.engine, AGENT_TABLES)
+        self._migrate_decisions()
 
     def get(self, hid: int) -> Hypothesis:
         with self.store.session() as s:
@@ -189,10 +211,79 @@ class Records:
 
         return verdicts.verdict_at(self.store, hid, look)
 
-    def decision_at(self, hid: int, look: int | None) -> DecisionRecord | None:
-        from agent import verdicts
+    # the agent's decisions (its own table) ------------------------------------------------
+    def decisions(self, hid: int | str) -> list[DecisionRecord]:
+        """The hypothesis's decisions in look order (`hid` may be an archived key, `<id>@<base>`)."""
+        from agent.verdicts import DecisionRecord
 
-        return verdicts.decision_at(self.store, hid, look)
+        with self.store.session() as s:
+            rows = s.exec(select(DecisionRow).where(DecisionRow.hypothesis == str(hid)).order_by(DecisionRow.look))
+            return [DecisionRecord.from_row(r) for r in rows]
+
+    def decision_at(self, hid: int | str, look: int | None) -> DecisionRecord | None:
+        return next((d for d in self.decisions(hid) if d.look == look), None)
+
+    def put_decision(self, hid: int | str, rec: DecisionRecord) -> None:
+        """Store (or replace) the decision at `rec.look`: idempotent for a decide that runs again."""
+        from sqlalchemy.exc import IntegrityError
+
+        with self.store.session() as s:
+            row = s.exec(select(DecisionRow).where(DecisionRow.hypothesis == str(hid),
+                                                   DecisionRow.look == rec.look)).first()
+            row = row or DecisionRow(hypothesis=str(hid), look=rec.look, decision="")
+            for k, v in rec.to_dict().items():
+                setattr(row, k, v)
+            row.created_at = now()
+            s.add(row)
+            try:
+                s.commit()
+            except IntegrityError:  # a concurrent writer inserted it first: replace theirs
+                s.rollback()
+                return self.put_decision(hid, rec)
+
+    def archive_decisions(self, hid: int, to: str) -> int:
+        """Move the hypothesis's decisions to the key `to` (a re-based comparison kept aside, beside
+        its verdicts: `Store.move_gate_records`), replacing any there; idempotent. How many moved."""
+        from sqlalchemy import delete
+
+        with self.store.session() as s:
+            rows = list(s.exec(select(DecisionRow).where(DecisionRow.hypothesis == str(hid))))
+            if rows:
+                s.exec(delete(DecisionRow).where(DecisionRow.hypothesis == to,  # type: ignore[call-overload]
+                                                 DecisionRow.look.in_([r.look for r in rows])))  # type: ignore[attr-defined]
+                s.flush()
+            for r in rows:
+                r.hypothesis = to
+                s.add(r)
+            s.commit()
+            return len(rows)
+
+    def _migrate_decisions(self) -> None:
+        """A store written before the agent had its own decision table kept its decisions as gate
+        records of kind `decision`: moved here in one transaction (copied, then deleted), so nothing
+        is lost and nothing is read from two places. Idempotent; one query when there is nothing to
+        move; two processes opening the store at once: the second finds the rows gone or the
+        constraint taken, and leaves it to the first."""
+        from sqlalchemy.exc import IntegrityError
+
+        from agent.verdicts import DECISION, DecisionRecord
+        from pipeline.store import GateRecord
+
+        with self.store.session() as s:
+            old = list(s.exec(select(GateRecord).where(GateRecord.kind == DECISION)))
+            if not old:
+                return
+            for g in old:
+                d = DecisionRecord.from_dict(g.look, g.payload or {})
+                have = s.exec(select(DecisionRow).where(DecisionRow.hypothesis == g.hypothesis,
+                                                        DecisionRow.look == g.look)).first()
+                if have is None:
+                    s.add(DecisionRow(hypothesis=g.hypothesis, look=g.look, created_at=g.created_at, **d.to_dict()))
+                s.delete(g)
+            try:
+                s.commit()
+            except IntegrityError:
+                s.rollback()
 
     def decide_review(self, hid: int, review: str) -> bool:
         """Set the review to `review` only if none was given yet (an approve from the page and a

@@ -1,16 +1,17 @@
 """Typed reads of a hypothesis's gate records (the store's `gate_record` rows), the one way the
-agent reads them.
+agent reads them, and the typed form of the agent's own decisions.
 
 - kind `verdict`: the gate's `GateResult` at a look, parsed by `GateResult.from_dict`; a record that
   does not fit the model is a pydantic `ValidationError` (as `report` and the pictures always had);
-- kind `decision`: the agent's `DecisionRecord` at a look; a decision string this version does not
-  know (an older or newer database's) is kept as the raw string (`Decision.parse`), never raised, so
-  it matches no allowed decision and the policy is asked again.
+- `DecisionRecord`: the agent's decision at a look, kept in the agent's own table
+  (`agent.records.DecisionRow`, read and written by `Records.decisions/decision_at/put_decision`);
+  a decision string this version does not know (an older or newer database's) is kept as the raw
+  string (`Decision.parse`), never raised, so it matches no allowed decision and the policy is asked
+  again. `DECISION` is the gate-record kind older stores kept them under (moved on open).
 
-The JSON the store keeps is unchanged: these only read it. `rebase` and `reverify` records stay
-plain dicts (`rebases`, `reverify_record`). `Records` (agent/records.py) has the same reads as
-methods; the functions here take a `Store` for readers that hold no `Records`. The gate's models
-import numpy, so they are imported inside the functions.
+`rebase` and `reverify` records stay plain dicts (`rebases`, `reverify_record`). `Records`
+(agent/records.py) has the verdict reads as methods; the functions here take a `Store` for readers
+that hold no `Records`. The gate's models import numpy, so they are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class DecisionRecord:
         return cls(look=look, decision=Decision.parse(str(d.get("decision") or "")),
                    rationale=d.get("rationale") or "", follow_up=d.get("follow_up") or "",
                    allowed=list(d.get("allowed") or []), verdict=d.get("verdict"), policy=d.get("policy"))
+
+    @classmethod
+    def from_row(cls, row: Any) -> DecisionRecord:
+        """From its `agent.records.DecisionRow`."""
+        return cls.from_dict(row.look, {"decision": row.decision, "rationale": row.rationale,
+                                        "follow_up": row.follow_up, "allowed": row.allowed,
+                                        "verdict": row.verdict, "policy": row.policy})
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON the store keeps (the same keys `Nodes._choice` always wrote)."""
@@ -98,18 +106,6 @@ def verdict_at(store: Store, hid: int | str, look: int) -> GateResult | None:
 
             return GateResult.from_dict(r.payload)
     return None
-
-
-def decisions(store: Store, hid: int | str) -> list[DecisionRecord]:
-    return [DecisionRecord.from_dict(r.look, r.payload) for r in store.gate_records(_key(hid), kind=DECISION)]
-
-
-def decision_at(store: Store, hid: int | str, look: int | None) -> DecisionRecord | None:
-    return next((d for d in decisions(store, hid) if d.look == look), None)
-
-
-def put_decision(store: Store, hid: int | str, rec: DecisionRecord) -> None:
-    store.put_gate_record(_key(hid), rec.look, rec.to_dict(), kind=DECISION)
 
 
 def rebases(store: Store, hid: int | str) -> list[dict[str, Any]]:

@@ -67,8 +67,8 @@ def seed_lr(lab: Path) -> None:
 
 
 def decision_record(loop, hid: int) -> dict:
-    (rec,) = loop.store.gate_records(str(hid), kind="decision")
-    return rec.payload
+    (rec,) = loop.records.decisions(hid)
+    return rec.to_dict()
 
 
 def test_allowed_decisions_follow_the_verdict() -> None:

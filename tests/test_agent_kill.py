@@ -119,7 +119,7 @@ def test_kill_9_during_propose_smoke_runs_and_decide_then_restart_finishes_the_h
     assert sorted((r.commit, r.task, r.seed) for r in runs) == sorted(wanted)
     assert all(r.requeues >= 1 for r in runs if r.id in orphaned)
     assert len(store.gate_records(str(h.id), kind="verdict")) == 1
-    assert [r.payload["decision"] for r in store.gate_records(str(h.id), kind="decision")] == ["abandon"]
+    assert [d.decision for d in rec.decisions(h.id)] == ["abandon"]
     assert len(llm.asked("decision")) == 2 and len(llm.asked("hypothesis")) == 2
     assert not llm.unscripted
 

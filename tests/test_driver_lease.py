@@ -28,12 +28,13 @@ def decided_once(lab: Path, *db: str) -> None:
     """Every hypothesis has at most one decision record per look: nothing was decided twice."""
     from support.lab import open_lab
 
+    from agent.records import Records
     from pipeline import runner
 
     store = runner.open_store(open_lab(lab), db[1] if db else None)
     hyps = json.loads(cli(lab, *db, "status", "--json").stdout)["hypotheses"]
     for h in hyps:
-        looks = [r.look for r in store.gate_records(str(h["id"]), kind="decision")]
+        looks = [d.look for d in Records(store).decisions(h["id"])]
         assert len(looks) == len(set(looks)), (h, looks)
 
 

@@ -111,7 +111,8 @@ def test_kill_9_during_a_supervised_hold_then_approve_resumes_the_thread_and_pro
     assert ("hold",) in history and ("promote",) in history  # resumed at the hold, then the promote node
     saver.conn.close()
     # the decision at the look was taken once, before the hold; the resume did not ask again
-    decisions = [r for r in store.gate_records("1", kind="decision")]
-    made = [r.payload["decision"] for r in decisions]  # escalations at the paired gate's earlier looks, then one hold
+    from agent.records import Records
+
+    made = [d.decision for d in Records(store).decisions(1)]  # escalations at the paired gate's earlier looks, then one hold
     assert made[-1] == "hold" and made.count("hold") == 1 and set(made[:-1]) <= {"escalate"}, made
     assert "promote" in (root / "runs" / "summaries" / "1.md").read_text()

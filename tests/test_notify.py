@@ -227,7 +227,9 @@ def test_each_event_is_delivered_once_to_each_target(tmp_path: Path, hook: Hook,
     import agent.notify as notify
     from agent.errors import LLMUnavailable
     from agent.graph import Nodes
+    from agent.lifecycle import Decision
     from agent.records import Hypothesis
+    from agent.verdicts import DecisionRecord
     from pipeline import lease
     from pipeline.store import Owner
 
@@ -279,8 +281,7 @@ to = ["team@lab.example"]
         # an abandon after an escalation (look 5 > the first look), through the graph's own decide node
         h = rec.add(Hypothesis(title="Planted: escalated and futile", status="deciding", look=5, verdict="futile",
                                origin="human", base_commit=rec.get(1).commit))
-        loop.store.put_gate_record(str(h.id), 5, {"decision": "abandon", "rationale": "futile at look 5"},
-                                   kind="decision")
+        rec.put_decision(h.id, DecisionRecord(5, Decision.ABANDON, "futile at look 5"))
         Nodes(loop.svc).decide({"hypothesis_id": h.id})
         assert rec.get(h.id).decision == "abandon"
         rec.update(h.id, status="done", finished_at=time.time())

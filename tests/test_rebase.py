@@ -125,6 +125,13 @@ def test_two_gains_that_harm_together_the_second_is_rebased_measured_against_a1_
     assert (moved["verdict"], moved["to_tag"]) == ("improvement", "baseline/v1")
     earlier = gate_records(root, moved["archived_as"], "verdict")
     assert earlier and earlier[-1]["verdict"] == "improvement"  # against A0: kept aside, never promoting
+    con = sqlite3.connect(root / "runs" / "autoresearch.db")  # its decisions too, in the agent's table
+    try:
+        aside = [d for (d,) in con.execute("SELECT decision FROM agent_decision WHERE hypothesis = ? ORDER BY look",
+                                           (moved["archived_as"],))]
+    finally:
+        con.close()
+    assert aside and aside[-1] == "promote", aside
     assert second.base_commit == a1 and second.commit == moved["commit"]
     parents = git(root, "rev-list", "--parents", "-n", "1", second.commit).split()[1:]
     assert parents == [a1, commits[ids[second.id]]]  # a merge onto A1; the old commit stays in its history

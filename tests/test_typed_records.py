@@ -1,6 +1,7 @@
 """Typed reads of gate records (agent/verdicts.py, `Records`) on a real SQLite store: a `GateResult`
-put comes back equal; a decision string this version does not know is kept raw, never raised; the
-`Decision` and `Status` enums are their stored strings."""
+put comes back equal; the agent's decisions in its own table (an older store's moved there once); a
+decision string this version does not know is kept raw, never raised; the `Decision` and `Status`
+enums are their stored strings."""
 
 from __future__ import annotations
 
@@ -57,10 +58,12 @@ def test_decisions_round_trip_and_stored_as_plain_strings(rec: Records):
     allowed = allowed_decisions("improvement", 5, [2, 5, 10], supervised=False)
     assert allowed == [Decision.PROMOTE, Decision.ABANDON] and allowed == ["promote", "abandon"]
     d = DecisionRecord(5, Decision.PROMOTE, "it won", "", allowed, "improvement", "offline")
-    verdicts.put_decision(rec.store, h.id, d)
-    assert rec.store.gate_records(str(h.id), kind="decision")[0].payload == {
-        "decision": "promote", "rationale": "it won", "follow_up": "", "allowed": ["promote", "abandon"],
-        "verdict": "improvement", "policy": "offline"}
+    rec.put_decision(h.id, d)
+    with rec.store.engine.connect() as c:  # the agent's own table, plain strings
+        row = c.execute(text("select hypothesis, look, decision, rationale, allowed, verdict, policy from agent_decision")).one()
+    assert tuple(row) == (str(h.id), 5, "promote", "it won", '["promote", "abandon"]', "improvement", "offline")
+    rec.put_decision(h.id, d)  # a decide run again: replaced, not doubled
+    assert rec.decisions(h.id) == [d] and not rec.store.gate_records(str(h.id), kind="decision")
     back = rec.decision_at(h.id, 5)
     assert back == d and back.decision is Decision.PROMOTE and back.known
     assert rec.decision_at(h.id, 2) is None
@@ -75,11 +78,34 @@ def test_an_unknown_decision_from_an_old_database_is_kept_raw(rec: Records):
     """A decision string this version does not know is read as that string (not raised): it is in no
     allowed list, so `Nodes._choice` asks the policy again instead of carrying it out."""
     h = rec.add(Hypothesis(title="x"))
-    rec.store.put_gate_record(str(h.id), 2, {"decision": "postpone", "rationale": "old"}, kind="decision")
+    rec.put_decision(h.id, DecisionRecord.from_dict(2, {"decision": "postpone", "rationale": "old"}))
     d = rec.decision_at(h.id, 2)
     assert d is not None and d.decision == "postpone" and not d.known and not isinstance(d.decision, Decision)
     assert d.decision not in allowed_decisions("escalate", 2, [2, 5], supervised=False)
     assert Decision.parse("refine") is Decision.REFINE
+
+
+def test_an_older_stores_decisions_move_to_the_agent_table_once_and_lose_nothing(tmp_path):
+    """A store written before the agent had its own decision table kept them as `gate_record` rows of
+    kind `decision` (also under a re-base's archived key): opening it moves every one, once."""
+    store = Store(f"sqlite:///{tmp_path / 'old.db'}")
+    store.put_gate_record("1", 2, {"decision": "escalate", "rationale": "more runs", "allowed": ["escalate", "abandon"],
+                                   "verdict": "escalate", "policy": "llm"}, kind="decision")
+    store.put_gate_record("1", 5, {"decision": "hold", "rationale": "held"}, kind="decision")
+    store.put_gate_record("1@0123456789ab", 2, {"decision": "promote", "rationale": "old base"}, kind="decision")
+    store.put_gate_record("1", 2, {"tasks": []}, kind="rebase")  # other kinds stay where they are
+    first = Records(store)
+    assert [(d.look, d.decision, d.rationale) for d in first.decisions(1)] == [(2, "escalate", "more runs"),
+                                                                              (5, "hold", "held")]
+    assert first.decision_at(1, 2).allowed == ["escalate", "abandon"] and first.decision_at(1, 2).policy == "llm"
+    assert [d.decision for d in first.decisions("1@0123456789ab")] == ["promote"]
+    assert not store.gate_records("1", kind="decision") and store.gate_records("1", kind="rebase")
+    again = Records(Store(f"sqlite:///{tmp_path / 'old.db'}"))  # a second open: nothing moved twice
+    assert len(again.decisions(1)) == 2
+    # a re-base moves the comparison's decisions aside, beside its verdicts
+    assert again.archive_decisions(1, "1@fedcba987654") == 2 and again.decisions(1) == []
+    assert [d.look for d in again.decisions("1@fedcba987654")] == [2, 5]
+    assert again.archive_decisions(1, "1@fedcba987654") == 0  # idempotent
 
 
 def test_status_enum():
