@@ -21,6 +21,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.outcomes import RunStatus
+
 CONFIG_FILE = "config.toml"
 NO_CHANGE = "(no change)"
 _CACHE: dict[tuple[str, str], tuple[str, ...]] = {}  # (base, commit) -> direction; commits never change
@@ -140,7 +142,7 @@ def group_directions(workspace: Any, store: Any, records: Any) -> list[Group]:
         g.verdicts[h.verdict or "not measured"] += 1
         g.decisions[h.decision or ("held" if h.status == "held" else "in flight" if h.status != "done" else "none")] += 1
         if h.commit:
-            g.runs += sum(r.status in ("done", "failed") for r in store.runs(commit=h.commit))
+            g.runs += sum(RunStatus(r.status).is_finished() for r in store.runs(commit=h.commit))
         if h.decision == "promote":
             g.promoted += 1
             last = latest_verdict(store, h.id)

@@ -32,6 +32,7 @@ from agent.records import ACTIVE, Hypothesis, Records
 from pipeline.errors import HarnessCommandError, MixedDatasets
 from pipeline.experiment import open_store
 from pipeline.lab import Lab
+from pipeline.outcomes import RunStatus
 
 log = logging.getLogger("autoresearch.loop")
 
@@ -221,7 +222,7 @@ class Loop:
     def _release_lease(self) -> None:
         from pipeline import lease
 
-        self._lease_stop.set()
+        self.heartbeat.stop()
         lease.release(self.store, self.owner)
 
     def _take_lease(self) -> None:
@@ -234,22 +235,16 @@ class Loop:
             self._took_over = (f"took over the lab from pid {dead.pid} on {dead.host}, which died "
                                f"(its last heartbeat {time.time() - dead.heartbeat_at:.0f} s ago)")
             self.say(self._took_over)  # a loop event too, once the records are open
-        self._lease_stop = threading.Event()
 
-        def beat() -> None:
-            while not self._lease_stop.wait(LEASE_HEARTBEAT_S):
-                try:
-                    ours = lease.refresh(self.store, self.owner)
-                except Exception as e:  # a database hiccup: the next beat retries
-                    log.warning("lease heartbeat failed: %s", e)
-                    continue
-                if not ours and not self.stop.is_set():
-                    msg = "this driver lost the lab's lease to another (it stalled past the lease's staleness): stopping"
-                    self.say(msg)
-                    self.stop_reason = "lease lost"
-                    self.stop.set()
+        def lost() -> None:
+            if not self.stop.is_set():
+                self.say("this driver lost the lab's lease to another (it stalled past the lease's staleness): stopping")
+                self.stop_reason = "lease lost"
+                self.stop.set()
 
-        threading.Thread(target=beat, name="autoresearch-lease", daemon=True).start()
+        # the process's one heartbeat: the lease's and, once the driver runs, its runs' (`lease.Heartbeat`)
+        self.heartbeat = lease.Heartbeat(self.store, self.owner, LEASE_HEARTBEAT_S, holds_lease=True,
+                                         on_lost=lost).start()
 
     # -------------------------------------------------------------- signals
 
@@ -605,7 +600,7 @@ class Loop:
             return
         waiting = {hid: self._reverify_runs[hid] for hid in self.reverifying if hid in self._reverify_runs}
         unfinished = {r.id for r in self.store.runs([i for ids in waiting.values() for i in ids])
-                      if r.status not in ("done", "failed")}
+                      if not RunStatus(r.status).is_finished()}
         for hid in sorted(self.reverifying):
             if hid in waiting and any(i in unfinished for i in waiting[hid]):
                 continue  # its champion's runs are not all in
@@ -652,7 +647,7 @@ class Loop:
 
     def run(self) -> dict[str, Any]:
         driver = self.svc.experiment.driver(self.opts.executor, workers=self.opts.workers,
-                                            ray_address=self.opts.ray_address)
+                                            ray_address=self.opts.ray_address, heartbeat=self.heartbeat)
         self.say(f"loop started: policy {self.policy.name}, executor {self.opts.executor} "
                  f"({driver.slots} slots), lab {self.lab.root}")
         clock = self._start_clock()
@@ -723,7 +718,7 @@ class Loop:
                         self.say("runs: " + "; ".join(
                             f"#{h} {sum(r.status in ('done', 'failed') for r in rs)}/{len(rs)} finished, "
                             f"{sum(r.status == 'running' for r in rs)} running" for h, rs in runs.items()))
-                    return any(all(r.status in ("done", "failed") for r in rs) for rs in runs.values())
+                    return any(all(RunStatus(r.status).is_finished() for r in rs) for rs in runs.values())
 
                 while not self.stop.is_set() and not one_look_complete():
                     worker.check()  # the driver's own error (a trusted prepare failing): raised here
@@ -759,7 +754,7 @@ class Loop:
         wall time of the look's finished runs (the slots working in parallel)."""
         out = {}
         for hid, rs in runs.items():
-            done = [r for r in rs if r.status in ("done", "failed")]
+            done = [r for r in rs if RunStatus(r.status).is_finished()]
             walls = [r.finished_at - r.started_at for r in done if r.finished_at and r.started_at]
             left = len(rs) - len(done)
             eta = left * (sum(walls) / len(walls)) / max(1, slots) if walls else None

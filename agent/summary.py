@@ -69,14 +69,15 @@ def compute_line(svc: Any, h: Hypothesis) -> str:
     if not h.commit:
         return "none"
     from pipeline.lab import SEED_BLOCK
+    from pipeline.outcomes import RunStatus, StageOutcome
 
     # a promoted champion's own re-verification runs (the next seed block) are not challenger runs
     block = svc.experiment.challenger_seeds(h.base_commit, SEED_BLOCK) if h.base_commit else range(0)
     runs = [r for r in svc.store.runs(commit=h.commit) if r.seed in block]
     execs = svc.store.stage_execs([r.id for r in runs]) if runs else []
-    cpu = sum((e.cpu_s or 0.0) for e in execs if e.outcome not in ("cache_hit", "shared"))
-    done = sum(r.status == "done" for r in runs)
-    failed = sum(r.status == "failed" for r in runs)
+    cpu = sum((e.cpu_s or 0.0) for e in execs if not StageOutcome(e.outcome).is_served())
+    done = sum(r.status == RunStatus.DONE for r in runs)
+    failed = sum(r.status == RunStatus.FAILED for r in runs)
     return f"{len(runs)} challenger runs ({done} done, {failed} failed), {cpu:.0f} CPU s"
 
 

@@ -47,6 +47,7 @@ from typing import Any
 
 from agent.lifecycle import Decision
 from agent.verdicts import reverify_record, verdicts_by_look
+from pipeline.outcomes import RunStatus, StageOutcome
 
 TEMPLATES = Path(__file__).resolve().parent / "web_templates"
 CSRF_COOKIE, TOKEN_COOKIE = "ar_csrf", "ar_token"
@@ -190,7 +191,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
             h = rec.get(hid)
             runs = store.runs(commit=h.commit) if h.commit else []
             flying.append({"id": h.id, "title": h.title, "status": h.status, "look": h.look,
-                           "done": sum(r.status in ("done", "failed") for r in runs), "total": len(runs),
+                           "done": sum(RunStatus(r.status).is_finished() for r in runs), "total": len(runs),
                            "running": sum(r.status == "running" for r in runs)})
         from agent.pictures import progress_path
 
@@ -226,8 +227,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         failed = []
         if h.commit:
             ids = [r.id for r in store.runs(commit=h.commit)]
-            failed = [e for e in store.stage_execs(ids) if e.outcome in ("method", "timeout", "infra", "lost")
-                      and e.log_path]
+            failed = [e for e in store.stage_execs(ids) if StageOutcome(e.outcome).is_failure() and e.log_path]
         comments = rec.comments(hid, limit=50)
         related = ([("parent", h.parent_id)] if h.parent_id else []) + [
             ("refinement", c.id) for c in rec.all() if c.parent_id == h.id]

@@ -41,6 +41,7 @@ from typing import Any
 from pipeline import runner
 from pipeline.lab import SEED_BLOCK, SEED_BLOCKS, Lab
 from pipeline.labrepo import generation  # noqa: F401 (re-exported: a baseline's generation)
+from pipeline.outcomes import ResultOutcome, RunStatus
 
 LOOK_RANK = 100  # queue priority: a look's place in the schedule outranks the caller's rank (0-99)
 FROZEN_HISTORIES = 256  # frozen histories kept per Experiment (a few per hypothesis in flight)
@@ -69,7 +70,7 @@ def _one_dataset(rows: list[Any]) -> str | None:
     `MixedDatasets` (one line; the look waits at its checkpoint)."""
     from pipeline.errors import MixedDatasets
 
-    seen = {r.dataset_id for r in rows if r.dataset_id and r.outcome != "infra_failure"}
+    seen = {r.dataset_id for r in rows if r.dataset_id and ResultOutcome(r.outcome).counts()}
     if len(seen) > 1:
         raise MixedDatasets(
             f"the runs of this comparison were measured on different datasets ({', '.join(sorted(seen))}): the data "
@@ -110,10 +111,13 @@ class Experiment:
     # --- the execution layer -------------------------------------------------------------------
 
     def driver(self, executor: str = "local", *, workers: int | None = None,
-               ray_address: str | None = None) -> "runner.Driver":
+               ray_address: str | None = None, heartbeat: Any = None) -> "runner.Driver":
         """The one thing that executes runs: a `Driver` working this lab's queue in this store on the
-        named executor's slots (`driver.slots`). `drive` it in one thread; `close` it in the same."""
-        return runner.Driver(self.lab, self.store, self._executor(executor, workers, ray_address))
+        named executor's slots (`driver.slots`). `drive` it in one thread; `close` it in the same.
+        `heartbeat`: the process's `pipeline.lease.Heartbeat` (the loop's, with its lease); without
+        one the driver beats for its runs itself."""
+        return runner.Driver(self.lab, self.store, self._executor(executor, workers, ray_address),
+                             heartbeat=heartbeat)
 
     def _executor(self, name: str, workers: int | None, ray_address: str | None) -> Any:
         return runner.make_executor(name, self.lab, workers=workers, ray_address=ray_address)
@@ -214,7 +218,7 @@ class Experiment:
         return ids
 
     def finished(self, ids: list[int]) -> bool:
-        return all(r.status in ("done", "failed") for r in self.store.runs(ids))
+        return all(RunStatus(r.status).is_finished() for r in self.store.runs(ids))
 
     def judge_look(self, base_commit: str, commit: str, look: int) -> Any:
         """The gate's result at a look, from the store's results (never from the policy)."""

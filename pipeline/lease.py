@@ -6,11 +6,18 @@ the holder; a holder that is dead — on this host its process is gone (or its p
 another its heartbeat is older than `stale_s` — is taken over. The taking is a compare-and-swap on
 the row, so of two drivers starting at the same instant exactly one wins. The holder refreshes the
 heartbeat (`refresh`) and deletes the row on a clean stop (`release`).
+
+`Heartbeat` is a process's one heartbeat thread: each beat refreshes the lease (where the process
+holds it) and every run the process claimed, which is how another host tells a live driver from
+a dead one.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +30,9 @@ from pipeline.store import Owner, Store, create_schema  # noqa: F401 (Owner: the
 
 KEY = "driver"
 STALE_S = 120.0
+HEARTBEAT_S = 5.0
+
+log = logging.getLogger("autoresearch.lease")
 
 
 class Lease(SQLModel, table=True):
@@ -118,3 +128,47 @@ def release(store: Store, owner: Owner) -> None:
         s.exec(delete(Lease).where(Lease.key == KEY, Lease.pid == owner.pid,  # type: ignore[call-overload]
                                    Lease.host == owner.host))  # type: ignore[arg-type]
         s.commit()
+
+
+class Heartbeat:
+    """This process's one heartbeat: a thread whose every beat (each `every_s`) refreshes the lab's
+    lease when the process holds it (`holds_lease`) and the heartbeat of every run `owner` claimed
+    (`Store.heartbeat`). The loop starts one with its lease and hands it to its driver; a driver on
+    its own (`python -m pipeline.runner`, the variance study) starts one for its runs. `on_lost` is
+    called once if the lease was taken over by another driver (this one stalled past `stale_s`).
+    A beat that fails (the database hiccuping) is logged, and the next one tries again."""
+
+    def __init__(self, store: Store, owner: Owner, every_s: float = HEARTBEAT_S, *, holds_lease: bool = False,
+                 on_lost: Callable[[], None] | None = None):
+        self.store, self.owner, self.every_s = store, owner, every_s
+        self.holds_lease = holds_lease
+        self.on_lost = on_lost
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost = False
+
+    def start(self) -> Heartbeat:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="autoresearch-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        """One beat: the lease (if held and not lost), then the runs."""
+        if self.holds_lease and not self.lost and not refresh(self.store, self.owner):
+            self.lost = True
+            if self.on_lost is not None:
+                self.on_lost()
+        self.store.heartbeat(self.owner)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.beat()
+            except Exception as e:  # a database hiccup must not kill the process; the next beat retries
+                log.warning("heartbeat failed: %s", e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)

@@ -53,6 +53,8 @@ from pipeline.executors.base import lab_env
 from pipeline.harness import Harness, Prepared, PredictionsError
 from pipeline.harness.base import HOLDOUT_SPLIT
 from pipeline.lab import Lab, load_lab
+from pipeline.lease import Heartbeat
+from pipeline.outcomes import ResultOutcome, StageOutcome
 from pipeline.store import Claim, Goodput, Owner, Result, Store
 from pipeline.safefs import UnsafeTree
 from pipeline.worktrees import WorktreeError, Worktrees
@@ -123,7 +125,7 @@ def by_task(rows: Iterable[Result], tasks: Iterable[str] | None = None) -> dict[
     """Result rows as {task: {seed: metric, or None for a method failure}}, infrastructure failures left out."""
     out: dict[str, dict[int, float | None]] = {t: {} for t in (tasks or [])}
     for r in rows:
-        if r.outcome == "infra_failure":
+        if not ResultOutcome(r.outcome).counts():
             continue
         out.setdefault(r.task, {})[r.seed] = r.value
     return out
@@ -169,7 +171,7 @@ class Driver:
 
     def __init__(self, lab: Lab, store: Store, executor: Executor, *, harness: Harness | None = None,
                  heartbeat_s: float = 5.0, stale_s: float = 120.0, max_active: int | None = None,
-                 close_executor: bool = True):
+                 close_executor: bool = True, heartbeat: Heartbeat | None = None):
         self.lab = lab
         self.store = store
         self.executor = executor
@@ -204,8 +206,8 @@ class Driver:
         self._baselines: set[str] = set()  # commits known to be baselines
         self._not_baseline_at: dict[str, float] = {}  # commit -> when the store said it was none
         self._last_reconcile = 0.0
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
+        self.heartbeat = heartbeat  # the process's (the loop's, with its lease), else one of its own in start()
+        self._own_heartbeat: Heartbeat | None = None
 
     # --- life cycle -----------------------------------------------------------------------------
 
@@ -215,7 +217,8 @@ class Driver:
         return self.executor.slots
 
     def start(self) -> None:
-        """Reconcile the queue, repair worktrees and the cache, start the heartbeat. Idempotent."""
+        """Reconcile the queue, repair worktrees and the cache, start the heartbeat (unless the process
+        has one: `heartbeat`). Idempotent."""
         if self._started:
             return
         isolation.require(self.lab)  # refuse to run branch code where the sandbox cannot start
@@ -229,8 +232,8 @@ class Driver:
         self.cache.clear_tmp()
         self.disk.adopt_untracked()
         self._bound_disk()
-        self._hb_thread = threading.Thread(target=self._heartbeat, name="autoresearch-heartbeat", daemon=True)
-        self._hb_thread.start()
+        if self.heartbeat is None:
+            self.heartbeat = self._own_heartbeat = Heartbeat(self.store, self.owner, self.heartbeat_s).start()
 
     def _bound_disk(self, logs: bool = True) -> None:
         """Keep the cache under `[run] cache_max_gb` and the logs under `logs_max_mb`, never touching
@@ -241,13 +244,6 @@ class Driver:
             self.disk.collect(self.worktrees)
         if logs:
             self.disk.rotate_logs(keep=[fl.job.log_path for fl in self.flights.values()])
-
-    def _heartbeat(self) -> None:
-        while not self._hb_stop.wait(self.heartbeat_s):
-            try:
-                self.store.heartbeat(self.owner)
-            except Exception as e:  # a database hiccup must not kill the driver; the next beat retries
-                log.warning("heartbeat failed: %s", e)
 
     def close(self, *, requeue: bool = True) -> None:
         """Cancel stages in flight and give claimed runs back to the queue (not counted as a retry)."""
@@ -268,9 +264,9 @@ class Driver:
             for a in list(self.active.values()):
                 self.store.release(a.claim, count_requeue=False)
         self.active.clear()
-        self._hb_stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=5)
+        if self._own_heartbeat is not None:
+            self._own_heartbeat.stop()
+            self.heartbeat = self._own_heartbeat = None
         if self.close_executor:
             self.executor.close()
 
@@ -407,10 +403,10 @@ class Driver:
             if worktree is None or not (worktree / ".git").exists():
                 worktree = self._worktree_of[run.commit] = self.worktrees.ensure(run.commit)
         except UnsafeTree as e:
-            self._record(claim, "method_failure", None, "unsafe_tree", str(e), cpu_s=0.0)
+            self._record(claim, ResultOutcome.METHOD_FAILURE, None, "unsafe_tree", str(e), cpu_s=0.0)
             return
         except WorktreeError as e:
-            self._record(claim, "infra_failure", None, "worktree", str(e), cpu_s=0.0)
+            self._record(claim, ResultOutcome.INFRA_FAILURE, None, "worktree", str(e), cpu_s=0.0)
             return
         nodes = plan_run(self.stages, run.commit, run.task, run.seed, prepared.dataset_id, self._digest,
                          self.isolation)
@@ -434,12 +430,12 @@ class Driver:
             failure = self._known_failure(node.key)
             if failure is not None:
                 outcome, kind, detail = failure
-                self.store.stage_served(run_id, node.name, node.key, "upstream_failed",
+                self.store.stage_served(run_id, node.name, node.key, StageOutcome.UPSTREAM_FAILED,
                                         executor=self.executor.name, detail=f"{node.name}: {detail}")
-                self._finish(run_id, "method_failure", None, kind, f"{node.name}: {detail}")
+                self._finish(run_id, ResultOutcome.METHOD_FAILURE, None, kind, f"{node.name}: {detail}")
                 return
             if self.cache.has(node.key):
-                self.store.stage_served(run_id, node.name, node.key, "cache_hit", executor=self.executor.name,
+                self.store.stage_served(run_id, node.name, node.key, StageOutcome.CACHE_HIT, executor=self.executor.name,
                                         saved_cpu_s=self.store.cache_cost(node.key))
                 self.disk.used(node.key)
                 a.done[node.name] = self.cache.path(node.key)
@@ -462,7 +458,7 @@ class Driver:
             ex = self._recorded_failures.get(key)
             if ex is None:
                 return None
-            self.failed_keys[key] = (ex.outcome, "timeout" if ex.outcome == "timeout" else "crash",
+            self.failed_keys[key] = (ex.outcome, "timeout" if ex.outcome == StageOutcome.TIMEOUT else "crash",
                                      ex.detail or ex.outcome)
         return self.failed_keys[key]
 
@@ -528,9 +524,9 @@ class Driver:
                       signal=res.signal, host=res.host)
         name = fl.node.name
         live = [r for r in dict.fromkeys(fl.waiters) if r in self.active]
-        if outcome == "ok":
+        if outcome is StageOutcome.OK:
             final = self.cache.publish(fl.tmp, key)
-            self.store.stage_finished(fl.exec_id, "ok", **common)
+            self.store.stage_finished(fl.exec_id, StageOutcome.OK, **common)
             self.store.cache_published(key, name, fl.job.commit, res.cpu_s, res.wall_s,
                                        size_bytes=self.disk.published(key))
             for rid in live:
@@ -540,7 +536,7 @@ class Driver:
                 if rid == fl.lead:
                     a.cpu_s += res.cpu_s
                 else:
-                    self.store.stage_served(rid, name, key, "shared", executor=self.executor.name,
+                    self.store.stage_served(rid, name, key, StageOutcome.SHARED, executor=self.executor.name,
                                             saved_cpu_s=res.cpu_s)
             for rid in live:
                 self._advance(rid)
@@ -551,21 +547,21 @@ class Driver:
         how = f"exit code {res.exit_code}" if res.exit_code is not None else (
             f"signal {res.signal}" if res.signal is not None else (res.detail or outcome))
         detail = f"{kind or outcome} ({how}); log {fl.job.log_path}"
-        if outcome in ("method", "timeout"):
+        if outcome.is_method_failure():
             self.store.stage_finished(fl.exec_id, outcome, detail=detail, **common)
             self.failed_keys[key] = (outcome, kind or outcome, detail)
             for rid in live:
                 if rid != fl.lead:
-                    self.store.stage_served(rid, name, key, "upstream_failed", executor=self.executor.name,
+                    self.store.stage_served(rid, name, key, StageOutcome.UPSTREAM_FAILED, executor=self.executor.name,
                                             detail=detail)
                 else:  # a timed-out stage's measured CPU is the run's too
                     self.active[rid].cpu_s += res.cpu_s
-                self._finish(rid, "method_failure", None, kind or outcome, f"{name}: {detail}")
+                self._finish(rid, ResultOutcome.METHOD_FAILURE, None, kind or outcome, f"{name}: {detail}")
             return
-        if outcome == "cancelled":
-            self.store.stage_finished(fl.exec_id, "cancelled", detail=res.detail or "cancelled", **common)
+        if outcome is StageOutcome.CANCELLED:
+            self.store.stage_finished(fl.exec_id, StageOutcome.CANCELLED, detail=res.detail or "cancelled", **common)
             return
-        self.store.stage_finished(fl.exec_id, "infra", detail=detail, **common)
+        self.store.stage_finished(fl.exec_id, StageOutcome.INFRA, detail=detail, **common)
         for rid in live:
             self.store.note_infra_failure(rid)
             self.active[rid].infra_failures += 1
@@ -578,7 +574,7 @@ class Driver:
             self._launch(lead, fl.node, live)
         else:
             for rid in live:
-                self._finish(rid, "infra_failure", None, "infra", f"{name}: {detail}; {retries} retries exhausted")
+                self._finish(rid, ResultOutcome.INFRA_FAILURE, None, "infra", f"{name}: {detail}; {retries} retries exhausted")
 
     def _score(self, run_id: int) -> None:
         """The sealed scorer, in the driver: branch code never sees the test labels or the metric."""
@@ -589,18 +585,18 @@ class Driver:
             value = self.harness.score(self.prepared(), run.task, predictions, self.lab.config.benchmark.metric)
         except PredictionsError as e:
             kind = "nan" if _has_nonfinite(predictions) else "predictions"
-            self._finish(run_id, "method_failure", None, kind, str(e))
+            self._finish(run_id, ResultOutcome.METHOD_FAILURE, None, kind, str(e))
             return
         except Exception as e:  # a scorer bug is not the method's failure; retrying would not help
             log.exception("scorer failed for run %s", run_id)
-            self._finish(run_id, "infra_failure", None, "scorer", f"{type(e).__name__}: {e}")
+            self._finish(run_id, ResultOutcome.INFRA_FAILURE, None, "scorer", f"{type(e).__name__}: {e}")
             return
         if not math.isfinite(value):
-            self._finish(run_id, "method_failure", None, "nan", f"metric is {value}")
+            self._finish(run_id, ResultOutcome.METHOD_FAILURE, None, "nan", f"metric is {value}")
             return
         if self._is_baseline(run):
             self._score_holdout(run, predictions)
-        self._finish(run_id, "ok", float(value), None, None)
+        self._finish(run_id, ResultOutcome.OK, float(value), None, None)
 
     def _is_baseline(self, run: Any) -> bool:
         """Whether the run's commit is a baseline (its runs are also scored on the holdout). A commit
@@ -632,7 +628,7 @@ class Driver:
         except Exception as e:  # the holdout is a report: its failure never fails the run
             log.warning("holdout not scored for run %s: %s: %s", run.id, type(e).__name__, e)
 
-    def _finish(self, run_id: int, outcome: str, value: float | None, kind: str | None, detail: str | None) -> None:
+    def _finish(self, run_id: int, outcome: ResultOutcome, value: float | None, kind: str | None, detail: str | None) -> None:
         a = self.active.pop(run_id, None)
         if a is None:
             return
@@ -641,15 +637,14 @@ class Driver:
                 fl.waiters = [r for r in fl.waiters if r != run_id]
         self._record(a.claim, outcome, value, kind, detail, cpu_s=a.cpu_s)
 
-    def _record(self, claim: Claim, outcome: str, value: float | None, kind: str | None, detail: str | None,
+    def _record(self, claim: Claim, outcome: ResultOutcome, value: float | None, kind: str | None, detail: str | None,
                 *, cpu_s: float) -> None:
         run = claim.run
         assert run.id is not None
         result = Result(run_id=run.id, commit=run.commit, task=run.task, seed=run.seed, value=value,
                         outcome=outcome, kind=kind, detail=detail,
                         dataset_id=self._prepared.dataset_id if self._prepared else None, cpu_s=cpu_s)
-        status = "failed" if outcome == "infra_failure" else "done"
-        if self.store.finish(claim, result, status):  # type: ignore[arg-type]
+        if self.store.finish(claim, result, outcome.run_status()):
             self.finished.append(run.id)
         else:
             log.warning("run %s was taken back from this driver; its result is not recorded twice", run.id)

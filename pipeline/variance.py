@@ -13,6 +13,7 @@ import numpy as np
 from pipeline import runner
 from pipeline.experiment import Experiment
 from pipeline.lab import BASELINE_BRANCH, Lab
+from pipeline.outcomes import ResultOutcome
 
 
 def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASELINE_BRANCH,
@@ -123,7 +124,7 @@ def lab_pairing(lab: Lab, store: Any) -> dict[str, Any] | None:
     rows: dict[str, dict[str, dict[int, float | None]]] = {}
     commits = {x for c in comps for x in c}
     for r in store.results_of(commits, tasks):
-        if r.outcome != "infra_failure":
+        if ResultOutcome(r.outcome).counts():
             rows.setdefault(r.commit, {}).setdefault(r.task, {})[r.seed] = r.value
     corr, ratio, used = [], [], 0
     for chal, base in comps:

@@ -208,7 +208,7 @@ def test_a_driver_abandoned_in_this_process_leaves_nothing_stuck(tmp_path: Path)
     ids = runner.ensure_runs(store, lab, BASE, TASKS, [0], harness=harness)
     lost = runner.Driver(lab, store, local(), harness=harness)
     lost.step(0.5)  # claims, launches: then the caller drops it without close() (an exception upstream)
-    lost._hb_stop.set()
+    lost.heartbeat.stop()
     lost.executor.close()
     assert store.queue_counts()["running"] >= 1
     with runner.Driver(lab, store, local(), harness=harness) as d:  # same pid: alive, yet orphaned

@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 
 from pipeline.errors import ExecutorError, UserError  # noqa: F401 (re-exported: the executors raise them)
 from pipeline.executors.child import THREAD_VARS
+from pipeline.outcomes import StageOutcome
 
 JobStatus = Literal["ok", "exit", "signal", "timeout", "cancelled", "infra"]
 
@@ -91,29 +92,27 @@ class JobResult:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-Classified = tuple[Literal["ok", "method", "timeout", "infra", "cancelled"], str | None]
-
-
-def classify(result: JobResult) -> Classified:
-    """Method failure or infrastructure failure? (outcome for the store, kind for the result).
+def classify(result: JobResult) -> tuple[StageOutcome, str | None]:
+    """Method failure or infrastructure failure? (the stage's outcome, `pipeline.outcomes`, and the
+    result's kind).
 
     Non-zero exit, a crash signal (segfault, abort) and a timeout are the branch's code: recorded
     as results the gate sees. A killed worker or a signal from outside is the machinery: retried
     with the same seed.
     """
     if result.status == "ok":
-        return "ok", None
+        return StageOutcome.OK, None
     if result.status == "exit":
-        return "method", "crash"
+        return StageOutcome.METHOD, "crash"
     if result.status == "timeout":
-        return "timeout", "timeout"
+        return StageOutcome.TIMEOUT, "timeout"
     if result.status == "cancelled":
-        return "cancelled", None
+        return StageOutcome.CANCELLED, None
     if result.status == "signal":
         if result.signal in INFRA_SIGNALS:
-            return "infra", "signal"
-        return "method", "signal"
-    return "infra", "infra"
+            return StageOutcome.INFRA, "signal"
+        return StageOutcome.METHOD, "signal"
+    return StageOutcome.INFRA, "infra"
 
 
 class Executor(Protocol):

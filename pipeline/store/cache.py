@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
 from pipeline.errors import InfrastructureFailure
-from pipeline.store.tables import METHOD_OUTCOMES, CacheEntry, CacheUse, Run, StageExec, StageOutcome, now
+from pipeline.store.tables import METHOD_OUTCOMES, CacheEntry, CacheUse, Run, RunStatus, StageExec, StageOutcome, now
 
 
 class CacheRows:
@@ -122,7 +122,7 @@ class CacheRows:
     def commits_in_flight(self) -> set[str]:
         """Commits with runs queued or running."""
         with self.session() as s:
-            q = select(Run.commit).where(Run.status.in_(("queued", "running"))).distinct()  # type: ignore[attr-defined]
+            q = select(Run.commit).where(Run.status.in_((RunStatus.QUEUED, RunStatus.RUNNING))).distinct()  # type: ignore[attr-defined]
             return set(s.exec(q))
 
     def cache_cost(self, key: str) -> float:

@@ -11,6 +11,7 @@ from sqlalchemy import func, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
+from pipeline.outcomes import ResultOutcome, StageOutcome
 from pipeline.store.tables import Arm, Claim, Owner, Result, Run, RunStatus, StageExec, now
 
 
@@ -54,7 +55,7 @@ class Queue:
             ids = [known[p] for p in pairs]
             raise_ids = [i for p, i in zip(pairs, ids) if p not in missing]
             if raise_ids and priority:
-                s.exec(update(Run).where(Run.id.in_(raise_ids), Run.status == "queued",  # type: ignore[call-overload,union-attr]
+                s.exec(update(Run).where(Run.id.in_(raise_ids), Run.status == RunStatus.QUEUED,  # type: ignore[call-overload,union-attr]
                                          Run.priority < priority).values(priority=priority))  # type: ignore[operator]
                 s.commit()
         return ids
@@ -74,7 +75,7 @@ class Queue:
         """
         claims: list[Claim] = []
         with self.session() as s:
-            q = select(Run.id).where(Run.status == "queued").order_by(Run.priority.desc(), Run.id)  # type: ignore[attr-defined]
+            q = select(Run.id).where(Run.status == RunStatus.QUEUED).order_by(Run.priority.desc(), Run.id)  # type: ignore[attr-defined]
             if commits is not None:
                 q = q.where(Run.commit.in_(list(commits)))  # type: ignore[attr-defined]
             if s.get_bind().dialect.name == "postgresql":
@@ -87,9 +88,9 @@ class Queue:
                 t = now()
                 res = s.exec(  # type: ignore[call-overload]
                     update(Run)
-                    .where(Run.id == run_id, Run.status == "queued")  # type: ignore[arg-type]
+                    .where(Run.id == run_id, Run.status == RunStatus.QUEUED)  # type: ignore[arg-type]
                     .values(
-                        status="running", owner_host=owner.host, owner_pid=owner.pid,
+                        status=RunStatus.RUNNING, owner_host=owner.host, owner_pid=owner.pid,
                         owner_started=owner.started, claim_token=token, heartbeat_at=t, started_at=t,
                         **({"dataset_id": dataset_id} if dataset_id is not None else {}),
                     )
@@ -114,8 +115,8 @@ class Queue:
             s.rollback()
             return []
         token, t = uuid.uuid4().hex, now()
-        stmt = (update(Run).where(Run.id.in_(ids), Run.status == "queued")  # type: ignore[attr-defined]
-                .values(status="running", owner_host=owner.host, owner_pid=owner.pid, owner_started=owner.started,
+        stmt = (update(Run).where(Run.id.in_(ids), Run.status == RunStatus.QUEUED)  # type: ignore[attr-defined]
+                .values(status=RunStatus.RUNNING, owner_host=owner.host, owner_pid=owner.pid, owner_started=owner.started,
                         claim_token=token, heartbeat_at=t, started_at=t,
                         **({"dataset_id": dataset_id} if dataset_id is not None else {}))
                 .returning(Run).execution_options(synchronize_session=False))
@@ -129,7 +130,7 @@ class Queue:
         with self.session() as s:
             res = s.exec(  # type: ignore[call-overload]
                 update(Run)
-                .where(Run.status == "running", Run.owner_host == owner.host, Run.owner_pid == owner.pid)  # type: ignore[arg-type]
+                .where(Run.status == RunStatus.RUNNING, Run.owner_host == owner.host, Run.owner_pid == owner.pid)  # type: ignore[arg-type]
                 .values(heartbeat_at=now())
             )
             s.commit()
@@ -149,7 +150,7 @@ class Queue:
             )
             s.commit()
 
-    def finish(self, claim: Claim, result: Result, status: RunStatus = "done") -> bool:
+    def finish(self, claim: Claim, result: Result, status: RunStatus = RunStatus.DONE) -> bool:
         """Write the run's result and close its claim in one transaction.
 
         Returns False (and writes nothing) when the claim is no longer ours: the run was taken back
@@ -159,7 +160,7 @@ class Queue:
         with self.session() as s:
             res = s.exec(  # type: ignore[call-overload]
                 update(Run)
-                .where(Run.id == claim.run.id, Run.claim_token == claim.token, Run.status == "running")  # type: ignore[arg-type]
+                .where(Run.id == claim.run.id, Run.claim_token == claim.token, Run.status == RunStatus.RUNNING)  # type: ignore[arg-type]
                 .values(status=status, finished_at=now(), claim_token=None)
             )
             if res.rowcount != 1:
@@ -177,7 +178,7 @@ class Queue:
         """Give a claimed run back to the queue (graceful stop, or a retry after lost ownership)."""
         with self.session() as s:
             values: dict[str, Any] = dict(
-                status="queued", owner_host=None, owner_pid=None, owner_started=None, claim_token=None
+                status=RunStatus.QUEUED, owner_host=None, owner_pid=None, owner_started=None, claim_token=None
             )
             if count_requeue:
                 values["requeues"] = Run.requeues + 1
@@ -203,7 +204,7 @@ class Queue:
         requeued: list[int] = []
         t = now()
         with self.session() as s:
-            running = list(s.exec(select(Run).where(Run.status == "running")))
+            running = list(s.exec(select(Run).where(Run.status == RunStatus.RUNNING)))
         for run in running:
             owner = Owner(run.owner_host or "", run.owner_pid or -1, run.owner_started or 0.0)
             alive = False if owner.same(reclaim) else owner.alive()
@@ -213,10 +214,10 @@ class Queue:
                 continue
             with self.session() as s:
                 lost_execs = list(
-                    s.exec(select(StageExec).where(StageExec.run_id == run.id, StageExec.outcome == "running"))
+                    s.exec(select(StageExec).where(StageExec.run_id == run.id, StageExec.outcome == StageOutcome.RUNNING))
                 )
                 for ex in lost_execs:
-                    ex.outcome = "lost"
+                    ex.outcome = StageOutcome.LOST
                     # the driver died between its last heartbeat and the one it missed: the stage's
                     # work is lost up to then (never past now); a core kept busy all along
                     last = run.heartbeat_at or ex.started_at
@@ -233,12 +234,12 @@ class Queue:
                     requeues=Run.requeues + 1,
                 )
                 if giving_up:
-                    values.update(status="failed", finished_at=t)
+                    values.update(status=RunStatus.FAILED, finished_at=t)
                 else:
-                    values.update(status="queued")
+                    values.update(status=RunStatus.QUEUED)
                 res = s.exec(  # type: ignore[call-overload]
                     update(Run)
-                    .where(Run.id == run.id, Run.claim_token == run.claim_token, Run.status == "running")  # type: ignore[arg-type]
+                    .where(Run.id == run.id, Run.claim_token == run.claim_token, Run.status == RunStatus.RUNNING)  # type: ignore[arg-type]
                     .values(**values)
                 )
                 if res.rowcount != 1:
@@ -246,7 +247,7 @@ class Queue:
                     continue
                 if giving_up:
                     s.add(Result(
-                        run_id=run.id, commit=run.commit, task=run.task, seed=run.seed, outcome="infra_failure",
+                        run_id=run.id, commit=run.commit, task=run.task, seed=run.seed, outcome=ResultOutcome.INFRA_FAILURE,
                         kind="lost", detail=f"driver died {run.requeues + 1} times while running it",
                         dataset_id=run.dataset_id,
                     ))
@@ -263,13 +264,13 @@ class Queue:
         """How many of these runs are still queued or running (cheap enough to ask every turn)."""
         with self.session() as s:
             q = select(func.count()).select_from(Run).where(
-                Run.id.in_(list(ids)), Run.status.in_(("queued", "running"))  # type: ignore[union-attr,attr-defined]
+                Run.id.in_(list(ids)), Run.status.in_((RunStatus.QUEUED, RunStatus.RUNNING))  # type: ignore[union-attr,attr-defined]
             )
             return int(s.exec(q).one())  # type: ignore[call-overload]
 
     def count_queued(self) -> int:
         with self.session() as s:
-            return int(s.exec(select(func.count()).select_from(Run).where(Run.status == "queued")).one())  # type: ignore[call-overload]
+            return int(s.exec(select(func.count()).select_from(Run).where(Run.status == RunStatus.QUEUED)).one())  # type: ignore[call-overload]
 
     def queue_counts(self) -> dict[str, int]:
         with self.session() as s:

@@ -11,8 +11,8 @@ from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
+from pipeline.outcomes import EXECUTED_OUTCOMES, INFRA_OUTCOMES, METHOD_OUTCOMES, SERVED_OUTCOMES
 from pipeline.store.tables import (
-    METHOD_OUTCOMES,
     BaselineCommit,
     Comparison,
     GateRecord,
@@ -132,11 +132,11 @@ class Reads:
         return Goodput(
             useful_cpu_s=cpu("ok"),
             method_failed_cpu_s=cpu(*METHOD_OUTCOMES),
-            infra_lost_cpu_s=cpu("infra", "lost", "cancelled"),
-            saved_by_cache_cpu_s=sum(by.get(o, (0.0, 0.0, 0.0, 0))[1] for o in ("cache_hit", "shared")),
+            infra_lost_cpu_s=cpu(*INFRA_OUTCOMES),
+            saved_by_cache_cpu_s=sum(by.get(o, (0.0, 0.0, 0.0, 0))[1] for o in SERVED_OUTCOMES),
             gpu_s=sum(v[2] for v in by.values()),
-            stages_executed=sum(by.get(o, (0, 0, 0, 0))[3] for o in ("ok", "method", "timeout", "infra", "lost", "cancelled")),
-            cache_hits=sum(by.get(o, (0, 0, 0, 0))[3] for o in ("cache_hit", "shared")),
+            stages_executed=sum(by.get(o, (0, 0, 0, 0))[3] for o in EXECUTED_OUTCOMES),
+            cache_hits=sum(by.get(o, (0, 0, 0, 0))[3] for o in SERVED_OUTCOMES),
             infra_retries=int(infra),
             requeues=int(requeues),
         )

@@ -20,21 +20,14 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from sqlalchemy import JSON, Column, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 
-RunStatus = Literal["queued", "running", "done", "failed"]
-# running: launched, not finished; ok: executed and published; cache_hit: output existed already;
-# shared: waited on the same key computed for another run in this batch; method/timeout: the branch's
-# code failed (a result the gate sees); infra: the machinery failed (retried); lost: the driver died
-# while it ran; cancelled: a graceful stop; upstream_failed: a stage it needs failed.
-StageOutcome = Literal[
-    "running", "ok", "cache_hit", "shared", "method", "timeout", "infra", "lost", "cancelled", "upstream_failed"
-]
-METHOD_OUTCOMES = ("method", "timeout")
+# the words of Run.status, StageExec.outcome and Result.outcome, and what each means: pipeline/outcomes.py
+from pipeline.outcomes import METHOD_OUTCOMES, ResultOutcome, RunStatus, StageOutcome  # noqa: F401 (re-exported)
 
 
 def now() -> float:
@@ -82,7 +75,7 @@ class StageExec(SQLModel, table=True):
     run_id: int = Field(foreign_key="run.id", index=True)
     stage: str
     key: str = Field(index=True)
-    outcome: str = "running"
+    outcome: str = StageOutcome.RUNNING  # a StageOutcome
     executor: str = "local"
     host: str | None = None
     cpu_s: float = 0.0
@@ -108,7 +101,7 @@ class Result(SQLModel, table=True):
     task: str
     seed: int
     value: float | None = None
-    outcome: str = "ok"
+    outcome: str = ResultOutcome.OK  # a ResultOutcome
     kind: str | None = None  # crash, timeout, signal, predictions, nan, memory, infra
     detail: str | None = None
     dataset_id: str | None = None
