@@ -37,6 +37,7 @@ from pipeline.executors import sandbox as sandbox_mod  # noqa: E402
 from pipeline.executors import StageJob  # noqa: E402
 from pipeline.executors.local import LocalExecutor  # noqa: E402
 from pipeline.lab import Lab, parse_config  # noqa: E402
+from pipeline import experiment, labrepo
 
 NOOP = "import torch, peft\n"
 PREDICT = """
@@ -117,11 +118,11 @@ def drive_batch(root: Path, n_runs: int, sleep_s: float, slots: int, sandbox: st
     """Queue n_runs (tasks × seeds) of a one-stage lab; drive with a warm executor; time it."""
     lab = make_lab(root, sleep_s, sandbox)
     harness = TinyHarness()
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     tasks = ["a", "b", "c"]
     seeds = list(range((n_runs + len(tasks) - 1) // len(tasks)))
     pairs = [(t, s) for s in seeds for t in tasks][:n_runs]
-    ids = [runner.ensure_runs(store, lab, "autoresearch/baseline", [t], [s], harness=harness)[0] for t, s in pairs]
+    ids = [experiment.ensure_runs(store, lab, "autoresearch/baseline", [t], [s], harness=harness)[0] for t, s in pairs]
     executor = LocalExecutor(preload=("numpy",), slots=slots)
     executor.warm()
     with runner.Driver(lab, store, executor, harness=harness) as d:
@@ -131,7 +132,7 @@ def drive_batch(root: Path, n_runs: int, sleep_s: float, slots: int, sandbox: st
         d.drive(until=ids, poll_s=0.5)
         makespan = time.perf_counter() - t0
     execs = [e for e in store.stage_execs(ids) if e.outcome == "ok"]
-    ok = sum(1 for r in store.results_for(runner.resolve_commit(lab, "autoresearch/baseline")) if r.outcome == "ok")
+    ok = sum(1 for r in store.results_for(labrepo.resolve_commit(lab, "autoresearch/baseline")) if r.outcome == "ok")
     assert ok == n_runs, f"{ok} of {n_runs} runs ok"
     busy = sum(e.wall_s for e in execs)
     return {"runs": n_runs, "slots": slots, "makespan_s": makespan, "stage_wall_s": busy,

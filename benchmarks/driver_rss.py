@@ -120,6 +120,7 @@ sys.stdout.flush()
 ''',
     "stderr": '''
 import sys
+from pipeline import experiment
 chunk = b"e\\n" * (4 << 20)
 left = {size}
 while left > 0:
@@ -263,12 +264,12 @@ def measure(lab: Path, work: Path, kill_mb: int) -> dict:
 
 def outcomes(lab: Path) -> tuple[str, list[str]]:
     """What the baseline's runs were recorded as (the store, read after the driver is gone)."""
-    from pipeline import runner
+    from pipeline import experiment
     from pipeline.lab import load_lab
 
-    store = runner.open_store(load_lab(lab))
+    store = experiment.open_store(load_lab(lab))
     commit = git(lab, "rev-parse", BASELINE)
-    rows = runner.run_results(store, commit)
+    rows = store.results_for(commit)
     counts: dict[str, int] = {}
     details = []
     for r in rows:

@@ -142,10 +142,10 @@ def concurrent(lab: Path, workers: int, k: int) -> list[dict[str, Any]]:
     t_end = time.time()
     from agent.records import Records
     from agent.verdicts import rebases
-    from pipeline import runner
+    from pipeline import experiment
     from pipeline.lab import load_lab
 
-    store = runner.open_store(load_lab(lab))
+    store = experiment.open_store(load_lab(lab))
     rec = Records(store)
     events = sorted(({"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(10_000)
                      if e.kind == "rebase"), key=lambda e: e["at"])

@@ -82,7 +82,7 @@ def seed(root: Path, db: str | None, n: int) -> None:
     from agent.records import Hypothesis, Records
     from agent.workspace import FileEdit
     from pipeline.lab import load_lab
-    from pipeline.runner import open_store
+    from pipeline.experiment import open_store
 
     lab = load_lab(root)
     store = open_store(lab, db)
@@ -197,7 +197,7 @@ def cell(executor: str, db: str, slots: int, stage_s: float, minutes: float, hyp
     from agent.loop import Loop, LoopOptions
     from agent.records import Records
     from pipeline.lab import load_lab
-    from pipeline.runner import open_store
+    from pipeline.experiment import open_store
     from pipeline.store import Result, StageExec
 
     root = Path(tempfile.mkdtemp(prefix=f"scale-{executor}-{db}-{slots}-")) / "lab"

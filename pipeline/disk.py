@@ -103,7 +103,7 @@ class DiskKeeper:
         """The commits a run still needs: every one with runs queued or running, and the baseline's head."""
         from pipeline.errors import WorktreeError
         from pipeline.lab import BASELINE_BRANCH
-        from pipeline.runner import resolve_commit
+        from pipeline.labrepo import resolve_commit
 
         commits = set(self.store.commits_in_flight())
         try:

@@ -36,12 +36,16 @@ ignore the pairing (conservative where the arms share a shock).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from pipeline import runner
 from pipeline.lab import SEED_BLOCK, SEED_BLOCKS, Lab
 from pipeline.labrepo import generation  # noqa: F401 (re-exported: a baseline's generation)
+from pipeline.labrepo import resolve_commit
 from pipeline.outcomes import ResultOutcome, RunStatus
+from pipeline.store import Store
+from pipeline.store.reads import by_task
 
 LOOK_RANK = 100  # queue priority: a look's place in the schedule outranks the caller's rank (0-99)
 FROZEN_HISTORIES = 256  # frozen histories kept per Experiment (a few per hypothesis in flight)
@@ -79,10 +83,33 @@ def _one_dataset(rows: list[Any]) -> str | None:
     return next(iter(seen), None)
 
 
-def open_store(lab: Lab, url: str | None = None) -> Any:
-    """The lab's store (`pipeline.store.Store`): `url` (any SQLAlchemy URL) or SQLite at
-    `runs/autoresearch.db`."""
-    return runner.open_store(lab, url)
+def open_store(lab: Lab, url: str | None = None) -> Store:
+    """The lab's store: `url` (any SQLAlchemy URL) or SQLite at `runs/autoresearch.db`."""
+    return Store.for_lab(lab, url)
+
+
+def ensure_runs(store: Store, lab: Lab, commit: str, tasks: Iterable[str], seeds: Iterable[int], *,
+                priority: int = 0, label: str | None = None, harness: Any = None) -> list[int]:
+    """Queue runs of `commit` (sha, branch or tag) for every (task, seed) not queued yet; idempotent
+    (a run is unique per commit, task and seed: called again after a crash, it creates nothing).
+
+    Returns the ids of all the requested runs, in task-major order (the order they are claimed,
+    which interleaves seeds so that seed-scoped stages of different seeds start together). An
+    unknown task is a `UserError` naming the suite's tasks.
+    """
+    sha = resolve_commit(lab, commit)
+    tasks = list(tasks)
+    (harness or lab.harness()).tasks(lab.config.benchmark.suite, tasks)  # raises UserError
+    store.ensure_arm(sha, label or (commit if commit != sha else None))
+    return store.enqueue(sha, [(t, int(s)) for t in tasks for s in seeds], priority=priority)
+
+
+def results(store: Store, lab: Lab | None, commit: str, tasks: Iterable[str] | None = None) -> dict[str, dict[int, float | None]]:
+    """{task: {seed: metric, or None for a method failure}} of the finished runs of a commit (a
+    revision of `lab`, or a full sha with `lab` None). Infrastructure failures are left out;
+    unfinished runs are absent."""
+    sha = resolve_commit(lab, commit) if lab is not None else commit
+    return store.results_by_task(sha, tasks)
 
 
 def check_executor(name: str) -> None:
@@ -144,11 +171,11 @@ class Experiment:
 
     def results(self, commit: str, tasks: list[str] | None = None) -> dict[str, dict[int, float | None]]:
         """{task: {seed: metric, or None for a method failure}} of a commit's finished runs (a full sha)."""
-        return runner.results(self.store, None, commit, tasks)
+        return results(self.store, None, commit, tasks)
 
     def goodput(self, since: float | None = None) -> Any:
         """Where the compute went (`runner.Goodput`), since a time or ever."""
-        return runner.goodput(self.store, since)
+        return self.store.goodput(since)
 
     def trust(self, rev: str | None = None) -> tuple[str, str]:
         """The trusted commit the harness files come from (`harness = "command"`): moved to `rev`
@@ -206,12 +233,12 @@ class Experiment:
         raised to it, so a look never waits behind the runs of looks further from a decision."""
         tasks = self.lab.tasks()
         g = self.generation(base_commit)
-        base_sha, sha = runner.resolve_commit(self.lab, base_commit), runner.resolve_commit(self.lab, commit)
+        base_sha, sha = resolve_commit(self.lab, base_commit), resolve_commit(self.lab, commit)
         self.store.mark_baseline(base_sha)
         priority = self.run_priority(look, rank)
-        ids = runner.ensure_runs(self.store, self.lab, base_commit, tasks, self.look_baseline_seeds(base_commit, look, gen=g),
+        ids = ensure_runs(self.store, self.lab, base_commit, tasks, self.look_baseline_seeds(base_commit, look, gen=g),
                                  label="baseline", priority=priority)
-        ids += runner.ensure_runs(self.store, self.lab, commit, tasks, challenger_seeds(look, g), label=label,
+        ids += ensure_runs(self.store, self.lab, commit, tasks, challenger_seeds(look, g), label=label,
                                   priority=priority)
         if sha != base_sha:
             self.store.mark_comparison(sha, base_sha)
@@ -227,13 +254,13 @@ class Experiment:
         cfg = self.lab.config
         tasks = self.lab.tasks()
         g = self.generation(base_commit)
-        base_sha, sha = runner.resolve_commit(self.lab, base_commit), runner.resolve_commit(self.lab, commit)
+        base_sha, sha = resolve_commit(self.lab, base_commit), resolve_commit(self.lab, commit)
         seeds, own = challenger_seeds(look, g), self.look_baseline_seeds(base_commit, look, gen=g)
         block = seed_block(g)
-        base_rows = runner.run_results(self.store, base_sha, tasks)
-        chal_rows = runner.run_results(self.store, sha, tasks)
+        base_rows = self.store.results_for(base_sha, tasks)
+        chal_rows = self.store.results_for(sha, tasks)
         dataset = _one_dataset([r for r in base_rows if r.seed in own] + [r for r in chal_rows if r.seed in seeds])
-        base, chal = runner.by_task(base_rows, tasks), runner.by_task(chal_rows, tasks)
+        base, chal = by_task(base_rows, tasks), by_task(chal_rows, tasks)
         inp = {
             "config": cfg.gate.model_dump(),
             "tasks": [
@@ -260,8 +287,8 @@ class Experiment:
               rows: dict[str, list[Any]] | None = None) -> dict[str, list[float | None]]:
         """{task: [challenger_k - baseline_k]} over the seeds both arms measured (None: a failed run)."""
         if rows is None:
-            rows = {c: runner.run_results(self.store, c, tasks) for c in (challenger, baseline)}
-        chal, base = runner.by_task(rows[challenger], tasks), runner.by_task(rows[baseline], tasks)
+            rows = {c: self.store.results_for(c, tasks) for c in (challenger, baseline)}
+        chal, base = by_task(rows[challenger], tasks), by_task(rows[baseline], tasks)
         out: dict[str, list[float | None]] = {}
         for t in tasks:
             common = sorted(set(chal.get(t, {})) & set(base.get(t, {})))
@@ -321,7 +348,7 @@ class Experiment:
         skip = set(exclude or ())
         arms = []
         for commit in sorted(commits - skip):
-            by = runner.by_task(rows[commit], tasks)
+            by = by_task(rows[commit], tasks)
             seeds = sorted({s for t in tasks for s in by.get(t, {})})
             if len(seeds) >= 2:
                 arms.append({t: [by.get(t, {}).get(k) for k in seeds] for t in tasks})
@@ -333,9 +360,9 @@ class Experiment:
         """A new champion's own runs, on its generation's block: it re-verifies on seeds it was not
         selected on (a fast-forward keeps the commit, so its challenger runs stay in the store, on
         the block before)."""
-        self.store.mark_baseline(runner.resolve_commit(self.lab, commit))
+        self.store.mark_baseline(resolve_commit(self.lab, commit))
         seeds = self.look_baseline_seeds(commit, self.lab.config.gate.looks[0])  # lazy: the first look's
-        return runner.ensure_runs(self.store, self.lab, commit, self.lab.tasks(), seeds, label=label)
+        return ensure_runs(self.store, self.lab, commit, self.lab.tasks(), seeds, label=label)
 
     def reverification(self, champion: str, commit: str, base_commit: str, look: int) -> dict[str, Any] | None:
         """How a champion (`champion`, e.g. its tag) did on its fresh baseline seeds, against the
@@ -343,8 +370,8 @@ class Experiment:
         None until every fresh run has finished."""
         lab, cfg = self.lab, self.lab.config
         tasks = lab.tasks()
-        fresh = runner.results(self.store, lab, runner.resolve_commit(lab, champion), tasks)
-        chosen = runner.results(self.store, lab, commit, tasks)
+        fresh = results(self.store, lab, resolve_commit(lab, champion), tasks)
+        chosen = results(self.store, lab, commit, tasks)
         g = self.generation(base_commit)  # the champion's generation is one more than its baseline's
         seeds = list(self.look_baseline_seeds(base_commit, self.lab.config.gate.looks[0], gen=g + 1))
         picked = list(challenger_seeds(look, g))
@@ -369,10 +396,10 @@ class Experiment:
         on): the mean over tasks on the gate split and, on the same runs, on the sealed holdout
         (None without one). For status, the digest and the chart only: nothing that decides reads it."""
         lab = self.lab
-        sha = runner.resolve_commit(lab, commit)
+        sha = resolve_commit(lab, commit)
         tasks = lab.tasks()
         block = seed_block(self.generation(sha))
-        gate = runner.results(self.store, lab, sha, tasks)
+        gate = results(self.store, lab, sha, tasks)
         hold = self.store.holdout_scores(sha)
         g_means, h_means, runs = [], [], 0
         for t in tasks:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +196,28 @@ def _tags_state(root: str) -> Any:
     except FileNotFoundError:
         packed = None
     return names, packed
+
+
+_local = threading.local()  # per thread: a git.Repo's helper processes are not to be shared between threads
+_FULL_SHA = re.compile(r"[0-9a-f]{40}")
+
+
+def resolve_commit(lab: Any, rev: str) -> str:
+    """The full sha of `rev` in `lab`'s repository. A full sha once found there is known from then on
+    (commits do not change); a branch or tag is resolved each time, by this thread's one `LabRepo`
+    of the lab (not a new repository object and its helper processes per call)."""
+    known = _local.__dict__.setdefault("shas", set())
+    key = (str(lab.root), rev)
+    if key in known:
+        return rev
+    repos = _local.__dict__.setdefault("repos", {})
+    repo = repos.pop(key[0], None)
+    if repo is None:
+        repo = LabRepo(lab.root)
+        while len(repos) >= 4:  # a process that opens many labs (a test run) keeps helpers for 4
+            repos.pop(next(iter(repos))).repo.close()
+    repos[key[0]] = repo  # most recently used last
+    sha = repo.resolve(rev)
+    if sha == rev and _FULL_SHA.fullmatch(rev):
+        known.add(key)
+    return sha

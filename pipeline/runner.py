@@ -1,32 +1,33 @@
-"""The execution layer's public API: queue runs, drive them to results, read results and goodput.
+"""The driver: the one thing that executes runs. It works a lab's queue in a store through an executor.
 
-The agent uses only this module (and the store's records):
-
-    from pipeline import runner
-    store = runner.open_store(lab)                        # SQLite in runs/, or any SQLAlchemy URL
-    ids = runner.ensure_runs(store, lab, "hyp/3-lr", tasks, seeds=[0, 1])   # idempotent
-    with runner.Driver(lab, store, runner.make_executor("local", lab)) as driver:
+    from pipeline.experiment import Experiment, ensure_runs, open_store
+    store = open_store(lab)                               # SQLite in runs/, or any SQLAlchemy URL
+    ids = ensure_runs(store, lab, "hyp/3-lr", tasks, seeds=[0, 1])   # idempotent
+    with Experiment(lab, store).driver("local") as driver:
         driver.drive(until=ids)                           # returns when those runs are terminal
-    runner.results(store, lab, "hyp/3-lr", tasks)         # {task: {seed: value | None}}
-    runner.goodput(store)                                 # useful / lost / saved compute
+    store.results_by_task(sha, tasks)                     # {task: {seed: value | None}}
+    store.goodput()                                       # useful / lost / saved compute
 
-- `ensure_runs` records the arm and queues the (task, seed) runs that do not exist yet; a run is
-  unique per (commit, task, seed), so calling it again after a crash creates nothing new.
-- `Driver` claims queued runs atomically, expands each into its stage DAG (`pipeline.dag`),
-  serves stages from the cache or submits them to the executor, and scores the final stage's
-  `predictions.csv` with the harness's sealed scorer, in this process, never in branch code.
-  A `Driver` is long-lived: `drive()` returns when its condition holds and leaves other claimed
-  runs in flight for the next call; `close()` cancels and re-queues what is left. At start it
-  reconciles the queue (runs of dead drivers go back to the queue under the same key), repairs
-  worktrees and removes half-written cache entries.
-- Method failures (non-zero exit, crash signal, timeout in branch code; missing, malformed or
-  non-finite predictions) are results with `value = None`. Infrastructure failures (killed worker,
-  lost node) are retried with the same seed up to `run.retries`, then recorded as
-  `infra_failure` results, which `results()` leaves out: they say nothing about the method.
-- Stage definitions, `[run]` and `[benchmark]` come from the lab's `research.toml` as the driver
-  loaded it (not from the commit under test): the agent may not edit it, so a challenger cannot
-  change how it is measured. The commit decides only the code the stages run.
-- `python -m pipeline.runner LAB` drives a lab's queue from the command line (ops and tests).
+Queueing runs and reading results are not here: `pipeline.experiment` queues them (by revision),
+the store reads them. The driver:
+
+- claims queued runs atomically, expands each into its stage DAG (`pipeline.dag`), serves stages
+  from the cache or submits them to the executor, and scores the final stage's `predictions.csv`
+  with the harness's sealed scorer, in this process, never in branch code.
+- is long-lived: `drive()` returns when its condition holds and leaves other claimed runs in flight
+  for the next call; `close()` cancels and re-queues what is left. At start it reconciles the queue
+  (runs of dead drivers go back to the queue under the same key), repairs worktrees, removes
+  half-written cache entries, and joins the process's heartbeat (`pipeline.lease.Heartbeat`) or
+  starts one.
+- records method failures (non-zero exit, crash signal, timeout in branch code; missing, malformed
+  or non-finite predictions) as results with `value = None`. Infrastructure failures (killed
+  worker, lost node) are retried with the same seed up to `run.retries`, then recorded as
+  `infra_failure` results, which every comparison leaves out (`pipeline.outcomes`).
+- takes stage definitions, `[run]` and `[benchmark]` from the lab's `research.toml` as it loaded
+  it (not from the commit under test): the agent may not edit it, so a challenger cannot change
+  how it is measured. The commit decides only the code the stages run.
+
+`python -m pipeline.runner LAB` drives a lab's queue from the command line (ops and tests).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import argparse
 import functools
 import logging
 import math
-import re
 import threading
 import time
 import uuid
@@ -55,89 +55,16 @@ from pipeline.harness.base import HOLDOUT_SPLIT
 from pipeline.lab import Lab, load_lab
 from pipeline.lease import Heartbeat
 from pipeline.outcomes import ResultOutcome, StageOutcome
-from pipeline.store import Claim, Goodput, Owner, Result, Store
+from pipeline.store import Claim, Owner, Result, Store
 from pipeline.safefs import UnsafeTree
 from pipeline.worktrees import WorktreeError, Worktrees
 
 log = logging.getLogger("autoresearch.runner")
 
-__all__ = [
-    "open_store", "ensure_runs", "Driver", "results", "by_task", "run_results", "goodput",
-    "make_executor", "resolve_commit",
-]
+__all__ = ["Driver", "make_executor"]
 
 
-def open_store(lab: Lab, url: str | None = None) -> Store:
-    """The lab's store: `url` (any SQLAlchemy URL) or SQLite at `runs/autoresearch.db`."""
-    return Store.for_lab(lab, url)
-
-
-_local = threading.local()  # per thread: a git.Repo's helper processes are not to be shared between threads
-_FULL_SHA = re.compile(r"[0-9a-f]{40}")
 CLAIM_IDLE_S = 0.1  # after a claim found the queue empty, the driver claims again no sooner than this
-
-
-def resolve_commit(lab: Lab, rev: str) -> str:
-    """The full sha of `rev`. A full sha once found in the lab's repository is known from then on
-    (commits do not change); a branch or tag is resolved each time, by this thread's one `Worktrees`
-    of the lab (not a new repository object and its helper processes per call)."""
-    known = _local.__dict__.setdefault("shas", set())
-    key = (str(lab.root), rev)
-    if key in known:
-        return rev
-    trees = _local.__dict__.setdefault("trees", {})
-    wt = trees.pop(key[0], None)
-    if wt is None:
-        wt = Worktrees(lab.root, lab.state)
-        while len(trees) >= 4:  # a process that opens many labs (a test run) keeps helpers for 4
-            trees.pop(next(iter(trees))).repo.close()
-    trees[key[0]] = wt  # most recently used last
-    sha = wt.resolve(rev)
-    if sha == rev and _FULL_SHA.fullmatch(rev):
-        known.add(key)
-    return sha
-
-
-def ensure_runs(store: Store, lab: Lab, commit: str, tasks: Iterable[str], seeds: Iterable[int], *,
-                priority: int = 0, label: str | None = None, harness: Harness | None = None) -> list[int]:
-    """Queue runs of `commit` (sha, branch or tag) for every (task, seed) not queued yet.
-
-    Returns the ids of all the requested runs, in task-major order (the order they are claimed,
-    which interleaves seeds so that seed-scoped stages of different seeds start together).
-    """
-    sha = resolve_commit(lab, commit)
-    tasks = list(tasks)
-    (harness or lab.harness()).tasks(lab.config.benchmark.suite, tasks)  # raises UserError
-    store.ensure_arm(sha, label or (commit if commit != sha else None))
-    return store.enqueue(sha, [(t, int(s)) for t in tasks for s in seeds], priority=priority)
-
-
-def results(store: Store, lab: Lab | None, commit: str, tasks: Iterable[str] | None = None) -> dict[str, dict[int, float | None]]:
-    """{task: {seed: metric, or None for a method failure}} of the finished runs of a commit.
-
-    Infrastructure failures are left out; unfinished runs are absent.
-    """
-    sha = resolve_commit(lab, commit) if lab is not None else commit
-    return by_task(store.results_for(sha, tasks), tasks)
-
-
-def by_task(rows: Iterable[Result], tasks: Iterable[str] | None = None) -> dict[str, dict[int, float | None]]:
-    """Result rows as {task: {seed: metric, or None for a method failure}}, infrastructure failures left out."""
-    out: dict[str, dict[int, float | None]] = {t: {} for t in (tasks or [])}
-    for r in rows:
-        if not ResultOutcome(r.outcome).counts():
-            continue
-        out.setdefault(r.task, {})[r.seed] = r.value
-    return out
-
-
-def run_results(store: Store, commit: str, tasks: Iterable[str] | None = None) -> list[Result]:
-    """Every result row of a commit, failures with their kind and detail (for reports)."""
-    return store.results_for(commit, tasks)
-
-
-def goodput(store: Store, since: float | None = None) -> Goodput:
-    return store.goodput(since)
 
 
 @dataclass
@@ -688,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     lab = load_lab(args.lab)
-    store = open_store(lab, args.db)
+    store = Store.for_lab(lab, args.db)
     preload = tuple(filter(None, args.preload.split(","))) if args.preload is not None else None
     executor = make_executor(args.executor, lab, workers=args.workers, ray_address=args.ray_address, preload=preload)
     with Driver(lab, store, executor, heartbeat_s=args.heartbeat_s, stale_s=args.stale_s) as d:

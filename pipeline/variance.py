@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from pipeline import runner
-from pipeline.experiment import Experiment
+from pipeline.experiment import Experiment, ensure_runs, results
+from pipeline.labrepo import resolve_commit
 from pipeline.lab import BASELINE_BRANCH, Lab
 from pipeline.outcomes import ResultOutcome
 
@@ -22,14 +23,14 @@ def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASEL
     from pipeline.gate import mde
 
     tasks = lab.tasks()
-    sha = runner.resolve_commit(lab, commit)
+    sha = resolve_commit(lab, commit)
     exp = Experiment(lab, store)
     seeds = exp.baseline_seeds(sha, runs)  # the baseline's own seeds: its gate runs are reused
     store.mark_baseline(sha)
-    ids = runner.ensure_runs(store, lab, sha, tasks, seeds, label="variance study")
+    ids = ensure_runs(store, lab, sha, tasks, seeds, label="variance study")
     with runner.Driver(lab, store, executor) as driver:
         driver.drive(until=ids, stop=stop)
-    values = runner.results(store, lab, sha, tasks)
+    values = results(store, lab, sha, tasks)
     gate = lab.config.gate
     per_task = {}
     matrix = np.full((runs, len(tasks)), np.nan)
@@ -93,17 +94,17 @@ def pairing(lab: Lab, store: Any, executor: Any, rev: str, runs: int, *, stop: A
     the sd of the paired differences and the variance ratio. The JSON is a noise model for
     `benchmarks/loop_quality.py --noise`."""
     tasks = lab.tasks()
-    base_sha, sha = runner.resolve_commit(lab, BASELINE_BRANCH), runner.resolve_commit(lab, rev)
+    base_sha, sha = resolve_commit(lab, BASELINE_BRANCH), resolve_commit(lab, rev)
     exp = Experiment(lab, store)
     seeds = list(exp.baseline_seeds(base_sha, runs))
     store.mark_baseline(base_sha)
-    ids = runner.ensure_runs(store, lab, base_sha, tasks, seeds, label="variance study")
-    ids += runner.ensure_runs(store, lab, sha, tasks, seeds, label=f"pairing {rev}")
+    ids = ensure_runs(store, lab, base_sha, tasks, seeds, label="variance study")
+    ids += ensure_runs(store, lab, sha, tasks, seeds, label=f"pairing {rev}")
     if sha != base_sha:
         store.mark_comparison(sha, base_sha)
     with runner.Driver(lab, store, executor) as driver:
         driver.drive(until=ids, stop=stop)
-    base, chal = runner.results(store, lab, base_sha, tasks), runner.results(store, lab, sha, tasks)
+    base, chal = results(store, lab, base_sha, tasks), results(store, lab, sha, tasks)
     per_task = {}
     for t in tasks:
         both = [s for s in seeds if base.get(t, {}).get(s) is not None and chal.get(t, {}).get(s) is not None]

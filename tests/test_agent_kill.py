@@ -31,7 +31,7 @@ from support.lab import (
     smoke_running,
 )
 from support.fake_openai import content, stall
-from pipeline import runner
+from pipeline import experiment
 
 pytestmark = pytest.mark.system
 
@@ -41,7 +41,7 @@ _stores: dict[Path, object] = {}
 
 def queue(root: Path) -> dict[str, int]:
     if root not in _stores:
-        _stores[root] = runner.open_store(open_lab(root))
+        _stores[root] = experiment.open_store(open_lab(root))
     return _stores[root].queue_counts()  # type: ignore[attr-defined]
 
 
@@ -82,7 +82,7 @@ def test_kill_9_during_propose_smoke_runs_and_decide_then_restart_finishes_the_h
         run = RunProcess(lab, *args, env=env, tag="run3")
         run.wait_until("runs in flight", lambda: (q := queue(lab))["running"] >= 1 and q["done"] >= 1, timeout=180)
         kill9(run)
-        orphaned = [r.id for r in runner.open_store(open_lab(lab)).runs() if r.status == "running"]
+        orphaned = [r.id for r in experiment.open_store(open_lab(lab)).runs() if r.status == "running"]
         assert orphaned
         h = rec.get(h.id)
         assert h.status == "measuring" and h.commit
@@ -112,7 +112,7 @@ def test_kill_9_during_propose_smoke_runs_and_decide_then_restart_finishes_the_h
     # no run lost or duplicated: every queued run finished, once, the orphaned ones after a re-queue
     counts = assert_runs_exactly_once(lab)
     assert counts["queued"] == counts["running"] == 0
-    store = runner.open_store(open_lab(lab))
+    store = experiment.open_store(open_lab(lab))
     runs = store.runs()
     wanted = [(h.base_commit, t, s) for t in TASKS for s in range(3)]  # the baseline's own seeds (its block)
     wanted += [(h.commit, t, s) for t in TASKS for s in range(h.look)]

@@ -42,7 +42,7 @@ def _name(p) -> str:
 
 def test_the_loop_on_a_two_node_ray_cluster_measures_and_decides_like_the_loop_on_local(
         lab_template: Path, tmp_path: Path) -> None:
-    from pipeline import runner
+    from pipeline import experiment
 
     labs = {name: copy_lab(lab_template, tmp_path / name / "lab") for name in ("local", "ray")}
     reports = {}
@@ -64,7 +64,7 @@ def test_the_loop_on_a_two_node_ray_cluster_measures_and_decides_like_the_loop_o
             assert time.monotonic() < deadline, [_name(p) for p in cluster.processes()]
             time.sleep(0.5)
     # both nodes ran stages (one warm worker actor per CPU: one on each node)
-    execs = runner.open_store(open_lab(labs["ray"])).stage_execs()
+    execs = experiment.open_store(open_lab(labs["ray"])).stage_execs()
     nodes = {e.host for e in execs if e.outcome == "ok"}
     assert len(nodes) == 2 and all("/ray-" in n for n in nodes), nodes
     local, on_ray = reports["local"], reports["ray"]

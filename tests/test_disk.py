@@ -15,6 +15,7 @@ from support.tiny import TASKS, TinyHarness, commit_change, git, make_lab, open_
 from pipeline import runner
 from pipeline.dag import Cache
 from pipeline.disk import DiskKeeper
+from pipeline import experiment, labrepo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,7 +25,7 @@ PRETRAIN = ("[pretrain]\nsleep = 0.0", "[pretrain]\nsleep = 0.01")  # a change t
 
 
 def drive(lab, store, rev: str) -> list[int]:
-    ids = runner.ensure_runs(store, lab, rev, TASKS, SEEDS, harness=TinyHarness())
+    ids = experiment.ensure_runs(store, lab, rev, TASKS, SEEDS, harness=TinyHarness())
     with runner.Driver(lab, store, runner.make_executor("local", lab, workers=2, preload=("numpy",)),
                        harness=TinyHarness()) as d:
         d.drive(until=ids, timeout_s=180)
@@ -40,17 +41,17 @@ def bounded(lab_root: Path, gb: float):
 
 def test_eviction_keeps_what_is_needed_and_an_evicted_entry_is_recomputed(tmp_path: Path) -> None:
     lab = bounded(make_lab(tmp_path / "lab").root, 1e-6)  # ~1 KB: every entry not needed goes
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     base_ids = drive(lab, store, BASE)
     ch1 = commit_change(lab.root, "ch1", "config.toml", *PRETRAIN)
     drive(lab, store, ch1)
-    ch1_keys = store.keys_of([ch1]) - store.keys_of([runner.resolve_commit(lab, BASE)])
+    ch1_keys = store.keys_of([ch1]) - store.keys_of([labrepo.resolve_commit(lab, BASE)])
     assert ch1_keys  # its own pretraining and fine-tuning outputs
     ch2 = commit_change(lab.root, "ch2", "config.toml", "shrink = 0.1", "shrink = 0.3")
     drive(lab, store, ch2)
 
     cache = Cache(lab.state / "cache")
-    base_keys = store.keys_of([runner.resolve_commit(lab, BASE)])
+    base_keys = store.keys_of([labrepo.resolve_commit(lab, BASE)])
     assert base_keys and all(cache.has(k) for k in base_keys)  # the baseline's entries are never evicted
     assert not any(cache.has(k) for k in ch1_keys), "ch1 is decided and not in flight: its entries go"
 
@@ -75,7 +76,7 @@ def test_eviction_keeps_what_is_needed_and_an_evicted_entry_is_recomputed(tmp_pa
 def test_the_cache_without_a_cap_keeps_everything_and_status_shows_disk_use(tmp_path: Path) -> None:
     lab = make_lab(tmp_path / "lab")
     path = lab.root / "research.toml"
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     drive(lab, store, BASE)
     ch1 = commit_change(lab.root, "ch1", "config.toml", *PRETRAIN)
     drive(lab, store, ch1)
@@ -92,7 +93,7 @@ def test_the_cache_without_a_cap_keeps_everything_and_status_shows_disk_use(tmp_
 
 def test_logs_are_rotated_oldest_first_but_never_one_in_use(tmp_path: Path) -> None:
     lab = make_lab(tmp_path / "lab")
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     logs = lab.state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     now = time.time()
@@ -140,7 +141,7 @@ def test_smoke_logs_rotate_with_the_stage_logs_but_never_a_fresh_one(lab: Path) 
     stage_log = logs / "stage-old.log"
     stage_log.write_bytes(b"y" * (400 * 1024))
     os.utime(stage_log, (now - SMOKE_FRESH_S, now - SMOKE_FRESH_S))
-    keeper = DiskKeeper(the_lab, runner.open_store(the_lab), Cache(the_lab.state / "cache"), logs)
+    keeper = DiskKeeper(the_lab, experiment.open_store(the_lab), Cache(the_lab.state / "cache"), logs)
     keeper.logs_max = 1 << 20  # ~1.6 MB of logs against a 1 MB cap
     assert keeper.rotate_logs() >= 2
     assert [d.exists() for d in runs] == [False, False, True]  # the oldest smoke runs went first, folders too
@@ -170,7 +171,7 @@ def test_a_new_smoke_folder_without_logs_is_fresh_and_stays(lab: Path) -> None:
     aged = time.time() - SMOKE_FRESH_S - 5
     for p in (old / "train.log", old):
         os.utime(p, (aged, aged))
-    keeper = DiskKeeper(the_lab, runner.open_store(the_lab), Cache(the_lab.state / "cache"), logs)
+    keeper = DiskKeeper(the_lab, experiment.open_store(the_lab), Cache(the_lab.state / "cache"), logs)
     keeper.logs_max = 0
     assert keeper.rotate_logs() == 1
     assert new.is_dir() and not old.exists()  # the new folder stays, the old one is emptied and removed

@@ -29,9 +29,9 @@ def decided_once(lab: Path, *db: str) -> None:
     from support.lab import open_lab
 
     from agent.records import Records
-    from pipeline import runner
+    from pipeline import experiment
 
-    store = runner.open_store(open_lab(lab), db[1] if db else None)
+    store = experiment.open_store(open_lab(lab), db[1] if db else None)
     hyps = json.loads(cli(lab, *db, "status", "--json").stdout)["hypotheses"]
     for h in hyps:
         looks = [d.look for d in Records(store).decisions(h["id"])]

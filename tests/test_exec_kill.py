@@ -14,6 +14,7 @@ import pytest
 
 from support.tiny import TINY_RUNNER, TASKS, TinyHarness, git, make_lab, open_tiny_lab
 from pipeline import runner
+from pipeline import experiment, labrepo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -33,8 +34,8 @@ def start_driver(lab_root: Path, ledger: Path) -> subprocess.Popen[bytes]:
 
 def test_kill_9_mid_batch_then_restart_completes_every_run_exactly_once(tmp_path: Path) -> None:
     lab = make_lab(tmp_path / "lab", pretrain_sleep=0.4, finetune_sleep=0.6)
-    store = runner.open_store(lab)
-    ids = runner.ensure_runs(store, lab, BASE, TASKS, SEEDS, harness=TinyHarness())
+    store = experiment.open_store(lab)
+    ids = experiment.ensure_runs(store, lab, BASE, TASKS, SEEDS, harness=TinyHarness())
     ledger = tmp_path / "ledger.txt"
 
     first = start_driver(lab.root, ledger)
@@ -68,27 +69,27 @@ def test_kill_9_mid_batch_then_restart_completes_every_run_exactly_once(tmp_path
     assert all(r.status == "done" for r in runs)
     assert {r.id for r in runs if r.requeues == 1} == {r.id for r in orphaned}
     assert {r.id for r in runs if r.requeues == 0} >= done_before
-    results = store.results_for(runner.resolve_commit(lab, BASE))
+    results = store.results_for(labrepo.resolve_commit(lab, BASE))
     keys = [(r.task, r.seed) for r in results]
     assert sorted(keys) == sorted((t, s) for t in TASKS for s in SEEDS)  # each run once, none twice
     assert all(r.outcome == "ok" for r in results), [(r.task, r.seed, r.outcome, r.detail) for r in results]
     lost = [e for e in store.stage_execs(ids) if e.outcome == "lost"]
     assert lost and {e.run_id for e in lost} <= {r.id for r in orphaned}
-    assert runner.goodput(store).requeues == len(orphaned)
+    assert store.goodput().requeues == len(orphaned)
     # honest goodput: the work the dead driver's stages had done counts as lost, from each one's start
     # to the heartbeat the driver missed (never 0 s for a stage that was running)
     assert all(e.cpu_s > 0 and e.finished_at > e.started_at for e in lost), [(e.cpu_s, e.detail) for e in lost]
     assert all("of work lost" in (e.detail or "") for e in lost)
-    g = runner.goodput(store)
+    g = store.goodput()
     assert g.infra_lost_cpu_s == sum(e.cpu_s for e in lost) > 0 and g.goodput < 1.0
 
     # the same batch, never interrupted, in a clone of the lab: identical metrics
     clone = tmp_path / "clone"
     git(tmp_path, "clone", "-q", "-b", BASE, str(lab.root), str(clone))
     ref_lab = open_tiny_lab(clone)
-    ref_store = runner.open_store(ref_lab)
-    ref_ids = runner.ensure_runs(ref_store, ref_lab, BASE, TASKS, SEEDS, harness=TinyHarness())
+    ref_store = experiment.open_store(ref_lab)
+    ref_ids = experiment.ensure_runs(ref_store, ref_lab, BASE, TASKS, SEEDS, harness=TinyHarness())
     with runner.Driver(ref_lab, ref_store, runner.make_executor("local", ref_lab, preload=("numpy",)),
                        harness=TinyHarness()) as d:
         d.drive(until=ref_ids, timeout_s=120)
-    assert runner.results(ref_store, ref_lab, BASE, TASKS) == runner.results(store, lab, BASE, TASKS)
+    assert experiment.results(ref_store, ref_lab, BASE, TASKS) == experiment.results(store, lab, BASE, TASKS)

@@ -15,6 +15,7 @@ from support.tiny import TinyHarness, git, make_lab, open_tiny_lab
 from support.ray_cluster import ray_exclusive
 from pipeline import runner
 from pipeline.executors.local import LocalExecutor
+from pipeline import experiment, labrepo
 
 pytestmark = pytest.mark.system
 
@@ -60,8 +61,8 @@ def test_the_same_batch_gives_the_same_metrics_on_local_and_ray(local_ray, tmp_p
     out: dict[str, dict[str, dict[int, float | None]]] = {}
     kinds: dict[str, dict[tuple[str, int], str | None]] = {}
     for name, the_lab in (("local", lab), ("ray", ray_lab)):
-        store = runner.open_store(the_lab)
-        ids = runner.ensure_runs(store, the_lab, BASE, tasks, seeds, harness=TinyHarness())
+        store = experiment.open_store(the_lab)
+        ids = experiment.ensure_runs(store, the_lab, BASE, tasks, seeds, harness=TinyHarness())
         if name == "local":
             executor = LocalExecutor(preload=("numpy",), slots=2)
         else:
@@ -69,8 +70,8 @@ def test_the_same_batch_gives_the_same_metrics_on_local_and_ray(local_ray, tmp_p
             assert executor.slots == 2
         with runner.Driver(the_lab, store, executor, harness=TinyHarness()) as d:
             d.drive(until=ids, timeout_s=120)
-        out[name] = runner.results(store, the_lab, BASE, tasks)
-        kinds[name] = {(r.task, r.seed): r.kind for r in store.results_for(runner.resolve_commit(the_lab, BASE))}
+        out[name] = experiment.results(store, the_lab, BASE, tasks)
+        kinds[name] = {(r.task, r.seed): r.kind for r in store.results_for(labrepo.resolve_commit(the_lab, BASE))}
         assert all(e.executor == name for e in store.stage_execs(ids))
     assert out["local"] == out["ray"]
     assert all(isinstance(v, float) for t in ("a", "b", "env") for v in out["ray"][t].values())

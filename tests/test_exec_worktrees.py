@@ -123,7 +123,7 @@ def test_gc_removes_the_views_and_worktrees_of_commits_no_run_needs_and_the_disk
     """The disk keeper's collection: a decided challenger's and a superseded champion's worktrees
     and views go; the baseline head's, a commit with runs queued, and a view that does not say whose
     it is (the trusted files, an earlier version's) stay. What went is made again on demand."""
-    from pipeline import runner
+    from pipeline import experiment
     from pipeline.dag import Cache
     from pipeline.disk import DiskKeeper
 
@@ -135,7 +135,7 @@ def test_gc_removes_the_views_and_worktrees_of_commits_no_run_needs_and_the_disk
     views = {c: wt.view(c, every) for c in (base, decided, queued)}
     trusted = wt.view(decided, lambda p: p == "model.py", collectable=False)
     trees = {c: wt.ensure(c) for c in (base, decided, queued)}
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     store.ensure_arm(queued)
     store.enqueue(queued, [("a", 0)])
     keeper = DiskKeeper(lab, store, Cache(lab.state / "cache"), lab.state / "logs")

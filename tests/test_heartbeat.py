@@ -13,6 +13,7 @@ from sqlalchemy import update
 
 from pipeline import lease
 from pipeline.store import Owner, Run, Store
+from pipeline import experiment
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +65,7 @@ def test_a_driver_given_the_process_heartbeat_starts_none_and_stops_only_its_own
     from pipeline import runner
 
     lab = make_lab(tmp_path / "lab")
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     shared = lease.Heartbeat(store, Owner.current(), 0.05).start()
     try:
         with runner.Driver(lab, store, runner.make_executor("local", lab, workers=1), harness=TinyHarness(),

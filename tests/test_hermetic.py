@@ -20,6 +20,7 @@ from support.lab import cli, git
 from pipeline import runner
 from pipeline.executors.local import LocalExecutor
 from pipeline.lab import load_lab
+from pipeline import experiment, labrepo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -45,12 +46,12 @@ def _comment_branch(root: Path, name: str) -> str:
 
 def _measure(root: Path, rev: str) -> list:
     lab = load_lab(root)
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     tasks = lab.tasks()
-    ids = runner.ensure_runs(store, lab, rev, tasks, [0, 1])
+    ids = experiment.ensure_runs(store, lab, rev, tasks, [0, 1])
     with runner.Driver(lab, store, LocalExecutor(preload=("numpy",), slots=2)) as d:
         d.drive(until=ids, timeout_s=300)
-    return store.results_for(runner.resolve_commit(lab, rev))
+    return store.results_for(labrepo.resolve_commit(lab, rev))
 
 
 def test_an_undeclared_editable_file_fails_loudly_instead_of_hitting_a_stale_cache(tmp_path: Path) -> None:

@@ -38,11 +38,11 @@ def _graph(root: Path):
     from agent.policy_offline import OfflinePolicy
     from agent.records import Records
     from agent.workspace import Workspace
-    from pipeline import runner
+    from pipeline import experiment
     from pipeline.lab import load_lab
 
     lab = load_lab(root)
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     svc = Services(lab, store, Records(store), Workspace(lab), OfflinePolicy())
     saver = open_checkpointer(svc)
     return build_graph(svc, saver), saver, store

@@ -94,10 +94,10 @@ def _seen_by_gate_and_agent(root: Path) -> dict:
 def _holdout_rows(root: Path) -> list:
     from sqlmodel import select
 
-    from pipeline import runner
+    from pipeline import experiment
     from pipeline.store import HoldoutScore
 
-    store = runner.open_store(open_lab(root))
+    store = experiment.open_store(open_lab(root))
     with store.session() as s:
         return [(r.commit, r.task, r.seed, r.value) for r in s.exec(select(HoldoutScore))]
 

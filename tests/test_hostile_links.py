@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from support.lab import BASELINE, cli, git, records
+from pipeline import experiment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -180,9 +181,9 @@ def test_the_driver_records_a_commit_with_the_chain_as_the_methods_failure(tmp_p
     xgit(lab.root, "commit", "-qm", "a chain of links")
     commit = xgit(lab.root, "rev-parse", "HEAD")
     xgit(lab.root, "checkout", "-q", BASELINE)
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     harness = TinyHarness()
-    ids = runner.ensure_runs(store, lab, commit, ["a"], [0], harness=harness)
+    ids = experiment.ensure_runs(store, lab, commit, ["a"], [0], harness=harness)
     with runner.Driver(lab, store, LocalExecutor(preload=("numpy",), slots=1), harness=harness) as d:
         d.drive(until=ids, timeout_s=60)
     [res] = store.results_for(commit)
@@ -301,9 +302,9 @@ def test_the_driver_records_a_nul_link_target_as_the_methods_failure_and_keeps_g
 
     lab = make_lab(tmp_path / "lab")
     commit = plant_nul_link(lab.root, xgit)
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     harness = TinyHarness()
-    ids = runner.ensure_runs(store, lab, commit, ["a"], [0], harness=harness)
+    ids = experiment.ensure_runs(store, lab, commit, ["a"], [0], harness=harness)
     with runner.Driver(lab, store, LocalExecutor(preload=("numpy",), slots=1), harness=harness) as d:
         d.drive(until=ids, timeout_s=60)
     [res] = store.results_for(commit)

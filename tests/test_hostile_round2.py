@@ -1,6 +1,7 @@
 """Hostile branches, round two (issue 20): what a branch, or the LLM that wrote it, can put in front
 of the driver and the review page. Every string it writes is hostile. Real server process (`Server`
 from agent_fixtures), real HTTP requests, real stage subprocesses, real files; no mocks.
+from pipeline import experiment
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ def test_a_smoke_stage_that_floods_its_log_gives_a_bounded_reason(lab: Path) -> 
 def test_the_log_page_serves_only_the_last_2_mb_with_a_notice(lab: Path) -> None:
     from support.lab import BASELINE
 
-    from pipeline import runner
+    from pipeline import experiment
 
     svc = services(lab)
     log = svc.lab.state / "logs" / "big" / "finetune.log"
@@ -222,7 +223,7 @@ def test_the_log_page_serves_only_the_last_2_mb_with_a_notice(lab: Path) -> None
     with open(log, "wb") as fh:
         fh.write(b"a line of a chatty stage\n" * (BIG // 25))
         fh.write(b"Traceback: the error at the end\n")
-    (run_id,) = runner.ensure_runs(svc.store, svc.lab, BASELINE, ["default_90d"], [0])
+    (run_id,) = experiment.ensure_runs(svc.store, svc.lab, BASELINE, ["default_90d"], [0])
     eid = svc.store.stage_started(run_id, "finetune", "k" * 16, executor="local", log_path=str(log))
     server = Server(lab).wait()
     try:

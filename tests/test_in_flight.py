@@ -56,7 +56,7 @@ def sim_lab(root: Path, *, tasks: int = 2, sleep: float = 0.3, extra: str = "") 
 
 
 def test_a_look_queues_both_arms_at_its_priority_and_raises_a_queued_baseline_run(tmp_path: Path) -> None:
-    from pipeline import runner
+    from pipeline import experiment, labrepo
     from pipeline.experiment import Experiment
     from pipeline.lab import load_lab
 
@@ -68,15 +68,15 @@ def test_a_look_queues_both_arms_at_its_priority_and_raises_a_queued_baseline_ru
         git(root, "commit", "-qm", name)
     git(root, "checkout", "-q", "main")
     lab = load_lab(root)
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     exp = Experiment(lab, store)
     base = "autoresearch/baseline"
     shallow = exp.queue_look(base, "a", 1)
     deep = exp.queue_look(base, "b", 2, rank=60)
     assert exp.run_priority(1) < exp.run_priority(1, rank=60) < exp.run_priority(2) < exp.run_priority(5)
     runs = {r.id: r for r in store.runs(shallow + deep)}
-    a, b = runner.resolve_commit(lab, "a"), runner.resolve_commit(lab, "b")
-    base_sha = runner.resolve_commit(lab, base)
+    a, b = labrepo.resolve_commit(lab, "a"), labrepo.resolve_commit(lab, "b")
+    base_sha = labrepo.resolve_commit(lab, base)
     assert {r.priority for r in runs.values() if r.commit == a} == {exp.run_priority(1)}
     assert {r.priority for r in runs.values() if r.commit == b} == {exp.run_priority(2, rank=60)}
     # the baseline's runs: the deeper look raised every one it waits for (none is lowered)

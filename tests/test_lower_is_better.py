@@ -238,8 +238,8 @@ def test_re_verification_of_a_logloss_champion_calls_a_rise_worse(svc, monkeypat
     def plant(fresh_shift: float):
         table = {"NEW": {t: {s: LEVELS[t] + fresh_shift for s in fresh_seeds} for t in tasks},
                  h.commit: {t: {s: LEVELS[t] for s in picked} for t in tasks}}
-        monkeypatch.setattr(experiment.runner, "resolve_commit", lambda lab, ref: "NEW")
-        monkeypatch.setattr(experiment.runner, "results", lambda store, lab, commit, tasks: table[commit])
+        monkeypatch.setattr(experiment, "resolve_commit", lambda lab, ref: "NEW")
+        monkeypatch.setattr(experiment, "results", lambda store, lab, commit, tasks: table[commit])
         return graph.reverification(svc, h)
 
     worse = plant(+0.02)

@@ -19,6 +19,7 @@ from pipeline import isolation
 from pipeline.executors import StageJob, classify
 from pipeline.executors.local import LocalExecutor
 from pipeline.lab import SHM_MB, LabConfigError, memory_plan, mem_total_mb, parse_config
+from pipeline import experiment, labrepo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -212,11 +213,11 @@ def test_a_scorer_that_allocates_past_its_bound_is_the_runs_recorded_failure(tmp
 
     root, _bound = command_lab(tmp_path, "score.py")
     lab = load_lab(root)
-    store = runner.open_store(lab)
-    ids = runner.ensure_runs(store, lab, "autoresearch/baseline", ["default", "churn"], [0])
+    store = experiment.open_store(lab)
+    ids = experiment.ensure_runs(store, lab, "autoresearch/baseline", ["default", "churn"], [0])
     with runner.Driver(lab, store, LocalExecutor(preload=(), slots=1)) as d:
         d.drive(until=ids, timeout_s=240)
-    results = store.results_for(runner.resolve_commit(lab, "autoresearch/baseline"))
+    results = store.results_for(labrepo.resolve_commit(lab, "autoresearch/baseline"))
     assert sorted(r.task for r in results) == ["churn", "default"]
     for r in results:
         assert (r.outcome, r.kind, r.value) == ("method_failure", "predictions", None), r

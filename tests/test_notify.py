@@ -498,12 +498,12 @@ def test_a_targets_rate_limit_holds_the_rest_back_and_the_next_start_keeps_count
                                                                                    hook: Hook) -> None:
     from agent.notify import attach
     from agent.records import Records
-    from pipeline import runner
+    from pipeline import experiment
     from pipeline.lab import load_lab
 
     root = command_lab(tmp_path / "lab", "[notify]\nrate_per_hour = 2\n")
     lab = load_lab(root)
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     rec = Records(store)
     sender = attach(lab, store, rec, [f"{hook.url}/ok/rate"])
     for i in range(4):
@@ -543,12 +543,12 @@ def test_a_redirect_is_a_failed_attempt_never_followed(tmp_path: Path, hook: Hoo
     as delivered: it is a failure, and the row waits for its retry."""
     from agent.notify import attach
     from agent.records import Records
-    from pipeline import runner
+    from pipeline import experiment
     from pipeline.lab import load_lab
 
     root = command_lab(tmp_path / "lab", "[notify]\nbackoff_s = 60\n")
     lab = load_lab(root)
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     sender = attach(lab, store, Records(store), [f"{hook.url}/redirect/x"])
     Records(store).event("guard", "held back")  # a Records without the outbox stages nothing
     rec = sender.records
@@ -570,13 +570,13 @@ def test_a_title_with_line_breaks_reaches_e_mail_as_one_line(tmp_path: Path, mai
     fail, then die): the subject is one line, and no header can be injected through it."""
     from agent.notify import attach
     from agent.records import Hypothesis, Records
-    from pipeline import runner
+    from pipeline import experiment
     from pipeline.lab import load_lab
 
     monkeypatch.setenv("NOTIFY_PW", SMTP_PASSWORD)
     root = command_lab(tmp_path / "lab", "")
     lab = load_lab(root)
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     url = f"smtp://bot@127.0.0.1:{mailbox.port}?to=team@lab.example&password_env=NOTIFY_PW&starttls=false"
     sender = attach(lab, store, Records(store), [url])
     rec = sender.records

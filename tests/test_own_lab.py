@@ -95,6 +95,7 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
+from pipeline import experiment
 
 p = argparse.ArgumentParser()
 p.add_argument("--data", type=Path, required=True)
@@ -221,7 +222,7 @@ def test_the_truth_the_lab_is_built_on() -> None:
 
 
 def test_own_lab_runs_offline_measures_gates_promotes_the_true_gain_and_abandons_the_harm(own_lab) -> None:
-    from pipeline import runner
+    from pipeline import experiment
 
     root, first = own_lab
     assert cli(root, "check").returncode == 0
@@ -251,7 +252,7 @@ def test_own_lab_runs_offline_measures_gates_promotes_the_true_gain_and_abandons
     from pipeline.experiment import Experiment, seed_block
 
     lab = open_lab(root)
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     exp = Experiment(lab, store)
     hs = sorted(records(root).all(), key=lambda h: h.id)
     assert [h.id for h in hs] == out["hypotheses"]

@@ -92,10 +92,10 @@ def hypotheses(root: Path) -> dict[int, dict]:
 
 def store_records(root: Path):
     from agent.records import Records
-    from pipeline import runner
+    from pipeline import experiment
     from pipeline.lab import load_lab
 
-    return Records(runner.open_store(load_lab(root)))
+    return Records(experiment.open_store(load_lab(root)))
 
 
 def test_two_gains_that_harm_together_the_second_is_rebased_measured_against_a1_and_not_promoted(tmp_path: Path):
@@ -141,10 +141,10 @@ def test_two_gains_that_harm_together_the_second_is_rebased_measured_against_a1_
     assert now and all(v["verdict"] in ("futile", "harm", "escalate") for v in now), now
     assert second.verdict in ("futile", "harm") and second.decision == "abandon" and not second.promoted_tag
     # its runs against A1 are on A1's seed block; A1's own runs serve as its baseline arm
-    from pipeline import runner
+    from pipeline import experiment
     from pipeline.lab import SEED_BLOCK, load_lab
 
-    store = runner.open_store(load_lab(root))
+    store = experiment.open_store(load_lab(root))
     seeds = {r.seed for r in store.runs(commit=second.commit)}
     assert seeds and all(SEED_BLOCK <= s < 2 * SEED_BLOCK for s in seeds), seeds
     # the record says why: re-based from A0, then its verdict against A1

@@ -21,6 +21,7 @@ from support.tiny import TASKS, TinyHarness, make_lab
 from pipeline import runner
 from pipeline.executors import EXECUTORS, JobResult, StageJob, make_executor
 from pipeline.harness import HARNESSES
+from pipeline import experiment
 
 pytestmark = pytest.mark.integration
 
@@ -77,20 +78,20 @@ def test_a_registered_harness_and_executor_measure_like_the_local_executor(regis
     made = make_lab(tmp_path / "lab")
     lab = load_lab(made.root)  # "tiny" is now a harness by name: the lab validates and loads
     assert lab.tasks()[:3] == TASKS
-    store = runner.open_store(lab)
-    ids = runner.ensure_runs(store, lab, BASE, TASKS, [0, 1])
+    store = experiment.open_store(lab)
+    ids = experiment.ensure_runs(store, lab, BASE, TASKS, [0, 1])
     executor = make_executor("serial", lab)
     with runner.Driver(lab, store, executor) as d:
         d.drive(until=ids, timeout_s=120)
-    serial = runner.results(store, lab, BASE, TASKS)
+    serial = experiment.results(store, lab, BASE, TASKS)
     assert executor.submitted == 2 + 6  # one pretraining per seed, one fine-tuning per run
 
     other = make_lab(tmp_path / "reference")
-    ref_store = runner.open_store(other)
-    ids = runner.ensure_runs(ref_store, other, BASE, TASKS, [0, 1])
+    ref_store = experiment.open_store(other)
+    ids = experiment.ensure_runs(ref_store, other, BASE, TASKS, [0, 1])
     with runner.Driver(other, ref_store, make_executor("local", other, preload=("numpy",))) as d:
         d.drive(until=ids, timeout_s=120)
-    assert serial == runner.results(ref_store, other, BASE, TASKS)
+    assert serial == experiment.results(ref_store, other, BASE, TASKS)
     assert all(isinstance(v, float) for seeds in serial.values() for v in seeds.values())
 
 

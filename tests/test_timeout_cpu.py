@@ -14,6 +14,7 @@ from support.tiny import require_sandbox
 from pipeline import isolation
 from pipeline.executors import StageJob, classify
 from pipeline.executors.local import LocalExecutor
+from pipeline import experiment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -116,9 +117,9 @@ def test_the_driver_records_a_timed_out_stages_cpu_on_the_stage_and_the_run(tmp_
     spinner = ("import os\nt = time.monotonic()\nwhile True:\n    if time.monotonic() - t > 0.05:\n"
                "        t = time.monotonic()\n        os.write(2, b'cpu %.3f\\n' % time.process_time())\n")
     commit = commit_change(lab.root, "spin", "pretrain.py", 'time.sleep(cfg["sleep"])', spinner)
-    store = runner.open_store(lab)
+    store = experiment.open_store(lab)
     harness = TinyHarness()
-    ids = runner.ensure_runs(store, lab, commit, ["a"], [0], harness=harness)
+    ids = experiment.ensure_runs(store, lab, commit, ["a"], [0], harness=harness)
     with runner.Driver(lab, store, LocalExecutor(preload=("numpy",), slots=1), harness=harness) as d:
         d.drive(until=ids, timeout_s=120)
     [res] = store.results_for(commit)

@@ -11,7 +11,7 @@ from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
-from pipeline.outcomes import EXECUTED_OUTCOMES, INFRA_OUTCOMES, METHOD_OUTCOMES, SERVED_OUTCOMES
+from pipeline.outcomes import EXECUTED_OUTCOMES, ResultOutcome, INFRA_OUTCOMES, METHOD_OUTCOMES, SERVED_OUTCOMES
 from pipeline.store.tables import (
     BaselineCommit,
     Comparison,
@@ -38,11 +38,17 @@ class Reads:
             return list(s.exec(q))
 
     def results_for(self, commit: str, tasks: Iterable[str] | None = None) -> list[Result]:
+        """Every result row of a commit (a full sha), failures with their kind and detail."""
         with self.session() as s:
             q = select(Result).where(Result.commit == commit).order_by(Result.task, Result.seed)
             if tasks is not None:
                 q = q.where(Result.task.in_(list(tasks)))  # type: ignore[attr-defined]
             return list(s.exec(q))
+
+    def results_by_task(self, commit: str, tasks: Iterable[str] | None = None) -> dict[str, dict[int, float | None]]:
+        """{task: {seed: metric, or None for a method failure}} of a commit's finished runs (`by_task`)."""
+        tasks = list(tasks) if tasks is not None else None
+        return by_task(self.results_for(commit, tasks), tasks)
 
     def mark_baseline(self, commit: str) -> None:
         with self.session() as s:
@@ -198,3 +204,13 @@ class Reads:
             if kind is not None:
                 q = q.where(GateRecord.kind == kind)
             return list(s.exec(q))
+
+
+def by_task(rows: Iterable[Result], tasks: Iterable[str] | None = None) -> dict[str, dict[int, float | None]]:
+    """Result rows as {task: {seed: metric, or None for a method failure}}; infrastructure failures
+    are left out (they say nothing about the method), unfinished runs are absent."""
+    out: dict[str, dict[int, float | None]] = {t: {} for t in (tasks or [])}
+    for r in rows:
+        if ResultOutcome(r.outcome).counts():
+            out.setdefault(r.task, {})[r.seed] = r.value
+    return out

@@ -103,9 +103,9 @@ def open_lab(root: Path):
 
 def records(root: Path):
     from agent.records import Records
-    from pipeline import runner
+    from pipeline import experiment
 
-    return Records(runner.open_store(open_lab(root)))
+    return Records(experiment.open_store(open_lab(root)))
 
 
 def make_loop(root: Path, **opts: Any):
@@ -305,10 +305,10 @@ def assert_runs_exactly_once(root: Path) -> dict[str, int]:
     """Every queued run finished, one result per (commit, task, seed); returns queue counts."""
     from sqlmodel import select
 
-    from pipeline import runner
+    from pipeline import experiment
     from pipeline.store import Result
 
-    store = runner.open_store(open_lab(root))
+    store = experiment.open_store(open_lab(root))
     runs = store.runs()
     keys = [(r.commit, r.task, r.seed) for r in runs]
     assert len(keys) == len(set(keys)), "a run was queued twice"

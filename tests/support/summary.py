@@ -21,7 +21,7 @@ from agent.graph import Nodes, Services
 from agent.policy_offline import OfflinePolicy
 from agent.records import Hypothesis, Records
 from agent.workspace import Workspace
-from pipeline import runner
+from pipeline import experiment
 from pipeline.lab import load_lab
 
 BASELINE = {"default_90d": [0.60, 0.61, 0.59], "churn_60d": [0.70, 0.72, 0.71]}
@@ -36,7 +36,7 @@ def make_lab(path: Path) -> Path:
 
 def services(root: Path, policy: Any = None, supervised: bool = False) -> Services:
     lab = load_lab(root)
-    store = runner.open_store(lab, None)
+    store = experiment.open_store(lab, None)
     return Services(lab, store, Records(store), Workspace(lab), policy or OfflinePolicy(), supervised, smoke=False)
 
 
