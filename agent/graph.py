@@ -826,7 +826,10 @@ def _replayed(name: str, node: Callable[[State], State], records: Records) -> Ca
             h = records.get(state["hypothesis_id"])
             if h.status not in entry:
                 return thread_input(h)
-        return node(state)
+        out = node(state)
+        if not state.get("phase") and "phase" not in out:  # a thread with no phase yet: the row's, for the routers
+            out = {**out, "phase": records.get(state["hypothesis_id"]).status}
+        return out
 
     run.__name__ = getattr(node, "__name__", name)
     return run
