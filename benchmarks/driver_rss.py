@@ -120,7 +120,6 @@ sys.stdout.flush()
 ''',
     "stderr": '''
 import sys
-from pipeline import experiment
 chunk = b"e\\n" * (4 << 20)
 left = {size}
 while left > 0:

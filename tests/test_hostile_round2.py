@@ -1,7 +1,6 @@
 """Hostile branches, round two (issue 20): what a branch, or the LLM that wrote it, can put in front
 of the driver and the review page. Every string it writes is hostile. Real server process (`Server`
 from agent_fixtures), real HTTP requests, real stage subprocesses, real files; no mocks.
-from pipeline import experiment
 """
 
 from __future__ import annotations

@@ -95,7 +95,6 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
-from pipeline import experiment
 
 p = argparse.ArgumentParser()
 p.add_argument("--data", type=Path, required=True)
