@@ -81,6 +81,7 @@ class Services:
     progress_every_s: float | None = None
     progress_drawn_at: float | None = None  # when this loop last drew it (time.monotonic)
     progress_stale: bool = False  # a decision since was left out of it (drawn when the loop stops)
+    painter: Any = None  # agent.pictures.Painter: the loop draws its pictures in a process of its own
 
     def __post_init__(self) -> None:
         if self.experiment is None:

@@ -159,6 +159,7 @@ class Loop:
         """`progress` gets the loop's messages; `looks`, if given, where each look in flight stands
         (runs done, running, total, ETA), every half second while runs execute (a terminal's bars)."""
         from agent.graph import Services, build_graph, open_checkpointer
+        from agent.pictures import Painter
         from agent.workspace import Workspace
 
         self.lab, self.opts = lab, opts
@@ -175,7 +176,8 @@ class Loop:
             self.records = Records(self.store)
             self.policy = choose_policy(lab, self.store, opts.offline, opts.policy)
             self.svc = Services(lab, self.store, self.records, Workspace(lab), self.policy, opts.supervised,
-                                opts.smoke, stop=self.stop, progress_every_s=PROGRESS_CHART_EVERY_S)
+                                opts.smoke, stop=self.stop, progress_every_s=PROGRESS_CHART_EVERY_S,
+                                painter=Painter())
             self.checkpointer = open_checkpointer(self.svc)
             self.graph = build_graph(self.svc, self.checkpointer)
             self._exporter = None
@@ -211,6 +213,7 @@ class Loop:
         (the store stays readable). Due notifications get a few seconds to go out first."""
         if self.notifier is not None:
             self.notifier.close()
+        self.svc.painter.close()  # the pictures asked for are drawn before the loop returns
         self.svc.experiment.close()
         conn = getattr(self.checkpointer, "conn", None)
         if conn is not None:
@@ -739,6 +742,7 @@ class Loop:
                 from agent.summary import redraw_stale_progress
 
                 redraw_stale_progress(self.svc)
+                self.svc.painter.flush()  # the summaries' pictures are on disk when `run` returns
                 self.say("loop stopped" + (f" ({self.stop_reason})" if self.stop_reason else ""))
         hyps = {h.id: h for h in self.records.all()}  # a withdrawn proposal is not among them
         return {"started": self.started, "hypotheses": list(hyps), "stopped": self.stop_reason or None,

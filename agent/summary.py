@@ -327,9 +327,10 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
     from agent.pictures import forest_path, progress_path
 
     pictures = []
-    if forest_path(svc.lab, h.id).is_file():
+    coming = getattr(svc, "painter", None) is not None  # drawn by the painter: there in a moment
+    if forest_path(svc.lab, h.id).is_file() or (coming and result is not None):
         pictures.append(f"![task deltas]({forest_path(svc.lab, h.id).name})")
-    if progress_path(svc.lab).is_file():
+    if progress_path(svc.lab).is_file() or coming:
         pictures.append(f"[The lab's progress chart]({progress_path(svc.lab).name})")
     values = {
         "id": h.id,
@@ -382,21 +383,32 @@ def redraw_stale_progress(svc: Any) -> None:
     if not svc.progress_stale:
         return
     try:
-        pictures.write_progress(svc.lab, svc.store, svc.records)
+        if svc.painter is not None:
+            svc.painter.progress(svc.lab, svc.store, svc.records)
+        else:
+            pictures.write_progress(svc.lab, svc.store, svc.records)
         svc.progress_stale = False
     except Exception as e:  # a picture must never stop the loop
         log.warning("progress chart not drawn: %s: %s", type(e).__name__, e)
 
 
 def draw_pictures(svc: Any, h: Hypothesis, result: Any) -> None:
-    """The forest plot of this hypothesis and the lab's progress chart; a failure only logs."""
+    """The forest plot of this hypothesis and the lab's progress chart (by the loop's painter, in a
+    process of its own, if it has one: the files appear a moment later); a failure only logs."""
     from agent import pictures
 
+    painter = getattr(svc, "painter", None)
     try:
         if result is not None:
-            pictures.write_forest(svc.lab, h.id, h.title, result)
+            if painter is not None:
+                painter.forest(svc.lab, h.id, h.title, result)
+            else:
+                pictures.write_forest(svc.lab, h.id, h.title, result)
         if progress_due(svc, promoted=h.promoted_tag is not None):
-            pictures.write_progress(svc.lab, svc.store, svc.records)
+            if painter is not None:
+                painter.progress(svc.lab, svc.store, svc.records)
+            else:
+                pictures.write_progress(svc.lab, svc.store, svc.records)
     except Exception as e:  # a picture must never stop the loop
         log.warning("hypothesis %s: pictures not drawn: %s: %s", h.id, type(e).__name__, e)
 

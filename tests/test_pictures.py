@@ -11,7 +11,15 @@ import pytest
 from support.summary import BASELINE, BETTER, SAME, cli, decided, gate_result, implemented, make_lab, measured, services
 
 from agent.graph import Nodes
-from agent.pictures import DECISION_COLORS, FLAG_COLORS, draw_forest, forest_path, progress_path, progress_points
+from agent.pictures import (
+    DECISION_COLORS,
+    FLAG_COLORS,
+    Painter,
+    draw_forest,
+    forest_path,
+    progress_path,
+    progress_points,
+)
 from agent.records import Hypothesis
 from agent.summary import summary_path
 
@@ -36,9 +44,26 @@ def lab(tmp_path):
     return make_lab(tmp_path / "lab")
 
 
-def test_progress_chart_and_forest_plots_from_the_gates_records(lab):
+@pytest.mark.parametrize("painted", [False, True], ids=["here", "painter"])
+def test_progress_chart_and_forest_plots_from_the_gates_records(lab, painted):
+    """Drawn in this process, or by the loop's `Painter` in a process of its own: the same pictures,
+    linked from the same summaries."""
     svc = services(lab)
+    svc.painter = Painter() if painted else None
+    try:
+        _pictures_from_the_gates_records(lab, svc)
+    finally:
+        if svc.painter is not None:
+            svc.painter.close()
+
+
+def _pictures_from_the_gates_records(lab, svc):
+    def drawn():
+        if svc.painter is not None:
+            svc.painter.flush()
+
     promoted = decided(svc, measured(svc, implemented(svc), BETTER))
+    drawn()
     assert promoted.decision == "promote" and promoted.promoted_tag == "baseline/v1"
     # forest written before the summary text: the first (and only) write links it
     assert forest_path(svc.lab, promoted.id).is_file()
@@ -51,6 +76,7 @@ def test_progress_chart_and_forest_plots_from_the_gates_records(lab):
     rejected = svc.records.add(Hypothesis(title="(search space exhausted)", status="summarizing", decision="reject",
                                           reject_kind="exhausted", reject_reason="no untried idea left"))
     Nodes(svc).summarize({"hypothesis_id": rejected.id})
+    drawn()
     assert not forest_path(svc.lab, rejected.id).exists()
     assert "No runs were measured" in summary_path(svc.lab, rejected.id).read_text()
 
@@ -89,3 +115,30 @@ def test_forest_plot_of_failed_runs_and_of_a_record_between_looks(tmp_path):
     path = draw_forest(between, tmp_path / "between.png", "#2 between looks", "auc")
     assert not has_color(pixels(path), FLAG_COLORS["win"])
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically
+
+
+def test_a_painter_whose_worker_died_starts_another_and_loses_no_picture(tmp_path):
+    """kill -9 of the painter's worker process: the next picture starts a new one (or is drawn here);
+    every picture asked for is on disk after `flush`."""
+    import os
+    import signal
+
+    from support.summary import gate_result as result_of
+
+    svc = services(make_lab(tmp_path / "lab"))
+    painter = Painter()
+    try:
+        result = result_of(BETTER, 2)
+        painter.forest(svc.lab, 1, "first", result)
+        painter.flush()
+        assert forest_path(svc.lab, 1).is_file()
+        (pid,) = [p.pid for p in painter._pool._processes.values()]
+        assert pid != os.getpid()  # drawn in a process of its own
+        os.kill(pid, signal.SIGKILL)
+        for hid in (2, 3):
+            painter.forest(svc.lab, hid, "after the kill", result)
+        painter.flush()
+        assert all(forest_path(svc.lab, hid).is_file() for hid in (2, 3))
+        assert pixels(forest_path(svc.lab, 3)).shape == pixels(forest_path(svc.lab, 1)).shape
+    finally:
+        painter.close()
