@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, TypedDict
 
 from agent.errors import LLMError, LLMOutputError, LLMUnavailable
@@ -82,6 +82,7 @@ class Services:
     progress_drawn_at: float | None = None  # when this loop last drew it (time.monotonic)
     progress_stale: bool = False  # a decision since was left out of it (drawn when the loop stops)
     painter: Any = None  # agent.pictures.Painter: the loop draws its pictures in a process of its own
+    effects: dict[int, dict[str, Any]] = field(default_factory=dict)  # `build_context`'s, of done hypotheses
 
     def __post_init__(self) -> None:
         if self.experiment is None:
@@ -114,14 +115,16 @@ def build_context(svc: Services) -> Context:
     tried_states = []
     baseline_states = []
     base_commits = set()
-    for h in svc.records.all():
+    briefs = svc.records.briefs()
+    effects = _effect_summaries(svc, [h for h in briefs if h.status in ("done", "held")])
+    for h in briefs:
         if h.change:
             tried_states.append(h.change)
         if h.base_commit:
             base_commits.add(h.base_commit)
         if h.status in ("done", "held"):
             history.append({"id": h.id, "title": h.title, "status": h.status, "verdict": h.verdict,
-                            "decision": h.decision, **_effect_summary(svc, h)})
+                            "decision": h.decision, **effects.get(h.id, {})})
     cfg = lab.config
     # every configuration a baseline ever had was measured too: going back to one is not a new idea
     if cfg.search_space:
@@ -184,9 +187,37 @@ def search_key_costs(lab: Lab) -> dict[str, int]:
     return out
 
 
-def _effect_summary(svc: Services, h: Hypothesis) -> dict[str, Any]:
-    """Mean raw Δ (challenger − baseline) and how many tasks improved, by the metric's direction."""
-    g = svc.records.latest_verdict(h.id)
+def _effect_summaries(svc: Services, hs: list[Any]) -> dict[int, dict[str, Any]]:
+    """`_effect_summary` of each of `hs` (decided hypotheses). A `done` one's is final, and kept
+    (`Services.effects`): a context is built at every decision, and reading every verdict each time
+    cost the loop more, at a few hundred hypotheses, than everything else it did. The ones not kept
+    are read in one query when there are many (a loop starting on a long history)."""
+    from agent.verdicts import VERDICT
+
+    from pipeline.gate.report import GateResult
+
+    out, missing = {}, []
+    for h in hs:
+        if h.id in svc.effects:
+            out[h.id] = svc.effects[h.id]
+        else:
+            missing.append(h)
+    if len(missing) > 8:
+        recs = svc.store.latest_gate_records(VERDICT)
+        verdicts = {h.id: GateResult.from_dict(recs[str(h.id)].payload) if str(h.id) in recs else None
+                    for h in missing}
+    else:
+        verdicts = {h.id: svc.records.latest_verdict(h.id) for h in missing}
+    for h in missing:
+        out[h.id] = _effect_summary(verdicts[h.id])
+        if h.status == Status.DONE:
+            svc.effects[h.id] = out[h.id]
+    return out
+
+
+def _effect_summary(g: Any) -> dict[str, Any]:
+    """Mean raw Δ (challenger − baseline) of a verdict (`GateResult`, or None) and how many tasks
+    improved, by the metric's direction."""
     if g is None:
         return {}
     deltas = [t.delta for t in g.tasks if t.delta is not None]

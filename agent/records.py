@@ -314,6 +314,14 @@ class Records:
                 q = q.where(Hypothesis.updated_at >= since)
             return list(s.exec(q))
 
+    def briefs(self) -> list[Any]:
+        """Every hypothesis's id, title, status, verdict, decision, change and base commit, in id
+        order, without its texts (a context reads this at every decision: thousands of rows)."""
+        with self.store.session() as s:
+            q = select(Hypothesis.id, Hypothesis.title, Hypothesis.status, Hypothesis.verdict, Hypothesis.decision,
+                       Hypothesis.change, Hypothesis.base_commit).order_by(Hypothesis.id)
+            return list(s.exec(q).all())
+
     def since_promotion(self) -> int:
         """Measured hypotheses decided in a row since the last promotion (rejections before any run
         do not count: they measured nothing)."""
