@@ -18,6 +18,7 @@ from agent.records import ACTIVE, Hypothesis, Records
 from pipeline import disk, isolation, lease
 from pipeline.experiment import Experiment, open_store
 from pipeline.lab import Lab, load_lab, memory_plan
+from pipeline.outcomes import RunStatus
 
 
 
@@ -106,7 +107,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
     hyps = rec.all()
     queue = store.queue_counts()
     running = [{"id": r.id, "commit": r.commit[:10], "task": r.task, "seed": r.seed}
-               for r in store.runs() if r.status == "running"]
+               for r in store.runs() if r.status == RunStatus.RUNNING]
     import git
 
     from pipeline.labrepo import LabRepo

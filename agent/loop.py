@@ -719,8 +719,8 @@ class Loop:
                     elif time.monotonic() - last_said[0] > PROGRESS_EVERY_S:
                         last_said[0] = time.monotonic()
                         self.say("runs: " + "; ".join(
-                            f"#{h} {sum(r.status in ('done', 'failed') for r in rs)}/{len(rs)} finished, "
-                            f"{sum(r.status == 'running' for r in rs)} running" for h, rs in runs.items()))
+                            f"#{h} {sum(RunStatus(r.status).is_finished() for r in rs)}/{len(rs)} finished, "
+                            f"{sum(r.status == RunStatus.RUNNING for r in rs)} running" for h, rs in runs.items()))
                     return any(all(RunStatus(r.status).is_finished() for r in rs) for rs in runs.values())
 
                 while not self.stop.is_set() and not one_look_complete():
@@ -764,7 +764,7 @@ class Loop:
             eta = left * (sum(walls) / len(walls)) / max(1, slots) if walls else None
             h = self.records.get(hid)
             out[hid] = {"title": h.title, "look": h.look, "done": len(done), "total": len(rs),
-                        "running": sum(r.status == "running" for r in rs), "eta_s": eta}
+                        "running": sum(r.status == RunStatus.RUNNING for r in rs), "eta_s": eta}
         return out
 
     def _idle_wait(self) -> float:

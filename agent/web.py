@@ -192,7 +192,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
             runs = store.runs(commit=h.commit) if h.commit else []
             flying.append({"id": h.id, "title": h.title, "status": h.status, "look": h.look,
                            "done": sum(RunStatus(r.status).is_finished() for r in runs), "total": len(runs),
-                           "running": sum(r.status == "running" for r in runs)})
+                           "running": sum(r.status == RunStatus.RUNNING for r in runs)})
         from agent.pictures import progress_path
 
         return page(request, "overview.html", st=st, history=history[::-1], recent=recent, flying=flying,
