@@ -11,8 +11,9 @@ Three grains, one module, each a `StrEnum` whose members are the strings the sto
 - `ResultOutcome`, what a run's result says (`Result.outcome`): a metric, the method's failure (a
   result the gate sees), or the machinery's (left out of every comparison, retried first).
 
-The predicates are the meanings the driver, the goodput and the pages share, so no module keeps
-its own list of strings. Standard library only.
+The predicates and the tuples below are the meanings the driver, the goodput and the pages share,
+so no module keeps its own list of strings. Standard library only. What each stage outcome means,
+and what the driver records a run whose stage came to it as:
 
     StageOutcome        finished  method failure  infra  served  executed  → ResultOutcome
     running                 no
@@ -50,16 +51,9 @@ class StageOutcome(StrEnum):
     CANCELLED = "cancelled"  # a graceful stop
     UPSTREAM_FAILED = "upstream_failed"  # a stage it needs failed: never started
 
-    def is_finished(self) -> bool:
-        return self is not StageOutcome.RUNNING
-
     def is_method_failure(self) -> bool:
         """The branch's own failure (this stage's, not an upstream one's): its key fails again."""
         return self in METHOD_OUTCOMES
-
-    def is_infra(self) -> bool:
-        """Compute lost to the machinery, not to the method."""
-        return self in INFRA_OUTCOMES
 
     def is_failure(self) -> bool:
         """This stage's own process failed (the method's or the machinery's): its log tells why."""
@@ -68,18 +62,6 @@ class StageOutcome(StrEnum):
     def is_served(self) -> bool:
         """No compute of its own: the cache or another run's execution served it."""
         return self in SERVED_OUTCOMES
-
-    def is_executed(self) -> bool:
-        """A process ran for it (its CPU counts as spent)."""
-        return self in EXECUTED_OUTCOMES
-
-    def result(self) -> ResultOutcome:
-        """What a run whose stage came to this is recorded as."""
-        if self in (StageOutcome.METHOD, StageOutcome.TIMEOUT, StageOutcome.UPSTREAM_FAILED):
-            return ResultOutcome.METHOD_FAILURE
-        if self.is_infra():
-            return ResultOutcome.INFRA_FAILURE
-        return ResultOutcome.OK
 
 
 class ResultOutcome(StrEnum):
