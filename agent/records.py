@@ -244,19 +244,11 @@ class Records:
     def archive_decisions(self, hid: int, to: str) -> int:
         """Move the hypothesis's decisions to the key `to` (a re-based comparison kept aside, beside
         its verdicts: `Store.move_gate_records`), replacing any there; idempotent. How many moved."""
-        from sqlalchemy import delete
+        from pipeline.store.reads import rekey
 
         with self.store.session() as s:
             rows = list(s.exec(select(DecisionRow).where(DecisionRow.hypothesis == str(hid))))
-            if rows:
-                s.exec(delete(DecisionRow).where(DecisionRow.hypothesis == to,  # type: ignore[call-overload]
-                                                 DecisionRow.look.in_([r.look for r in rows])))  # type: ignore[attr-defined]
-                s.flush()
-            for r in rows:
-                r.hypothesis = to
-                s.add(r)
-            s.commit()
-            return len(rows)
+            return rekey(s, DecisionRow, rows, to, ("look",))
 
     def _migrate_decisions(self) -> None:
         """A store written before the agent had its own decision table kept its decisions as gate

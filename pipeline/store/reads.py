@@ -181,16 +181,7 @@ class Reads:
         with self.session() as s:
             rows = list(s.exec(select(GateRecord).where(GateRecord.hypothesis == hypothesis,
                                                         GateRecord.kind.in_(kinds))))
-            for rec in rows:
-                for old in s.exec(select(GateRecord).where(GateRecord.hypothesis == to, GateRecord.look == rec.look,
-                                                           GateRecord.kind == rec.kind)):
-                    s.delete(old)
-            s.flush()
-            for rec in rows:
-                rec.hypothesis = to
-                s.add(rec)
-            s.commit()
-            return len(rows)
+            return rekey(s, GateRecord, rows, to, ("look", "kind"))
 
     def latest_gate_records(self, kind: str) -> dict[str, GateRecord]:
         """Every hypothesis's record of `kind` at its deepest look, in one read: {hypothesis: record}."""
@@ -214,3 +205,19 @@ def by_task(rows: Iterable[Result], tasks: Iterable[str] | None = None) -> dict[
         if ResultOutcome(r.outcome).counts():
             out.setdefault(r.task, {})[r.seed] = r.value
     return out
+
+
+def rekey(s: Any, model: Any, rows: list[Any], to: str, same: tuple[str, ...]) -> int:
+    """Give `rows` (of `model`, keyed by its `hypothesis` column) the key `to`, replacing the rows
+    already under `to` that equal one of them on the columns `same`; committed in `s`'s transaction.
+    How many moved. A re-based comparison's gate records and the agent's decisions move this way."""
+    for r in rows:
+        for old in s.exec(select(model).where(model.hypothesis == to,
+                                              *(getattr(model, c) == getattr(r, c) for c in same))):
+            s.delete(old)
+    s.flush()
+    for r in rows:
+        r.hypothesis = to
+        s.add(r)
+    s.commit()
+    return len(rows)
