@@ -332,12 +332,13 @@ class Painter:
         self._pending: list[tuple[Any, Any, tuple[Any, ...]]] = []  # (future, function, arguments)
         self._lock = threading.Lock()
 
-    def forest(self, lab: Any, hid: int, title: str, result: Any) -> Path:
+    # the module's `write_forest` and `write_progress`, drawn by the worker: a caller takes either
+    def write_forest(self, lab: Any, hid: int, title: str, result: Any) -> Path:
         path = forest_path(lab, hid)
         self._submit(_paint_forest, result.to_json(), str(path), f"#{hid} {title}"[:90], lab.config.benchmark.metric)
         return path
 
-    def progress(self, lab: Any, store: Any, records: Any) -> Path:
+    def write_progress(self, lab: Any, store: Any, records: Any) -> Path:
         from agent.progress import split_progress
 
         bench, path = lab.config.benchmark, progress_path(lab)

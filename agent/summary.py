@@ -383,10 +383,7 @@ def redraw_stale_progress(svc: Any) -> None:
     if not svc.progress_stale:
         return
     try:
-        if svc.painter is not None:
-            svc.painter.progress(svc.lab, svc.store, svc.records)
-        else:
-            pictures.write_progress(svc.lab, svc.store, svc.records)
+        (svc.painter or pictures).write_progress(svc.lab, svc.store, svc.records)
         svc.progress_stale = False
     except Exception as e:  # a picture must never stop the loop
         log.warning("progress chart not drawn: %s: %s", type(e).__name__, e)
@@ -397,18 +394,12 @@ def draw_pictures(svc: Any, h: Hypothesis, result: Any) -> None:
     process of its own, if it has one: the files appear a moment later); a failure only logs."""
     from agent import pictures
 
-    painter = getattr(svc, "painter", None)
+    painter = getattr(svc, "painter", None) or pictures
     try:
         if result is not None:
-            if painter is not None:
-                painter.forest(svc.lab, h.id, h.title, result)
-            else:
-                pictures.write_forest(svc.lab, h.id, h.title, result)
+            painter.write_forest(svc.lab, h.id, h.title, result)
         if progress_due(svc, promoted=h.promoted_tag is not None):
-            if painter is not None:
-                painter.progress(svc.lab, svc.store, svc.records)
-            else:
-                pictures.write_progress(svc.lab, svc.store, svc.records)
+            painter.write_progress(svc.lab, svc.store, svc.records)
     except Exception as e:  # a picture must never stop the loop
         log.warning("hypothesis %s: pictures not drawn: %s: %s", h.id, type(e).__name__, e)
 

@@ -129,14 +129,14 @@ def test_a_painter_whose_worker_died_starts_another_and_loses_no_picture(tmp_pat
     painter = Painter()
     try:
         result = result_of(BETTER, 2)
-        painter.forest(svc.lab, 1, "first", result)
+        painter.write_forest(svc.lab, 1, "first", result)
         painter.flush()
         assert forest_path(svc.lab, 1).is_file()
         (pid,) = [p.pid for p in painter._pool._processes.values()]
         assert pid != os.getpid()  # drawn in a process of its own
         os.kill(pid, signal.SIGKILL)
         for hid in (2, 3):
-            painter.forest(svc.lab, hid, "after the kill", result)
+            painter.write_forest(svc.lab, hid, "after the kill", result)
         painter.flush()
         assert all(forest_path(svc.lab, hid).is_file() for hid in (2, 3))
         assert pixels(forest_path(svc.lab, 3)).shape == pixels(forest_path(svc.lab, 1)).shape
