@@ -261,6 +261,14 @@ class Experiment:
         chal_rows = self.store.results_for(sha, tasks)
         dataset = _one_dataset([r for r in base_rows if r.seed in own] + [r for r in chal_rows if r.seed in seeds])
         base, chal = by_task(base_rows, tasks), by_task(chal_rows, tasks)
+        # the variance prior (and a task's σ): the baseline's runs on its own block that this look
+        # waits for, and those finished before the comparison was first recorded (earlier
+        # challengers' deeper looks, variance studies), never one that merely finished by now: a
+        # look's verdict is a function of the look, not of what else ran meanwhile (and not the
+        # runs a promoted champion was selected on: the block before)
+        cutoff = next((t for c, b, t in self.store.comparisons_timed() if (c, b) == (sha, base_sha)), None)
+        prior = {(r.task, r.seed) for r in base_rows
+                 if r.seed in block and cutoff is not None and r.created_at < cutoff}
         inp = {
             "config": cfg.gate.model_dump(),
             "tasks": [
@@ -269,10 +277,7 @@ class Experiment:
                     "baseline": [base.get(t, {}).get(s) for s in own],
                     # an infrastructure failure that exhausted its retries has no result: counted as failed
                     "challenger": [chal.get(t, {}).get(s) for s in seeds],
-                    # the variance prior (and a task's σ): every run of the baseline commit on its own block
-                    # (gate runs, deeper looks of its other challengers, variance studies), not the runs a
-                    # promoted champion was selected on (the block before)
-                    "history": [v for s, v in sorted(base.get(t, {}).items()) if s in block],
+                    "history": [v for s, v in sorted(base.get(t, {}).items()) if s in own or (t, s) in prior],
                 }
                 for t in tasks
             ],

@@ -128,3 +128,54 @@ def test_the_simulated_lab_keeps_several_hypotheses_in_flight_on_more_slots_than
         con.close()
     overlapping = {c1 for c1, s1, f1 in spans for c2, s2, f2 in spans if c1 != c2 and s1 < f2 and s2 < f1}
     assert len(overlapping) >= 2, spans
+
+
+def test_a_looks_verdict_does_not_move_when_other_runs_of_its_baseline_finish_later(tmp_path: Path) -> None:
+    """The gate's variance prior at a look is the baseline's runs the look waits for and those
+    finished before the comparison was first recorded: a deeper look of another challenger that
+    finishes meanwhile changes nothing (judged again, the same record), and a comparison recorded
+    after those runs borrows them (a different σ_task on the same pairs)."""
+    import time
+
+    from pipeline import experiment, labrepo
+    from pipeline.experiment import Experiment
+    from pipeline.lab import load_lab
+    from pipeline.store import Owner, Result
+
+    root = sim_lab(tmp_path / "lab")
+    for name in ("a", "b", "c"):
+        git(root, "checkout", "-qb", name, "autoresearch/baseline")
+        (root / f"effect_{name}.toml").write_text("effect = 1.0\n")
+        git(root, "add", "-A")
+        git(root, "commit", "-qm", name)
+    git(root, "checkout", "-q", "main")
+    lab = load_lab(root)
+    store = experiment.open_store(lab)
+    exp = Experiment(lab, store)
+    base = "autoresearch/baseline"
+    base_sha = labrepo.resolve_commit(lab, base)
+    level = {0: 0.50, 1: 0.53, 2: 0.46, 3: 0.56, 4: 0.44}
+
+    def finish(commit: str, lift: float) -> None:
+        sha = labrepo.resolve_commit(lab, commit)
+        for claim in store.claim(Owner.current(), 100, commits=[sha]):
+            r = claim.run
+            value = level[r.seed] + 0.01 * int(r.task[1:]) + lift + 0.002 * (r.seed % 2)
+            assert store.finish(claim, Result(run_id=r.id, commit=sha, task=r.task, seed=r.seed, value=value,
+                                              dataset_id="sim-s0"))
+        time.sleep(0.01)  # the next rows are created strictly later
+
+    exp.queue_look(base, "a", 2)
+    finish(base, 0.0)
+    finish("a", 0.02)
+    first = exp.judge_look(base, "a", 2).to_json()
+    exp.queue_look(base, "b", 5)  # another challenger's deeper look: baseline seeds 2-4
+    finish(base, 0.0)
+    assert len(store.results_for(base_sha)) == 2 * 5
+    assert exp.judge_look(base, "a", 2).to_json() == first
+    exp.queue_look(base, "c", 2)  # recorded after seeds 2-4 finished: they are its prior
+    finish("c", 0.02)
+    later = exp.judge_look(base, "c", 2).to_json()
+    assert [t["delta"] for t in later["tasks"]] == pytest.approx([t["delta"] for t in first["tasks"]])
+    assert later["horizontal"] != first["horizontal"]
+    store.dispose()
