@@ -12,7 +12,7 @@ Input (`GateInput`, a pydantic model; a plain dict of the same shape is accepted
         {"task": "default_90d",
          "baseline":   [0.781, 0.779, 0.802, 0.790, 0.785],   # by seed: position k = seed k
          "challenger": [0.801, null],                         # null/NaN = method failure
-         "history":    [0.781, 0.779, 0.802, 0.790, 0.785, 0.77, 0.80]},  # all runs of the baseline commit
+         "history":    [0.781, 0.779, 0.802, 0.790, 0.785, 0.77, 0.80]},  # baseline runs (the prior)
         ...
       ],
       "looks_done": null,   # challenger counts of earlier looks (default: planned looks below now)

@@ -4,7 +4,8 @@ The execution layer builds a `GateInput` from its run records and calls `evaluat
 
 - one `TaskRuns` per task: `baseline` and `challenger` metric values **by seed** (position k is
   seed k; seed k of an arm is one run on every task, so positions pair up across tasks), and
-  `history`, every run of the current baseline commit on that task (the variance prior);
+  `history`, runs of the current baseline commit on that task (the variance prior; `judge_look`
+  gives the ones the look waits for and those finished before the comparison was first recorded);
 - a failed challenger run (method failure: NaN, divergence, crash in branch code) is `None` or NaN
   at its seed's position; a run not finished yet is simply absent (a shorter list);
 - `config`: the `[gate]` section plus the benchmark's `higher_is_better`.
