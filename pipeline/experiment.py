@@ -266,7 +266,8 @@ class Experiment:
         # challengers' deeper looks, variance studies), never one that merely finished by now: a
         # look's verdict is a function of the look, not of what else ran meanwhile (and not the
         # runs a promoted champion was selected on: the block before)
-        cutoff = next((t for c, b, t in self.store.comparisons_timed() if (c, b) == (sha, base_sha)), None)
+        timed = self.store.comparisons_timed()
+        cutoff = next((t for c, b, t in timed if (c, b) == (sha, base_sha)), None)
         prior = {(r.task, r.seed) for r in base_rows
                  if r.seed in block and cutoff is not None and r.created_at < cutoff}
         inp = {
@@ -281,7 +282,8 @@ class Experiment:
                 }
                 for t in tasks
             ],
-            **(dict(zip(("pair_history", "arm_history"), self.histories(tasks, exclude=(sha, base_sha), dataset=dataset)))
+            **(dict(zip(("pair_history", "arm_history"), self.histories(tasks, exclude=(sha, base_sha), dataset=dataset,
+                                                                          timed=timed)))
                if self.paired() else {}),
             "looks_done": [n for n in cfg.gate.looks if n < look],
             "at_look": True,
@@ -304,7 +306,8 @@ class Experiment:
         """The lab's earlier comparisons as paired differences (the `paired` protocol's futility prior)."""
         return self.histories(tasks, exclude)[0]
 
-    def histories(self, tasks: list[str], exclude: tuple[str, str] | None = None, dataset: str | None = None
+    def histories(self, tasks: list[str], exclude: tuple[str, str] | None = None, dataset: str | None = None,
+                  timed: list[tuple[str, str, float]] | None = None
                   ) -> tuple[list[dict[str, list[float | None]]], list[dict[str, list[float | None]]]]:
         """The lab's earlier comparisons, from one read of the store: their paired differences (the
         `paired` protocol's futility prior) and the runs of every arm in them by seed, each commit
@@ -316,7 +319,7 @@ class Experiment:
         dataset than `dataset` (default: the newest) are left out. Being frozen, the answer for a
         recorded `exclude` is computed once per process and kept (`_frozen`, bounded): each later
         look of the hypothesis reads only the comparisons' times."""
-        timed = self.store.comparisons_timed()
+        timed = self.store.comparisons_timed() if timed is None else timed  # the caller's read, if it made one
         cutoff = next((t for c, b, t in timed if (c, b) == exclude), None)
         key = (tuple(tasks), exclude, dataset)
         if cutoff is not None and key in self._frozen:
