@@ -198,6 +198,7 @@ def cell(executor: str, db: str, slots: int, stage_s: float, minutes: float, hyp
     from agent.records import Records
     from pipeline.lab import load_lab
     from pipeline.experiment import open_store
+    from pipeline.outcomes import StageOutcome
     from pipeline.store import Result, StageExec
 
     root = Path(tempfile.mkdtemp(prefix=f"scale-{executor}-{db}-{slots}-")) / "lab"
@@ -222,9 +223,13 @@ def cell(executor: str, db: str, slots: int, stage_s: float, minutes: float, hyp
         timer.remove()
         store = open_store(lab, url)
         with store.session() as s:
-            stages = list(s.exec(select(StageExec).where(StageExec.outcome.in_(("ok", "method", "timeout", "cancelled")))))  # type: ignore[attr-defined]
+            executed = (StageOutcome.OK, StageOutcome.METHOD, StageOutcome.TIMEOUT, StageOutcome.CANCELLED)
+            stages = list(s.exec(select(StageExec).where(StageExec.outcome.in_(executed))))  # type: ignore[attr-defined]
             results = list(s.exec(select(Result)))
         spans = [(x.started_at, x.finished_at or t_stop) for x in stages]
+        if not spans:
+            raise SystemExit(f"scale.py: no stage ran in the {minutes:g}-minute cell ({executor}, {db}, {slots} slots): "
+                             "give it more --minutes")
         t0 = min(a for a, _ in spans)
         util, steady = busy_fraction(spans, slots, t0, t_stop)
         rec = Records(store)
