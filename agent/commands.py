@@ -107,7 +107,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
     hyps = rec.all()
     queue = store.queue_counts()
     running = [{"id": r.id, "commit": r.commit[:10], "task": r.task, "seed": r.seed}
-               for r in store.runs() if r.status == RunStatus.RUNNING]
+               for r in store.runs(status=RunStatus.RUNNING)]
     import git
 
     from pipeline.labrepo import LabRepo

@@ -118,6 +118,9 @@ def test_a_claim_takes_at_most_its_limit_in_queue_order(store: Store) -> None:
     assert [c.run.id for c in nxt] == [high[1], high[2], low[0]]
     assert store.queue_counts() == {"queued": 2, "running": 4, "done": 0, "failed": 0}
     assert all(c.run.status == "running" and c.run.claim_token == c.token for c in first + nxt)
+    # what `status` lists: the claimed runs alone, read by their status (not every run of the lab)
+    assert [r.id for r in store.runs(status="running")] == sorted([high[0], high[1], high[2], low[0]])
+    assert [r.id for r in store.runs(commit="c" * 40, status="queued")] == [low[1], low[2]]
 
 
 def test_result_is_written_once_and_only_by_the_claim_holder(store: Store) -> None:

@@ -28,13 +28,17 @@ from pipeline.store.tables import (
 class Reads:
     """The reads and the gate records of `Store`. Mixed into `Store`, whose `session()` each method uses."""
 
-    def runs(self, ids: Iterable[int] | None = None, commit: str | None = None) -> list[Run]:
+    def runs(self, ids: Iterable[int] | None = None, commit: str | None = None,
+             status: str | None = None) -> list[Run]:
+        """Runs in id order: all, or those with these ids, of this commit, in this status."""
         with self.session() as s:
             q = select(Run).order_by(Run.id)
             if ids is not None:
                 q = q.where(Run.id.in_(list(ids)))  # type: ignore[union-attr]
             if commit is not None:
                 q = q.where(Run.commit == commit)
+            if status is not None:
+                q = q.where(Run.status == status)
             return list(s.exec(q))
 
     def results_for(self, commit: str, tasks: Iterable[str] | None = None) -> list[Result]:
