@@ -55,15 +55,18 @@ def emit_json(obj: object) -> None:
 @app.command()
 def init(
     directory: Path = typer.Argument(..., help="Where to create the lab."),
-    suite: str = typer.Option("small", "--suite", help="Benchmark suite: small (8 tasks, CPU) or full (24 tasks)."),
+    suite: Optional[str] = typer.Option(None, "--suite", help="Benchmark suite: small (8 tasks, CPU; the default) "
+                                        "or full (24 tasks); sim for harness sim."),
     harness: str = typer.Option("transactions", "--harness",
-                                help="transactions (the bundled benchmark) or command (a skeleton of your own lab)."),
+                                help="transactions (the bundled benchmark), command (a skeleton of your own lab) "
+                                     "or sim (a simulated lab, to try the loop at scale)."),
     force: bool = typer.Option(False, "--force", help="Create even if DIR exists and is not empty."),
 ) -> None:
     """Create a lab from a bundled template: a git repo with a baseline branch."""
-    from agent.labinit import init_lab
+    from agent.labinit import default_suite, init_lab
 
     root = init_lab(directory, suite=suite, force=force, harness=harness)
+    suite = suite or default_suite(harness)
     typer.echo(str(root))
     typer.echo(f"lab created at {root} (suite {suite}); baseline branch autoresearch/baseline", err=True)
 

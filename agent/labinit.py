@@ -17,7 +17,16 @@ def template_dir(harness: str = "transactions") -> Path:
     return TEMPLATES / harness
 
 
-def init_lab(directory: str | Path, suite: str = "small", force: bool = False, harness: str = "transactions") -> Path:
+def default_suite(harness: str) -> str:
+    """The suite `init` uses when none is named: `small`, or the harness's only one (`sim`'s `sim`)."""
+    from pipeline.experiment import harness_suites
+
+    suites = harness_suites(harness) or set()
+    return "small" if not suites or "small" in suites else sorted(suites)[0]
+
+
+def init_lab(directory: str | Path, suite: str | None = None, force: bool = False,
+             harness: str = "transactions") -> Path:
     """Copy the template, commit it, and point `autoresearch/baseline` at that commit.
 
     The working tree stays on `main`: the loop measures commits in worktrees of its own, and
@@ -32,6 +41,7 @@ def init_lab(directory: str | Path, suite: str = "small", force: bool = False, h
     if suites is None or not template_dir(harness).is_dir():
         known = sorted(p.name for p in TEMPLATES.iterdir() if p.is_dir() and harness_suites(p.name) is not None)
         raise UserError(f"no template for harness {harness!r}; expected one of {known}")
+    suite = default_suite(harness) if suite is None else suite
     if suites and suite not in suites:
         raise UserError(f"unknown suite {suite!r}; expected one of {sorted(suites)}")
     if root.exists() and not root.is_dir():

@@ -49,3 +49,14 @@ def test_init_unknown_suite_is_bad_input(tmp_path):
     proc = cli("init", str(tmp_path / "lab"), "--suite", "medium")
     assert proc.returncode == 2 and "unknown suite 'medium'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_init_of_the_simulated_lab_takes_its_one_suite_without_being_told(tmp_path):
+    proc = cli("init", str(tmp_path / "lab"), "--harness", "sim")
+    assert proc.returncode == 0, proc.stderr
+    assert "(suite sim)" in proc.stderr
+    lab = load_lab(tmp_path / "lab")
+    assert (lab.config.benchmark.harness, lab.config.benchmark.suite) == ("sim", "sim") and len(lab.tasks()) == 8
+    proc = cli("init", str(tmp_path / "other"), "--harness", "sim", "--suite", "small")  # named, it is checked
+    assert proc.returncode == 2 and "unknown suite 'small'; expected one of ['sim']" in proc.stderr
+    assert "Traceback" not in proc.stderr
