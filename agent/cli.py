@@ -64,9 +64,10 @@ def init(
 ) -> None:
     """Create a lab from a bundled template: a git repo with a baseline branch."""
     from agent.labinit import default_suite, init_lab
+    from pipeline.experiment import harness_suites
 
+    suite = suite or default_suite(harness_suites(harness))  # chosen once, here: the message names it
     root = init_lab(directory, suite=suite, force=force, harness=harness)
-    suite = suite or default_suite(harness)
     typer.echo(str(root))
     typer.echo(f"lab created at {root} (suite {suite}); baseline branch autoresearch/baseline", err=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
+from typing import Any, Mapping
 
 from pipeline.errors import UserError
 from pipeline.lab import BASELINE_BRANCH, CONFIG_NAME, load_lab
@@ -17,11 +18,9 @@ def template_dir(harness: str = "transactions") -> Path:
     return TEMPLATES / harness
 
 
-def default_suite(harness: str) -> str:
-    """The suite `init` uses when none is named: `small`, or the harness's only one (`sim`'s `sim`)."""
-    from pipeline.experiment import harness_suites
-
-    suites = harness_suites(harness) or set()
+def default_suite(suites: Mapping[str, Any] | None) -> str:
+    """The suite `init` uses when none is named, from the harness's suites (`harness_suites`):
+    `small`, or the harness's only one (`sim`'s `sim`)."""
     return "small" if not suites or "small" in suites else sorted(suites)[0]
 
 
@@ -41,7 +40,7 @@ def init_lab(directory: str | Path, suite: str | None = None, force: bool = Fals
     if suites is None or not template_dir(harness).is_dir():
         known = sorted(p.name for p in TEMPLATES.iterdir() if p.is_dir() and harness_suites(p.name) is not None)
         raise UserError(f"no template for harness {harness!r}; expected one of {known}")
-    suite = default_suite(harness) if suite is None else suite
+    suite = default_suite(suites) if suite is None else suite
     if suites and suite not in suites:
         raise UserError(f"unknown suite {suite!r}; expected one of {sorted(suites)}")
     if root.exists() and not root.is_dir():
