@@ -25,7 +25,8 @@ from agent.errors import EditRejected, PromotionConflict  # noqa: F401 (re-expor
 from pipeline.lab import CONFIG_NAME, Lab, glob_match
 from pipeline.labrepo import LabRepo
 
-PROTECTED = {CONFIG_NAME, ".gitignore"}
+GIT_FILES = {".gitattributes", ".gitignore", ".gitmodules", ".lfsconfig"}  # git obeys them at any depth of a tree
+PROTECTED = {CONFIG_NAME, *GIT_FILES}
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ def check_path(lab: Lab, path: str) -> str:
         raise EditRejected("escapes_lab", f"{path}: leaves the lab; expected a path relative to the lab root")
     norm = str(PurePosixPath(*[part for part in p.parts if part not in ("", ".")]))
     program = lab.config.lab.program
-    if norm in PROTECTED or norm == program or norm.split("/")[0] in {"runs", ".git"}:
+    if (norm in PROTECTED or norm.rsplit("/", 1)[-1] in GIT_FILES or norm == program
+            or norm.split("/")[0] in {"runs", ".git"}):
         raise EditRejected("harness", f"{norm}: part of the harness or the lab contract; never editable")
     if lab.is_trusted(norm):
         raise EditRejected("trusted", f"{norm}: a trusted harness file ([benchmark] trusted); "
