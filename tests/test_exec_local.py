@@ -29,6 +29,13 @@ if mode == "probe":
                "threads": __import__("torch").get_num_threads() if "torch" in sys.modules else None,
                "pkg_on_path": any(os.path.isdir(os.path.join(p, "pipeline", "executors")) for p in sys.path)},
               open(os.path.join(out, "probe.json"), "w"))
+elif mode == "blas":
+    import ctypes, numpy
+    libs = {l.split()[-1] for l in open("/proc/self/maps") if "openblas" in l.rsplit("/", 1)[-1].lower()}
+    lib = ctypes.CDLL(sorted(libs)[0], mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    get = next(getattr(lib, n) for n in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                                         "openblas_get_num_threads") if hasattr(lib, n))
+    json.dump({"blas": get(), "torch": __import__("torch").get_num_threads()}, open(os.path.join(out, "blas.json"), "w"))
 elif mode == "orphan":
     import subprocess
     child = subprocess.Popen(["sleep", "300"])
@@ -101,6 +108,18 @@ def test_warm_worker_runs_python_stages_in_a_fork_with_torch_already_imported(wo
     leaked = [k for k in env if any(w in k.upper() for w in ("KEY", "TOKEN", "SECRET", "PASSWORD"))]
     assert leaked == [] and "AUTORESEARCH_DB" not in env and "MIRROR" not in env
     assert env["HARMLESS_SETTING"] == "kept" and "UNLISTED_SETTING" not in env  # an allow-list, plus `[run] env`
+
+
+def test_the_warm_worker_is_single_threaded_and_each_stage_sizes_its_own_pools(work: Path) -> None:
+    """numpy's OpenBLAS starts its thread pool on import when told to use more than one thread: a
+    worker with `cpus = 2` forked every stage from a multi-threaded process (Python 3.12 warns on
+    each fork). It imports with one thread; the stage then gets its 2 threads, in BLAS and torch."""
+    with LocalExecutor(cpus=2, slots=1, preload=("numpy", "torch")) as ex:
+        ex.submit(job(work, "blas", cpus=2))
+        (res,) = wait_all(ex, 1).values()
+        assert res.status == "ok", (work / "logs" / "stage.log").read_text()
+        assert ex.worker_threads == ["python"], ex.worker_threads
+    assert json.loads((work / "blas.json").read_text()) == {"blas": 2, "torch": 2}
 
 
 def test_exec_path_also_gets_a_scrubbed_environment(work: Path, monkeypatch) -> None:

@@ -4,13 +4,16 @@ the fake OpenAI server, and the sandbox hides the installed package from stages.
 
 The fresh venv gets the wheel without dependencies; it reaches the dependencies already installed
 in this checkout's venv through a plain path entry (a `.pth` line, which adds the folder but does
-not run the editable install's finder), so the package itself can only come from the wheel.
+not run the editable install's finder), so the package itself can only come from the wheel. numpy
+is copied into the fresh venv's own site-packages, beside the wheel, as a cluster image has it: a
+stage must see it there while our own packages, in the same folder, stay hidden.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -36,7 +39,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     py = venv / "bin" / "python"
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    deps = Path(sysconfig.get_paths()["purelib"])
+    (site / "deps.pth").write_text(f"{deps}\n")
+    for found in [*deps.glob("numpy"), *deps.glob("numpy.libs"), *deps.glob("numpy-*.dist-info")]:
+        shutil.copytree(found, site / found.name, symlinks=True)
     wheel = next(wheels.glob("autoresearch-*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)],
                    check=True, capture_output=True)
@@ -86,3 +92,29 @@ def test_the_llm_policy_runs_from_the_wheel(installed: Path, tmp_path: Path) -> 
     h = json.loads(status.stdout)["hypotheses"][0]
     assert h["title"] == "Add squared features" and h["origin"] == "llm" and h["verdict"], h
     assert git(lab, "show", f"exp/{h['id']}:config.toml").count('features = "squares"') == 1
+
+
+def test_a_numpy_lab_runs_a_hypothesis_from_the_wheel(installed: Path, tmp_path: Path) -> None:
+    """The command lab's prepare, train and score import numpy from the site-packages that also holds
+    our packages: each stage sees numpy and not `pipeline` (the wheel-install finding of issue 33)."""
+    autoresearch = [str(installed), "-m", "agent.cli"]
+    lab = tmp_path / "lab"
+    out = subprocess.run([*autoresearch, "init", str(lab), "--harness", "command"], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    probe = "import importlib.util as u; print('own packages visible:', u.find_spec('pipeline') is not None)\n"
+    train = lab / "train.py"
+    train.write_text(probe + train.read_text())
+    git(lab, "commit", "-qam", "probe what a stage sees")
+    git(lab, "branch", "-f", "autoresearch/baseline", "HEAD")
+    run = subprocess.run([*autoresearch, "--repo", str(lab), "run", "--offline", "--max-hypotheses", "1"],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    status = json.loads(subprocess.run([*autoresearch, "--repo", str(lab), "status", "--json"], cwd=tmp_path,
+                                       env=_env(), capture_output=True, text=True).stdout)
+    h = status["hypotheses"][0]
+    assert h["verdict"] and h["status"] != "rejected", h
+    logs = [p.read_text() for p in (lab / "runs" / "logs").rglob("*.log")]
+    assert not any("No module named 'numpy'" in text for text in logs)
+    seen = [line for text in logs for line in text.splitlines() if line.startswith("own packages visible:")]
+    assert seen and set(seen) == {"own packages visible: False"}, seen

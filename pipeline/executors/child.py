@@ -7,13 +7,14 @@ One code path means one set of guarantees: own process group, scrubbed environme
 count, memory limit, logs to a file, and `python SCRIPT args` run in-process through runpy.
 
 The spec is a JSON-able dict: argv, cwd, env (the complete environment), log (a file path),
-cpus, memory_mb (None for no limit), stdout (a file for stdout apart from the log), strip_sys_path (entries to drop from sys.path), and sandbox:
+cpus, memory_mb (None for no limit), stdout (a file for stdout apart from the log), strip_sys_path (where our own packages lie: hidden from the stage, `hide_own_packages`), and sandbox:
 None (unsandboxed: the lab opted out) or the mounts and limits of `sandbox.enter` (sandbox.py;
 `sandbox_src` carries its source where our package is not installed).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -26,6 +27,10 @@ except ImportError:  # run from source (`python -c`) on a node without our packa
 
 PR_SET_PDEATHSIG = 1
 PYTHON_NAMES = {"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
+# OpenBLAS's thread-count setter under its builds' names (numpy's wheels: scipy_openblas64_)
+BLAS_SET_THREADS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads",
+                    "scipy_openblas_set_num_threads")
+OWN_PACKAGES = ("pipeline", "agent")  # what a stage must not import from the driver's install
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "TORCH_NUM_THREADS")
 
@@ -74,7 +79,30 @@ def _limit_memory(memory_mb: int | None, in_process: bool) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
+def _set_blas_threads(cpus: int) -> None:
+    """Size the thread pool of every OpenBLAS already loaded (numpy's, in a warm worker that imported
+    it with one thread, so that it forks a single-threaded process): what threadpoolctl does."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as fh:
+            libs = {line.split()[-1] for line in fh if "openblas" in line.rsplit("/", 1)[-1].lower()}
+    except OSError:
+        return
+    for lib in libs:
+        try:
+            handle = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        for symbol in BLAS_SET_THREADS:
+            setter = getattr(handle, symbol, None)
+            if setter is not None:
+                setter(ctypes.c_int(cpus))
+                break
+
+
 def _set_threads(cpus: int) -> None:
+    _set_blas_threads(cpus)
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(cpus)
@@ -92,6 +120,62 @@ def _sandbox_module(spec: dict[str, Any]) -> Any:
     mod = types.ModuleType("autoresearch_sandbox")
     exec(compile(spec["sandbox_src"], "sandbox.py", "exec"), mod.__dict__)
     return mod
+
+
+class _WithoutOwnPackages:
+    """The finder of one `sys.path` entry (a `site-packages` that also holds our packages), blind to
+    `OWN_PACKAGES`: the import system then looks further along the path, as for any absent module."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def find_spec(self, name: str, target: Any = None) -> Any:
+        if name.partition(".")[0] in OWN_PACKAGES:
+            return None
+        return self.inner.find_spec(name, target)
+
+    def invalidate_caches(self) -> None:
+        self.inner.invalidate_caches()
+
+
+def _under(path: str | None, roots: list[str]) -> bool:
+    where = os.path.realpath(path or "")
+    return bool(path) and any(where == r or where.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
+def hide_own_packages(roots: list[str]) -> None:
+    """Make our own packages (`OWN_PACKAGES`, installed under `roots`: where `pipeline/` lies)
+    invisible to the stage, wherever they were installed from: a source tree leaves `sys.path`;
+    a `site-packages` (a wheel install) stays, since the lab's libraries live there too, and is
+    searched by a finder that does not see ours; an editable install's own finder leaves
+    `sys.meta_path`. A lab module of the same name still imports."""
+    if not roots:
+        return
+    import site
+
+    roots = [os.path.realpath(r) for r in roots]
+    sites = {os.path.realpath(d) for d in [*site.getsitepackages(), site.getusersitepackages()]}
+    sys.path[:] = [p for p in sys.path if p != "" and (os.path.realpath(p) not in roots or os.path.realpath(p) in sites)]
+    for entry in sys.path:
+        if os.path.realpath(entry) in roots:
+            for hook in sys.path_hooks:
+                try:
+                    sys.path_importer_cache[entry] = _WithoutOwnPackages(hook(entry))
+                    break
+                except ImportError:
+                    continue
+    for finder in list(sys.meta_path):  # e.g. setuptools' __editable___autoresearch_finder
+        if getattr(finder, "__module__", "").startswith("_frozen_importlib"):
+            continue
+        try:
+            found = finder.find_spec(OWN_PACKAGES[0], None)
+        except Exception:
+            continue
+        if found is not None and _under(found.origin or next(iter(found.submodule_search_locations or []), None), roots):
+            sys.meta_path.remove(finder)
+    for mod in [m for m in sys.modules if m.partition(".")[0] in OWN_PACKAGES]:
+        del sys.modules[mod]
+    importlib.invalidate_caches()
 
 
 STAGE_OOM_SCORE_ADJ = 1000  # a stage is the OOM killer's first victim, never a warm worker
@@ -163,11 +247,7 @@ def run(spec: dict[str, Any], *, new_session: bool, handshake: tuple[int, int] |
 
         _set_threads(int(spec.get("cpus", 1)))
         kind, name, args = target
-        strip = set(spec.get("strip_sys_path", []))
-        if strip:  # the warm worker's own package: invisible, so a lab module of that name wins
-            sys.path[:] = [p for p in sys.path if p not in strip and p != ""]
-            for mod in [m for m in sys.modules if m == "pipeline" or m.startswith("pipeline.")]:
-                del sys.modules[mod]
+        hide_own_packages(spec.get("strip_sys_path", []))
         if kind == "path":
             script = os.path.abspath(name)
             sys.argv = [script, *args]

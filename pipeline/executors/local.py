@@ -77,6 +77,7 @@ class LocalExecutor:
         # the stages' (and the warm worker's) environment: decided once, the allow-listed part of ours
         self.base_env = scrub_env(os.environ) | thread_env(cpus)
         self._proc: subprocess.Popen[bytes] | None = None
+        self.worker_threads: list[str] = []  # the warm worker's threads when it was ready (one: fork-safe)
         self._buf = b""
         self._running: dict[str, StageJob] = {}
         self._gpu_of: dict[str, list[str]] = {}
@@ -91,7 +92,7 @@ class LocalExecutor:
     def _start(self) -> subprocess.Popen[bytes]:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
-        env = dict(self.base_env)
+        env = self.base_env | thread_env(1)  # no thread pool started before a fork (zygote.py)
         root = _package_root()
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         stderr = open(self.worker_log, "ab") if self.worker_log else None
@@ -108,7 +109,9 @@ class LocalExecutor:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             msgs = self._read(max(0.0, deadline - time.monotonic()))
-            if any(m.get("event") == "ready" for m in msgs):
+            ready = [m for m in msgs if m.get("event") == "ready"]
+            if ready:
+                self.worker_threads = list(ready[0].get("threads") or [])  # type: ignore[arg-type]
                 return proc
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()

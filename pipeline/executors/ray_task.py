@@ -47,6 +47,12 @@ MEMORY_SHARE = 0.8
 SHM_MB = 64
 
 
+# child.THREAD_VARS (this file is shipped alone): the warm worker imports with one thread each, and
+# each stage sizes its pools to its own cpus after the fork
+WORKER_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                      "VECLIB_MAXIMUM_THREADS", "TORCH_NUM_THREADS")
+
+
 def node_memory_mb(cpus: int, gpus: int, sandbox: dict[str, Any] | None, meminfo: str = "/proc/meminfo") -> int | None:
     """A CPU stage's RLIMIT_AS on this node when the lab sets no `[run] memory_mb`: the local
     executor's default (`pipeline.lab.memory_plan`) from this node's memory and cores, not the
@@ -148,6 +154,7 @@ class WarmWorker:
         # a stage forked from the worker could read the worker's own environment: allow-listed too
         env = dict(os.environ) if self.env_allow is None else scrub(dict(os.environ), *self.env_allow)
         env.pop("PYTHONPATH", None)  # the worker's own modules come from self.pkg, nothing else of ours
+        env.update(dict.fromkeys(WORKER_THREAD_VARS, "1"))  # no thread pool before a fork (zygote.py)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(self.pkg, "_ar_zygote.py"),
              json.dumps({"preload": self.preload, "optional": True})],

@@ -2,8 +2,10 @@
 
 Why: a fresh interpreter importing torch and peft costs seconds; a fork of a process that already
 has them costs milliseconds, and the branch's `python train.py ...` then runs in the child
-through runpy. The worker stays single-threaded (forking a threaded process is unsafe) and imports
-nothing that starts threads before forking (thread counts are pinned by environment first).
+through runpy. The worker stays single-threaded (forking a threaded process is unsafe): it is
+started with every thread count at 1 (`thread_env(1)`), so numpy's OpenBLAS and torch start no pool
+on import, and each stage sizes its pools to its own `cpus` after the fork (`child._set_threads`).
+The ready event names the worker's threads; more than one is written to its log.
 
 Protocol: JSON lines. stdin receives {"op": "run", "id", "spec", "timeout_s"} and
 {"op": "cancel", "id"}; stdout (a private copy of fd 1; stray prints go to stderr) sends
@@ -66,6 +68,18 @@ def group_cpu_s(sid: int) -> float:
     if spaces:
         ours |= {pid for pid in procs if pid not in ours and _pid_ns(pid) in spaces}
     return sum(procs[pid][1] for pid in ours)
+
+
+def thread_names() -> list[str]:
+    """The names of this process's threads (one, "python", when a fork is safe)."""
+    names = []
+    for tid in sorted(os.listdir("/proc/self/task")):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                names.append(fh.read().strip())
+        except OSError:
+            continue
+    return names
 
 
 class _Job:
@@ -204,7 +218,7 @@ class Zygote:
         # the warm worker holds torch for every slot: the OOM killer takes a stage first (each stage
         # raises its own score to child.STAGE_OOM_SCORE_ADJ), and this one last where we may lower it
         oom = WORKER_OOM_SCORE_ADJ if child.set_oom_score_adj(WORKER_OOM_SCORE_ADJ) else None
-        self.send({"event": "ready", "pid": os.getpid(), "oom_score_adj": oom})
+        self.send({"event": "ready", "pid": os.getpid(), "oom_score_adj": oom, "threads": thread_names()})
         while True:
             timeout = self.enforce()
             ready, _, _ = select.select([stdin, rpipe], [], [], timeout)
@@ -249,6 +263,10 @@ def main() -> None:
             if not config.get("optional"):  # on a Ray node, a library it lacks is the stage's to need
                 raise
             print(f"warm worker: {name} is not installed here; stages import what they need", file=sys.stderr)
+    threads = thread_names()
+    if len(threads) > 1:  # a preloaded library started threads: fork is unsafe, say which
+        print(f"warm worker: {len(threads)} threads after preload ({', '.join(threads)}); "
+              "stages are forked from a multi-threaded process", file=sys.stderr)
     # Objects imported so far live for ever: keep the children's garbage collector from walking
     # them, which would touch (and so copy) every page shared with this process.
     gc.collect()
