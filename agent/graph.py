@@ -333,7 +333,9 @@ class Nodes:
                 else:
                     edits = svc.policy.implement(ctx, h, feedback)
                 candidate = ws.apply(base, edits)
-                check_not_measured(svc, h, ws.tree_of(base, candidate))
+                tree = ws.tree_of(base, candidate)
+                ws.check_tree(base, tree)
+                check_not_measured(svc, h, tree)
                 self._smoke(base, candidate)
                 files = candidate
                 break
@@ -370,7 +372,10 @@ class Nodes:
             raise EditRejected("smoke_failed", str(e)) from None
 
     def _resume_tagged(self, h: Hypothesis) -> State | None:
-        """Adopt the commit a previous pass tagged `exp/<id>` but did not live to record."""
+        """Adopt the commit a previous pass tagged `exp/<id>` but did not live to record. A seeded
+        branch's tag is the branch as seeded, not what is measured: it is adopted again
+        (`_adopt_branch`: merged onto the current baseline when that moved, checked), so a crash
+        between the tag and its record never leaves the unmerged commit to be measured and promoted."""
         ws = self.svc.workspace
         tagged = ws.tagged(f"exp/{h.id}")
         if tagged is None:
@@ -380,35 +385,37 @@ class Nodes:
             return self._reject(h, "tag_conflict", f"tag exp/{h.id} already exists for another experiment "
                                                    f"({message.strip()!r}): was this lab run with another store?")
         if h.seed_branch:
-            branch, base = h.seed_branch, ws.baseline_head()
-        else:
-            branch, base = h.branch or f"hyp/{h.id}-{slugify(h.title)}", ws.repo.commit(commit).parents[0].hexsha
-            ws.point_branch(branch, commit)
+            return self._adopt_branch(h, ws.baseline_head(), seeded=commit)
+        branch, base = h.branch or f"hyp/{h.id}-{slugify(h.title)}", ws.repo.commit(commit).parents[0].hexsha
+        try:
+            ws.check_tree(base, commit)
+        except EditRejected as e:
+            return self._reject(h, e.kind, f"exp/{h.id}: {e}")
+        ws.point_branch(branch, commit)
         return self._measuring(h, branch, base, commit)
 
-    def _adopt_branch(self, h: Hypothesis, base: str) -> State:
-        """A researcher's branch is measured as-is, after the same editable-path check, against the
-        baseline it contains. A branch made off an older baseline (the baseline moved since, as with
-        several in flight) is first merged onto the current one, exactly as a re-base is
-        (`Workspace.merge_onto`; its branch `hyp/<id>-<slug>`, the researcher's branch untouched): a
-        comparison of the branch as made with the current baseline would count the promotions it
-        lacks against it, and a win would promote a merge nobody measured. A conflict is a reject
-        naming the paths."""
-        from agent.workspace import PromotionConflict, check_path
+    def _adopt_branch(self, h: Hypothesis, base: str, seeded: str | None = None) -> State:
+        """A researcher's branch (or `seeded`, the commit its tag `exp/<id>` holds, on a resume) is
+        measured as-is, after the same check of the paths it changes, against the baseline it
+        contains. A branch made off an older baseline (the baseline moved since, as with several in
+        flight) is first merged onto the current one, exactly as a re-base is
+        (`Workspace.merge_onto`; its branch `hyp/<id>-<slug>`, the researcher's branch untouched),
+        and the merge is checked as a tree (`Workspace.check_tree`): a comparison of the branch as
+        made with the current baseline would count the promotions it lacks against it, and a win
+        would promote a merge nobody measured. A conflict, or a merge that lands a change on a path
+        the agent may not change, is a reject naming the paths."""
+        from agent.workspace import PromotionConflict
         from pipeline.errors import UserError
 
         ws, rec = self.svc.workspace, self.svc.records
         branch = h.seed_branch
         try:
-            commit = ws.resolve(h.seed_branch)
+            commit = seeded or ws.resolve(h.seed_branch)
             forks = ws.repo.merge_base(base, commit)
             if not forks:
                 raise EditRejected("unrelated", f"branch {h.seed_branch} shares no history with the baseline")
-            changed = ws.changed_paths(forks[0].hexsha, commit)
-            if not changed:
+            if not ws.check_tree(forks[0].hexsha, commit):
                 raise EditRejected("empty", f"branch {h.seed_branch} changes nothing relative to the baseline")
-            for path in changed:
-                check_path(self.svc.lab, path)
             tagged = commit
             if not ws.repo.is_ancestor(base, commit):
                 onto = ws.baseline_name(base)
@@ -420,6 +427,10 @@ class Nodes:
                 if ws.tree(commit) == ws.tree(base):
                     raise EditRejected("empty", f"branch {h.seed_branch} merged onto {onto} changes nothing: "
                                                 "its change is in the baseline already")
+                try:
+                    ws.check_tree(base, commit)
+                except EditRejected as e:
+                    raise EditRejected(e.kind, f"branch {h.seed_branch} merged onto {onto}: {e}") from None
                 branch = f"hyp/{h.id}-{slugify(h.title)}"
                 rec.event("rebase", f"#{h.id}: branch {h.seed_branch} was made off an earlier baseline; "
                                     f"merged onto {onto} and measured against it")
@@ -634,12 +645,19 @@ def queue_refinement(svc: Services, h: Hypothesis, follow_up: str) -> Hypothesis
 
 
 def promote(svc: Services, h: Hypothesis) -> dict[str, Any]:
-    """Merge into the baseline, tag `baseline/vN`, and queue the new champion's own runs."""
+    """Fast-forward the baseline to the measured commit, tag `baseline/vN`, and queue the new
+    champion's own runs. Refused (an abandon, with the reason) when the commit is not exactly what
+    the gate measured against the current head, or when its tree changes a path the agent may not
+    change (`Workspace.check_tree`, against the head it would replace)."""
     from agent.workspace import PromotionConflict
 
+    ws = svc.workspace
+    head = ws.baseline_head()
     try:
-        new, tag = svc.workspace.promote(h.commit, f"promote hyp {h.id}: {h.title}")
-    except PromotionConflict as e:
+        if h.commit != head and ws.repo.is_ancestor(head, h.commit):  # the tree a fast-forward takes
+            ws.check_tree(head, h.commit)  # (any other: promoted already, or refused by `promote` below)
+        new, tag = ws.promote(h.commit, f"promote hyp {h.id}: {h.title}", base=h.base_commit or "")
+    except (PromotionConflict, EditRejected) as e:
         return {"decision": Decision.ABANDON, "rationale_decision": f"promotion refused: {e}"}
     svc.experiment.queue_champion(new, tag)
     return {"promoted_tag": tag}
@@ -657,8 +675,9 @@ def rebase(svc: Services, h: Hypothesis) -> tuple[State, dict[str, Any]]:
     """A hypothesis about to be promoted whose base moved: its commit merged onto the current
     baseline head (no working tree, as promotion does), measured again from its first look.
 
-    A conflict, or a merge that leaves the baseline as it is, is an `abandon` with the reason and
-    nothing written but unreferenced objects. Otherwise the merge (deterministic for the same head
+    A conflict, a merge that leaves the baseline as it is, or one that changes a path the agent may
+    not change (`Workspace.check_tree`: the merge follows renames) is an `abandon` with the reason
+    and nothing written but unreferenced objects. Otherwise the merge (deterministic for the same head
     and commit) becomes the hypothesis's commit and its branch moves there (a seeded branch is left
     alone: `hyp/<id>-<slug>` is made); the old commit stays in the merge's history and under its
     tag `exp/<id>`. The earlier comparison's gate records are moved aside, to the key
@@ -683,8 +702,12 @@ def rebase(svc: Services, h: Hypothesis) -> tuple[State, dict[str, Any]]:
         new = ws.merge_onto(head, old_commit, f"hyp {h.id} re-based onto {onto}: {h.title}")
         if ws.tree(new) == ws.tree(head):
             why = f"merged onto {onto} it changes nothing: its change is in the baseline already"
+        else:
+            ws.check_tree(head, new)
     except PromotionConflict as e:
         why = str(e)
+    except EditRejected as e:  # e.g. an editable file the baseline moved to a locked path: the merge follows
+        why = f"merged onto {onto} it changes {e}"
     done = rebases(store, h.id)
     if not any(r.get("to_base") == head and r.get("from_commit") == old_commit for r in done):
         store.put_gate_record(str(h.id), len(done) + 1, {**payload, "commit": None if why else new,

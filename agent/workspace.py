@@ -120,8 +120,24 @@ class Workspace(LabRepo):
         return blob.data_stream.read().decode("utf-8")
 
     def changed_paths(self, base: str, commit: str) -> list[str]:
-        out = self.repo.git.diff("--name-only", "--no-renames", base, commit)
-        return [line for line in out.splitlines() if line]
+        """Every path whose entry differs between two commits or trees: a rename counts as both its
+        paths (`--no-renames`), and names come unquoted (`-z`), exactly as git stores them."""
+        out = self.repo.git.diff_tree("-r", "-z", "--no-renames", "--name-only", base, commit)
+        return [path for path in out.split("\x00") if path]
+
+    def check_tree(self, base: str, tree: str) -> list[str]:
+        """The paths `tree` (a commit or a tree) changes relative to `base`, each one the agent's to
+        change (`check_path`: `editable`, not trusted, not the lab contract); `EditRejected` naming
+        the first that is not. This is the check of what is measured and promoted, whatever made the
+        tree: a commit, a merge onto a moved baseline (a re-base, a seeded branch's adoption), a
+        resume. A merge is checked as its result, not as its inputs: `git merge-tree` follows renames
+        (git 2.39's has no `-X no-renames`, and ignores `merge.renames`), so an edit of an editable
+        file the baseline has since moved lands in the file's new path; a rename counts here as both
+        its paths, so that edit is refused by its new path's name."""
+        changed = self.changed_paths(base, tree)
+        for path in changed:
+            check_path(self.lab, path)
+        return changed
 
     def diff(self, base: str, commit: str) -> str:
         return self.repo.git.diff(base, commit)

@@ -108,34 +108,36 @@ class LabRepo:
 
     # -------------------------------------------------------------- merges
 
-    def promote(self, commit: str, message: str) -> tuple[str, str]:
-        """Merge `commit` into the baseline branch and tag it `baseline/vN`. Idempotent.
+    def promote(self, commit: str, message: str, *, base: str) -> tuple[str, str]:
+        """Move the baseline branch to `commit`, the commit the gate measured against `base`, and tag
+        it `baseline/vN`. Idempotent: a commit already in the baseline's history is its tag.
 
-        A fast-forward when the baseline has not moved since the hypothesis branched; otherwise a
-        merge commit computed without a working tree (`git merge-tree`), refused on conflict. The
-        branch moves only from the head read here (`git update-ref NEW OLD`).
+        Only a fast-forward from `base`: the new baseline's tree is the one measured, never a merge
+        made here. A baseline that moved since (`base` no longer its head), or a commit that does not
+        contain `base`, is refused (`PromotionConflict`): the caller re-bases it and measures it
+        again. The branch moves only from the head read here (`git update-ref NEW OLD`).
         """
         head = self.baseline_head()
         if self.repo.is_ancestor(commit, head):  # already promoted (a re-run of this node)
             return head, self._next_baseline_tag(head, message)  # its tag, or one made now
-        if self.repo.is_ancestor(head, commit):
-            new = commit
-        else:
-            try:
-                tree = self.repo.git.merge_tree("--write-tree", head, commit).splitlines()[0]
-            except git.GitCommandError as e:
-                conflicts = [line for line in str(e.stdout).splitlines() if line.startswith("CONFLICT")]
-                raise PromotionConflict(f"{commit[:10]} does not merge into the baseline: {'; '.join(conflicts) or e}") from None
-            new = self.repo.git.commit_tree(tree, "-p", head, "-p", commit, "-m", message)
-        self.repo.git.update_ref(f"refs/heads/{BASELINE_BRANCH}", new, head)
-        return new, self._next_baseline_tag(new, message)
+        if head != base:
+            raise PromotionConflict(f"{commit[:10]} was measured against {base[:10]}, but the baseline is now "
+                                    f"{head[:10]}: not promoted without a comparison with it")
+        if not self.repo.is_ancestor(head, commit):
+            raise PromotionConflict(f"{commit[:10]} does not contain the baseline {head[:10]} it was measured "
+                                    "against: promoting it would take a merge the gate never measured")
+        self.repo.git.update_ref(f"refs/heads/{BASELINE_BRANCH}", commit, head)
+        return commit, self._next_baseline_tag(commit, message)
 
     def merge_onto(self, head: str, commit: str, message: str) -> str:
         """`commit` merged onto `head` without a working tree (`git merge-tree`): a merge commit whose
         first parent is `head` (so `commit` stays in its history), or `commit` itself when it already
         contains `head`. Nothing but objects is written: no ref moves here. Deterministic: its dates
         are the later parent's, so the same (head, commit, message) gives the same commit and a
-        re-run finds it instead of making another. `PromotionConflict` names the conflicting paths."""
+        re-run finds it instead of making another. `PromotionConflict` names the conflicting paths.
+        It follows renames, as git's merges do (git 2.39's `merge-tree` cannot be told not to): a
+        change to a file the other side moved lands at the new path, so the caller checks the merged
+        tree's paths, not the inputs' (`agent.workspace.Workspace.check_tree`)."""
         if self.repo.is_ancestor(head, commit):
             return commit
         status, out, err = self.repo.git.merge_tree("--write-tree", "--name-only", head, commit,

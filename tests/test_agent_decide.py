@@ -22,6 +22,7 @@ from support.lab import (
     crash_in,
     decision,
     git,
+    make_branch,
     make_loop,
     one_pass,
     proposal,
@@ -417,3 +418,142 @@ def test_a_git_helper_killed_under_the_loop_is_infrastructure_not_the_ideas_fail
         assert loop.failures == {} and not [e for e in loop.records.events() if e.kind == "error"]
     finally:
         loop.close()
+
+
+# ----------------------------------------------------------------------------- merged trees (issue 36)
+
+AGENT_EDIT = ("model.py", "return self.ln_f(x)", "return self.ln_f(x)  # agent edit")
+
+
+def freeze_model(lab: Path) -> str:
+    """A researcher moves the baseline: model.py, editable, renamed to frozen/model.py, which is not."""
+    git(lab, "checkout", "-q", BASELINE)
+    (lab / "frozen").mkdir()
+    git(lab, "mv", "model.py", "frozen/model.py")
+    git(lab, "commit", "-qm", "freeze the model")
+    git(lab, "checkout", "-q", "main")
+    return git(lab, "rev-parse", BASELINE)
+
+
+def move_baseline(lab: Path) -> str:
+    """A researcher moves the baseline with an unrelated change."""
+    git(lab, "checkout", "-q", BASELINE)
+    (lab / "program.md").write_text((lab / "program.md").read_text() + "\nAlso look at fraud.\n")
+    git(lab, "commit", "-qam", "program: fraud")
+    git(lab, "checkout", "-q", "main")
+    return git(lab, "rev-parse", BASELINE)
+
+
+def seed_branch(lab: Path, branch: str):
+    from agent.commands import seed
+
+    return seed(lab, None, None, branch, 10, branch, None)
+
+
+def test_a_rebase_that_lands_the_agents_edit_in_a_locked_file_through_a_rename_is_abandoned_naming_it(
+        lab: Path) -> None:
+    """The hypothesis edited model.py; meanwhile the baseline renamed model.py to a path outside
+    `editable`. `git merge-tree` follows the rename, so the re-base's merge carries the edit into
+    frozen/model.py: the merged tree is checked, and the hypothesis is abandoned, never promoted."""
+    from agent.commands import seed
+
+    path, search, replace = AGENT_EDIT
+    spec = lab.parent / "model.json"
+    spec.write_text(json.dumps({"title": "Mark the model", "rationale": "planted",
+                                "edits": [{"path": path, "search": search, "replace": replace}]}))
+    seed(lab, None, None, None, 10, None, spec)
+    loop = make_loop(lab, offline=True)
+    try:
+        h = one_pass(loop)
+        assert h.status == "measuring", h.reject_reason
+        old = h.commit
+        moved = freeze_model(lab)
+        merged = loop.svc.workspace.merge_onto(moved, old, "probe")
+        assert replace in git(lab, "show", f"{merged}:frozen/model.py")  # the hole: the merge followed the rename
+        plant(loop.store, h.base_commit, BASE_VALUES)
+        plant(loop.store, h.commit, [0.700, 0.703])
+        h = loop.advance(h)  # an improvement against the old base: re-based, and the merge refused
+    finally:
+        loop.close()
+    assert (h.status, h.decision, h.promoted_tag, h.commit) == ("done", "abandon", None, old)
+    assert "it changes frozen/model.py: not editable" in h.rationale_decision, h.rationale_decision
+    assert "\n" not in h.rationale_decision and "Traceback" not in h.rationale_decision
+    assert git(lab, "rev-parse", BASELINE) == moved and git(lab, "tag", "--list", "baseline/*") == ""
+    (record,) = loop.store.gate_records(str(h.id), kind="rebase")
+    assert record.payload["commit"] is None and "frozen/model.py" in record.payload["outcome"]
+    assert not loop.store.runs(commit=merged)  # never measured
+
+
+def test_a_seeded_branch_whose_merge_lands_an_edit_in_a_locked_file_is_refused_naming_it(lab: Path) -> None:
+    """A researcher's branch made off A0 edits model.py (editable: its own diff passes); the baseline
+    then renamed model.py to frozen/model.py. Adopted onto A1, the merge would measure (and could
+    promote) an edit of frozen/model.py: the merged tree is refused by that path's name."""
+    tip = make_branch(lab, "mark-model", [AGENT_EDIT])
+    moved = freeze_model(lab)
+    seeded = seed_branch(lab, "mark-model")
+    loop = make_loop(lab, offline=True)
+    try:
+        h = one_pass(loop)
+    finally:
+        loop.close()
+    assert (h.status, h.decision, h.reject_kind, h.commit) == ("done", "reject", "outside_editable", None)
+    assert h.id == seeded.id
+    assert h.reject_reason.startswith("branch mark-model merged onto autoresearch/baseline@"), h.reject_reason
+    assert "frozen/model.py: not editable" in h.reject_reason, h.reject_reason
+    assert git(lab, "rev-parse", BASELINE) == moved and git(lab, "rev-parse", "mark-model") == tip
+    assert git(lab, "branch", "--list", "hyp/*") == "" and not loop.store.runs()
+
+
+def test_a_seeded_branch_resumed_after_a_crash_between_its_tag_and_its_record_measures_the_merge(
+        lab: Path) -> None:
+    """kill -9 in implement after a seeded branch (made off A0, the baseline now A1) was merged onto A1
+    and tagged `exp/<id>`, before its record: the tag holds the branch as seeded, not what is
+    measured. The resume merges it onto A1 again (the same commit), measures that, and promotes
+    exactly it, a fast-forward; a row left by an older version, the unmerged commit measured against
+    A1, is refused at its promotion in one line instead of promoting a merge nobody measured."""
+    tip = make_branch(lab, "lr", [("config.toml", LR_EDIT["search"], LR_EDIT["replace"])])
+    a1 = move_baseline(lab)
+    seed_branch(lab, "lr")
+    loop = make_loop(lab, offline=True)
+    try:
+        h = one_pass(loop)
+        assert h.status == "measuring", h.reject_reason
+        merged = h.commit
+        assert git(lab, "rev-list", "--parents", "-n", "1", merged).split()[1:] == [a1, tip]
+        assert git(lab, "rev-parse", f"exp/{h.id}^{{commit}}") == tip
+        h = loop.advance(crash_in(loop, h, "implement", status="implementing", commit=None, branch=None,
+                                  base_commit=None, look=None))
+        assert (h.status, h.commit, h.base_commit) == ("measuring", merged, a1)
+        assert {r.commit for r in loop.store.runs()} == {a1, merged}  # tip is never queued
+        plant(loop.store, a1, BASE_VALUES)
+        plant(loop.store, merged, [0.700, 0.703])
+        h = loop.advance(h)
+    finally:
+        loop.close()
+    assert (h.decision, h.promoted_tag) == ("promote", "baseline/v1")
+    assert git(lab, "rev-parse", BASELINE) == merged == git(lab, "rev-parse", "baseline/v1^{commit}")
+
+
+def test_an_unmerged_seed_commit_measured_against_the_current_head_is_refused_at_its_promotion(
+        lab: Path) -> None:
+    """What an older version's resume left: a seeded branch's commit (made off A0, not containing A1)
+    measured against A1. The gate's improvement is of a tree that is not what a merge would promote:
+    the promotion is refused in one line and the baseline stays A1."""
+    tip = make_branch(lab, "lr", [("config.toml", LR_EDIT["search"], LR_EDIT["replace"])])
+    a1 = move_baseline(lab)
+    seed_branch(lab, "lr")
+    loop = make_loop(lab, offline=True)
+    try:
+        h = one_pass(loop)
+        assert h.status == "measuring", h.reject_reason
+        h = loop.advance(crash_in(loop, h, "evaluate", commit=tip, base_commit=a1))  # as the old resume left it
+        assert tip in {r.commit for r in loop.store.runs()}
+        plant(loop.store, a1, BASE_VALUES)
+        plant(loop.store, tip, [0.700, 0.703])
+        h = loop.advance(h)
+    finally:
+        loop.close()
+    assert (h.verdict, h.decision, h.promoted_tag) == ("improvement", "abandon", None)
+    assert h.rationale_decision == (f"promotion refused: {tip[:10]} does not contain the baseline {a1[:10]} it was "
+                                    "measured against: promoting it would take a merge the gate never measured")
+    assert git(lab, "rev-parse", BASELINE) == a1 and git(lab, "tag", "--list", "baseline/*") == ""

@@ -88,22 +88,45 @@ def test_check_path_normalises():
         check_path(L, "src/a/b.txt")
 
 
-def test_promotion_fast_forward_then_merge_then_conflict(ws):
+def test_promotion_is_a_fast_forward_to_the_measured_commit_and_nothing_else(ws):
+    """A promotion moves the baseline to the commit the gate measured against it, never to a merge
+    made there: a commit measured against an older head, or one that does not contain the head it
+    names, is refused (the loop re-bases it and measures it again)."""
     base = ws.baseline_head()
     a = ws.commit_files("hyp/1-a", base, ws.apply(base, edits_of(CONDITIONAL["add_pix_source"])), "a")
     b = ws.commit_files("hyp/2-b", base, ws.apply(base, edits_of(PLANTED["finetune_lr"])), "b")
-    c = ws.commit_files("hyp/3-c", base, ws.apply(base, [FileEdit("config.toml", 'sources = ["card", "app"]', 'sources = ["card"]')]), "c")
-    head, tag = ws.promote(a, "promote a")
+    head, tag = ws.promote(a, "promote a", base=base)
     assert head == a and tag == "baseline/v1"
-    assert ws.promote(a, "promote a") == (a, "baseline/v1")  # idempotent re-run
-    head2, tag2 = ws.promote(b, "promote b")  # baseline moved: a real merge commit
-    assert tag2 == "baseline/v2" and len(ws.repo.commit(head2).parents) == 2
-    merged = ws.read(head2, "config.toml")
-    assert 'sources = ["card", "pix"]' in merged and "lr = 3e-3" in merged
-    with pytest.raises(PromotionConflict):
-        ws.promote(c, "promote c")
-    assert ws.baseline_head() == head2
-    assert ws.repo.heads[BASELINE_BRANCH].commit.hexsha == head2
+    assert ws.promote(a, "promote a", base=base) == (a, "baseline/v1")  # idempotent re-run
+    with pytest.raises(PromotionConflict, match=f"measured against {base[:10]}, but the baseline is now {a[:10]}"):
+        ws.promote(b, "promote b", base=base)  # the baseline moved since b was measured
+    with pytest.raises(PromotionConflict, match="a merge the gate never measured"):
+        ws.promote(b, "promote b", base=a)  # b does not contain the head it claims to be measured against
+    merged = ws.merge_onto(a, b, "b re-based onto a")  # what the loop measures instead, then promotes
+    assert ws.promote(merged, "promote b", base=a) == (merged, "baseline/v2")
+    assert ws.read(merged, "config.toml").count("lr = 3e-3") == 1 and 'sources = ["card", "pix"]' in ws.read(merged, "config.toml")
+    assert ws.repo.heads[BASELINE_BRANCH].commit.hexsha == merged
+
+
+def test_a_tree_is_checked_path_by_path_a_rename_counting_as_both_paths(ws):
+    """`check_tree`, the one check of what is measured and promoted: a merge onto a baseline that
+    moved an editable file to a locked path carries the agent's edit there (git follows the rename);
+    the merged tree is refused by the locked path's name."""
+    a0 = ws.baseline_head()
+    edit = FileEdit("model.py", "return self.ln_f(x)  # agent edit", "return self.ln_f(x)")
+    hyp = ws.commit_files("hyp/1-m", a0, ws.apply(a0, [edit]), "m")
+    assert ws.check_tree(a0, hyp) == ["model.py"]
+    (ws.lab.root / "frozen").mkdir()
+    ws.repo.git.mv("model.py", "frozen/model.py")  # the researcher locks the model away
+    ws.repo.git.commit("-qm", "freeze the model")
+    ws.repo.git.branch("-f", BASELINE_BRANCH, "HEAD")
+    a1 = ws.baseline_head()
+    assert ws.changed_paths(a0, a1) == ["frozen/model.py", "model.py"]  # a rename: both its paths
+    merged = ws.merge_onto(a1, hyp, "re-based")
+    assert "return self.ln_f(x)  # agent edit" in ws.read(merged, "frozen/model.py")  # the merge followed it
+    with pytest.raises(EditRejected, match=r"^frozen/model.py: not editable") as info:
+        ws.check_tree(a1, merged)
+    assert info.value.kind == "outside_editable"
 
 
 def test_tags_are_idempotent(ws):
