@@ -58,6 +58,7 @@ def spec_for(lab: Any, *, ro: list[Path | str], out: Path | str | None = None,
     return {
         "ro": [str(p) for p in ro], "rw": [str(p) for p in rw], "out": str(out) if out is not None else None,
         "network": run.network, "out_max_mb": run.out_max_mb, "tmp_max_mb": run.tmp_max_mb,
+        "shm_max_mb": run.shm_size_mb(),
         # the lab itself (its working tree and runs/): only the views and folders above are the stage's
         "max_procs": run.max_procs, "hidden": [*package_dirs(), str(lab.root), str(lab.state)],
     }
@@ -106,34 +107,58 @@ class Completed:
     wall_s: float
 
 
-def once_memory_mb(lab: Any, with_out: bool = True) -> int | None:
-    """The RLIMIT_AS of a process run once (`prepare`, `score`, a smoke run's stage): `[run]
-    memory_mb`, else the default a local CPU stage gets (`lab.memory_plan`: the slot's share of the
-    machine less its tmpfs, of which `{out}` only `with_out`). These never get a GPU, so a GPU lab's
-    "no rlimit" does not apply."""
+def once_memory_mb(lab: Any, with_out: bool = True, gpus: float = 0) -> int | None:
+    """The RLIMIT_AS of a process run once (`prepare`, `score`, a smoke run's stage in a fresh
+    interpreter): `[run] memory_mb`, else the default a local stage gets (`lab.memory_plan`: the
+    slot's share of the machine less its tmpfs, of which `{out}` only `with_out`): none for a process
+    given a GPU, whose CUDA maps far more address space than it uses."""
     from pipeline.lab import local_slots, memory_plan
 
     run = lab.config.run
     if run.memory_mb is not None:
         return run.memory_mb
-    return memory_plan(run.model_copy(update={"gpus": 0}), local_slots(run), with_out=with_out).memory_mb
+    return memory_plan(run.model_copy(update={"gpus": gpus}), local_slots(run), with_out=with_out).memory_mb
 
 
 def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: float,
              ro: list[Path | str], out: Path | None = None, rw: list[Path | str] = (),
-             stdout: Path | None = None) -> Completed:
+             stdout: Path | None = None, gpus: float = 0) -> Completed:
     """Run one command of the lab in its sandbox (or unsandboxed if the lab opted out), to the end.
 
     Output goes to `log` (stdout to `stdout` if given). The environment is the allow-listed part of
     ours (`scrub_env`, with the lab's `[run] env`); its address space is bounded (`once_memory_mb`);
-    no process outlives it.
+    no process outlives it. With `gpus` (a share or whole GPUs) it waits for them in this process's
+    GPU pool, the one the executor's slots take from, and sees only them.
     """
+    from pipeline.executors import gpus as gpu_pool
+    from pipeline.executors.local import inside_gpu_ids, visible_gpus
+
     cpus = lab.config.run.cpus
     env = scrub_env(os.environ, lab.config.run.env) | thread_env(cpus)
+    sandbox = spec_for(lab, ro=[cwd, *ro], out=out, rw=rw)
+    holder, pool = f"once-{os.getpid()}-{time.monotonic_ns()}", None
+    if gpus:
+        ids = visible_gpus()
+        if gpu_pool.capacity(gpus, len(ids)) < 1:
+            raise UserError(f"{argv[0]} is given {gpus:g} GPU(s) ([run]) but {len(ids)} are visible here")
+        pool = gpu_pool.GpuPool.shared(ids)
+        held = pool.wait_take(holder, gpus, timeout=timeout_s)
+        if held is None:
+            raise UserError(f"no GPU came free for {argv[0]} in {timeout_s:.0f} s")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(held)
+        if sandbox is not None:
+            sandbox |= {"gpus": gpus, "gpu_ids": held}
+            env["CUDA_VISIBLE_DEVICES"] = inside_gpu_ids(held, env["CUDA_VISIBLE_DEVICES"])
+    elif "CUDA_VISIBLE_DEVICES" in env or visible_gpus():
+        env["CUDA_VISIBLE_DEVICES"] = ""
     spec = {"argv": argv, "cwd": str(cwd), "env": env, "log": str(log), "cpus": cpus,
-            "memory_mb": once_memory_mb(lab, with_out=out is not None), "stdout": str(stdout) if stdout else None,
-            "sandbox": spec_for(lab, ro=[cwd, *ro], out=out, rw=rw)}
-    return _run_child(spec, timeout_s)
+            "memory_mb": once_memory_mb(lab, with_out=out is not None, gpus=gpus),
+            "stdout": str(stdout) if stdout else None, "sandbox": sandbox}
+    try:
+        return _run_child(spec, timeout_s)
+    finally:
+        if pool is not None:
+            pool.give_back(holder)
 
 
 def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:

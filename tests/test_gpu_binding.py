@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.executors import StageJob
+from pipeline.executors.gpus import GpuPool
 from pipeline.executors.local import LocalExecutor
 from pipeline.executors.sandbox import DEVICES, SETUP_FAILED, GpuError, device_nodes, gpu_devices, gpu_plan
 
@@ -87,10 +88,12 @@ def test_an_id_that_names_no_node_is_refused_never_all_gpus(tmp_path: Path, ids:
 def test_the_local_executors_stage_with_gpu_1_binds_nvidia1_and_not_nvidia0(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     dev, proc = fake_dev(tmp_path), fake_proc(tmp_path, [0, 1, 2, 3])
-    ex = LocalExecutor(gpus=1, preload=())
+    pool = GpuPool(["0", "1"])
+    ex = LocalExecutor(gpus=1, preload=(), pool=pool)
     assert ex.slots <= 2
     specs = {}
     for job_id in ("first", "second"):  # the first holds GPU 0, so the second is given GPU 1
+        assert pool.take(job_id, 1) == [str(len(specs))]
         job = StageJob(job_id=job_id, argv=["true"], cwd=tmp_path, commit="0" * 40, out=tmp_path / job_id,
                        log_path=tmp_path / f"{job_id}.log", timeout_s=5, gpus=1,
                        sandbox={"ro": [str(tmp_path)], "rw": [], "out": str(tmp_path / job_id)})

@@ -70,7 +70,7 @@ class StageJob:
     log_path: Path
     timeout_s: float
     cpus: int = 1
-    gpus: int = 0
+    gpus: float = 0  # a share of one GPU (< 1) or whole GPUs
     memory_mb: int | None = None
     inputs: tuple[Path, ...] = ()
     sandbox: dict[str, object] | None = None  # the mounts and limits of sandbox.enter; None: opted out

@@ -1,6 +1,10 @@
 """The local executor: N slots on this machine, stages forked from a warm worker.
 
-slots = cores ÷ run.cpus (overridable). One warm worker (`zygote.py`) holds torch and peft in
+slots = cores ÷ run.cpus (overridable), and no more than the GPUs hold: `run.gpus` is a share of one
+GPU (0.25: four stages per GPU) or whole GPUs, handed out by the process's `gpus.GpuPool`, which the
+smoke run shares; a stage whose GPUs are taken waits here (submitted, not yet started). A stage that
+runs out of CUDA memory on a GPU it shared is run again with that GPU alone before its failure
+counts (a neighbour must not fail a hypothesis). One warm worker (`zygote.py`) holds torch and peft in
 memory and forks per stage; it enforces timeouts with a process-group kill and reports each
 stage's CPU seconds from `wait4`. If the worker dies, every stage it was running is reported as an
 infrastructure failure and a fresh worker starts on the next submit.
@@ -18,7 +22,9 @@ import time
 from pathlib import Path
 
 import pipeline
+from pipeline.disk import read_tail
 from pipeline.executors.base import ExecutorError, JobResult, StageJob, scrub_env, thread_env
+from pipeline.executors.gpus import GpuPool, capacity, is_cuda_oom
 
 DEFAULT_PRELOAD = ("numpy", "torch", "peft")
 READY_TIMEOUT_S = 180.0
@@ -56,18 +62,20 @@ class LocalExecutor:
 
     name = "local"
 
-    def __init__(self, *, cpus: int = 1, gpus: int = 0, slots: int | None = None,
+    def __init__(self, *, cpus: int = 1, gpus: float = 0, slots: int | None = None,
                  preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD, worker_log: Path | None = None,
-                 default_memory_mb: int | None = None):
+                 default_memory_mb: int | None = None, pool: GpuPool | None = None):
         self.cpus = cpus
         self.default_memory_mb = default_memory_mb  # a job's memory_mb when it names none (lab.memory_plan)
         self.gpus = gpus
-        self.gpu_ids = visible_gpus() if gpus else []
+        self.gpu_ids = (pool.ids if pool is not None else visible_gpus()) if gpus else []
         by_cpu = max(1, (os.cpu_count() or 1) // cpus)
+        self.pool: GpuPool | None = None
         if gpus:
-            if len(self.gpu_ids) < gpus:
-                raise ExecutorError(f"run.gpus = {gpus} but {len(self.gpu_ids)} GPU(s) are visible")
-            by_cpu = min(by_cpu, len(self.gpu_ids) // gpus)
+            if capacity(gpus, len(self.gpu_ids)) < 1:
+                raise ExecutorError(f"run.gpus = {gpus:g} but {len(self.gpu_ids)} GPU(s) are visible")
+            by_cpu = min(by_cpu, capacity(gpus, len(self.gpu_ids)))
+            self.pool = pool if pool is not None else GpuPool.shared(self.gpu_ids)
         self._slots = slots if slots is not None else by_cpu
         if self._slots < 1:
             raise ExecutorError(f"slots must be at least 1, got {self._slots}")
@@ -79,7 +87,9 @@ class LocalExecutor:
         self._proc: subprocess.Popen[bytes] | None = None
         self.worker_threads: list[str] = []  # the warm worker's threads when it was ready (one: fork-safe)
         self._buf = b""
-        self._running: dict[str, StageJob] = {}
+        self._running: dict[str, StageJob] = {}  # submitted: sent to the worker, or waiting for GPUs
+        self._waiting: list[tuple[StageJob, bool]] = []  # (job, alone) until the pool has their GPUs
+        self._retried: dict[str, dict[str, object]] = {}  # a shared GPU's CUDA OOM, run again alone
         self._gpu_of: dict[str, list[str]] = {}
         self._done: list[JobResult] = []
 
@@ -150,13 +160,23 @@ class LocalExecutor:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        self._waiting = []
         for job_id in list(self._running):
             self._finish(JobResult(job_id, "infra", detail=f"warm worker died (exit {proc.returncode if proc else '?'})",
                                    host=self.host))
 
     def _finish(self, result: JobResult) -> None:
         self._running.pop(result.job_id, None)
-        self._gpu_of.pop(result.job_id, None)
+        extra = dict(result.extra)
+        if self._gpu_of.pop(result.job_id, None) is not None and self.pool is not None:
+            self.pool.give_back(result.job_id)
+            use = self.pool.sampler().stage_done(result.job_id)
+            if use is not None and use.util is not None:
+                extra["gpu_util"] = use.util
+        if result.job_id in self._retried:
+            extra["gpu_oom_retried_alone"] = self._retried.pop(result.job_id)
+        if extra != result.extra:
+            result = JobResult(**{**result.__dict__, "extra": extra})
         self._done.append(result)
 
     def warm(self) -> None:
@@ -168,10 +188,33 @@ class LocalExecutor:
     def submit(self, job: StageJob) -> None:
         if job.job_id in self._running:
             raise ExecutorError(f"job {job.job_id} already submitted")
-        proc = self._start()
+        self._start()
+        self._running[job.job_id] = job
+        self._waiting.append((job, False))
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Send the worker every waiting job whose GPUs the pool can give now, in order."""
+        still: list[tuple[StageJob, bool]] = []
+        for job, alone in self._waiting:
+            if still and job.gpus:  # first come, first served: no small stage overtakes a waiting one
+                still.append((job, alone))
+                continue
+            if job.gpus and self.pool is not None:
+                self.pool.sampler()  # sampling from the first GPU stage on (idle without NVML)
+            if job.gpus and (self.pool is None or self.pool.take(job.job_id, job.gpus, alone=alone) is None):
+                if self.pool is None:
+                    self._finish(JobResult(job.job_id, "infra", detail="no GPU on this executor", host=self.host))
+                    continue
+                still.append((job, alone))
+                continue
+            self._send(job)
+        self._waiting = still
+
+    def _send(self, job: StageJob) -> None:
+        proc = self._start() if self._proc is None else self._proc
         spec = self.stage_spec(job)
         msg = json.dumps({"op": "run", "id": job.job_id, "spec": spec, "timeout_s": job.timeout_s}) + "\n"
-        self._running[job.job_id] = job
         assert proc.stdin is not None
         try:
             proc.stdin.write(msg.encode())
@@ -187,12 +230,11 @@ class LocalExecutor:
         if job.cpus != self.cpus:
             env |= thread_env(job.cpus)
         if job.gpus:
-            busy = {g for gs in self._gpu_of.values() for g in gs}
-            free = [g for g in self.gpu_ids if g not in busy]
-            if len(free) < job.gpus:
-                raise ExecutorError(f"no free GPU for job {job.job_id}; submit at most `slots` jobs")
-            self._gpu_of[job.job_id] = free[: job.gpus]
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(free[: job.gpus])
+            held = self.pool.holding(job.job_id) if self.pool is not None else None
+            if held is None:
+                raise ExecutorError(f"no GPU taken for job {job.job_id}")
+            self._gpu_of[job.job_id] = held.ids
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(held.ids)
         elif self.gpu_ids or "CUDA_VISIBLE_DEVICES" in env:
             env["CUDA_VISIBLE_DEVICES"] = ""
         sandbox = None
@@ -211,11 +253,16 @@ class LocalExecutor:
     def poll(self, timeout: float = 0.0) -> list[JobResult]:
         deadline = time.monotonic() + timeout
         while not self._done and self._running and self._proc is not None:
-            for msg in self._read(max(0.0, deadline - time.monotonic())):
+            if self._waiting:
+                self._dispatch()
+            wait = max(0.0, deadline - time.monotonic())
+            for msg in self._read(min(wait, 0.1) if self._waiting else wait):  # another thread may free a GPU
                 if msg.get("event") != "exit":
                     continue
                 job_id = str(msg["id"])
                 if job_id not in self._running:
+                    continue
+                if self._retry_alone(job_id, msg):
                     continue
                 self._finish(JobResult(
                     job_id, msg["status"],  # type: ignore[arg-type]
@@ -224,12 +271,41 @@ class LocalExecutor:
                 ))
             if time.monotonic() >= deadline:
                 break
+        if self._waiting:
+            self._dispatch()
         if not self._done and timeout > 0 and not self._running:
             time.sleep(min(timeout, 0.05))
         done, self._done = self._done, []
         return done
 
+    def _retry_alone(self, job_id: str, msg: dict[str, object]) -> bool:
+        """A stage that ran out of CUDA memory on a GPU it shared goes back to wait for that GPU alone
+        (once): the first attempt's compute is kept in the result's `extra`, as lost."""
+        held = self.pool.holding(job_id) if self.pool is not None else None
+        if msg.get("status") != "exit" or held is None or not held.crowded or held.alone or job_id in self._retried:
+            return False
+        job = self._running[job_id]
+        if not is_cuda_oom(read_tail(job.log_path, 8000)[0]):
+            return False
+        self._gpu_of.pop(job_id, None)
+        self.pool.give_back(job_id)
+        if self.pool is not None:
+            self.pool.sampler().stage_done(job_id)
+        self._retried[job_id] = {"cpu_s": float(msg["cpu_s"]), "wall_s": float(msg["wall_s"]),  # type: ignore[arg-type]
+                                 "gpu_s": float(msg["wall_s"]) * held.share}  # type: ignore[arg-type]
+        with open(job.log_path, "a") as fh:
+            fh.write("\nautoresearch: CUDA out of memory on a GPU shared with other stages; "
+                     "running this stage again with the GPU alone\n")
+        self._waiting.insert(0, (job, True))
+        self._dispatch()
+        return True
+
     def cancel(self, job_id: str) -> None:
+        waiting = [w for w in self._waiting if w[0].job_id == job_id]
+        if waiting:
+            self._waiting.remove(waiting[0])
+            self._finish(JobResult(job_id, "cancelled", detail="cancelled while waiting for a GPU", host=self.host))
+            return
         proc = self._proc
         if job_id not in self._running or proc is None or proc.stdin is None:
             return
@@ -254,6 +330,7 @@ class LocalExecutor:
         finally:
             if proc.stdout is not None:
                 proc.stdout.close()
+        self._waiting = []
         for job_id in list(self._running):
             self._finish(JobResult(job_id, "cancelled", detail="executor closed", host=self.host))
 

@@ -38,6 +38,7 @@ from pipeline.executors.base import (
     thread_env,
 )
 from pipeline.errors import ServiceUnavailable
+from pipeline.executors.gpus import capacity
 from pipeline.executors.local import DEFAULT_PRELOAD
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class RayExecutor:
 
     name = "ray"
 
-    def __init__(self, worktrees: "Worktrees", *, address: str | None = None, cpus: int = 1, gpus: int = 0,
+    def __init__(self, worktrees: "Worktrees", *, address: str | None = None, cpus: int = 1, gpus: float = 0,
                  slots: int | None = None, init_kwargs: dict[str, Any] | None = None,
                  preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD, memory_mb: int | None = None):
         try:
@@ -106,8 +107,8 @@ class RayExecutor:
         ray.cloudpickle.register_pickle_by_value(ray_task)  # nodes need Ray, not our package
         resources = ray.cluster_resources()
         by_cpu = int(resources.get("CPU", 1)) // cpus
-        if gpus:
-            by_cpu = min(by_cpu, int(resources.get("GPU", 0)) // gpus)
+        if gpus:  # a share (num_gpus = 0.25: Ray packs four on a GPU) or whole GPUs
+            by_cpu = min(by_cpu, capacity(gpus, int(resources.get("GPU", 0) + 1e-6)))
         self._slots = slots if slots is not None else max(1, by_cpu)
         self._sources = node_sources()
         self._preload = list(preload)
@@ -124,7 +125,7 @@ class RayExecutor:
         except ray.exceptions.GetTimeoutError:
             self.close()
             raise ServiceUnavailable(
-                f"the cluster did not start {self._slots} warm worker(s) of {cpus} CPU / {gpus} GPU each in "
+                f"the cluster did not start {self._slots} warm worker(s) of {cpus} CPU / {gpus:g} GPU each in "
                 f"{WARM_TIMEOUT_S:.0f} s (resources: {dict(resources)}); lower --workers or [run] cpus/gpus") from None
 
     def _new_worker(self) -> Any:

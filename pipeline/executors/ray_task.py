@@ -42,7 +42,7 @@ def _own_cache() -> None:
 
 
 MAX_LOG_BYTES = 8 << 20
-# pipeline.lab's MEMORY_SHARE and SHM_MB: this module is standard library only, shipped by value
+# pipeline.lab's MEMORY_SHARE and SHM_MB (a sandbox spec names its own shm_max_mb): this module is standard library only, shipped by value
 MEMORY_SHARE = 0.8
 SHM_MB = 64
 
@@ -67,7 +67,8 @@ def node_memory_mb(cpus: int, gpus: int, sandbox: dict[str, Any] | None, meminfo
     except (OSError, ValueError, IndexError, StopIteration):
         return None
     slots = max(1, (os.cpu_count() or 1) // max(1, int(cpus)))
-    tmpfs = (int(sandbox.get("tmp_max_mb", 0)) + SHM_MB + int(sandbox.get("out_max_mb", 0))) if sandbox else 0
+    tmpfs = (int(sandbox.get("tmp_max_mb", 0)) + int(sandbox.get("shm_max_mb", SHM_MB))
+             + int(sandbox.get("out_max_mb", 0))) if sandbox else 0
     return max(1024, int(total * MEMORY_SHARE / slots) - tmpfs)
 
 

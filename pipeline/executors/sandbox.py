@@ -67,8 +67,13 @@ NVIDIA_PROC = "/proc/driver/nvidia/gpus"  # one folder per GPU, by PCI bus id: i
 NEWROOT_CANDIDATES = ("/mnt", "/srv", "/media", "/boot", "/var/tmp", "/opt")
 OWN_PACKAGES = ("pipeline", "agent")
 MAX_OUT_FILES = 100_000
-UID_BASE = 200_000  # as root, stage n runs as kuid UID_BASE + (pid mod UID_SPAN): no real user's id
-UID_SPAN = 100_000
+# as root, the stage whose sandbox process has pid p runs as kuid `stage_uid(p)` = base + p: live pids
+# are distinct, so are live stages' uids (a pid modulo anything repeats where pid_max is large), and
+# the base lies above every /etc/subuid and /etc/subgid range and every real user's id
+UID_FLOOR = 1 << 30
+PID_MAX_LIMIT = 1 << 22  # the kernel's largest pid_max (PID_MAX_LIMIT on 64-bit)
+SUBID_FILES = ("/etc/subuid", "/etc/subgid")
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 INIT = ("/bin/cat",) if os.path.exists("/bin/cat") else ("/usr/bin/cat",)  # pid 1: lives while we hold its stdin
 STAGE_SIGNALS_AS_EXIT = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}  # see _wait_and_exit
 SETUP_FAILED = 125  # exit code of a stage whose sandbox could not be set up (see the log)
@@ -486,6 +491,8 @@ def enter(spec: dict[str, Any], handshake: tuple[int, int] | None = None) -> Non
         os.write(ready_w, b"k")
         if os.read(go_r, 1) != b"k":
             _fail("the uid map was refused")
+        if not spec["network"]:
+            _loopback_up()
         root = _build_root(spec)
         os.chdir(root)  # the init inherits this cwd: nothing of it points into the old root
         init_r, init_w = os.pipe()
@@ -504,10 +511,44 @@ def enter(spec: dict[str, Any], handshake: tuple[int, int] | None = None) -> Non
     _wait_and_exit(stage, init, spec, out_fd)
 
 
+def uid_base(files: tuple[str, ...] = SUBID_FILES) -> int:
+    """The first kuid of the stages' range: UID_FLOOR, or above the highest subordinate id range."""
+    top = UID_FLOOR
+    for path in files:
+        try:
+            with open(path) as fh:
+                for line in fh:
+                    parts = line.strip().split(":")
+                    if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                        top = max(top, int(parts[1]) + int(parts[2]))
+        except OSError:
+            continue
+    if top + PID_MAX_LIMIT >= 2**32 - 1:
+        raise OSError(errno.ERANGE, "no uid range above /etc/subuid and /etc/subgid is left for stages")
+    return top
+
+
+def stage_uid(pid: int, files: tuple[str, ...] = SUBID_FILES) -> int:
+    """The kuid (and kgid) of the stage whose sandbox process is `pid`, when we are root."""
+    return uid_base(files) + pid
+
+
+def _loopback_up() -> None:
+    """Bring up `lo` in the stage's own network namespace (a new one starts with it down): a stage
+    without the network still talks to itself, as torchrun's rendezvous and NCCL/gloo need."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        flags = struct.unpack("16sH", fcntl.ioctl(sock, SIOCGIFFLAGS, struct.pack("16sH", b"lo", 0)))[1]
+        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | IFF_UP))
+
+
 def map_child(pid: int, ready_r: int, go_w: int) -> None:
     """In the parent: wait until `pid` has its user namespace, then write its uid and gid maps.
 
-    As root, the stage runs as a uid of its own (UID_BASE + pid), and our own uid is mapped too
+    As root, the stage runs as a uid of its own (`stage_uid`), and our own uid is mapped too
     (to 1), so that the outer process, still uid 0, can build the root and read the bind
     sources. Otherwise the stage keeps our uid (the only one we may map).
     """
@@ -515,8 +556,8 @@ def map_child(pid: int, ready_r: int, go_w: int) -> None:
         if os.read(ready_r, 1) != b"k":
             return  # it failed before unsharing; it says why in its log
         uid, gid = os.getuid(), os.getgid()
-        inner_uid = UID_BASE + pid % UID_SPAN if uid == 0 else uid
-        inner_gid = UID_BASE + pid % UID_SPAN if uid == 0 else gid
+        inner_uid = stage_uid(pid) if uid == 0 else uid
+        inner_gid = stage_uid(pid) if uid == 0 else gid
         extra = "1 0 1\n" if uid == 0 else ""
         if uid != 0:
             _write(f"/proc/{pid}/setgroups", "deny")

@@ -1,0 +1,258 @@
+"""The GPUs of this machine, shared by share: who holds which GPU, and how busy each one is.
+
+`[run] gpus` is a share of one GPU (0.25: four stages on one GPU) or a count of whole GPUs (1..8).
+One `GpuPool` per process (`GpuPool.shared()`) hands out the visible GPUs to every stage that runs
+here: the local executor's slots, the smoke run's stages, and `prepare`/`score` when the lab gives
+them a GPU; a stage that finds no room waits for it, so nothing oversubscribes a GPU. Fractions are
+placed on the least-loaded GPU that fits them; whole GPUs are taken only when nobody holds them.
+
+`GpuSampler` asks NVML (the `nvidia-ml-py` package, `pynvml`; optional) every half second how busy
+each GPU is, and charges each sample to the stages holding that GPU: a stage's mean utilisation, and
+the GPUs' busy share of the loop's wall time. Without NVML it samples nothing and says so.
+
+Standard library only (NVML is imported where it is used).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+EPS = 1e-6
+SAMPLE_S = 0.5
+# what CUDA, PyTorch and cuBLAS/cuDNN print when a GPU's memory runs out
+CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED"
+                      r"|CUDNN_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation")
+MPS_PROCESSES = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
+
+
+def per_gpu(share: float) -> int:
+    """How many stages of `share` fit on one GPU (1 for whole GPUs)."""
+    return max(1, int(1 / share + EPS)) if 0 < share < 1 else 1
+
+
+def capacity(share: float, n_gpus: int) -> int:
+    """How many stages of `share` run at once on `n_gpus` GPUs."""
+    if share <= 0:
+        return 0
+    return n_gpus * per_gpu(share) if share < 1 else n_gpus // int(round(share))
+
+
+@dataclass
+class Holding:
+    ids: list[str]
+    share: float  # of each GPU in `ids`
+    alone: bool  # holds its GPU whole, whatever its share (a retry after a CUDA out-of-memory)
+    crowded: bool = False  # shared a GPU with another holder at some point
+    since: float = field(default_factory=time.monotonic)
+
+
+class GpuPool:
+    """Shares of the GPUs `ids` (CUDA_VISIBLE_DEVICES names), thread-safe."""
+
+    _shared: dict[tuple[str, ...], "GpuPool"] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, ids: list[str]):
+        self.ids = list(ids)
+        self._used = {g: 0.0 for g in self.ids}
+        self._holdings: dict[str, Holding] = {}
+        self._lock = threading.Lock()
+        self.changed = threading.Condition(self._lock)
+        self._sampler: GpuSampler | None = None
+
+    @classmethod
+    def shared(cls, ids: list[str]) -> "GpuPool":
+        """The one pool of this process for these GPUs: the driver's executor and the smoke run share it."""
+        key = tuple(ids)
+        with cls._shared_lock:
+            if key not in cls._shared:
+                cls._shared[key] = cls(ids)
+            return cls._shared[key]
+
+    def take(self, holder: str, share: float, *, alone: bool = False) -> list[str] | None:
+        """The GPUs given to `holder` for a stage of `share`, or None if they are not free now."""
+        with self._lock:
+            if holder in self._holdings:
+                return list(self._holdings[holder].ids)
+            if share >= 1 or alone:
+                need = max(1, int(round(share)))
+                free = [g for g in self.ids if self._used[g] <= EPS]
+                if len(free) < need:
+                    return None
+                ids, used = free[:need], 1.0
+            else:
+                fits = [g for g in self.ids if self._used[g] + share <= 1 + EPS]
+                if not fits:
+                    return None
+                ids, used = [min(fits, key=lambda g: (self._used[g], self.ids.index(g)))], share
+            holding = Holding(ids, used, alone)
+            for other in self._holdings.values():
+                if set(other.ids) & set(ids):
+                    other.crowded = holding.crowded = True
+            for g in ids:
+                self._used[g] += used
+            self._holdings[holder] = holding
+            return list(ids)
+
+    def wait_take(self, holder: str, share: float, *, alone: bool = False, stop: threading.Event | None = None,
+                  timeout: float | None = None) -> list[str] | None:
+        """`take`, waiting until the GPUs are free (None if `stop` is set or `timeout` passes first)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            got = self.take(holder, share, alone=alone)
+            if got is not None or (stop is not None and stop.is_set()):
+                return got
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            with self._lock:
+                self.changed.wait(0.2)
+
+    def give_back(self, holder: str) -> Holding | None:
+        with self._lock:
+            holding = self._holdings.pop(holder, None)
+            if holding is not None:
+                for g in holding.ids:
+                    self._used[g] = max(0.0, self._used[g] - holding.share)
+                self.changed.notify_all()
+            return holding
+
+    def holding(self, holder: str) -> Holding | None:
+        with self._lock:
+            return self._holdings.get(holder)
+
+    def holders_of(self, gpu: str) -> list[str]:
+        with self._lock:
+            return [h for h, held in self._holdings.items() if gpu in held.ids]
+
+    def used(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._used)
+
+    def sampler(self) -> "GpuSampler":
+        """This pool's one utilisation sampler, started on first use (idle without NVML)."""
+        with self._lock:
+            if self._sampler is None:
+                self._sampler = GpuSampler(self)
+        return self._sampler.start()
+
+
+def is_cuda_oom(log_tail: str) -> bool:
+    return bool(CUDA_OOM.search(log_tail))
+
+
+def mps_running(proc: str = "/proc") -> bool:
+    """Whether the CUDA Multi-Process Service runs on this machine (its control daemon or server)."""
+    try:
+        names = [n for n in os.listdir(proc) if n.isdigit()]
+    except OSError:
+        return False
+    for pid in names:
+        try:
+            with open(f"{proc}/{pid}/comm") as fh:
+                if fh.read().strip() in MPS_PROCESSES:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _nvml() -> Any:
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver here (pynvml.NVMLError and friends)
+        return None
+    return pynvml
+
+
+@dataclass
+class StageUse:
+    samples: int = 0
+    util_sum: float = 0.0
+
+    @property
+    def util(self) -> float | None:
+        return self.util_sum / self.samples if self.samples else None
+
+
+class GpuSampler:
+    """A thread sampling each GPU's utilisation every `interval` s through NVML, charging each sample
+    to the pool's holders of that GPU. `available` is False (and nothing is sampled) without NVML."""
+
+    def __init__(self, pool: GpuPool, interval: float = SAMPLE_S):
+        self.pool = pool
+        self.interval = interval
+        self.nvml = _nvml()
+        self._handles: dict[str, Any] = {}
+        if self.nvml is not None:
+            for g in pool.ids:
+                try:
+                    self._handles[g] = (self.nvml.nvmlDeviceGetHandleByUUID(g) if g.startswith(("GPU-", "MIG-"))
+                                        else self.nvml.nvmlDeviceGetHandleByIndex(int(g)))
+                except Exception:
+                    continue
+        self.samples = 0  # sampling instants
+        self.busy = 0  # instants at which any GPU was busy (utilisation > 0)
+        self.util_sum = 0.0  # of the GPUs' mean utilisation at each instant
+        self._stages: dict[str, StageUse] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def available(self) -> bool:
+        return bool(self._handles)
+
+    def start(self) -> "GpuSampler":
+        if self.available and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def sample(self) -> None:
+        utils: dict[str, float] = {}
+        for g, handle in self._handles.items():
+            try:
+                utils[g] = float(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except Exception:
+                continue
+        if not utils:
+            return
+        with self._lock:
+            self.samples += 1
+            self.busy += any(u > 0 for u in utils.values())
+            self.util_sum += sum(utils.values()) / len(utils)
+            for g, u in utils.items():
+                for holder in self.pool.holders_of(g):
+                    use = self._stages.setdefault(holder, StageUse())
+                    use.samples += 1
+                    use.util_sum += u
+
+    def stage_done(self, holder: str) -> StageUse | None:
+        """The samples charged to `holder` (forgotten here)."""
+        with self._lock:
+            return self._stages.pop(holder, None)
+
+    def summary(self) -> dict[str, float | int | None]:
+        with self._lock:
+            n = self.samples
+            return {"samples": n, "busy": self.busy, "util_sum": self.util_sum,
+                    "busy_share": self.busy / n if n else None, "mean_util": self.util_sum / n if n else None}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None

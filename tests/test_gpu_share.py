@@ -1,0 +1,242 @@
+"""GPUs shared by share and given to every stage that needs one (issue 33, "GPUs for real").
+
+This machine has no GPU: the stages here are real processes of the real local executor, with a
+GPU id that names no device (unsandboxed: nothing binds a node), fake /dev and /proc/driver/nvidia
+entries where the sandbox's binding is checked (as tests/test_gpu_binding.py does), and a fake NVML
+(a `pynvml` module on the path that reports a utilisation read from a file) for the accounting.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline.executors import StageJob
+from pipeline.executors.gpus import GpuPool, capacity
+from pipeline.executors.local import LocalExecutor
+from pipeline.executors.sandbox import device_nodes, stage_uid, uid_base
+from pipeline.lab import LabConfigError, parse_config
+from pipeline.smoke import SmokeRunner
+from support.tiny import CONFIG_NAME, make_lab, open_tiny_lab
+from test_gpu_binding import fake_dev, fake_proc
+
+pytestmark = pytest.mark.integration
+
+STAGE = """
+import json, os, resource, sys, time
+out, name, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
+start = time.monotonic()
+mode = sys.argv[4] if len(sys.argv) > 4 else ""
+tries = os.path.join(out, name + ".tries")
+n = int(open(tries).read()) + 1 if os.path.exists(tries) else 1
+open(tries, "w").write(str(n))
+time.sleep(hold)
+if mode == "oom-first" and n == 1:
+    sys.exit("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB")
+if mode == "oom":
+    sys.exit("RuntimeError: CUDA error: out of memory")
+json.dump({"start": start, "end": time.monotonic(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           "rlimit_as": resource.getrlimit(resource.RLIMIT_AS)[0]}, open(os.path.join(out, name + ".json"), "w"))
+"""
+
+FAKE_NVML = """
+import os
+UTIL = os.path.join(os.path.dirname(__file__), "util")
+class _U:
+    def __init__(self, gpu): self.gpu = gpu
+def nvmlInit(): pass
+def nvmlDeviceGetHandleByIndex(i): return i
+def nvmlDeviceGetHandleByUUID(u): raise RuntimeError("no such GPU")
+def nvmlDeviceGetUtilizationRates(h): return _U(int(open(UTIL).read()))
+"""
+
+
+def stage(work: Path, name: str, hold: float, mode: str = "", gpus: float = 0.25) -> StageJob:
+    return StageJob(job_id=f"{name}-{uuid.uuid4().hex[:6]}", argv=["python", "stage.py", str(work), name, str(hold), mode],
+                    cwd=work, commit="0" * 40, out=work, log_path=work / "logs" / f"{name}.log", timeout_s=60,
+                    gpus=gpus)
+
+
+def run_all(ex: LocalExecutor, jobs: list[StageJob], limit: float = 60) -> dict[str, object]:
+    for j in jobs:
+        ex.submit(j)
+    got: dict[str, object] = {}
+    deadline = time.monotonic() + limit
+    while len(got) < len(jobs) and time.monotonic() < deadline:
+        got.update({r.job_id.split("-")[0]: r for r in ex.poll(0.5)})
+    assert len(got) == len(jobs), got
+    return got
+
+
+@pytest.fixture
+def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "stage.py").write_text(STAGE)
+    nvml = tmp_path / "nvml"
+    nvml.mkdir()
+    (nvml / "pynvml.py").write_text(FAKE_NVML)
+    (nvml / "util").write_text("60")
+    monkeypatch.syspath_prepend(str(nvml))
+    sys.modules.pop("pynvml", None)
+    return tmp_path
+
+
+def test_four_quarter_gpu_stages_share_one_gpu_and_a_fifth_waits(work: Path) -> None:
+    pool = GpuPool(["0"])
+    assert capacity(0.25, 1) == 4 and capacity(1, 3) == 3 and capacity(2, 5) == 2
+    with LocalExecutor(gpus=0.25, slots=5, preload=(), pool=pool) as ex:
+        results = run_all(ex, [stage(work, f"s{i}", 2.0) for i in range(5)])
+    spans = {n: json.loads((work / f"{n}.json").read_text()) for n in results}
+    assert all(r.status == "ok" for r in results.values()), results  # type: ignore[attr-defined]
+    assert {s["cuda"] for s in spans.values()} == {"0"}  # every stage was given GPU 0
+    first4 = [spans[f"s{i}"] for i in range(4)]
+    assert max(s["start"] for s in first4) < min(s["end"] for s in first4)  # the four ran at once
+    assert spans["s4"]["start"] >= min(s["end"] for s in first4)  # the fifth waited for a share
+    # the fake NVML's 60 % was charged to each stage that held the GPU while it was sampled
+    utils = [r.extra.get("gpu_util") for r in results.values()]  # type: ignore[attr-defined]
+    assert utils.count(60.0) >= 4, utils
+    assert pool.sampler().summary()["busy_share"] == 1.0
+    assert pool.used() == {"0": 0.0}  # every share given back
+
+
+def test_a_cuda_oom_on_a_shared_gpu_runs_again_with_the_gpu_alone(work: Path) -> None:
+    pool = GpuPool(["0"])
+    with LocalExecutor(gpus=0.5, slots=2, preload=(), pool=pool) as ex:
+        results = run_all(ex, [stage(work, "greedy", 0.5, "oom-first", gpus=0.5),
+                               stage(work, "neighbour", 2.0, gpus=0.5)])
+    greedy, neighbour = results["greedy"], results["neighbour"]
+    assert greedy.status == "ok" and neighbour.status == "ok", (work / "logs" / "greedy.log").read_text()  # type: ignore[attr-defined]
+    assert (work / "greedy.tries").read_text() == "2"
+    lost = greedy.extra["gpu_oom_retried_alone"]  # type: ignore[attr-defined]
+    assert lost["wall_s"] > 0.4 and lost["gpu_s"] == pytest.approx(lost["wall_s"] * 0.5)
+    spans = {n: json.loads((work / f"{n}.json").read_text()) for n in results}
+    assert spans["greedy"]["start"] >= spans["neighbour"]["end"]  # the rerun had the GPU alone
+    assert "running this stage again with the GPU alone" in (work / "logs" / "greedy.log").read_text()
+
+
+def test_a_cuda_oom_on_a_gpu_not_shared_is_the_methods_failure(work: Path) -> None:
+    with LocalExecutor(gpus=0.5, slots=2, preload=(), pool=GpuPool(["0"])) as ex:
+        results = run_all(ex, [stage(work, "alone", 0.1, "oom", gpus=0.5)])
+    assert results["alone"].status == "exit"  # type: ignore[attr-defined]
+    assert (work / "alone.tries").read_text() == "1" and "gpu_oom_retried_alone" not in results["alone"].extra  # type: ignore[attr-defined]
+
+
+def gpu_lab(root: Path, run_extra: str) -> object:
+    make_lab(root)
+    cfg = root / CONFIG_NAME
+    cfg.write_text(cfg.read_text().replace("cpus = 1\n", f"cpus = 1\ngpus = 1\n{run_extra}"))
+    return open_tiny_lab(root)
+
+
+def test_a_gpu_labs_smoke_stage_gets_its_gpu_node_and_no_rlimit(tmp_path: Path, monkeypatch) -> None:
+    """Smoke runs got no GPU, so every hypothesis of a lab that calls .cuda() was rejected at smoke."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    lab = gpu_lab(tmp_path / "lab", "")
+    runner = SmokeRunner(lab)
+    try:
+        assert runner.gpus == 1
+        out = tmp_path / "out"
+        out.mkdir()
+        job = runner.job(["python", "train.py"], tmp_path, out, tmp_path / "smoke.log", 30)
+        ex = runner.executor()
+        assert ex.pool is GpuPool.shared(["0"])  # the pool the driver's local executor takes from
+        assert ex.pool.take(job.job_id, job.gpus) == ["0"]
+        spec = ex.stage_spec(job)
+        ex.pool.give_back(job.job_id)
+    finally:
+        runner.close()
+    assert spec["memory_mb"] is None and spec["sandbox"]["gpus"] == 1 and spec["sandbox"]["gpu_ids"] == ["0"]
+    dev, proc = fake_dev(tmp_path), fake_proc(tmp_path, [0, 1, 2, 3])
+    bound = device_nodes(spec["sandbox"], str(dev), str(proc))
+    assert "nvidia0" in bound and "nvidiactl" in bound and "nvidia1" not in bound
+
+
+def test_the_smoke_stage_waits_for_the_gpu_a_driver_stage_holds(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\n')
+    (tmp_path / "stage.py").write_text(STAGE)
+    pool = GpuPool.shared(["7"])
+    assert pool.take("a-driver-stage", 1) == ["7"]
+    runner = SmokeRunner(lab)
+    done: dict[str, object] = {}
+
+    def smoke() -> None:
+        done["result"] = runner.run_stage(["python", "stage.py", str(tmp_path), "smoke", "0"], tmp_path, tmp_path,
+                                          tmp_path / "smoke.log", 30, None)
+
+    t = threading.Thread(target=smoke)
+    try:
+        t.start()
+        time.sleep(1.5)
+        assert not (tmp_path / "smoke.json").exists()  # no oversubscription: it waits for GPU 7
+        released = time.monotonic()
+        pool.give_back("a-driver-stage")
+        t.join(30)
+    finally:
+        pool.give_back("a-driver-stage")
+        runner.close()
+    assert done["result"][0] == 0, (tmp_path / "smoke.log").read_text()  # type: ignore[index]
+    seen = json.loads((tmp_path / "smoke.json").read_text())
+    assert seen["cuda"] == "7" and seen["start"] >= released
+    assert seen["rlimit_as"] == resource.RLIM_INFINITY  # a GPU stage: CUDA maps huge address space
+    assert pool.used() == {"7": 0.0}
+
+
+@pytest.mark.parametrize("gpus, ok", [("0.25", True), ("0.5", True), ("1", True), ("4", True), ("1.5", False),
+                                      ("9", False), ("-1", False)])
+def test_gpus_is_a_share_or_whole_gpus(gpus: str, ok: bool, tmp_path: Path) -> None:
+    make_lab(tmp_path)
+    text = (tmp_path / CONFIG_NAME).read_text().replace("cpus = 1\n", f"cpus = 1\ngpus = {gpus}\n")
+    if ok:
+        run = parse_config(text, tmp_path / CONFIG_NAME).run
+        assert run.gpus == float(gpus)
+        assert run.shm_size_mb() == 2048 * max(1, int(float(gpus)))  # NCCL's shared memory, per GPU
+    else:
+        with pytest.raises(LabConfigError, match="gpus"):
+            parse_config(text, tmp_path / CONFIG_NAME)
+
+
+def test_stage_uids_do_not_repeat_and_lie_above_the_subordinate_ids(tmp_path: Path) -> None:
+    """200000 + pid % 100000 gave pids 100000 apart one uid (pid_max is 4194304 on large hosts)."""
+    sub = tmp_path / "subuid"
+    sub.write_text("alice:100000:65536\nbuilder:1073741824:1000000\n")
+    base = uid_base((str(sub),))
+    assert base == 1073741824 + 1000000
+    assert stage_uid(123, (str(sub),)) != stage_uid(100123, (str(sub),))
+    assert stage_uid(4194303, ()) < 2**32 - 1 and uid_base(()) >= 1 << 30
+
+
+TORCHRUN = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    if dist.get_rank() == 0:
+        open(os.path.join(sys.argv[1], "sum.txt"), "w").write(f"{t.item():g} {dist.get_world_size()}")
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_torchrun_with_two_gloo_processes_runs_inside_the_sandbox(tmp_path: Path) -> None:
+    """A multi-GPU stage is `torchrun --nproc-per-node N train.py`: its rendezvous needs loopback in
+    the stage's own network namespace (no network otherwise); gloo stands in for NCCL here."""
+    code, out = tmp_path / "code", tmp_path / "out"
+    code.mkdir()
+    out.mkdir()
+    (code / "train.py").write_text(TORCHRUN)
+    job = StageJob(job_id="dist", argv=["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                        "train.py", str(out)], cwd=code, commit="0" * 40, out=out,
+                   log_path=tmp_path / "dist.log", timeout_s=120, cpus=1,
+                   sandbox={"ro": [str(code)], "rw": [], "out": str(out), "network": False})
+    with LocalExecutor(cpus=1, slots=1, preload=("torch",)) as ex:
+        (res,) = run_all(ex, [job], limit=150).values()
+    assert res.status == "ok", (tmp_path / "dist.log").read_text()[-3000:]  # type: ignore[attr-defined]
+    assert (out / "sum.txt").read_text() == "3 2"  # ranks 1 + 2, two processes
