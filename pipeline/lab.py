@@ -80,13 +80,21 @@ NETWORK_WARNING = ("[run] network = true: stages share the host's network and ca
                    "(autoresearch serve) and a PostgreSQL store on this machine; prefer network = false")
 
 
+MAX_GPUS = 8  # GPUs one stage may hold (one machine's)
+SHM_MB = 64  # a stage's private /dev/shm without a GPU (sandbox.DEFAULTS["shm_max_mb"]): tmpfs, so RAM
+SHM_GPU_MB = 2048  # per GPU a stage holds: NCCL's shared-memory transport and DataLoader workers
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 class RunSection(_Strict):
     timeout_s: float = Field(default=900, gt=0)
     cpus: int = Field(default=1, ge=1)
-    gpus: int = Field(default=0, ge=0)
+    # a share of one GPU (0.25: four stages on one GPU) or whole GPUs (1..8) per stage
+    gpus: float = Field(default=0, ge=0, le=MAX_GPUS)
+    # `prepare` and `score` (run once, by the harness): no GPU unless the lab gives them one
+    prepare_gpus: float = Field(default=0, ge=0, le=MAX_GPUS)
+    score_gpus: float = Field(default=0, ge=0, le=MAX_GPUS)
+    shm_mb: int | None = Field(default=None, gt=0)  # a stage's /dev/shm; None: from gpus (`shm_size_mb`)
     retries: int = Field(default=2, ge=0)
     memory_mb: int | None = Field(default=None, gt=0)
     sandbox: Literal["auto", "off"] = "auto"  # "off": an explicit opt-out, shown as UNSANDBOXED
@@ -109,6 +117,20 @@ class RunSection(_Strict):
                 raise ValueError(f"a module name such as \"torch\" or \"my_pkg.models\", not {name!r}")
         return names
 
+    @field_validator("gpus", "prepare_gpus", "score_gpus")
+    @classmethod
+    def _gpu_share(cls, share: float) -> float:
+        if share > 1 and share != int(share):
+            raise ValueError(f"a share of one GPU (0 < gpus <= 1, e.g. 0.25) or a whole number of GPUs, not {share:g}")
+        return share
+
+    def shm_size_mb(self) -> int:
+        """A stage's /dev/shm: `shm_mb`, else SHM_MB without a GPU and SHM_GPU_MB per GPU with one
+        (NCCL and DataLoader workers pass tensors through it; tmpfs takes RAM only as it fills)."""
+        if self.shm_mb is not None:
+            return self.shm_mb
+        return SHM_MB if not self.gpus else SHM_GPU_MB * max(1, int(self.gpus))
+
     @field_validator("env", mode="before")
     @classmethod
     def _env_names(cls, names: Any) -> Any:
@@ -122,7 +144,6 @@ class RunSection(_Strict):
         return tuple(names)
 
 
-SHM_MB = 64  # a stage's private /dev/shm (sandbox.DEFAULTS["shm_max_mb"]): tmpfs, so RAM
 MEMORY_SHARE = 0.8  # of the machine's memory, split between the local executor's slots
 
 
@@ -195,14 +216,14 @@ def memory_plan(run: "RunSection", slots: int | None = None, total_mb: int | Non
     total = total_mb if total_mb is not None else mem_total_mb()
     budget = int(total * MEMORY_SHARE / slots) if total else None
     out_mb = run.out_max_mb if with_out else 0
-    tmpfs = run.tmp_max_mb + SHM_MB + out_mb
+    tmpfs = run.tmp_max_mb + run.shm_size_mb() + out_mb
     if run.memory_mb is not None:
         mem, source = run.memory_mb, "set"
     elif run.gpus or budget is None:
         mem, source = None, "none"
     else:  # what the slot's share leaves after its tmpfs, never under 1 GB (status then says EXCEEDED)
         mem, source = max(1024, budget - tmpfs), "default"
-    return MemoryPlan(mem, source, run.tmp_max_mb, SHM_MB, out_mb, slots, budget)
+    return MemoryPlan(mem, source, run.tmp_max_mb, run.shm_size_mb(), out_mb, slots, budget)
 
 
 # Seeds (the scheme is pipeline.experiment's): a baseline with g promotions owns the block

@@ -10,6 +10,9 @@ Stages run in a warm worker of the smoke run's own (`SmokeRunner`: the local exe
 slot, torch and peft imported once), so a smoke run costs a second, not two interpreter start-ups.
 It is not the driver's executor: that one's results are polled by the driver. If the worker cannot
 be used, a stage runs in a fresh interpreter with the same sandbox (`pipeline.isolation.run_once`).
+A GPU lab's smoke stages get what an executor stage gets: `[run] gpus` of this machine's GPUs, taken
+from the pool the driver's slots take from (`executors.gpus.GpuPool`: a busy GPU is waited for,
+never oversubscribed), their device nodes in the sandbox, and no address-space rlimit.
 """
 
 from __future__ import annotations
@@ -65,6 +68,19 @@ class SmokeRunner:
     def __init__(self, lab: Lab):
         self.lab = lab
         self._executor: Any = None
+        self._gpus: float | None = None
+
+    @property
+    def gpus(self) -> float:
+        """`[run] gpus` where this machine has them; 0 where it has none (a Ray driver's machine:
+        the smoke run then runs on its CPU, and a stage that requires CUDA fails it)."""
+        if self._gpus is None:
+            from pipeline.executors.gpus import capacity
+            from pipeline.executors.local import visible_gpus
+
+            share = self.lab.config.run.gpus
+            self._gpus = share if share and capacity(share, len(visible_gpus())) >= 1 else 0.0
+        return self._gpus
 
     def executor(self) -> Any:
         if self._executor is None:
@@ -72,20 +88,28 @@ class SmokeRunner:
 
             logs = self.lab.state / "logs"
             logs.mkdir(parents=True, exist_ok=True)
-            self._executor = LocalExecutor(cpus=self.lab.config.run.cpus, slots=1, worker_log=logs / "smoke-worker.log")
+            self._executor = LocalExecutor(cpus=self.lab.config.run.cpus, gpus=self.gpus, slots=1,
+                                           worker_log=logs / "smoke-worker.log")
         return self._executor
+
+    def job(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float, inputs: list[Path] = ()) -> Any:
+        """The `StageJob` of one smoke stage: an executor stage's GPUs, sandbox and memory bound."""
+        from pipeline.executors import StageJob
+        from pipeline.executors.base import lab_env
+
+        return StageJob(job_id=uuid.uuid4().hex, argv=argv, cwd=cwd, commit="smoke", out=out, log_path=log,
+                        timeout_s=timeout_s, cpus=self.lab.config.run.cpus, gpus=self.gpus,
+                        memory_mb=isolation.once_memory_mb(self.lab, gpus=self.gpus),
+                        sandbox=isolation.spec_for(self.lab, ro=[cwd, *inputs], out=out),
+                        env=lab_env(self.lab.config.run.env))
 
     def run_stage(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float,
                   stop: threading.Event | None, inputs: list[Path] = ()) -> tuple[int, str]:
         """(exit code, output tail) of one stage in its sandbox; raises SmokeFailed on timeout or
         signal, Interrupted on stop."""
-        from pipeline.executors import ExecutorError, StageJob
-        from pipeline.executors.base import lab_env
+        from pipeline.executors import ExecutorError
 
-        sandbox = isolation.spec_for(self.lab, ro=[cwd, *inputs], out=out)
-        job = StageJob(job_id=uuid.uuid4().hex, argv=argv, cwd=cwd, commit="smoke", out=out, log_path=log,
-                       timeout_s=timeout_s, cpus=self.lab.config.run.cpus, memory_mb=self.lab.config.run.memory_mb,
-                       sandbox=sandbox, env=lab_env(self.lab.config.run.env))
+        job = self.job(argv, cwd, out, log, timeout_s, inputs)
         try:
             ex = self.executor()
             ex.submit(job)
@@ -114,7 +138,8 @@ class SmokeRunner:
     def _once(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float,
               inputs: list[Path]) -> tuple[int, str]:
         """The stage in a fresh interpreter, with the same sandbox."""
-        done = isolation.run_once(self.lab, argv, cwd=cwd, log=log, timeout_s=timeout_s, ro=list(inputs), out=out)
+        done = isolation.run_once(self.lab, argv, cwd=cwd, log=log, timeout_s=timeout_s, ro=list(inputs), out=out,
+                                  gpus=self.gpus)
         tail = read_tail(log, TAIL_BYTES)[0]
         if done.timed_out:
             raise SmokeFailed(f"timed out after {timeout_s:.0f} s on tiny data:\n{tail}")
