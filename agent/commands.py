@@ -143,12 +143,21 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
         "progress": split_progress(lab, store, rec),
         "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == "reject").items())),
         "compute": Experiment(lab, store).goodput().as_dict(),
+        "gpu": gpu_facts(lab),
         "pairing": Experiment(lab, store).lab_pairing(),  # what the shared seeds buy, from this lab's comparisons
         "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day,
                 "unreachable_since": llm_unreachable_since(rec)},
         "events": [{"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(5)],
         "notify": _notify_status(store),
     }
+
+
+def gpu_facts(lab: Any) -> dict[str, Any]:
+    """The lab's GPU share per stage and whether CUDA MPS runs here (stages of a share then run as
+    MPS clients: their kernels overlap instead of taking turns)."""
+    from pipeline.executors.gpus import mps_running
+
+    return {"lab_gpus": lab.config.run.gpus, "mps": mps_running()}
 
 
 def _notify_status(store: Any) -> dict[str, Any]:
@@ -221,6 +230,7 @@ def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
         "awaiting_review": [h.id for h in rec.all() if h.review == "pending"],
         "plateau": _plateau(lab, rec),
         "compute": Experiment(lab, store).goodput(since=t0).as_dict(),
+        "gpu": gpu_facts(lab),
         "llm_usd": round(Ledger(store.engine).spent_usd(t0), 4),
         **digest_extras(lab, store, rec, t0),  # baseline progress, holds, the progress chart (agent.summary)
     }

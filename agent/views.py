@@ -12,6 +12,24 @@ def _secs(s: float) -> str:
     return f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.0f} s"
 
 
+def gpu_line(c: dict[str, Any], gpu: dict[str, Any] | None = None) -> str | None:
+    """GPU-hours useful / failed / lost and how busy the GPUs were, or None for a lab that used none."""
+    gpu = gpu or {}
+    spent = c.get("useful_gpu_s", 0) + c.get("method_failed_gpu_s", 0) + c.get("infra_lost_gpu_s", 0)
+    if not spent and not gpu.get("lab_gpus"):
+        return None
+    line = (f"GPU: useful {c.get('useful_gpu_s', 0) / 3600:.3f} h, failed methods {c.get('method_failed_gpu_s', 0) / 3600:.3f} h, "
+            f"lost to infrastructure {c.get('infra_lost_gpu_s', 0) / 3600:.3f} h")
+    if c.get("gpu_busy_share") is not None:
+        line += (f"; busy {c['gpu_busy_share']:.1%} of the wall time sampled, mean utilisation "
+                 f"{c['gpu_mean_util']:.1f} % ({c['gpu_samples']} NVML samples)")
+    else:
+        line += "; utilisation not sampled (NVML: pip install 'autoresearch[gpu]')"
+    if gpu.get("mps"):
+        line += "; CUDA MPS is running"
+    return line
+
+
 def print_status(st: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -60,6 +78,8 @@ def print_status(st: dict[str, Any]) -> None:
     con.print(f"compute: useful {_secs(c['useful_cpu_s'])}, failed methods {_secs(c['method_failed_cpu_s'])}, "
               f"lost to infrastructure {_secs(c['infra_lost_cpu_s'])}, saved by cache {_secs(c['saved_by_cache_cpu_s'])}; "
               f"goodput {c['goodput']:.1%}; {c['cache_hits']} cache hits, {c['infra_retries']} retries")
+    if gl := gpu_line(c, st.get("gpu")):
+        con.print(gl)
     pr = st.get("pairing")
     if pr and pr["median_pair_correlation"] is not None and pr["median_variance_ratio"] is not None:
         con.print(f"pairing: seed k of a challenger and of its baseline correlate at a median "
@@ -162,6 +182,8 @@ def digest_markdown(d: dict[str, Any]) -> str:
     lines.append(f"- compute: useful {_secs(c['useful_cpu_s'])}, goodput {c['goodput']:.1%}, "
                  f"saved by cache {_secs(c['saved_by_cache_cpu_s'])}, failed methods {_secs(c['method_failed_cpu_s'])}, "
                  f"lost to infrastructure {_secs(c['infra_lost_cpu_s'])}")
+    if gl := gpu_line(c, d.get("gpu")):
+        lines.append(f"- {gl}")
     usd = d["llm_usd"]
     lines.append(f"- LLM spend: ${usd:.2f}" if usd >= 1 or usd == 0 else f"- LLM spend: ${usd:.4f}")
     held = d.get("held") or []

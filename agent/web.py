@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.lifecycle import Decision
+from agent.views import gpu_line
 from agent.verdicts import reverify_record, verdicts_by_look
 from pipeline.outcomes import RunStatus, StageOutcome
 
@@ -161,6 +162,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
     md = MarkdownIt("commonmark", {"html": False}).enable("table")  # raw HTML in a summary is escaped
     md.validateLink = lambda url: bool(OWN_LINK.match(url))  # a summary quotes branch output: no off-site URL
     templates.env.filters["when"] = lambda t: time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else ""
+    templates.env.globals["gpu_line"] = gpu_line
     templates.env.filters["num"] = lambda v, d=4: "-" if v is None else f"{v:+.{d}f}"
 
     def page(request: Request, name: str, status_code: int = 200, **ctx: Any) -> Response:

@@ -64,6 +64,7 @@ log = logging.getLogger("autoresearch.runner")
 __all__ = ["Driver", "make_executor"]
 
 
+GPU_USAGE_EVERY_S = 5.0  # how often the GPU sampler's totals are written to the store
 CLAIM_IDLE_S = 0.1  # after a claim found the queue empty, the driver claims again no sooner than this
 
 
@@ -133,6 +134,7 @@ class Driver:
         self._baselines: set[str] = set()  # commits known to be baselines
         self._not_baseline_at: dict[str, float] = {}  # commit -> when the store said it was none
         self._last_reconcile = 0.0
+        self._gpu_usage_at = 0.0
         self.heartbeat = heartbeat  # the process's (the loop's, with its lease), else one of its own in start()
         self._own_heartbeat: Heartbeat | None = None
 
@@ -191,6 +193,7 @@ class Driver:
             for a in list(self.active.values()):
                 self.store.release(a.claim, count_requeue=False)
         self.active.clear()
+        self._record_gpu_usage()
         if self._own_heartbeat is not None:
             self._own_heartbeat.stop()
             self.heartbeat = self._own_heartbeat = None
@@ -245,6 +248,9 @@ class Driver:
             for res in self.executor.poll(timeout):
                 self._on_result(res)
             self._fill()
+        if time.monotonic() - self._gpu_usage_at > GPU_USAGE_EVERY_S:
+            self._gpu_usage_at = time.monotonic()
+            self._record_gpu_usage()
         elif timeout > 0 and not self.to_score:
             time.sleep(min(timeout, 0.2))
         # slots are full again before the driver scores and claims ahead: neither delays a stage
@@ -252,6 +258,13 @@ class Driver:
         self._prefetch()
         done, self.finished = self.finished, []
         return done
+
+    def _record_gpu_usage(self) -> None:
+        sampled = getattr(self.executor, "gpu_usage", None)  # optional in the protocol: an executor may sample nothing
+        usage = sampled() if sampled is not None else None
+        if usage is not None and usage["samples"]:
+            self.store.gpu_usage_update(str(usage["holder"]), list(usage["gpus"]), int(usage["samples"]),  # type: ignore[arg-type]
+                                        int(usage["busy"]), float(usage["util_sum"]))  # type: ignore[arg-type]
 
     def _score_pending(self) -> None:
         while self.to_score:
@@ -450,6 +463,7 @@ class Driver:
         common = dict(cpu_s=res.cpu_s, wall_s=res.wall_s, gpu_s=res.wall_s * gpus, exit_code=res.exit_code,
                       signal=res.signal, host=res.host)
         name = fl.node.name
+        self._record_gpu_extra(fl, res)
         live = [r for r in dict.fromkeys(fl.waiters) if r in self.active]
         if outcome is StageOutcome.OK:
             final = self.cache.publish(fl.tmp, key)
@@ -502,6 +516,19 @@ class Driver:
         else:
             for rid in live:
                 self._finish(rid, ResultOutcome.INFRA_FAILURE, None, "infra", f"{name}: {detail}; {retries} retries exhausted")
+
+    def _record_gpu_extra(self, fl: "_Flight", res: Any) -> None:
+        """What the executor says of the stage's GPUs: NVML's mean utilisation while it ran, and an
+        attempt lost to a CUDA out-of-memory on a shared GPU (its own row, lost to infrastructure)."""
+        if res.extra.get("gpu_util") is not None:
+            self.store.stage_gpu_used(fl.exec_id, float(res.extra["gpu_util"]), int(res.extra.get("gpu_samples", 0)))
+        lost = res.extra.get("gpu_oom_retried_alone")
+        if lost:
+            eid = self.store.stage_started(fl.lead, fl.node.name, fl.node.key, executor=self.executor.name,
+                                           log_path=str(fl.job.log_path))
+            self.store.stage_finished(eid, StageOutcome.INFRA, cpu_s=lost["cpu_s"], wall_s=lost["wall_s"],
+                                      gpu_s=lost["gpu_s"], host=res.host,
+                                      detail="CUDA out of memory on a GPU shared with other stages; run again alone")
 
     def _score(self, run_id: int) -> None:
         """The sealed scorer, in the driver: branch code never sees the test labels or the metric."""

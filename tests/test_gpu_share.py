@@ -128,8 +128,8 @@ def test_a_cuda_oom_on_a_gpu_not_shared_is_the_methods_failure(work: Path) -> No
     assert (work / "alone.tries").read_text() == "1" and "gpu_oom_retried_alone" not in results["alone"].extra  # type: ignore[attr-defined]
 
 
-def gpu_lab(root: Path, run_extra: str) -> object:
-    make_lab(root)
+def gpu_lab(root: Path, run_extra: str, **kw: float) -> object:
+    make_lab(root, **kw)
     cfg = root / CONFIG_NAME
     cfg.write_text(cfg.read_text().replace("cpus = 1\n", f"cpus = 1\ngpus = 1\n{run_extra}"))
     return open_tiny_lab(root)
@@ -240,3 +240,45 @@ def test_torchrun_with_two_gloo_processes_runs_inside_the_sandbox(tmp_path: Path
         (res,) = run_all(ex, [job], limit=150).values()
     assert res.status == "ok", (tmp_path / "dist.log").read_text()[-3000:]  # type: ignore[attr-defined]
     assert (out / "sum.txt").read_text() == "3 2"  # ranks 1 + 2, two processes
+
+
+def test_the_driver_counts_gpu_hours_and_how_busy_the_gpu_was(work: Path, tmp_path: Path, monkeypatch) -> None:
+    """Real runs of the tiny lab through the driver on a fake GPU (a share of 0.5 each) with the fake
+    NVML at 40 %: GPU-seconds are share × wall, every stage has its sampled utilisation, the sampler's
+    busy share reaches the store, and `status` says it beside the CPU figures."""
+    from pipeline import experiment, runner
+    from support.tiny import TASKS, TinyHarness
+    from agent import commands, views
+
+    (work / "nvml" / "util").write_text("40")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\n', pretrain_sleep=1.5)
+    text = (lab.root / CONFIG_NAME).read_text().replace("gpus = 1\n", "gpus = 0.5\n")
+    (lab.root / CONFIG_NAME).write_text(text)
+    lab = open_tiny_lab(lab.root)
+    store = experiment.open_store(lab)
+    ids = experiment.ensure_runs(store, lab, "autoresearch/baseline", TASKS[:2], [0], harness=TinyHarness())
+    ex = LocalExecutor(gpus=0.5, slots=2, preload=("numpy",), pool=GpuPool(["5"]))
+    with runner.Driver(lab, store, ex, harness=TinyHarness()) as d:
+        d.drive(until=ids, timeout_s=120)
+    execs = [e for e in store.stage_execs(ids) if e.outcome == "ok"]
+    assert execs and all(e.gpu_s == pytest.approx(e.wall_s * 0.5) for e in execs)
+    from sqlmodel import select
+
+    from pipeline.store.tables import StageGpu
+    with store.session() as s:
+        utils = {row.exec_id: row.util for row in s.exec(select(StageGpu))}
+    pretrains = {e.id for e in execs if e.stage == "pretrain"}  # 1.5 s each: three samples or so
+    assert pretrains and pretrains <= set(utils) and set(utils.values()) == {40.0}
+    c = store.goodput().as_dict()
+    assert c["useful_gpu_s"] == pytest.approx(sum(e.gpu_s for e in execs))
+    assert c["gpu_samples"] > 0 and c["gpu_busy_share"] == 1.0 and c["gpu_mean_util"] == 40.0
+    from pipeline.harness import HARNESSES
+
+    HARNESSES.register("tiny", TinyHarness)  # status opens the lab by its research.toml
+    try:
+        st = commands.status(lab.root, None)
+    finally:
+        HARNESSES.unregister("tiny")
+    line = views.gpu_line(st["compute"], st["gpu"])
+    assert line.startswith("GPU: useful ") and "busy 100.0% of the wall time sampled, mean utilisation 40.0 %" in line

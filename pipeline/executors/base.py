@@ -131,6 +131,11 @@ class Executor(Protocol):
 
     def cancel(self, job_id: str) -> None: ...
 
+    def gpu_usage(self) -> dict[str, object] | None:
+        """The GPU sampler's running totals (`gpus.GpuSampler.summary`, with `holder` and `gpus`), or
+        None where nothing samples the GPUs this executor gives out."""
+        ...
+
     def close(self) -> None: ...
 
 

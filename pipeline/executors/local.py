@@ -172,7 +172,7 @@ class LocalExecutor:
             self.pool.give_back(result.job_id)
             use = self.pool.sampler().stage_done(result.job_id)
             if use is not None and use.util is not None:
-                extra["gpu_util"] = use.util
+                extra["gpu_util"], extra["gpu_samples"] = use.util, use.samples
         if result.job_id in self._retried:
             extra["gpu_oom_retried_alone"] = self._retried.pop(result.job_id)
         if extra != result.extra:
@@ -299,6 +299,12 @@ class LocalExecutor:
         self._waiting.insert(0, (job, True))
         self._dispatch()
         return True
+
+    def gpu_usage(self) -> dict[str, object] | None:
+        if self.pool is None or not self.pool.sampler().available:
+            return None
+        return {**self.pool.sampler().summary(), "holder": f"{self.host}:{os.getpid()}:{id(self.pool):x}",
+                "gpus": list(self.pool.ids)}
 
     def cancel(self, job_id: str) -> None:
         waiting = [w for w in self._waiting if w[0].job_id == job_id]

@@ -226,6 +226,9 @@ class RayExecutor:
                          cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]), host=res["host"],
                          detail=res.get("detail"))
 
+    def gpu_usage(self) -> dict[str, object] | None:
+        return None  # nothing samples the GPUs of Ray's nodes (NVML runs where the stage does)
+
     def cancel(self, job_id: str) -> None:
         for i, (job, *_rest) in enumerate(self._waiting):
             if job.job_id == job_id:

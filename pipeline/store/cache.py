@@ -12,7 +12,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
 from pipeline.errors import InfrastructureFailure
-from pipeline.store.tables import METHOD_OUTCOMES, CacheEntry, CacheUse, Run, RunStatus, StageExec, StageOutcome, now
+from pipeline.store.tables import (METHOD_OUTCOMES, CacheEntry, CacheUse, GpuUsage, Run, RunStatus, StageExec,
+                                   StageGpu, StageOutcome, now)
 
 
 class CacheRows:
@@ -36,6 +37,21 @@ class CacheRows:
             for k, v in fields.items():
                 setattr(ex, k, v)
             s.add(ex)
+            s.commit()
+
+    def stage_gpu_used(self, exec_id: int, util: float, samples: int) -> None:
+        """The mean GPU utilisation NVML saw while stage execution `exec_id` held its GPUs."""
+        with self.session() as s:
+            s.merge(StageGpu(exec_id=exec_id, util=util, samples=samples))
+            s.commit()
+
+    def gpu_usage_update(self, holder: str, gpus: list[str], samples: int, busy: int, util_sum: float) -> None:
+        """The running totals of one process's GPU sampler (`GpuUsage`), written over the last ones."""
+        with self.session() as s:
+            row = s.exec(select(GpuUsage).where(GpuUsage.holder == holder)).first()
+            row = row or GpuUsage(holder=holder, gpus=",".join(gpus))
+            row.samples, row.busy, row.util_sum, row.updated_at = samples, busy, util_sum, now()
+            s.add(row)
             s.commit()
 
     def stage_served(self, run_id: int, stage: str, key: str, outcome: StageOutcome, *, executor: str,

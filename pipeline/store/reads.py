@@ -17,6 +17,7 @@ from pipeline.store.tables import (
     Comparison,
     GateRecord,
     Goodput,
+    GpuUsage,
     HoldoutScore,
     Result,
     Run,
@@ -139,6 +140,16 @@ class Reads:
         def cpu(*outcomes: str) -> float:
             return sum(by.get(o, (0.0, 0.0, 0.0, 0))[0] for o in outcomes)
 
+        def gpu(*outcomes: str) -> float:
+            return sum(by.get(o, (0.0, 0.0, 0.0, 0))[2] for o in outcomes)
+
+        with self.session() as s:
+            q = select(func.coalesce(func.sum(GpuUsage.samples), 0), func.coalesce(func.sum(GpuUsage.busy), 0),
+                       func.coalesce(func.sum(GpuUsage.util_sum), 0.0))
+            if since is not None:
+                q = q.where(GpuUsage.updated_at >= since)
+            samples, busy, util_sum = s.exec(q).one()  # type: ignore[call-overload]
+
         return Goodput(
             useful_cpu_s=cpu("ok"),
             method_failed_cpu_s=cpu(*METHOD_OUTCOMES),
@@ -149,6 +160,12 @@ class Reads:
             cache_hits=sum(by.get(o, (0, 0, 0, 0))[3] for o in SERVED_OUTCOMES),
             infra_retries=int(infra),
             requeues=int(requeues),
+            useful_gpu_s=gpu("ok"),
+            method_failed_gpu_s=gpu(*METHOD_OUTCOMES),
+            infra_lost_gpu_s=gpu(*INFRA_OUTCOMES),
+            gpu_samples=int(samples),
+            gpu_busy_share=int(busy) / int(samples) if samples else None,
+            gpu_mean_util=float(util_sum) / int(samples) if samples else None,
         )
 
     def put_gate_record(self, hypothesis: str, look: int, payload: Any, kind: str = "verdict") -> GateRecord:

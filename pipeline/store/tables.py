@@ -90,6 +90,30 @@ class StageExec(SQLModel, table=True):
     finished_at: float | None = None
 
 
+class StageGpu(SQLModel, table=True):
+    """How busy its GPUs were while one stage execution held them (NVML samples; none without NVML)."""
+
+    __tablename__ = "stage_gpu"
+    exec_id: int = Field(foreign_key="stage_exec.id", primary_key=True)
+    util: float  # mean utilisation, %, of the samples charged to the stage
+    samples: int
+
+
+class GpuUsage(SQLModel, table=True):
+    """One process's GPU sampler (`pipeline.executors.gpus.GpuSampler`): how many of its samples, taken
+    every half second from its first GPU stage on, found a GPU busy; updated as it goes."""
+
+    __tablename__ = "gpu_usage"
+    id: int | None = Field(default=None, primary_key=True)
+    holder: str = Field(unique=True)  # host:pid:start of the sampling process
+    gpus: str  # the GPUs it sampled, comma-separated
+    started_at: float = Field(default_factory=now)
+    updated_at: float = Field(default_factory=now, index=True)
+    samples: int = 0
+    busy: int = 0  # samples at which any of its GPUs was busy (utilisation > 0)
+    util_sum: float = 0.0  # of the GPUs' mean utilisation at each sample
+
+
 class Result(SQLModel, table=True):
     """A run's metric (`value`), or why it has none (`outcome`, `kind`, `detail`). Written once."""
 
@@ -237,6 +261,14 @@ class Goodput:
     cache_hits: int
     infra_retries: int
     requeues: int
+    # GPU-seconds (a stage's share of its GPUs × its wall time) by what the stage came to
+    useful_gpu_s: float = 0.0
+    method_failed_gpu_s: float = 0.0
+    infra_lost_gpu_s: float = 0.0
+    # the GPU samplers' (NVML): samples taken and the share of them that found a GPU busy
+    gpu_samples: int = 0
+    gpu_busy_share: float | None = None
+    gpu_mean_util: float | None = None
 
     @property
     def goodput(self) -> float:
