@@ -12,26 +12,97 @@ Idempotent, keyed by tags (`autoresearch.hypothesis`, `autoresearch.run`): a sec
 no run and logs no metric point that is already there; what changed since (a decision, a later
 look's Δ, a new summary) is updated. Params are written once (MLflow's rule; a hypothesis's commit,
 hence its changed keys, never changes). `run --mlflow URI` exports each hypothesis as it is decided.
+
+Names follow MLflow's rules (`mlflow.utils.validation`): a config key is the LLM's to choose (a quoted
+TOML key may hold `@`, a line break, 300 characters), so a name MLflow would refuse is renamed
+(`mlflow_name`: its characters replaced, cut, a hash of the original appended) and the original kept
+in the tag `autoresearch.original.<name>`; values are cut to MLflow's limits. A hypothesis whose run
+the tracking server still refuses is reported (`failed`, and `Rejected` from `export`) and tried
+again at the next export; the others are exported. Only a server that does not answer stops it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
+import posixpath
+import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from agent.directions import changed_keys, direction_of, label
 from agent.records import Hypothesis, Records
+from pipeline.errors import ServiceUnavailable
 
 log = logging.getLogger("autoresearch.mlflow")
 
 HYP_TAG = "autoresearch.hypothesis"
 RUN_TAG = "autoresearch.run"
 LAB_TAG = "autoresearch.lab"
-__all__ = ["Exporter", "changed_keys", "export"]  # changed_keys: agent.directions's, for callers of old
+ORIGINAL_TAG = "autoresearch.original."  # + a renamed name: the name as the lab wrote it
+__all__ = ["Exporter", "Rejected", "changed_keys", "export", "mlflow_name"]  # changed_keys: agent.directions's
+
+# MLflow's limits (mlflow/utils/validation.py): MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH,
+# MAX_TAG_VAL_LENGTH, and half of MAX_BATCH_LOG_REQUEST_SIZE (a server's cap on a request; the client
+# splits a batch by count, not by size, and JSON escapes may double a text)
+NAME_MAX = 250
+PARAM_VALUE_MAX = 6000
+TAG_VALUE_MAX = 8000
+BATCH_BYTES = 500_000
+# MLflow's characters for a name, less the colon (refused on a Windows server) and non-ASCII letters
+NAME_CHARS = re.compile(r"[A-Za-z0-9_.\- /]+")
+RENAMED_MAX = NAME_MAX - len(ORIGINAL_TAG)  # so that the original's tag name fits too
+REJECTED_HTTP = (400, 404, 409)  # MLflow's error codes for a request it refuses (not a server that is down)
+
+
+class Rejected(ServiceUnavailable):
+    """The tracking server refused one hypothesis's run (a name, a value, a state): that hypothesis is
+    reported and the others exported. A `ServiceUnavailable`, so `run --mlflow` says it and goes on."""
+
+
+def mlflow_name(name: str) -> str:
+    """`name` if MLflow takes it as a param, metric or tag name; else its characters outside MLflow's
+    replaced by `_` (slashes too: a renamed name is flat), cut to fit, and 8 hex digits of its hash
+    appended, so two originals never share one name."""
+    if len(name) <= NAME_MAX and NAME_CHARS.fullmatch(name) and _flat_path(name):
+        return name
+    base = re.sub(r"[^A-Za-z0-9_.\- ]", "_", name)
+    if base.startswith(".") or not base:
+        base = "_" + base
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{base[:RENAMED_MAX - 9]}.{digest}"
+
+
+def _flat_path(name: str) -> bool:
+    """MLflow's `path_not_unique`, negated: a name that stays itself when read as a file path."""
+    norm = posixpath.normpath(name)
+    return norm == name and norm != "." and not norm.startswith(("..", "/"))
+
+
+def _text(value: str, limit: int) -> str:
+    return value.replace("\x00", "")[:limit]  # PostgreSQL stores no NUL
+
+
+def _named(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`values` under MLflow-safe names, and a tag per renamed name holding its original."""
+    out: dict[str, Any] = {}
+    originals: dict[str, str] = {}
+    for key, value in values.items():
+        name = mlflow_name(key)
+        out[name] = value
+        if name != key:
+            originals[ORIGINAL_TAG + name] = _text(key, TAG_VALUE_MAX)
+    return out, originals
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 class Exporter:
@@ -79,24 +150,37 @@ class Exporter:
     def _call(fn: Any, *args: Any, what: str) -> Any:
         from mlflow.exceptions import MlflowException
 
-        from pipeline.errors import ServiceUnavailable
-
         import requests
 
         try:
             return fn(*args)
         except (MlflowException, requests.RequestException) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ServiceUnavailable(f"cannot reach {what}: {first[:300]}") from None
+            raise ServiceUnavailable(f"cannot reach {what}: {_first_line(e)}") from None
+
+    def _reachable(self) -> bool:
+        try:
+            self.client.get_experiment(self.experiment_id)
+            return True
+        except Exception:
+            return False
 
     # ------------------------------------------------------------------------------------------
 
-    def export_all(self) -> dict[str, int]:
+    def export_all(self) -> dict[str, Any]:
+        """Every hypothesis; one the server refuses is in `failed` (and tried again next time), the
+        rest are exported. A server that stops answering stops it (`ServiceUnavailable`)."""
         self._split = None
+        failed: list[dict[str, Any]] = []
         for h in self.records.all():
-            if h.title:
+            if not h.title:
+                continue
+            try:
                 self.export(h)
-        return {"created": self.created, "updated": self.updated}
+            except (Rejected, OSError) as e:  # OSError: an artifact store refusing a file
+                failed.append({"hypothesis": h.id, "error": str(e) if isinstance(e, Rejected) else
+                               f"#{h.id}: {type(e).__name__}: {_first_line(e)}"})
+                log.warning("MLflow export: %s", failed[-1]["error"])
+        return {"created": self.created, "updated": self.updated, "failed": failed}
 
     def _find(self, key: str, value: str, parent: str | None = None) -> Any | None:
         flt = f"tags.`{key}` = '{value}'"
@@ -107,28 +191,56 @@ class Exporter:
 
     def export(self, h: Hypothesis) -> str:
         """Create or update the hypothesis's run and its nested runs; returns the parent run's id."""
+        from mlflow.exceptions import MlflowException
+
+        import requests
+
         if h.promoted_tag:  # a new champion's points: read afresh
             self._split = None
-        return self._call(self._export, h, what="the MLflow tracking server")
+        try:
+            return self._export(h)
+        except (MlflowException, requests.RequestException) as e:
+            refused = isinstance(e, MlflowException) and e.get_http_status_code() in REJECTED_HTTP
+            if refused or self._reachable():  # this hypothesis's run, not the server
+                raise Rejected(f"the MLflow tracking server refused #{h.id}: {_first_line(e)}") from None
+            raise ServiceUnavailable(f"cannot reach the MLflow tracking server: {_first_line(e)}") from None
+
+    def _log(self, run_id: str, metrics: Sequence[Any] = (), params: Sequence[Any] = (),
+             tags: Sequence[Any] = ()) -> None:
+        """`log_batch` in requests under `BATCH_BYTES` (many renamed keys' originals can pass a server's cap)."""
+        batch: dict[str, list[Any]] = {"metrics": [], "params": [], "tags": []}
+        size = 0
+        for kind, items in (("params", params), ("tags", tags), ("metrics", metrics)):
+            for item in items:
+                n = len(json.dumps([item.key, item.value]))
+                if size + n > BATCH_BYTES and any(batch.values()):
+                    self.client.log_batch(run_id, **batch)
+                    batch, size = {"metrics": [], "params": [], "tags": []}, 0
+                batch[kind].append(item)
+                size += n
+        if any(batch.values()):
+            self.client.log_batch(run_id, **batch)
 
     def _export(self, h: Hypothesis) -> str:
         from mlflow.entities import Metric, Param, RunTag
 
-        tags = self._tags(h)
+        changed, renamed = _named(changed_keys(self.workspace, h.base_commit, h.commit))
+        metric_values, renamed_metrics = _named(self._metrics(h))
+        own = self._tags(h)
+        tags = own | renamed | renamed_metrics  # the originals through `_log`: there may be many
         run = self._find(HYP_TAG, str(h.id))
         fresh = run is None
         if run is None:
-            run = self.client.create_run(self.experiment_id, tags=tags, run_name=f"#{h.id} {h.title}"[:250])
+            run = self.client.create_run(self.experiment_id, tags=own, run_name=f"#{h.id} {h.title}"[:NAME_MAX])
             self.created += 1
         have_params, have_metrics, have_tags = run.data.params, run.data.metrics, run.data.tags
         run_id = run.info.run_id
         now = _ms()
-        params = [Param(k, v) for k, v in changed_keys(self.workspace, h.base_commit, h.commit).items()
-                  if k not in have_params]
+        params = [Param(k, _text(v, PARAM_VALUE_MAX)) for k, v in changed.items() if k not in have_params]
         new_tags = [RunTag(k, v) for k, v in tags.items() if have_tags.get(k) != v]
-        metrics = [Metric(k, v, now, 0) for k, v in self._metrics(h).items() if have_metrics.get(k) != v]
+        metrics = [Metric(k, v, now, 0) for k, v in metric_values.items() if have_metrics.get(k) != v]
         if params or new_tags or metrics:
-            self.client.log_batch(run_id, metrics=metrics, params=params, tags=new_tags)
+            self._log(run_id, metrics=metrics, params=params, tags=new_tags)
             if not fresh:
                 self.updated += 1
         self._artifacts(run_id, h)
@@ -148,7 +260,7 @@ class Exporter:
                 "direction": label(direction_of(self.workspace, h))[:500]}
         if h.reject_kind:
             tags["reject_kind"] = h.reject_kind
-        return tags
+        return {k: _text(v, TAG_VALUE_MAX) for k, v in tags.items()}
 
     def _metrics(self, h: Hypothesis) -> dict[str, float]:
         latest = self.records.latest_verdict(h.id)
@@ -197,7 +309,7 @@ class Exporter:
             return
         existing = {r.data.tags.get(RUN_TAG): r for r in self.client.search_runs(
             [self.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'", max_results=5000)}
-        metric = self.lab.config.benchmark.metric
+        (metric,), renamed = _named({self.lab.config.benchmark.metric: None})
         for res in self.store.results_for(h.commit):
             key = f"{h.commit[:12]}:{res.task}:{res.seed}"
             values = {"cpu_s": float(res.cpu_s)}
@@ -205,16 +317,17 @@ class Exporter:
                 values[metric] = float(res.value)
             run = existing.get(key)
             if run is None:
-                tags = {RUN_TAG: key, "mlflow.parentRunId": parent, "task": res.task, "seed": str(res.seed),
-                        "outcome": res.outcome, HYP_TAG + ".of": str(h.id)}
-                run = self.client.create_run(self.experiment_id, tags=tags, run_name=f"{res.task} seed {res.seed}")
-                self.client.log_batch(run.info.run_id, metrics=[Metric(k, v, _ms(), 0) for k, v in values.items()])
+                tags = {RUN_TAG: key, "mlflow.parentRunId": parent, "task": _text(res.task, TAG_VALUE_MAX),
+                        "seed": str(res.seed), "outcome": res.outcome, HYP_TAG + ".of": str(h.id), **renamed}
+                run = self.client.create_run(self.experiment_id, tags=tags,
+                                             run_name=f"{res.task} seed {res.seed}"[:NAME_MAX])
+                self._log(run.info.run_id, metrics=[Metric(k, v, _ms(), 0) for k, v in values.items()])
                 self.client.set_terminated(run.info.run_id)
                 self.created += 1
             else:
                 stale = [Metric(k, v, _ms(), 0) for k, v in values.items() if run.data.metrics.get(k) != v]
                 if stale:
-                    self.client.log_batch(run.info.run_id, metrics=stale)
+                    self._log(run.info.run_id, metrics=stale)
                     self.updated += 1
 
 
@@ -227,5 +340,5 @@ def _ms() -> int:
     return int(time.time() * 1000)
 
 
-def export(lab: Any, store: Any, tracking_uri: str, experiment: str | None = None) -> dict[str, int]:
+def export(lab: Any, store: Any, tracking_uri: str, experiment: str | None = None) -> dict[str, Any]:
     return Exporter(lab, store, tracking_uri, experiment).export_all()

@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -190,3 +191,81 @@ def test_the_export_carries_the_holdout_figures_and_the_direction(lab_template, 
         assert not any(k.startswith("champion.") for k in parents[str(other)].data.metrics)
     again = export(root, uri)
     assert (again["created"], again["updated"]) == (0, 0)
+
+
+ODD_KEY = "x@y"  # a quoted TOML key: a name MLflow refuses (its characters)
+LONG_KEY = "k" * 300  # and one over MLflow's 250 characters
+MANY = 120  # changed keys in one hypothesis: more params than one MLflow request takes (100)
+
+
+def odd_keys_lab(template: Path, dst: Path) -> tuple[Path, tuple[int, int, int]]:
+    """The tiny lab with three decided hypotheses (planted runs, real gate records): #1 adds the keys
+    `"x@y"`, a 300-character one and MANY more to [finetune]; #2 changes `lora_rank`; #3 `lr`."""
+    from support.lab import copy_lab, make_loop
+    from support.views import BASE, BETTER, decide, seed
+
+    lab = copy_lab(template, dst)
+    added = "".join(f"\nextra_{i:03d} = {i}" for i in range(MANY))
+    seed(lab, "odd", "Odd keys", "lr = 3e-4", f'lr = 3e-4\n"{ODD_KEY}" = 1\n"{LONG_KEY}" = 2{added}\n')
+    seed(lab, "rank", "LoRA rank 16", "lora_rank = 4 ", "lora_rank = 16 ")
+    seed(lab, "lr", "Fine-tune with lr 1e-3", "lr = 3e-4", "lr = 1e-3")
+    loop = make_loop(lab, offline=True)
+    try:
+        ids = tuple(decide(loop, BASE, BETTER if i == 0 else BASE).id for i in range(3))
+    finally:
+        loop.close()
+    return lab, ids  # type: ignore[return-value]
+
+
+def test_names_mlflow_refuses_are_renamed_and_a_failing_hypothesis_stops_no_other(lab_template, tmp_path) -> None:
+    """`"x@y"` and a 300-character config key reach a real MLflow store under names MLflow takes, the
+    originals in tags; a hypothesis whose export fails (its artifact folder blocked by a file) is
+    reported, the others exported; the next export reports it again and goes on; once unblocked it is
+    exported too."""
+    from mlflow.tracking import MlflowClient
+
+    from agent.mlflow_export import HYP_TAG, ORIGINAL_TAG, Exporter, mlflow_name
+
+    root, (odd, rank, lr) = odd_keys_lab(lab_template, tmp_path / "lab")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    svc = services(root)
+    # #2's run exists already (an earlier export), and a file sits where its artifacts go
+    exporter = Exporter(svc.lab, svc.store, uri)
+    client = MlflowClient(tracking_uri=uri)
+    blocked = client.create_run(exporter.experiment_id, tags={HYP_TAG: str(rank)})
+    block = Path(blocked.info.artifact_uri.removeprefix("file://"))
+    block.parent.mkdir(parents=True, exist_ok=True)
+    block.write_text("in the way")
+
+    def parents() -> dict[str, Any]:
+        return {r.data.tags[HYP_TAG]: r for r in client.search_runs([exporter.experiment_id], max_results=1000)
+                if HYP_TAG in r.data.tags}
+
+    first = export(root, uri)
+    (failed,) = first["failed"]
+    assert failed["hypothesis"] == rank and str(block) in failed["error"], failed
+    runs = parents()
+    assert sorted(runs) == sorted(str(i) for i in (odd, rank, lr))  # every hypothesis, the failed one too
+    params, tags = runs[str(odd)].data.params, runs[str(odd)].data.tags
+    finetune = {f"finetune.{ODD_KEY}": "1", f"finetune.{LONG_KEY}": "2",
+                **{f"finetune.extra_{i:03d}": str(i) for i in range(MANY)}}
+    assert params == {mlflow_name(k): v for k, v in finetune.items()}  # all MANY + 2
+    for key in (f"finetune.{ODD_KEY}", f"finetune.{LONG_KEY}"):
+        name = mlflow_name(key)
+        assert name != key and len(name) <= 250 and "@" not in name
+        assert tags[ORIGINAL_TAG + name] == key  # the original, as the lab wrote it
+    assert mlflow_name("finetune.extra_000") == "finetune.extra_000"  # a name MLflow takes is kept
+    assert runs[str(lr)].data.params == {"finetune.lr": "0.001"}  # after the failed one: exported
+    assert {a.path for a in client.list_artifacts(runs[str(lr)].info.run_id)} == {"summary.md", "forest.png"}
+
+    again = export(root, uri)  # tried again, reported again; the rest unchanged
+    assert [f["hypothesis"] for f in again["failed"]] == [rank] and again["created"] == 0
+    block.unlink()
+    last = export(root, uri)
+    assert last["failed"] == []
+    runs = parents()
+    nested = client.search_runs([exporter.experiment_id], max_results=1000,
+                                filter_string=f"tags.`mlflow.parentRunId` = '{runs[str(rank)].info.run_id}'")
+    assert last["created"] == len(nested) == len(svc.store.results_for(svc.records.get(rank).commit)) > 0
+    assert {a.path for a in client.list_artifacts(runs[str(rank)].info.run_id)} == {"summary.md", "forest.png"}
+    assert runs[str(rank)].data.params == {"finetune.lora_rank": "16"}
