@@ -3,7 +3,12 @@
 Targets: a generic JSON webhook (POST), a Slack-compatible webhook (`{"text": …}`: Slack, Mattermost,
 Teams) and e-mail over SMTP (STARTTLS and login when configured). Secrets come from the environment
 only (`url_env`, `password_env`) and are never stored, logged or shown: `status` names a target by
-its name, kind and host.
+its name, kind and host. A URL with user info (`user:password@host`) is refused (`resolve`, at
+`run`; `check_urls` for a check without a run); and an error is stored, logged and shown only with every part of every
+configured URL that may hold a secret (user info, path and its segments, query and its values,
+fragment) and every password replaced by `***` (`Scrubber`). A Slack-compatible target's text is made
+inert (`slack_text`): no `@channel`/`<!here>` mention, no disguised link, whatever an LLM-written
+title says.
 
 Delivery goes through an outbox in the store (`agent.records.Notification`):
 
@@ -68,6 +73,8 @@ TITLES = {
 
 
 SUBJECT_MAX = 200
+SECRET_MIN = 4  # a URL's path segment or query value shorter than this is no secret (and `***` would mangle words)
+ZWSP = "\u200b"  # breaks a mention or a link in a Slack-compatible text without a visible change
 STALE_CLAIM_TIMEOUTS = 10  # a claim older than this many timeouts is a sender that died mid-attempt
 
 
@@ -143,6 +150,31 @@ def _short_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
+def _user_info_refused(spec: Any, url: str) -> None:
+    """A URL with user info: its password would sit in every error that quotes the host (`urllib`'s
+    `nonnumeric port: 'PASSWORD@host'`). Refused in one line that does not echo the URL."""
+    try:
+        has_user_info = "@" in urllib.parse.urlsplit(url).netloc
+    except ValueError:  # a malformed host: said by the http(s) check
+        return
+    if has_user_info:
+        where = f"url_env {spec.url_env}" if spec.url_env else "url"
+        raise UserError(f"[notify] {spec.kind} target {spec.name or spec.url_env or spec.kind}: the {where} holds "
+                        "user info (user:password@host), refused: a password there would show in errors; "
+                        "use a webhook URL whose token is in its path")
+
+
+def check_urls(config: Any, env: dict[str, str]) -> None:
+    """`[notify]` checked without a run (for `autoresearch check`): a webhook or Slack URL (`url`, or
+    `url_env` where it is set) with user info is a `UserError`. An unset `url_env` is `run`'s to refuse."""
+    for spec in config.target:
+        if spec.kind == "email":
+            continue
+        url = spec.url if spec.url is not None else env.get(spec.url_env or "", "")
+        if url:
+            _user_info_refused(spec, url)
+
+
 def resolve(spec: Any, defaults: list[str], env: dict[str, str]) -> Target:
     """A `[notify]` target (pipeline.lab.NotifyTarget) with its secrets read from `env`."""
     events = frozenset(spec.events if spec.events is not None else defaults)
@@ -163,10 +195,12 @@ def resolve(spec: Any, defaults: list[str], env: dict[str, str]) -> Target:
         if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
             raise UserError(f"[notify] {spec.kind} target {spec.name or spec.url_env}: url_env {spec.url_env} "
                               "is not set to an http(s) URL in the environment")
-        parts = urllib.parse.urlsplit(url)  # shown without user info: a secret may sit there
+        _user_info_refused(spec, url)
+        parts = urllib.parse.urlsplit(url)
         ident, where = f"env:{spec.url_env}", f"${spec.url_env} ({parts.hostname}" + (f":{parts.port})" if parts.port else ")")
     else:
         url = spec.url
+        _user_info_refused(spec, url)
         ident = url
         parts = urllib.parse.urlsplit(url)
         where = f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
@@ -274,12 +308,50 @@ def digest_text(records: Records, store: Any, since: float) -> str:
 
 # ----------------------------------------------------------------------------- sending
 
-def _scrub(text: str, t: Target) -> str:
-    """An error as it may be stored and shown: without the target's URL or password."""
-    for secret in (t.url, t.password):
-        if secret:
+def url_secrets(url: str) -> set[str]:
+    """The parts of a URL that may hold a secret: the URL, its user info, user name and password (as
+    written and decoded), path, query and fragment, each path segment and query value of `SECRET_MIN`
+    characters or more. Not the scheme, host or port: `status` shows those."""
+    try:
+        u = urllib.parse.urlsplit(url)
+    except ValueError:
+        return {url}
+    found = {url, u.path, u.query, u.fragment, u.netloc.rpartition("@")[0]}
+    for part in (u.username, u.password):
+        found |= {part, urllib.parse.unquote(part)} if part else set()
+    for segment in u.path.split("/") + [v for pair in u.query.split("&") for v in pair.split("=")]:
+        if len(segment) >= SECRET_MIN:
+            found |= {segment, urllib.parse.unquote(segment)}
+    return {x for x in found if x and (len(x) >= SECRET_MIN or x in (u.password, u.username))}
+
+
+class Scrubber:
+    """Errors as they may be stored, logged and shown: every secret of the configured targets (their
+    URLs' parts, passwords) replaced by `***`, and any `scheme://user:password@` left masked too."""
+
+    USER_INFO = re.compile(r"(?<=://)[^\s/@]+@")
+
+    def __init__(self, targets_: list[Target]):
+        found: set[str] = set()
+        for t in targets_:
+            found |= url_secrets(t.url) if t.url else set()
+            found |= {t.password} if t.password else set()
+        self.secrets = sorted(found, key=len, reverse=True)  # the whole URL before its parts
+
+    def __call__(self, text: str) -> str:
+        for secret in self.secrets:
             text = text.replace(secret, "***")
-    return " ".join(text.split())[:ERROR_MAX]
+        return " ".join(self.USER_INFO.sub("***@", text).split())[:ERROR_MAX]
+
+
+def slack_text(text: str) -> str:
+    """Text for a Slack-compatible receiver (Slack, Mattermost, Teams), shown as written and inert:
+    Slack's three escapes (`&`, `<`, `>`), and a zero-width space after each `<` (a `<!channel>`,
+    `<!here>`, `<@U1>` or `<url|text>` stays text even where a receiver decodes the escapes first),
+    after each `@` before a word (`@channel`, `@here`, `@everyone`, `@all`, `@user`: Mattermost's
+    mentions) and between `]` and `(` (a Markdown link or image, `[text](url)`)."""
+    text = text.replace("&", "&amp;").replace("<", "&lt;" + ZWSP).replace(">", "&gt;")
+    return re.sub(r"@(?=\w)", "@" + ZWSP, text).replace("](", "]" + ZWSP + "(")
 
 
 def idempotency_key(lab: str, row: Notification) -> str:
@@ -293,9 +365,8 @@ def deliver(t: Target, row: Notification, lab: str, timeout: float) -> None:
     idem = idempotency_key(lab, row)
     text = row.body + (f"\n{row.link}" if row.link else "")
     if t.kind in ("webhook", "slack"):
-        if t.kind == "slack":  # Slack's three escapes; the subject in bold
-            esc = lambda x: x.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # noqa: E731
-            payload: dict[str, Any] = {"text": f"*{esc(row.subject)}*\n{esc(row.body)}"
+        if t.kind == "slack":  # inert text; the subject in bold; our own link the one link
+            payload: dict[str, Any] = {"text": f"*{slack_text(row.subject)}*\n{slack_text(row.body)}"
                                                + (f"\n<{row.link}|open the review page>" if row.link else "")}
         else:
             payload = {"event": row.kind, "key": row.key, "lab": lab, "subject": row.subject, "text": row.body,
@@ -344,6 +415,7 @@ class Sender:
     def __init__(self, lab: Any, store: Any, records: Records, outbox: Outbox, config: Any):
         self.lab, self.store, self.records, self.outbox, self.cfg = lab, store, records, outbox, config
         self.targets = {t.id: t for t in outbox.targets}
+        self.scrub = Scrubber(outbox.targets)
         self.sent_at: dict[str, deque[float]] = {t: deque() for t in self.targets}
         self.stopping = threading.Event()
         self.next_disk = 0.0
@@ -480,9 +552,9 @@ class Sender:
                 deliver(t, row, self.outbox.lab_name, self.cfg.timeout_s)
                 error = None
             except urllib.error.HTTPError as e:
-                error = f"HTTP {e.code} {e.reason}"
+                error = self.scrub(f"HTTP {e.code} {e.reason}")
             except Exception as e:  # refused, timed out, TLS, SMTP refusals: all a failed attempt
-                error = _scrub(f"{type(e).__name__}: {e}", t)
+                error = self.scrub(f"{type(e).__name__}: {e}")
             self._done(row, t, error)
             if error:
                 log.warning("notification %s to %s failed (attempt %d): %s", row.key, t.id, row.attempts + 1, error)

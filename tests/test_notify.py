@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS:UserWarning")]
-from support.lab import RunProcess, cli, cli_env, free_port, git
+from support.lab import RunProcess, Server, cli, cli_env, free_port, git
 
 from agent.labinit import init_lab
 
@@ -33,9 +33,10 @@ SMTP_PASSWORD = "s3cret-smtp-pw-9d1e"
 
 
 class Hook:
-    """A webhook receiver on 127.0.0.1. Per path: `ok` answers 200, `fail` 500, `hang` holds the
-    request past any client timeout; `flaky` answers 200 to its first `flaky_ok` requests, then 500
-    until `heal()`. Every request is recorded with the status it got (None: hung)."""
+    """A webhook receiver on 127.0.0.1. Per path: `ok` answers 200, `fail` 500, `echo` 500 with its
+    path in the reason phrase (an error quoting the URL), `hang` holds the request past any client
+    timeout; `flaky` answers 200 to its first `flaky_ok` requests, then 500 until `heal()`. Every
+    request is recorded with the status it got (None: hung)."""
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -50,7 +51,7 @@ class Hook:
                 with hook.lock:
                     n_flaky = sum(1 for r in hook.requests if r["mode"] == "flaky")
                     status: int | None = 200
-                    if mode == "fail" or (mode == "flaky" and not hook.healed and n_flaky >= hook.flaky_ok):
+                    if mode in ("fail", "echo") or (mode == "flaky" and not hook.healed and n_flaky >= hook.flaky_ok):
                         status = 500
                     elif mode == "hang":
                         status = None
@@ -61,7 +62,7 @@ class Hook:
                 if status is None:
                     hook.release.wait(10)
                     return
-                self.send_response(status)
+                self.send_response(status, f"boom at {self.path}" if mode == "echo" else None)
                 if status == 302:  # to another path of this server: a follower would GET it
                     self.send_header("Location", f"{hook.url}/ok/landed")
                 self.end_headers()
@@ -591,10 +592,121 @@ def test_a_title_with_line_breaks_reaches_e_mail_as_one_line(tmp_path: Path, mai
     assert msg["Bcc"] is None and [r["state"] for r in outbox(root)] == ["sent"]
 
 
-def test_a_url_from_the_environment_is_shown_without_its_user_info() -> None:
+def test_a_url_from_the_environment_is_shown_by_its_host_alone() -> None:
     from agent.notify import resolve
     from pipeline.lab import NotifyTarget
 
-    t = resolve(NotifyTarget(kind="webhook", url_env="HOOK"), ["hold"],
-                {"HOOK": "https://user:s3cret@hooks.example:8443/x/T0K3N"})
-    assert t.where == "$HOOK (hooks.example:8443)" and "s3cret" not in t.where and "T0K3N" not in t.where
+    t = resolve(NotifyTarget(kind="webhook", url_env="HOOK"), ["hold"], {"HOOK": "https://hooks.example:8443/x/T0K3N"})
+    assert t.where == "$HOOK (hooks.example:8443)" and "T0K3N" not in t.where and "T0K3N" not in repr(t)
+
+
+# ----------------------------------------------------------------------------- secrets in URLs and errors
+
+USER_INFO_URL = "http://bot:S3cretPW@127.0.0.1/hook/T0K3N"  # urllib: InvalidURL: nonnumeric port: 'S3cretPW@127.0.0.1'
+
+
+def test_a_url_with_user_info_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Its password would sit in every error quoting the host: `run` refuses it (`url_env`, `url` or
+    `--notify`) in one line, exit code 2, the secret not echoed; `check_urls` (for `check`)
+    refuses it too, and leaves an unset `url_env` to `run`."""
+    from agent.notify import check_urls
+    from pipeline.errors import UserError
+    from pipeline.lab import load_lab
+
+    root = command_lab(tmp_path / "lab", '[[notify.target]]\nkind = "slack"\nurl_env = "NOTIFY_HOOK"\n')
+    env = cli_env() | {"NOTIFY_HOOK": USER_INFO_URL}
+    out = cli(root, "run", "--offline", "--max-hypotheses", "1", env=env)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: [notify] slack target NOTIFY_HOOK: the url_env NOTIFY_HOOK holds user "
+                                 "info (user:password@host), refused"), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "S3cretPW" not in out.stderr and "Traceback" not in out.stderr
+    config = load_lab(root).config.notify
+    with pytest.raises(UserError, match="holds user info") as e:
+        check_urls(config, {"NOTIFY_HOOK": USER_INFO_URL})
+    assert "S3cretPW" not in str(e.value)
+    check_urls(config, {})  # unset: `run` says so
+    check_urls(config, {"NOTIFY_HOOK": "http://127.0.0.1/hook/T0K3N"})
+    for i, url in enumerate((USER_INFO_URL, "slack+" + USER_INFO_URL)):
+        out = cli(command_lab(tmp_path / f"cli{i}", ""), "run", "--offline", "--notify", url)
+        assert out.returncode == 2 and "holds user info" in out.stderr and "S3cretPW" not in out.stderr, out.stderr
+    inline = command_lab(tmp_path / "inline", f'[[notify.target]]\nkind = "webhook"\nurl = "{USER_INFO_URL}"\n')
+    out = cli(inline, "run", "--offline", "--max-hypotheses", "1")
+    assert out.returncode == 2 and "the url holds user info" in out.stderr and "S3cretPW" not in out.stderr
+
+
+def test_an_error_is_stored_and_shown_without_any_part_of_the_urls(tmp_path: Path, hook: Hook) -> None:
+    """Defence in depth, should a URL with user info get past the check (a store written before it):
+    the real sender's errors — urllib's `nonnumeric port: 'PASSWORD@host'`, a server's reason phrase
+    quoting the URL's path — are stored with every part of the configured URLs scrubbed, so neither
+    `status` (text and JSON, `last_error` and the `notify_dead` event) nor the review page shows them."""
+    from agent.notify import Outbox, Sender, Target
+    from agent.records import Records
+    from pipeline import experiment
+    from pipeline.lab import load_lab
+
+    root = command_lab(tmp_path / "lab", "[notify]\ndead_after = 1\nmax_attempts = 1\n")
+    lab = load_lab(root)
+    store = experiment.open_store(lab)
+    rec = Records(store)
+    targets = [Target("userinfo", "webhook", "http://127.0.0.1", frozenset({"guard"}), url=USER_INFO_URL),
+               Target("echoes", "slack", hook.url, frozenset({"guard"}), url=f"{hook.url}/echo/T0K3N-path")]
+    box = Outbox(lab, lab.config.notify, targets)
+    rec.outbox = box
+    sender = Sender(lab, store, rec, box, lab.config.notify).start()
+    rec.event("guard", "held back")
+    deadline = time.monotonic() + 20
+    while len([r for r in outbox(root) if r["state"] == "failed"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sender.close(flush_s=1)
+    assert hook.got("echo", 500)  # the server did quote the path back
+    rows = {r["target"]: r for r in outbox(root)}
+    assert "nonnumeric port: '***@127.0.0.1'" in rows["userinfo"]["last_error"], rows
+    assert rows["echoes"]["last_error"] == "HTTP 500 boom at ***", rows
+    st = cli(root, "status", "--json")
+    text = cli(root, "status").stdout
+    server = Server(root).wait()
+    try:
+        page = server.get("/").read().decode()
+    finally:
+        server.stop()
+    dead = [e["message"] for e in json.loads(st.stdout)["events"] if e["kind"] == "notify_dead"]
+    assert len(dead) == 2 and "DEAD" in text and "notification target userinfo" in page
+    for secret in ("S3cretPW", "bot:", "T0K3N", "/hook", "/echo"):
+        for shown in (st.stdout, text, page, json.dumps(rows)):
+            assert secret not in shown, (secret, shown[:3000])
+
+
+def test_a_slack_title_with_mentions_and_links_is_posted_inert(tmp_path: Path, hook: Hook) -> None:
+    """An LLM-written title with `<!channel>`, `@here`, `@everyone`, a `<url|text>` link and a Markdown
+    link reaches a Slack-compatible endpoint as text: no mention and no disguised link survives, even
+    read by a receiver that decodes the escapes first (Mattermost, Teams); the review page's own link
+    is the one link."""
+    import html
+    import re
+
+    from agent.notify import attach
+    from agent.records import Hypothesis, Records
+    from pipeline import experiment
+    from pipeline.lab import load_lab
+
+    root = command_lab(tmp_path / "lab", '[notify]\nweb_url = "http://review.example:8765"\n')
+    lab = load_lab(root)
+    store = experiment.open_store(lab)
+    sender = attach(lab, store, Records(store), [f"slack+{hook.url}/ok/slack"])
+    rec = sender.records
+    title = ("<!channel> <!here|here> @here @everyone @channel <@U024BE7LH> see <http://evil.example|click> "
+             "[docs](http://evil.example)")
+    h = rec.add(Hypothesis(title=title, origin="llm", rationale_decision="ping @all <!everyone>"))
+    rec.update(h.id, status="held", verdict="improvement", look=2)
+    deadline = time.monotonic() + 20
+    while not hook.got("ok") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sender.close(flush_s=2)
+    (post,) = hook.got("ok")
+    text = post["body"]["text"]
+    for shown in (text, html.unescape(text)):  # as Slack reads it, and as a receiver that decodes first
+        assert not re.search(r"<[!@#]", shown), shown
+        assert not re.search(r"@(channel|here|everyone|all)\b", shown), shown
+        assert "<http://evil.example|click>" not in shown and "](http" not in shown, shown
+        assert re.findall(r"<(http[^|>]*)\|", shown) == [f"http://review.example:8765/hypotheses/{h.id}"]
+    assert "@\u200bhere" in text and "@\u200beveryone" in text and "click" in text  # still readable
