@@ -171,8 +171,11 @@ def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
 
     import subprocess
 
+    from agent.notify import check_urls
+
     lab = load_lab(Ctx.repo)
     cfg = lab.config
+    check_urls(cfg.notify, dict(os.environ))  # a webhook URL with a password in it: refused in one line
     files = subprocess.run(["git", "ls-files"], cwd=lab.root, capture_output=True, text=True).stdout.split()
     undeclared = lab.undeclared_editable(files)
     summary = {

@@ -632,6 +632,10 @@ def test_a_url_with_user_info_is_refused_in_one_line(tmp_path: Path) -> None:
     inline = command_lab(tmp_path / "inline", f'[[notify.target]]\nkind = "webhook"\nurl = "{USER_INFO_URL}"\n')
     out = cli(inline, "run", "--offline", "--max-hypotheses", "1")
     assert out.returncode == 2 and "the url holds user info" in out.stderr and "S3cretPW" not in out.stderr
+    for args, env in ((("check",), None), (("check",), cli_env() | {"NOTIFY_HOOK": USER_INFO_URL})):
+        out = cli(inline if env is None else root, *args, env=env)  # `autoresearch check`: the same line
+        assert out.returncode == 2 and "holds user info" in out.stderr and "S3cretPW" not in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_an_error_is_stored_and_shown_without_any_part_of_the_urls(tmp_path: Path, hook: Hook) -> None:
