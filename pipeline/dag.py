@@ -12,7 +12,8 @@ stage instance gets a cache key: a hash of
 Two runs whose stages hash alike share the output: every task of a seed reuses one pretraining,
 and a challenger that changes only fine-tuning code reuses the baseline's pretraining. An input may
 name one table of a TOML file, `config.toml#finetune`, so that editing one section of a shared
-config does not invalidate stages that never read it.
+config does not invalidate stages that never read it; such a stage sees that table alone, as a
+TOML file holding just it, so it cannot read what its key does not cover.
 
 Outputs live in `runs/cache/<key>/`: a stage writes into a private temporary folder, published by
 one atomic rename, so a reader never sees half an output and a killed stage leaves no entry.
@@ -26,7 +27,6 @@ import os
 import re
 import shlex
 import shutil
-import tomllib
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import UserError
-from pipeline.lab import PLACEHOLDER, StageSpec, check_stage_graph, glob_match
+from pipeline.lab import PLACEHOLDER, StageSpec, check_stage_graph, glob_match, toml_tables
 
 if TYPE_CHECKING:
     from pipeline.worktrees import Worktrees
 
-KEY_VERSION = "autoresearch-stage-v2"  # v2: stages see only their declared inputs, in a sandbox
+KEY_VERSION = "autoresearch-stage-v3"  # v2: stages see only their declared inputs, in a sandbox;
+# v3: a stage that names a TOML file by tables sees only those tables (v2 outputs saw the whole file)
 
 
 
@@ -64,7 +65,9 @@ def input_digests(worktrees: "Worktrees", commit: str, patterns: list[str]) -> d
     """Content digests of a stage's inputs at a commit.
 
     Plain globs map to git blob ids (already a hash of the content). `file.toml#table` maps to the
-    hash of that table's canonical JSON, so edits elsewhere in the file do not count.
+    hash of that table as the stage sees it (`pipeline.lab.toml_tables`: the table alone, written
+    from its values), so edits elsewhere in the file do not count, and the stage reads nothing else
+    of the file (`Lab.stage_sees`).
     """
     out: dict[str, str] = {}
     plain = [p for p in patterns if "#" not in p]
@@ -75,18 +78,12 @@ def input_digests(worktrees: "Worktrees", commit: str, patterns: list[str]) -> d
             continue
         path, _, table = p.partition("#")
         try:
-            doc = tomllib.loads(worktrees.read(commit, path).decode("utf-8"))
+            data = worktrees.read(commit, path)
         except FileNotFoundError:
             out[p] = "missing"
             continue
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError):
-            # an unparsable file changes the key by its bytes: the stage will fail on it anyway
-            out[p] = hashlib.sha256(worktrees.read(commit, path)).hexdigest()
-            continue
-        value = doc
-        for part in table.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        out[p] = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+        # an unparsable file is seen, and keyed, whole: the stage will fail on it anyway
+        out[p] = hashlib.sha256(toml_tables(data, [table])).hexdigest()
     for p in patterns:  # a pattern that matches nothing is part of the key too
         if "#" not in p and not any(glob_match(name, p) for name in out):
             out[f"{p} (no match)"] = "missing"

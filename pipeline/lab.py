@@ -11,6 +11,7 @@ import glob
 import os
 import re
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -541,6 +542,58 @@ def parse_config(text: str, path: str | Path = CONFIG_NAME) -> ResearchConfig:
         raise LabConfigError(path, _loc(err["loc"]), _explain(err)) from None
 
 
+def table_value(doc: dict[str, Any], table: str) -> Any:
+    """The value at the dotted name `table` of a parsed TOML document; None where there is none."""
+    value: Any = doc
+    for part in table.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def toml_tables(data: bytes, tables: Iterable[str]) -> bytes:
+    """The TOML file `data` cut down to `tables` (dotted names; one it lacks left out), written from
+    the parsed values with keys sorted, so the bytes are a function of those values alone: what a
+    stage that names the file by tables sees, and what its cache key hashes, table by table
+    (`pipeline.dag.input_digests`). `data` itself when it is not UTF-8 TOML: then the key hashes it whole."""
+    import tomli_w
+
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return data
+    out: dict[str, Any] = {}
+    for table in tables:
+        value = table_value(doc, table)
+        if value is None:
+            continue
+        *parents, last = table.split(".")
+        node = out
+        for part in parents:  # a parent already taken whole holds this table already
+            node = node.setdefault(part, {})
+        node[last] = value
+    return tomli_w.dumps(_sorted_keys(out)).encode("utf-8")
+
+
+def _sorted_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sorted_keys(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_keys(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a stage sees of a file it sees (`Lab.stage_sees`): the whole file, or, when `tables` is
+    not empty, a TOML file of just those tables (`toml_tables`)."""
+
+    tables: tuple[str, ...] = ()
+
+    def content(self, data: bytes) -> bytes:
+        """The bytes the stage reads, from the file's committed bytes."""
+        return toml_tables(data, self.tables) if self.tables else data
+
+
 class Lab:
     """A lab on disk: its root, its parsed config and the paths of its state folder (`runs/`)."""
 
@@ -565,12 +618,21 @@ class Lab:
     def is_trusted(self, path: str) -> bool:
         return any(glob_match(path, g) for g in self.config.benchmark.trusted)
 
-    def stage_sees(self, stage: StageSpec, path: str) -> bool:
-        """Hermetic stages: of the editable files, a stage sees only those its `inputs` declare; the
-        trusted harness files never (a stage that could run `prepare` would regenerate the labels)."""
+    def stage_sees(self, stage: StageSpec, path: str) -> Seen | None:
+        """What `stage` sees of the file at `path`, the one rule every view of a stage follows (the
+        driver's, `Worktrees.view`; the smoke run's). Hermetic stages: of the editable files, only
+        those its `inputs` declare; the trusted harness files never (a stage that could run
+        `prepare` would regenerate the labels), None for both. A file its inputs name only by tables
+        (`config.toml#pretrain`: that exact path) is seen as a TOML file of just those tables, all
+        its cache key covers; any other file whole."""
         if self.is_trusted(path):
-            return False
-        return not self.is_editable(path) or any(glob_match(path, p.partition("#")[0]) for p in stage.inputs)
+            return None
+        if any("#" not in p and glob_match(path, p) for p in stage.inputs):
+            return Seen()
+        tables = tuple(t for f, sep, t in (p.partition("#") for p in stage.inputs) if sep and f == path)
+        if tables:
+            return Seen(tables)
+        return None if self.is_editable(path) else Seen()
 
     def config_warnings(self) -> list[str]:
         """One line each for what the configuration allows and the sandbox cannot prevent (`check`)."""
@@ -646,7 +708,11 @@ def _check_files(root: Path, config: ResearchConfig, path: Path) -> None:
         _check_glob(root, pattern, path, "lab.editable")
     for i, stage in enumerate(config.stage):
         for pattern in stage.inputs:  # `file.toml#table` keys the stage on one table of the file
-            _check_glob(root, pattern.partition("#")[0], path, f"stage[{i}].inputs")
+            file, sep, _ = pattern.partition("#")
+            if sep and ("*" in file or "?" in file):
+                raise LabConfigError(path, f"stage[{i}].inputs", f"{pattern!r}: expected one file's path before '#', "
+                                     "not a glob (the stage sees, and is keyed on, that file's tables)")
+            _check_glob(root, file, path, f"stage[{i}].inputs")
     for pattern in config.benchmark.trusted:
         _check_glob(root, pattern, path, "benchmark.trusted")
         for f in _glob_files(root, pattern):

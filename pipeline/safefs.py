@@ -423,10 +423,11 @@ def _write_stream(root_fd: int, rel: str, src: IO[bytes], *, executable: bool) -
         os.close(fd)
 
 
-def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str],
-              keep: Callable[[str], bool] | None = None) -> None:
+def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str], keep: Callable[[str], object] | None = None,
+              content: Callable[[str, bytes], bytes] | None = None) -> None:
     """Copy the regular files and symlinks of `src` (those whose tree-relative path `keep` allows)
-    into the new folder `dst`, with their folders, reading and writing without following any link."""
+    into the new folder `dst`, with their folders, reading and writing without following any link.
+    With `content`, a regular file is read whole and `content(path, its bytes)` written instead."""
     os.makedirs(dst, exist_ok=True)
     dst_fd = open_root(dst)
     try:
@@ -441,7 +442,11 @@ def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                     os.close(fd)
                     raise UnsafeTree(errno.EINVAL, f"{path}: not a regular file")
                 with os.fdopen(fd, "rb") as fh:
-                    _write_stream(dst_fd, path, fh, executable=bool(st.st_mode & 0o111))
+                    if content is None:
+                        _write_stream(dst_fd, path, fh, executable=bool(st.st_mode & 0o111))
+                    else:
+                        write_bytes(dst_fd, path, content(path, fh.read()), executable=bool(st.st_mode & 0o111),
+                                    exclusive=True)
     finally:
         os.close(dst_fd)
 

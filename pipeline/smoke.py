@@ -208,8 +208,9 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
 
 
 def _stage_view(lab: Lab, stage: Any, code: Path, view: Path) -> Path:
-    """The files of `code` that `stage` may see (hermetic stages), copied into `view` (no link
-    followed while reading or writing)."""
-    safefs.copy_tree(code, view, keep=lambda rel: lab.stage_sees(stage, rel))
+    """The files of `code` that `stage` may see, as it sees them (`Lab.stage_sees`, the rule the
+    driver's views follow), copied into `view` (no link followed while reading or writing)."""
+    safefs.copy_tree(code, view, keep=lambda rel: lab.stage_sees(stage, rel),
+                     content=lambda rel, data: lab.stage_sees(stage, rel).content(data))
     safefs.chmod_dirs(view)
     return view

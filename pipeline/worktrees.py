@@ -1,12 +1,18 @@
-"""Branch deployments: one git worktree per commit under test, in `runs/worktrees/<sha>`.
+"""Branch deployments: each commit under test laid out in `runs/worktrees/<sha>`, and the per-stage
+views of its files in `runs/views/`.
 
-Why worktrees: stages run the branch's code exactly as committed, while the lab's own checkout
-stays wherever the human or the agent left it, and many commits can be measured at once. This module
-is the only one that creates, reuses, repairs and removes them, and the one that reads files *at a
-commit* (from git blobs, never from a working directory a stage could have touched).
+Why a tree of its own per commit: stages run the branch's code exactly as committed, while the lab's
+own checkout stays wherever the human or the agent left it, and many commits can be measured at
+once. This module is the only one that lays out, reuses, repairs and removes them, and the one that
+reads files *at a commit* (from git blobs, never from a working directory a stage could have touched).
+
+Nothing here is a git checkout: a tree is laid out from the commit's objects (`_lay_out`), because
+git's checkout (and `git archive`) obeys the branch's own `.gitattributes` outside the sandbox: a
+`filter` whose driver the lab's git config defines runs its command, `ident`, `eol`, `text` and
+`working-tree-encoding` change the bytes. Laid out from blobs, a tree holds exactly what was committed.
 
 All mutations hold an exclusive file lock (`runs/worktrees/.lock`), so concurrent drivers on one
-lab do not race `git worktree add`; the kernel drops the lock if its holder is killed.
+lab do not race; the kernel drops the lock if its holder is killed.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -27,14 +34,15 @@ import git
 
 from pipeline import safefs
 from pipeline.errors import UserError, WorktreeError
-from pipeline.lab import glob_match
+from pipeline.lab import Seen, glob_match
 from pipeline.labrepo import LabRepo
 
 SHA = re.compile(r"^[0-9a-f]{40}$")
 
 
 class Worktrees:
-    """Worktrees of the lab repository at `repo_root`, kept under `<state>/worktrees`."""
+    """The trees of the lab repository's commits (at `repo_root`), kept under `<state>/worktrees`,
+    and the stages' views of them, under `<state>/views`."""
 
     def __init__(self, repo_root: Path, state: Path):
         self.repo_root = Path(repo_root).resolve()
@@ -88,27 +96,26 @@ class Worktrees:
             raise FileNotFoundError(f"{path} not in commit {commit[:12]}")
         return blob.data_stream.read()
 
-    # --- worktrees --------------------------------------------------------------------------
+    # --- trees of commits ----------------------------------------------------------------------
 
     def path(self, commit: str) -> Path:
         return self.root / commit
 
     def ensure(self, rev: str) -> Path:
-        """The worktree for `rev`'s commit: reused if it exists and is sound, else (re)created.
+        """The tree of `rev`'s commit at `runs/worktrees/<sha>`: reused if there, else laid out from
+        the commit's objects (never checked out: see the module's docstring).
 
         `UnsafeTree` (one line) for a commit whose tree is refused (`check_tree`, before anything is
-        laid out) or whose checkout on disk holds a link out of it (then removed)."""
+        laid out) or whose tree on disk holds a link out of it (then removed)."""
         commit = self.resolve(rev)
         self.check_tree(commit)
         path = self.path(commit)
-        if not self._sound(path, commit):
+        if not path.is_dir():
             with self._locked():
-                if not self._sound(path, commit):
-                    self._remove_unlocked(path)
-                    try:
-                        self.repo.git.worktree("add", "--detach", "--force", str(path), commit)
-                    except git.GitCommandError as e:
-                        raise WorktreeError(f"cannot create worktree for {commit[:12]}: {e.stderr.strip()}") from None
+                if not path.is_dir():
+                    tmp = self.root / f".tmp-{commit}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+                    self._lay_out(commit, self._visible_files(commit, lambda p: True), tmp)
+                    os.rename(tmp, path)  # whole or not at all: a half-laid tree never has this name
         try:
             self.check_checkout(path, commit)
         except safefs.UnsafeTree:
@@ -117,20 +124,14 @@ class Worktrees:
             raise
         return path
 
-    def _sound(self, path: Path, commit: str) -> bool:
-        if not (path / ".git").is_file():
-            return False
-        try:
-            return git.Repo(path).head.commit.hexsha == commit
-        except (git.InvalidGitRepositoryError, git.NoSuchPathError, ValueError, git.GitCommandError):
-            return False
-
     def _remove_unlocked(self, path: Path) -> None:
-        if path.exists():
+        if (path / ".git").is_file():  # a `git worktree add` of an earlier version
             try:
                 self.repo.git.worktree("remove", "--force", "--force", str(path))
             except git.GitCommandError:
-                shutil.rmtree(path, ignore_errors=True)
+                pass
+        shutil.rmtree(path, ignore_errors=True)
+        self._sound_checkouts.discard(path)
         self.repo.git.worktree("prune")
 
     def remove(self, rev: str) -> None:
@@ -138,10 +139,10 @@ class Worktrees:
             self._remove_unlocked(self.path(self.resolve(rev)))
 
     def gc(self, keep: Iterable[str]) -> tuple[list[str], int]:
-        """Remove the worktrees and the views of every commit not in `keep` (full shas): decided
+        """Remove the trees and the views of every commit not in `keep` (full shas): decided
         challengers, superseded champions. A view is removed only where it says whose it is (its
         `<digest>.commit` beside it: views made by an earlier version, and the harness's view of the
-        trusted files, say nothing and stay). Returns the worktrees' commits removed and how many
+        trusted files, say nothing and stay). Returns the trees' commits removed and how many
         views. Whatever is removed is made again on demand (`ensure`, `view`)."""
         keep_set = set(keep)
         removed: list[str] = []
@@ -174,44 +175,61 @@ class Worktrees:
     def repair(self) -> list[str]:
         """Start-up repair after a killed process; returns what was fixed, for the log.
 
-        - git's records of worktrees whose folder is gone are pruned;
-        - `locked` markers and `index.lock` files left in our worktrees' git dirs are removed
-          (only our own: no other process mutates worktrees under runs/worktrees without our lock);
-        - folders that are not sound worktrees of their commit (a half-made `worktree add`) are removed;
-        - sound worktrees are reset to their commit, so a stage that wrote into its working
-          directory cannot leak into later runs.
+        - what is not a commit's whole tree is removed: a half-laid one (`.tmp-*`), a folder of
+          another name, a tree whose files differ from its commit's (something wrote into it), a
+          git checkout made by an earlier version (`git worktree add`, which obeyed the branch's
+          `.gitattributes`), with git's records of those; each is laid out again on demand.
         """
         fixed: list[str] = []
         with self._locked():
-            self.repo.git.worktree("prune")
             gitdir = Path(self.repo.git_dir) / "worktrees"
             for meta in gitdir.iterdir() if gitdir.is_dir() else []:
-                target = meta / "gitdir"
-                try:
-                    wt = Path(target.read_text().strip()).parent.resolve()
+                try:  # a `locked` record is never pruned: unlock ours
+                    wt = Path((meta / "gitdir").read_text().strip()).parent.resolve()
                 except OSError:
                     continue
-                if self.root not in wt.parents:
-                    continue
-                for stale in ("locked", "index.lock"):
-                    if (meta / stale).exists():
-                        (meta / stale).unlink()
-                        fixed.append(f"removed {stale} of {wt.name[:12]}")
+                if self.root in wt.parents and (meta / "locked").exists():
+                    (meta / "locked").unlink()
             for path in sorted(self.root.iterdir()):
                 if not path.is_dir():
                     continue
-                if not SHA.match(path.name) or not self._sound(path, path.name):
+                if not SHA.match(path.name):
                     self._remove_unlocked(path)
-                    shutil.rmtree(path, ignore_errors=True)
-                    fixed.append(f"removed broken worktree {path.name[:12]}")
-                    continue
-                wt = git.Repo(path)
-                if wt.is_dirty(untracked_files=True):
-                    wt.git.reset("--hard", path.name)
-                    wt.git.clean("-fdx")
-                    fixed.append(f"reset worktree {path.name[:12]}")
+                    fixed.append(f"removed {path.name[:40]}, not a commit's tree")
+                elif not self._matches(path, path.name):
+                    self._remove_unlocked(path)
+                    fixed.append(f"removed the tree of {path.name[:12]}, which differed from its commit")
             self.repo.git.worktree("prune")
         return fixed
+
+    def _matches(self, path: Path, commit: str) -> bool:
+        """Whether the tree at `path` holds exactly the files of `commit`: the same paths, bytes,
+        executable bits and link targets (read without following any link)."""
+        try:
+            want = self._visible_files(commit, lambda p: True)
+            seen: set[str] = set()
+            for rel, st, dfd, name in safefs.walk(path):
+                if stat.S_ISDIR(st.st_mode):
+                    continue
+                blob = want.get(rel, (None, None))[0]
+                if blob is None:
+                    return False
+                if stat.S_ISLNK(st.st_mode):
+                    same = blob.mode == 0o120000 and os.fsencode(os.readlink(name, dir_fd=dfd)) == blob.data_stream.read()
+                elif stat.S_ISREG(st.st_mode) and blob.mode != 0o120000:
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+                    with os.fdopen(fd, "rb") as fh:
+                        data = fh.read()
+                    same = (hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == blob.hexsha
+                            and bool(st.st_mode & 0o111) == bool(blob.mode & 0o111))
+                else:
+                    same = False
+                if not same:
+                    return False
+                seen.add(rel)
+            return seen == set(want)
+        except (OSError, ValueError, git.GitCommandError, RecursionError):  # UnsafeTree among them
+            return False
 
     def check_tree(self, commit: str) -> None:
         """`UnsafeTree` (one line) if the commit holds a symlink whose final target, resolved within
@@ -239,52 +257,73 @@ class Worktrees:
         self._sound_trees.add(commit)
 
     def check_checkout(self, path: Path, commit: str) -> None:
-        """`UnsafeTree` if the worktree at `path`, as it is on disk, holds a link out of it (what git
-        laid out, not what its blobs say); checked once per worktree and process."""
+        """`UnsafeTree` if the tree at `path`, as it is on disk, holds a link out of it (what was laid
+        out, not what its blobs say); checked once per tree and process."""
         if path in self._sound_checkouts:
             return
         safefs.check_links(path, f"the worktree of {commit[:12]}")
         self._sound_checkouts.add(path)
 
-    def view(self, commit: str, visible: Callable[[str], bool], *, collectable: bool = True) -> Path:
-        """A folder holding only the files of `commit` that `visible(path)` allows, from git blobs.
-
-        What a sandboxed stage sees as its working directory: a stage that reads a file it did not
-        declare finds it missing, instead of a cache key that ignores it. Views never change once
-        made (`runs/views/<hash of commit and file list>`), so they are shared and built once.
-        Laid out without following any link (`pipeline.safefs`); a commit with a link that leaves
-        its tree is refused (`UnsafeTree`) before anything is written. A `collectable` view says
-        whose it is (`<digest>.commit` beside it), for `gc`.
-        """
+    def _visible_files(self, commit: str, visible: Callable[[str], object]) -> dict[str, tuple[git.Blob, object]]:
+        """The files of `commit` that `visible(path)` answers truthily for, with that answer (a
+        `Seen` says how the file is seen); `UnsafeTree` for a refused tree (`check_tree`)."""
         tree = self.files_at(commit)
         links = {p for p, b in tree.items() if b.mode == 0o120000}
         self.check_tree(commit)
-        # a malformed tree can hold both a symlink `a` and a file `a/x`: never write through the link
-        files = {p: b for p, b in tree.items() if visible(p)
-                 and not any("/".join(p.split("/")[:i]) in links for i in range(1, p.count("/") + 1))}
-        digest = hashlib.sha256(json.dumps([commit, sorted(files)]).encode()).hexdigest()[:32]
+        out: dict[str, tuple[git.Blob, object]] = {}
+        for p, b in tree.items():
+            # a malformed tree can hold both a symlink `a` and a file `a/x`: never write through the link
+            if any("/".join(p.split("/")[:i]) in links for i in range(1, p.count("/") + 1)):
+                continue
+            if seen := visible(p):
+                out[p] = (b, seen)
+        return out
+
+    def _lay_out(self, commit: str, files: dict[str, tuple[git.Blob, object]], dst: Path) -> None:
+        """Write `files` (`_visible_files`) from their git blobs into the new folder `dst`, no link
+        followed; a file seen as some of its tables (`Seen`) is written as the stage sees it. On any
+        failure nothing is left at `dst`."""
+        dst.mkdir(parents=True)
+        root_fd = safefs.open_root(dst)
+        try:
+            for path, (blob, seen) in files.items():
+                if blob.mode == 0o120000:  # a symlink in the tree stays one (it resolves inside the sandbox)
+                    safefs.make_symlink(root_fd, path, blob.data_stream.read().decode("utf-8", "surrogateescape"))
+                    continue
+                data = blob.data_stream.read()  # the raw object: no filter, no attribute applies
+                if isinstance(seen, Seen):
+                    data = seen.content(data)
+                safefs.write_bytes(root_fd, path, data, executable=bool(blob.mode & 0o111), exclusive=True)
+            safefs.chmod_dirs(dst)
+        except ValueError as e:  # never a traceback: the one-line refusal
+            shutil.rmtree(dst, ignore_errors=True)
+            raise safefs.UnsafeTree(errno.EINVAL, f"commit {commit[:12]}: {e}; refused") from None
+        except BaseException:
+            shutil.rmtree(dst, ignore_errors=True)
+            raise
+        finally:
+            os.close(root_fd)
+
+    def view(self, commit: str, visible: Callable[[str], object], *, collectable: bool = True) -> Path:
+        """A folder holding only the files of `commit` that `visible(path)` allows, from git blobs.
+
+        What a sandboxed stage sees as its working directory (`visible` is `Lab.stage_sees` for the
+        stage): a stage that reads a file it did not declare finds it missing, instead of a cache
+        key that ignores it, and a file it declared by tables holds just those. Views never change
+        once made (`runs/views/<hash of commit and what is seen>`), so they are shared and built
+        once. Laid out without following any link (`pipeline.safefs`); a commit with a link that
+        leaves its tree is refused (`UnsafeTree`) before anything is written. A `collectable` view
+        says whose it is (`<digest>.commit` beside it), for `gc`.
+        """
+        files = self._visible_files(commit, visible)
+        tables = {p: list(s.tables) for p, (_, s) in files.items() if isinstance(s, Seen) and s.tables}
+        digest = hashlib.sha256(json.dumps([commit, sorted(files), *([tables] if tables else [])],
+                                           sort_keys=True).encode()).hexdigest()[:32]
         final = self.views / digest
         if final.is_dir():
             return final
         tmp = self.views / f".tmp-{digest}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        tmp.mkdir(parents=True)
-        root_fd = safefs.open_root(tmp)
-        try:
-            for path, blob in files.items():
-                if blob.mode == 0o120000:  # a symlink in the tree stays one (it resolves inside the sandbox)
-                    safefs.make_symlink(root_fd, path, blob.data_stream.read().decode("utf-8", "surrogateescape"))
-                else:
-                    safefs.write_bytes(root_fd, path, blob.data_stream.read(), executable=bool(blob.mode & 0o111),
-                                       exclusive=True)
-            safefs.chmod_dirs(tmp)
-        except ValueError as e:  # never a traceback: the one-line refusal
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise safefs.UnsafeTree(errno.EINVAL, f"commit {commit[:12]}: {e}; refused") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        finally:
-            os.close(root_fd)
+        self._lay_out(commit, files, tmp)
         if collectable:
             safefs.write_text(self.views, f"{digest}.commit", commit + "\n")
         try:
@@ -292,11 +331,3 @@ class Worktrees:
         except OSError:  # another driver made it meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
         return final
-
-    def archive(self, commit: str) -> bytes:
-        """The commit's tree as a tar archive: how a worktree travels to a remote worker."""
-        import io
-
-        buf = io.BytesIO()
-        self.repo.archive(buf, treeish=commit, format="tar")
-        return buf.getvalue()

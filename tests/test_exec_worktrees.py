@@ -32,29 +32,40 @@ def test_one_worktree_per_commit_created_then_reused(lab) -> None:
     assert wt.ensure("autoresearch/baseline") == p1 and marker.exists()  # reused, not recreated
     assert wt.gc(keep=[wt.resolve(branch)]) == ([p1.name], 0)
     assert not p1.exists() and p2.exists()
-    assert git(lab.root, "worktree", "list").count("\n") == 1  # the lab's own checkout and p2
+    assert "\n" not in git(lab.root, "worktree", "list")  # the lab's own checkout: trees are laid out, not checked out
     with pytest.raises(WorktreeError):
         wt.ensure("no-such-branch")
 
 
 def test_repair_after_a_killed_process(lab) -> None:
+    """What is not a commit's whole tree goes at start-up, and is laid out again on demand: a tree
+    something wrote into, a half-laid one, a folder of another name, a git checkout of an earlier
+    version (with git's locked record of it)."""
     wt = Worktrees(lab.root, lab.state)
     sha = wt.resolve("autoresearch/baseline")
-    path = wt.ensure(sha)
-    (path / "model.py").write_text("SCALE = 99\n")  # a stage scribbled on its checkout
+    branch = wt.resolve(commit_change(lab.root, "hyp/1-scale", "model.py", "SCALE = 1.0", "SCALE = 2.0"))
+    path, sound = wt.ensure(sha), wt.ensure(branch)
+    (path / "model.py").write_text("SCALE = 99\n")  # something scribbled on it
     (path / "junk.bin").write_text("x")
-    meta = Path(lab.root / ".git" / "worktrees" / sha)
-    (meta / "locked").write_text("pid 999999")
-    (meta / "index.lock").write_text("")
-    half = lab.state / "worktrees" / ("0" * 40)  # a `worktree add` killed halfway
+    half = lab.state / "worktrees" / f".tmp-{sha}-999999-abcdef"  # a layout killed halfway
     half.mkdir()
     (half / "model.py").write_text("partial")
+    legacy = lab.state / "worktrees" / ("0" * 40)
+    other = wt.resolve(commit_change(lab.root, "hyp/2-scale", "model.py", "SCALE = 1.0", "SCALE = 3.0"))
+    git(lab.root, "worktree", "add", "-q", "--detach", str(wt.path(other)), other)  # an earlier version's
+    git(lab.root, "worktree", "lock", str(wt.path(other)))
+    legacy.mkdir()
     fixed = wt.repair()
-    assert any("removed broken" in f for f in fixed) and any("reset" in f for f in fixed)
-    assert not half.exists()
-    assert not (meta / "locked").exists() and not (meta / "index.lock").exists()
-    assert (path / "model.py").read_text() == "SCALE = 1.0\n" and not (path / "junk.bin").exists()
-    assert wt.ensure(sha) == path
+    assert sorted(fixed) == sorted([f"removed {half.name[:40]}, not a commit's tree",
+                                    f"removed the tree of {sha[:12]}, which differed from its commit",
+                                    f"removed the tree of {other[:12]}, which differed from its commit",
+                                    f"removed the tree of {'0' * 12}, which differed from its commit"]), fixed
+    assert not half.exists() and not legacy.exists() and not path.exists() and not wt.path(other).exists()
+    assert "\n" not in git(lab.root, "worktree", "list")  # git's record of the checkout is gone too
+    assert sound.is_dir() and wt.repair() == []  # a sound tree stays
+    assert wt.ensure(sha) == path and (path / "model.py").read_text() == "SCALE = 1.0\n"
+    assert not (path / "junk.bin").exists()
+    assert "SCALE = 3.0" in (wt.ensure(other) / "model.py").read_text() and not (wt.path(other) / ".git").exists()
 
 
 def test_cache_keys_read_inputs_from_git_not_from_the_working_directory(lab) -> None:
