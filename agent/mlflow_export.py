@@ -6,7 +6,8 @@ the config keys, else the files, it changed); metrics: the horizontal Δ (with i
 task's Δ at the last look, and for a promoted hypothesis its champion's figures on its own runs: the
 level on the gate split and on the sealed holdout, and the gains since the first baseline on both
 (`agent.progress.split_progress`; + is better); artifacts: summary.md and the forest plot — and one
-nested run per (task, seed) of its challenger runs, with the metric's value and the run's CPU seconds.
+nested run per (task, seed) of its challenger runs, with the metric's value, the run's CPU seconds and,
+for a GPU lab, its GPU-seconds (`gpu_s`: share × wall) and the mean utilisation NVML saw (`gpu_util`).
 
 Idempotent, keyed by tags (`autoresearch.hypothesis`, `autoresearch.run`): a second export creates
 no run and logs no metric point that is already there; what changed since (a decision, a later
@@ -310,9 +311,16 @@ class Exporter:
         existing = {r.data.tags.get(RUN_TAG): r for r in self.client.search_runs(
             [self.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'", max_results=5000)}
         (metric,), renamed = _named({self.lab.config.benchmark.metric: None})
-        for res in self.store.results_for(h.commit):
+        results = self.store.results_for(h.commit)
+        gpu = self.store.gpu_by_run(r.run_id for r in results)
+        for res in results:
             key = f"{h.commit[:12]}:{res.task}:{res.seed}"
             values = {"cpu_s": float(res.cpu_s)}
+            gpu_s, util = gpu.get(res.run_id, (0.0, None))
+            if gpu_s:
+                values["gpu_s"] = gpu_s
+            if util is not None:
+                values["gpu_util"] = util
             if res.value is not None and math.isfinite(res.value):
                 values[metric] = float(res.value)
             run = existing.get(key)

@@ -440,7 +440,10 @@ def test_attack_d_home_and_ray_files_are_invisible(attacked: dict) -> None:
 def test_attack_e_no_network(attacked: dict) -> None:
     _assert_not_promoted(attacked, "e")
     text = _logs_of(attacked, "e")
-    assert "ATTACK e BLOCKED" in text and "Network is unreachable" in text
+    # the stage's network namespace has only a loopback of its own (up, for torchrun's rendezvous):
+    # the host's PostgreSQL listens on the host's 127.0.0.1:5432 for these very tests, yet the
+    # stage's 127.0.0.1:5432 refuses, a different loopback
+    assert "ATTACK e BLOCKED" in text and "Connection refused" in text
 
 
 def test_attack_f_scorer_cannot_be_rewritten(attacked: dict) -> None:

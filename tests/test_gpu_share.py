@@ -270,6 +270,9 @@ def test_the_driver_counts_gpu_hours_and_how_busy_the_gpu_was(work: Path, tmp_pa
         utils = {row.exec_id: row.util for row in s.exec(select(StageGpu))}
     pretrains = {e.id for e in execs if e.stage == "pretrain"}  # 1.5 s each: three samples or so
     assert pretrains and pretrains <= set(utils) and set(utils.values()) == {40.0}
+    by_run = store.gpu_by_run(ids)  # what `export mlflow` logs per (task, seed) run: gpu_s and gpu_util
+    assert set(by_run) == set(ids) and all(util == 40.0 for _, util in by_run.values() if util is not None)
+    assert sum(g for g, _ in by_run.values()) == pytest.approx(sum(e.gpu_s for e in store.stage_execs(ids)))
     c = store.goodput().as_dict()
     assert c["useful_gpu_s"] == pytest.approx(sum(e.gpu_s for e in execs))
     assert c["gpu_samples"] > 0 and c["gpu_busy_share"] == 1.0 and c["gpu_mean_util"] == 40.0

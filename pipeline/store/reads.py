@@ -18,6 +18,7 @@ from pipeline.store.tables import (
     GateRecord,
     Goodput,
     GpuUsage,
+    StageGpu,
     HoldoutScore,
     Result,
     Run,
@@ -123,6 +124,19 @@ class Reads:
             if run_ids is not None:
                 q = q.where(StageExec.run_id.in_(list(run_ids)))  # type: ignore[attr-defined]
             return list(s.exec(q))
+
+    def gpu_by_run(self, run_ids: Iterable[int]) -> dict[int, tuple[float, float | None]]:
+        """Each run's GPU-seconds (its stages' share × wall, every attempt) and the mean utilisation
+        NVML saw over its stages (None where none was sampled): runs that used no GPU are left out."""
+        ids = list(run_ids)
+        if not ids:
+            return {}
+        with self.session() as s:
+            q = (select(StageExec.run_id, func.sum(StageExec.gpu_s), func.avg(StageGpu.util))  # type: ignore[call-overload]
+                 .join(StageGpu, StageGpu.exec_id == StageExec.id, isouter=True)  # type: ignore[arg-type]
+                 .where(StageExec.run_id.in_(ids)).group_by(StageExec.run_id))  # type: ignore[attr-defined]
+            rows = s.exec(q).all()
+        return {int(r): (float(g), float(u) if u is not None else None) for r, g, u in rows if g}
 
     def goodput(self, since: float | None = None) -> Goodput:
         with self.session() as s:
