@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pipeline
-from pipeline.errors import UserError
+from pipeline.errors import InfrastructureFailure, UserError
 from pipeline.executors import sandbox
 from pipeline.executors.base import scrub_env, thread_env
 
@@ -144,7 +144,7 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
         pool = gpu_pool.GpuPool.shared(ids)
         held = pool.wait_take(holder, gpus, timeout=timeout_s)
         if held is None:
-            raise UserError(f"no GPU came free for {argv[0]} in {timeout_s:.0f} s")
+            raise InfrastructureFailure(f"no GPU came free for {argv[0]} in {timeout_s:.0f} s")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(held)
         if sandbox is not None:
             sandbox |= {"gpus": gpus, "gpu_ids": held}

@@ -285,3 +285,32 @@ def test_the_driver_counts_gpu_hours_and_how_busy_the_gpu_was(work: Path, tmp_pa
         HARNESSES.unregister("tiny")
     line = views.gpu_line(st["compute"], st["gpu"])
     assert line.startswith("GPU: useful ") and "busy 100.0% of the wall time sampled, mean utilisation 40.0 %" in line
+
+
+def test_prepare_and_score_get_a_gpu_only_when_the_lab_gives_them_one(tmp_path: Path, monkeypatch) -> None:
+    """`isolation.run_once` (the harness's prepare and score): `[run] prepare_gpus`/`score_gpus` take
+    a share from the pool the slots take from, and the process sees that GPU and no rlimit; without
+    one it sees no GPU at all (CUDA_VISIBLE_DEVICES empty) and the CPU default rlimit."""
+    from pipeline import isolation
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\nprepare_gpus = 0.5\n')
+    assert lab.config.run.prepare_gpus == 0.5 and lab.config.run.score_gpus == 0
+    (tmp_path / "stage.py").write_text(STAGE)
+    pool = GpuPool.shared(["3"])
+    seen = {}
+    for name, gpus in (("with", 0.5), ("without", 0.0)):
+        done = isolation.run_once(lab, ["python", "stage.py", str(tmp_path), name, "0"], cwd=tmp_path,
+                                  log=tmp_path / f"{name}.log", timeout_s=60, ro=[], gpus=gpus)
+        assert done.returncode == 0, (tmp_path / f"{name}.log").read_text()
+        seen[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert seen["with"]["cuda"] == "3" and seen["with"]["rlimit_as"] == resource.RLIM_INFINITY
+    assert seen["without"]["cuda"] == "" and seen["without"]["rlimit_as"] != resource.RLIM_INFINITY
+    assert pool.used() == {"3": 0.0}
+    assert pool.take("a-whole-gpu-stage", 1) == ["3"]
+    try:  # the GPU is held whole: a prepare that needs a share of it waits, here past its timeout
+        with pytest.raises(Exception, match="no GPU came free"):
+            isolation.run_once(lab, ["python", "stage.py", str(tmp_path), "late", "0"], cwd=tmp_path,
+                               log=tmp_path / "late.log", timeout_s=1.0, ro=[], gpus=0.5)
+    finally:
+        pool.give_back("a-whole-gpu-stage")
