@@ -288,9 +288,8 @@ class LocalExecutor:
         if not is_cuda_oom(read_tail(job.log_path, 8000)[0]):
             return False
         self._gpu_of.pop(job_id, None)
-        self.pool.give_back(job_id)
-        if self.pool is not None:
-            self.pool.sampler().stage_done(job_id)
+        self.pool.give_back(job_id)  # type: ignore[union-attr]  (held: the pool exists)
+        self.pool.sampler().stage_done(job_id)  # type: ignore[union-attr]
         self._retried[job_id] = {"cpu_s": float(msg["cpu_s"]), "wall_s": float(msg["wall_s"]),  # type: ignore[arg-type]
                                  "gpu_s": float(msg["wall_s"]) * held.share}  # type: ignore[arg-type]
         with open(job.log_path, "a") as fh:
