@@ -84,12 +84,13 @@ class SmokeRunner:
 
     def executor(self) -> Any:
         if self._executor is None:
-            from pipeline.executors.local import LocalExecutor
+            from pipeline.executors.local import DEFAULT_PRELOAD, LocalExecutor
 
+            run = self.lab.config.run
             logs = self.lab.state / "logs"
             logs.mkdir(parents=True, exist_ok=True)
-            self._executor = LocalExecutor(cpus=self.lab.config.run.cpus, gpus=self.gpus, slots=1,
-                                           worker_log=logs / "smoke-worker.log")
+            self._executor = LocalExecutor(cpus=run.cpus, gpus=self.gpus, slots=1, worker_log=logs / "smoke-worker.log",
+                                           preload=DEFAULT_PRELOAD if run.preload is None else run.preload)
         return self._executor
 
     def job(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float, inputs: list[Path] = ()) -> Any:
