@@ -160,7 +160,7 @@ def test_a_gpu_labs_smoke_stage_gets_its_gpu_node_and_no_rlimit(tmp_path: Path, 
 
 def test_the_smoke_stage_waits_for_the_gpu_a_driver_stage_holds(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
-    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\n')
+    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\npreload = []\n')  # a warm worker that imports nothing
     (tmp_path / "stage.py").write_text(STAGE)
     pool = GpuPool.shared(["7"])
     assert pool.take("a-driver-stage", 1) == ["7"]
