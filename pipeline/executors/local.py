@@ -197,17 +197,15 @@ class LocalExecutor:
         """Send the worker every waiting job whose GPUs the pool can give now, in order."""
         still: list[tuple[StageJob, bool]] = []
         for job, alone in self._waiting:
-            if still and job.gpus:  # first come, first served: no small stage overtakes a waiting one
-                still.append((job, alone))
-                continue
-            if job.gpus and self.pool is not None:
-                self.pool.sampler()  # sampling from the first GPU stage on (idle without NVML)
-            if job.gpus and (self.pool is None or self.pool.take(job.job_id, job.gpus, alone=alone) is None):
+            if job.gpus:
                 if self.pool is None:
                     self._finish(JobResult(job.job_id, "infra", detail="no GPU on this executor", host=self.host))
                     continue
-                still.append((job, alone))
-                continue
+                self.pool.sampler()  # sampling from the first GPU stage on (idle without NVML)
+                # first come, first served: no GPU stage overtakes one that waits
+                if still or self.pool.take(job.job_id, job.gpus, alone=alone) is None:
+                    still.append((job, alone))
+                    continue
             self._send(job)
         self._waiting = still
 
