@@ -61,15 +61,18 @@ def init(
                                 help="transactions (the bundled benchmark), command (a skeleton of your own lab) "
                                      "or sim (a simulated lab, to try the loop at scale)."),
     force: bool = typer.Option(False, "--force", help="Create even if DIR exists and is not empty."),
+    gpus: Optional[float] = typer.Option(None, "--gpus", help="[run] gpus of the lab: each stage's share of one GPU "
+                                         "(0.25: four stages share a GPU) or whole GPUs (1..8); default: the template's (0)."),
 ) -> None:
     """Create a lab from a bundled template: a git repo with a baseline branch."""
     from agent.labinit import default_suite, init_lab
     from pipeline.experiment import harness_suites
 
     suite = suite or default_suite(harness_suites(harness))  # chosen once, here: the message names it
-    root = init_lab(directory, suite=suite, force=force, harness=harness)
+    root = init_lab(directory, suite=suite, force=force, harness=harness, gpus=gpus)
     typer.echo(str(root))
-    typer.echo(f"lab created at {root} (suite {suite}); baseline branch autoresearch/baseline", err=True)
+    on = f", [run] gpus = {gpus:g}" if gpus is not None else ""
+    typer.echo(f"lab created at {root} (suite {suite}{on}); baseline branch autoresearch/baseline", err=True)
 
 
 @app.command("power")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pipeline.errors import UserError
-from pipeline.lab import BASELINE_BRANCH, CONFIG_NAME, load_lab
+from pipeline.lab import BASELINE_BRANCH, CONFIG_NAME, load_lab, parse_config
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "pipeline" / "templates"
 AUTHOR = ("autoresearch", "autoresearch@localhost")
@@ -24,9 +24,20 @@ def default_suite(suites: Mapping[str, Any] | None) -> str:
     return "small" if not suites or "small" in suites else sorted(suites)[0]
 
 
+def with_gpus(config: str, gpus: float) -> str:
+    """research.toml's text with `[run] gpus = <gpus>`: its line replaced, or added under `[run]`."""
+    line = f"gpus = {gpus:g}"
+    if re.search(r"(?m)^gpus\s*=", config):
+        return re.sub(r"(?m)^gpus\s*=.*$", line, config, count=1)
+    if re.search(r"(?m)^\[run\]\s*$", config):
+        return re.sub(r"(?m)^\[run\]\s*$", f"[run]\n{line}", config, count=1)
+    return config.rstrip("\n") + f"\n\n[run]\n{line}\n"
+
+
 def init_lab(directory: str | Path, suite: str | None = None, force: bool = False,
-             harness: str = "transactions") -> Path:
-    """Copy the template, commit it, and point `autoresearch/baseline` at that commit.
+             harness: str = "transactions", gpus: float | None = None) -> Path:
+    """Copy the template, commit it, and point `autoresearch/baseline` at that commit; `gpus`: each
+    stage's `[run] gpus` (a share of one GPU such as 0.25, or whole GPUs), else the template's.
 
     The working tree stays on `main`: the loop measures commits in worktrees of its own, and
     promotions move the baseline branch without touching what a researcher has checked out.
@@ -43,19 +54,22 @@ def init_lab(directory: str | Path, suite: str | None = None, force: bool = Fals
     suite = default_suite(suites) if suite is None else suite
     if suites and suite not in suites:
         raise UserError(f"unknown suite {suite!r}; expected one of {sorted(suites)}")
+    src = template_dir(harness)
+    config_text = re.sub(r'(?m)^suite = "\w+"', f'suite = "{suite}"', (src / CONFIG_NAME).read_text())
+    if gpus is not None:
+        config_text = with_gpus(config_text, gpus)
+        parse_config(config_text, root / CONFIG_NAME)  # a bad --gpus is one line, before anything is written
     if root.exists() and not root.is_dir():
         raise UserError(f"{root} exists and is not a directory")
     if root.exists() and any(root.iterdir()) and not force:
         raise UserError(f"{root} is not empty; pass --force to create the lab there anyway")
     root.mkdir(parents=True, exist_ok=True)
-    src = template_dir(harness)
     for item in src.iterdir():
         if item.name in {"__pycache__"} or item.suffix == ".pyc":
             continue
         target = root / (".gitignore" if item.name == "gitignore" else item.name)
         shutil.copy2(item, target)
-    config = root / CONFIG_NAME
-    config.write_text(re.sub(r'(?m)^suite = "\w+"', f'suite = "{suite}"', config.read_text()))
+    (root / CONFIG_NAME).write_text(config_text)
     load_lab(root)  # the template must itself satisfy the contract
 
     repo = git.Repo.init(root, initial_branch="main") if not (root / ".git").exists() else git.Repo(root)

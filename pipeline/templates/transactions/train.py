@@ -4,10 +4,12 @@
     python train.py finetune --data DIR --task T --seed S --pretrained DIR --out DIR
 
 `finetune` writes {out}/predictions.csv (id,score) for the test customers; the harness scores it.
-Hyperparameters live in config.toml next to this file.
+Hyperparameters live in config.toml next to this file. A stage given a GPU (`[run] gpus` in
+research.toml) trains on it with bf16 autocast; without one, on the CPU in float32.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -27,6 +29,13 @@ N_TIME_BUCKETS = 8  # log2 buckets of days before the reference date
 def load_config():
     with open(HERE / "config.toml", "rb") as fh:
         return tomllib.load(fh)
+
+
+def device_and_autocast():
+    """The GPU with bf16 autocast when this stage was given one, else the CPU in plain float32."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.device("cpu"), contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------- data
@@ -99,13 +108,15 @@ def batches(n, batch_size, generator):
 
 def pretrain(args):
     cfg = load_config()
+    device, autocast = device_and_autocast()
     torch.manual_seed(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)  # batches are drawn on the CPU, GPU or not
     tokens, times, hours, vocab_size = load_sequences(Path(args.data), cfg["data"]["sources"], cfg["data"]["max_events"])
+    tokens, times, hours = tokens.to(device), times.to(device), hours.to(device)
     m = cfg["model"]
     arch = dict(vocab_size=vocab_size, n_time_buckets=N_TIME_BUCKETS, max_len=tokens.shape[1],
                 d_model=m["d_model"], n_layers=m["n_layers"], n_heads=m["n_heads"], dropout=m["dropout"])
-    model = EventTransformer(**arch)
+    model = EventTransformer(**arch).to(device)
     p = cfg["pretrain"]
     opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
     steps = p["epochs"] * math.ceil(len(tokens) / p["batch_size"])
@@ -116,7 +127,8 @@ def pretrain(args):
     model.train()
     for epoch in range(p["epochs"]):
         for idx in batches(len(tokens), p["batch_size"], gen):
-            loss = model.next_event_loss(tokens[idx], times[idx], hours[idx])
+            with autocast:
+                loss = model.next_event_loss(tokens[idx], times[idx], hours[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -138,40 +150,43 @@ def finetune(args):
 
     cfg = load_config()
     m, f = cfg["model"], cfg["finetune"]
+    device, autocast = device_and_autocast()
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     data = Path(args.data)
     tokens, times, hours, _ = load_sequences(data, cfg["data"]["sources"], cfg["data"]["max_events"])
     ids, split, tabular = load_tabular(data, f["tabular"])
     labels = np.load(data / "labels.npz")[args.task]
+    tokens, times, hours, tabular = tokens.to(device), times.to(device), hours.to(device), tabular.to(device)
 
-    ckpt = torch.load(Path(args.pretrained) / "model.pt", weights_only=True)
+    ckpt = torch.load(Path(args.pretrained) / "model.pt", map_location=device, weights_only=True)
     backbone = EventTransformer(**ckpt["arch"])
     backbone.load_state_dict(ckpt["state"])
     lora = LoraConfig(r=f["lora_rank"], lora_alpha=2 * f["lora_rank"], target_modules=["qkv", "proj", "fc", "out"],
                       lora_dropout=0.0, bias="none")
     backbone = get_peft_model(backbone, lora)  # freezes the pretrained weights, adds trainable adapters
-    model = Classifier(backbone, m["d_model"], tabular.shape[1], f["cross_layers"], m["dropout"])
+    model = Classifier(backbone, m["d_model"], tabular.shape[1], f["cross_layers"], m["dropout"]).to(device)
     adapter = [p for n, p in model.named_parameters() if p.requires_grad and n.startswith("backbone.")]
     head = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("backbone.")]
     opt = torch.optim.AdamW([{"params": adapter, "lr": f["lr"]}, {"params": head, "lr": f["head_lr"]}],
                             weight_decay=f["weight_decay"])
 
     train, val, test = (torch.from_numpy(np.flatnonzero(split == k)) for k in (0, 1, 2))
-    y = torch.from_numpy(labels.astype(np.float32))
+    y = torch.from_numpy(labels.astype(np.float32)).to(device)
 
     def predict(rows):
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             out = [model(tokens[i], times[i], hours[i], tabular[i]) for i in rows.split(512)]
-        return torch.cat(out).numpy()
+        return torch.cat(out).float().cpu().numpy()
 
     best_auc, best_state = -1.0, None
     for epoch in range(f["epochs"]):
         model.train()
         for b in batches(len(train), f["batch_size"], gen):
             i = train[b]
-            loss = F.binary_cross_entropy_with_logits(model(tokens[i], times[i], hours[i], tabular[i]), y[i])
+            with autocast:
+                loss = F.binary_cross_entropy_with_logits(model(tokens[i], times[i], hours[i], tabular[i]), y[i])
             opt.zero_grad()
             loss.backward()
             opt.step()
