@@ -145,6 +145,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
         "compute": Experiment(lab, store).goodput().as_dict(),
         "gpu": gpu_facts(lab),
         "pairing": Experiment(lab, store).lab_pairing(),  # what the shared seeds buy, from this lab's comparisons
+        "stream": Experiment(lab, store).stream(),  # [gate] online_fdr: the stream's tests and its next α
         "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day,
                 "unreachable_since": llm_unreachable_since(rec)},
         "events": [{"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(5)],

@@ -80,6 +80,9 @@ def print_status(st: dict[str, Any]) -> None:
               f"goodput {c['goodput']:.1%}; {c['cache_hits']} cache hits, {c['infra_retries']} retries")
     if gl := gpu_line(c, st.get("gpu")):
         con.print(gl)
+    if fdr := st.get("stream"):
+        con.print(f"stream: {fdr['procedure'].upper()} at FDR {fdr['fdr']:.0%}: {fdr['tests']} comparisons tested, "
+                  f"{fdr['discoveries']} discoveries; the next comparison gets α {fdr['next_alpha']:.2g}")
     pr = st.get("pairing")
     if pr and pr["median_pair_correlation"] is not None and pr["median_variance_ratio"] is not None:
         con.print(f"pairing: seed k of a challenger and of its baseline correlate at a median "

@@ -270,8 +270,11 @@ class Experiment:
         cutoff = next((t for c, b, t in timed if (c, b) == (sha, base_sha)), None)
         prior = {(r.task, r.seed) for r in base_rows
                  if r.seed in block and cutoff is not None and r.created_at < cutoff}
+        gate = cfg.gate.model_dump()
+        if cfg.gate.online_fdr == "lond":  # this comparison's level in the lab's stream, given once
+            gate["alpha"] = self.stream_test(sha, base_sha).alpha
         inp = {
-            "config": cfg.gate.model_dump(),
+            "config": gate,
             "tasks": [
                 {
                     "task": t,
@@ -288,7 +291,28 @@ class Experiment:
             "looks_done": [n for n in cfg.gate.looks if n < look],
             "at_look": True,
         }
-        return evaluate(inp)
+        result = evaluate(inp)
+        if cfg.gate.online_fdr == "lond" and result.verdict is not None and result.verdict.value == "improvement":
+            self.store.fdr_discovered(sha, base_sha)
+        return result
+
+    def stream_test(self, sha: str, base_sha: str) -> Any:
+        """The comparison's test of the lab's stream (`[gate] online_fdr = "lond"`): its index and α_i."""
+        from pipeline.gate.online_fdr import lond_alpha
+
+        gate = self.lab.config.gate
+        return self.store.fdr_test(sha, base_sha, lambda i, d: lond_alpha(i, d, gate.fdr, gate.alpha))
+
+    def stream(self) -> dict[str, Any] | None:
+        """`status`'s view of the stream's error control: None with `online_fdr = "off"`."""
+        from pipeline.gate.online_fdr import lond_alpha
+
+        gate = self.lab.config.gate
+        if gate.online_fdr == "off":
+            return None
+        tests, found = self.store.fdr_stream()
+        return {"procedure": gate.online_fdr, "fdr": gate.fdr, "tests": tests, "discoveries": found,
+                "next_alpha": lond_alpha(tests + 1, found, gate.fdr, gate.alpha)}
 
     def pairs(self, challenger: str, baseline: str, tasks: list[str],
               rows: dict[str, list[Any]] | None = None) -> dict[str, list[float | None]]:

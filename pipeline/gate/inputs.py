@@ -14,7 +14,7 @@ The execution layer builds a `GateInput` from its run records and calls `evaluat
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -50,6 +50,10 @@ class GateConfig(BaseModel):
     # can stop a hypothesis, never promote it), (2, 5, 10) for the two-sample protocols
     looks: tuple[int, ...] = (1, 2, 5, 10)
     alpha: float = Field(default=0.025, gt=0, lt=0.5)  # one-sided, improvement side
+    # "lond": each comparison is the next test of the lab's stream, at LOND's α_i (never above alpha),
+    # so the stream's false discovery rate stays under `fdr` (pipeline.gate.online_fdr); "off": alpha each
+    online_fdr: Literal["off", "lond"] = "off"
+    fdr: float = Field(default=0.05, gt=0, lt=0.5)
     futility_p: float = Field(default=0.30, gt=0, lt=1)
     harm_q: float = Field(default=0.10, gt=0, lt=1)
     # the horizontal statistic's trim at each end of the tasks (0.25: the interquartile mean)

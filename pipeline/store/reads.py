@@ -4,7 +4,7 @@ records (see `pipeline.store`)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from sqlalchemy import func
@@ -15,6 +15,7 @@ from pipeline.outcomes import EXECUTED_OUTCOMES, ResultOutcome, INFRA_OUTCOMES, 
 from pipeline.store.tables import (
     BaselineCommit,
     Comparison,
+    FdrTest,
     GateRecord,
     Goodput,
     GpuUsage,
@@ -181,6 +182,45 @@ class Reads:
             gpu_busy_share=int(busy) / int(samples) if samples else None,
             gpu_mean_util=float(util_sum) / int(samples) if samples else None,
         )
+
+    def fdr_test(self, challenger: str, baseline: str, level: Callable[[int, int], float]) -> FdrTest:
+        """The comparison's test of the lab's stream: the one recorded, else the next index with
+        `level(index, discoveries so far)`, recorded now (once: a concurrent first judgement of the
+        same comparison, or of another at the same index, loses on the unique keys and reads again)."""
+        for _ in range(5):
+            with self.session() as s:
+                row = s.exec(select(FdrTest).where(FdrTest.challenger == challenger,
+                                                   FdrTest.baseline == baseline)).first()
+                if row is not None:
+                    return row
+                n = s.exec(select(func.count()).select_from(FdrTest)).one()
+                d = s.exec(select(func.count()).select_from(FdrTest)
+                           .where(FdrTest.discovered_at.is_not(None))).one()  # type: ignore[union-attr]
+                row = FdrTest(challenger=challenger, baseline=baseline, index=int(n) + 1,
+                              alpha=level(int(n) + 1, int(d)), discoveries_before=int(d))
+                s.add(row)
+                try:
+                    s.commit()
+                    return row
+                except IntegrityError:
+                    s.rollback()
+        raise RuntimeError(f"could not record the stream test of {challenger[:12]} against {baseline[:12]}")
+
+    def fdr_discovered(self, challenger: str, baseline: str) -> None:
+        """The comparison's gate said `improvement`: a discovery of the stream (counted once)."""
+        with self.session() as s:
+            row = s.exec(select(FdrTest).where(FdrTest.challenger == challenger, FdrTest.baseline == baseline)).first()
+            if row is not None and row.discovered_at is None:
+                row.discovered_at = now()
+                s.add(row)
+                s.commit()
+
+    def fdr_stream(self) -> tuple[int, int]:
+        """(tests, discoveries) of the lab's stream so far."""
+        with self.session() as s:
+            n = s.exec(select(func.count()).select_from(FdrTest)).one()
+            d = s.exec(select(func.count()).select_from(FdrTest).where(FdrTest.discovered_at.is_not(None))).one()  # type: ignore[union-attr]
+        return int(n), int(d)
 
     def put_gate_record(self, hypothesis: str, look: int, payload: Any, kind: str = "verdict") -> GateRecord:
         """Store (or replace) the gate's record for (hypothesis, look, kind).

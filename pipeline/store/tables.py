@@ -99,6 +99,22 @@ class StageGpu(SQLModel, table=True):
     samples: int
 
 
+class FdrTest(SQLModel, table=True):
+    """One comparison as a test of the lab's stream (`[gate] online_fdr`, pipeline.gate.online_fdr):
+    its index, the level it was given once and for all, and whether its gate made a discovery."""
+
+    __tablename__ = "fdr_test"
+    __table_args__ = (UniqueConstraint("challenger", "baseline", name="uq_fdr_test_pair"),)
+    id: int | None = Field(default=None, primary_key=True)
+    challenger: str = Field(max_length=64)
+    baseline: str = Field(max_length=64)
+    index: int = Field(unique=True)  # 1, 2, ... in the order the comparisons were first judged
+    alpha: float
+    discoveries_before: int
+    assigned_at: float = Field(default_factory=now)
+    discovered_at: float | None = None  # when a look of it said `improvement`
+
+
 class GpuUsage(SQLModel, table=True):
     """One process's GPU sampler (`pipeline.executors.gpus.GpuSampler`): how many of its samples, taken
     every half second from its first GPU stage on, found a GPU busy; updated as it goes."""
