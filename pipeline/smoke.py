@@ -13,11 +13,17 @@ be used, a stage runs in a fresh interpreter with the same sandbox (`pipeline.is
 A GPU lab's smoke stages get what an executor stage gets: `[run] gpus` of this machine's GPUs, taken
 from the pool the driver's slots take from (`executors.gpus.GpuPool`: a busy GPU is waited for,
 never oversubscribed), their device nodes in the sandbox, and no address-space rlimit.
+
+The tiny dataset is the harness's smoke dataset (`Harness.prepare(..., smoke=True)`): drawn apart
+from the real one, no customer or id in common. A failure's reason is what flows back to the LLM's
+repair prompt, so it is `for_llm`'s view of the output: bounded, data paths as placeholders, every
+number that could be a data value masked; the whole logs stay under `runs/logs/smoke/`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tarfile
 import tempfile
 import threading
@@ -33,11 +39,15 @@ from pipeline import isolation, safefs
 from pipeline.dag import render
 from pipeline.disk import read_tail
 from pipeline.errors import Interrupted, SmokeFailed
-from pipeline.harness import PredictionsError
+from pipeline.harness import PredictionsError, Prepared
 from pipeline.lab import Lab
 
 SMOKE_CUSTOMERS = 300
-TAIL_BYTES = 3000  # of a failed smoke stage's log, quoted in the reject reason
+TAIL_BYTES = 3000  # of a failed smoke stage's log, read for the reject reason (`for_llm` keeps less)
+FEEDBACK_BYTES = 2000  # the most of a failure that flows back to the LLM; below TAIL_BYTES, so a tail cut mid-line never shows its cut first line
+LINE_CHARS = 300  # each line of it, cut at its end: an exception's type and message come first
+SMALL_INT_DIGITS = 3  # integers up to 999 pass (shapes, sizes, exit codes, indices); longer ones and any decimal are masked
+MASK = "<n>"
 SMOKE_TIMEOUT_S = 300.0  # the most a smoke stage may take on tiny data, however long the lab's `[run] timeout_s`
 
 
@@ -165,7 +175,7 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
     timeout_s = smoke_timeout(lab) if timeout_s is None else timeout_s
     bench = lab.config.benchmark
     harness = lab.harness()
-    prepared = harness.prepare(lab.state, bench.suite, bench.data_seed, SMOKE_CUSTOMERS)
+    prepared = harness.prepare(lab.state, bench.suite, bench.data_seed, SMOKE_CUSTOMERS, smoke=True)
     task = lab.tasks()[0]
     own = runner is None
     runner = runner or SmokeRunner(lab)
@@ -203,9 +213,77 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
                                      bench.metric)
             except PredictionsError as e:
                 raise SmokeFailed(f"predictions.csv on tiny data: {e}; the last stage's output:\n{tail}") from None
+    except SmokeFailed as e:  # raised only inside the `with`: `tmp` is bound
+        raise SmokeFailed(for_llm(str(e), smoke_places(lab, prepared, Path(tmp)))) from None
     finally:
         if own:
             runner.close()
+
+
+def smoke_places(lab: Lab, prepared: Prepared, tmp: Path) -> dict[str, str]:
+    """The folders a smoke stage could read or name, each with the placeholder `for_llm` shows instead:
+    its code view (its files then read as the lab's relative paths), the smoke dataset as `{data}`
+    and `{sealed}`, each stage's output as `{<stage>}`, the lab's other datasets and folders."""
+    places = {str(tmp / "views" / s.name): "" for s in lab.stages_in_order()}
+    places |= {str(tmp / "out" / s.name): f"{{{s.name}}}" for s in lab.stages_in_order()}
+    places |= {str(tmp / "code"): "", str(tmp): "{tmp}", str(prepared.public): "{data}",
+               str(prepared.sealed): "{sealed}", str(lab.state / "data"): "{datasets}",
+               str(lab.state / "sealed"): "{sealed datasets}", str(lab.state): "{state}", str(lab.root): "{lab}"}
+    return places | {os.path.realpath(path): name for path, name in places.items()}
+
+
+_CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|[\x00-\x08\x0b-\x1f\x7f]")  # terminal escapes, control bytes
+# kept as they are: a traceback's `line N` and a `file.py:N[:col]` (the branch code's place, never data)
+_KEEP = r"\bline \d+|(?<=\.py):\d+(?::\d+)?"
+# a number: hex, a decimal or exponent form, digits grouped by commas, an integer (judged by its length)
+_NUMBER = r"0[xX][0-9a-fA-F]+|(?:\d+\.\d*|\.\d+)(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\d{1,3}(?:,\d{3})+|\d+"
+_TOKEN = re.compile(f"(?P<keep>{_KEEP})|(?P<num>{_NUMBER})")
+
+
+def for_llm(text: str, places: dict[str, str]) -> str:
+    """What of a run's output may flow back to the agent's LLM (a smoke failure's reason, quoted in
+    the repair prompt): the first line (what failed) and the last lines that fit `FEEDBACK_BYTES`,
+    each cut to `LINE_CHARS`, with every folder of `places` replaced by its placeholder and every
+    number masked as `MASK` but a traceback's line numbers and integers of up to `SMALL_INT_DIGITS`
+    digits. So an exception's type, its message's shape and the branch file:line pass; a value read
+    from the data (a float, an id) or a data folder's path does not.
+
+    The lines are counted in the raw text's bytes, below `TAIL_BYTES`: a log tail cut mid-line (and
+    so mid-number) never shows its first line. Strings are not masked (a column name helps a repair):
+    a branch that spells values out as words gets them through, which is why the smoke data shares
+    nothing with the data runs are scored on (`Harness.prepare(..., smoke=True)`)."""
+    head, *body = _CONTROL.sub("", text).splitlines() or [""]
+    budget = FEEDBACK_BYTES - LINE_CHARS
+    kept: list[str] = []
+    for line in reversed(body):
+        size = len(line.encode()) + 1
+        if size > budget:
+            if not kept:  # one long last line: its end, from a word boundary (never half a number)
+                end = line[-LINE_CHARS:]
+                kept.append("…" + end[end.find(" ") + 1:] if " " in end else "…")
+            break
+        budget -= size
+        kept.append(line)
+    order = sorted(places, key=len, reverse=True)
+    lines = [_clean(line, order, places) for line in [head, *reversed(kept)]]
+    while len("\n".join(lines).encode()) > FEEDBACK_BYTES and len(lines) > 1:  # masks can lengthen a line
+        del lines[1]
+    return "\n".join(lines).encode()[:FEEDBACK_BYTES].decode(errors="ignore")
+
+
+def _clean(line: str, order: list[str], places: dict[str, str]) -> str:
+    for path in order:
+        name = places[path]
+        line = line.replace(path + "/", f"{name}/" if name else "").replace(path, name or ".")
+    line = _TOKEN.sub(_mask, line)
+    return line if len(line) <= LINE_CHARS else line[:LINE_CHARS] + "…"
+
+
+def _mask(m: re.Match) -> str:
+    num = m.group("num")
+    if num is None or (num.isdigit() and len(num) <= SMALL_INT_DIGITS):
+        return m.group(0)
+    return MASK
 
 
 def _stage_view(lab: Lab, stage: Any, code: Path, view: Path) -> Path:

@@ -138,6 +138,8 @@ for top in ("/", "/root", "/home", "/tmp", "/work", "/mnt", "/srv", "/var", "/op
             dirs[:] = []
             continue
         found += [os.path.join(root, f) for f in files if f.startswith("test_labels")]
+# the seal of this very dataset, where several are reachable (the smoke run's is another)
+found = [f for f in found if np.array_equal(np.load(f)["id"], np.load(a.data / "test.npz")["id"])] or found
 if found:
     z = np.load(found[0])
     print("ATTACK a SUCCEEDED:", found[0], file=sys.stderr)

@@ -27,6 +27,13 @@ class Prepared:
 
 
 GATE_SPLIT, HOLDOUT_SPLIT = "gate", "holdout"
+SMOKE_SEED_BASE = 1 << 31  # smoke seeds lie at or above it, real data seeds below (still < 2**32: any seeder takes it)
+
+
+def smoke_seed(data_seed: int) -> int:
+    """The data seed a smoke run prepares with where a harness can only be given a seed (a team's own
+    `prepare`): never a real data seed, which stays below `SMOKE_SEED_BASE`."""
+    return SMOKE_SEED_BASE + data_seed
 
 
 class Harness:
@@ -72,7 +79,15 @@ class Harness:
                 raise UserError(f"unknown task {t!r} in suite {suite!r}; expected one of {known}")
         return list(subset)
 
-    def prepare(self, state_dir: Path, suite: str, data_seed: int) -> Prepared:  # pragma: no cover
+    def prepare(self, state_dir: Path, suite: str, data_seed: int, customers: int | None = None, *,
+                smoke: bool = False) -> Prepared:  # pragma: no cover
+        """The dataset of `data_seed` (`customers` of them where the harness can size it), prepared
+        once and reused.
+
+        `smoke=True` is the smoke run's dataset (`pipeline.smoke`): it must share nothing with the
+        real one a run scores on — drawn from a stream no real data seed draws from (a salt, or
+        `smoke_seed`), with ids disjoint from the real ids, under a dataset id of its own — because
+        what a failing smoke stage prints flows back to the LLM's repair prompt."""
         raise NotImplementedError
 
     def test_ids(self, prepared: Prepared) -> np.ndarray:  # pragma: no cover

@@ -7,7 +7,10 @@ a challenger, whose diff may not touch them anyway. Both commands run in the san
 address-space bound a local stage gets (`[run] memory_mb`, else its default: `isolation.once_memory_mb`):
 
 - `prepare` once per (trusted commit, data_seed), with `{data}` (what stages see) and `{sealed}`
-  (what only the scorer sees) as its only writable folders;
+  (what only the scorer sees) as its only writable folders; the smoke run's dataset is prepared
+  with `{data_seed}` = `smoke_seed(data_seed)` (2**31 + data_seed, never a real data seed: those
+  are refused from 2**31 on), which the team's prepare draws from (or, reading real data, writes a
+  small sample with ids of its own for);
 - `score` once per run, reading only `{predictions}` (a regular file the stage wrote) and
   `{sealed}`; its last line of stdout is `{"value": x}`. A missing or non-finite value is a method
   failure of the run. A command that names `{split}` has a holdout (README, "The bundled benchmark"): it is called with
@@ -33,7 +36,16 @@ from pipeline.errors import (
     LabConfigError,
     UserError,
 )
-from pipeline.harness.base import GATE_SPLIT, HOLDOUT_SPLIT, Harness, PredictionsError, Prepared, check_regular
+from pipeline.harness.base import (
+    GATE_SPLIT,
+    HOLDOUT_SPLIT,
+    SMOKE_SEED_BASE,
+    Harness,
+    PredictionsError,
+    Prepared,
+    check_regular,
+    smoke_seed,
+)
 
 if TYPE_CHECKING:
     from pipeline.lab import Lab, ResearchConfig
@@ -68,6 +80,9 @@ class CommandHarness(Harness):
                 raise LabConfigError(path, "benchmark.tasks", f"task {t!r}: expected letters, digits, '_', '.', '-'")
         if len(set(b.tasks)) != len(b.tasks):
             raise LabConfigError(path, "benchmark.tasks", "expected each task once")
+        if b.data_seed >= SMOKE_SEED_BASE:
+            raise LabConfigError(path, "benchmark.data_seed", f"{b.data_seed}: expected below {SMOKE_SEED_BASE}; "
+                                 "the seeds from there on are the smoke run's")
         if not b.trusted:
             raise LabConfigError(path, "benchmark.trusted", 'missing; expected globs of the harness files, e.g. ["prepare.py", "score.py"]')
         for key, command, allowed, required in (
@@ -111,12 +126,15 @@ class CommandHarness(Harness):
 
     # --- prepare and score --------------------------------------------------------------------
 
-    def prepare(self, state_dir: Path, suite: str, data_seed: int, customers: int | None = None) -> Prepared:
-        """Run the lab's `prepare` once per (trusted commit, data seed); later calls reuse it."""
+    def prepare(self, state_dir: Path, suite: str, data_seed: int, customers: int | None = None, *,
+                smoke: bool = False) -> Prepared:
+        """Run the lab's `prepare` once per (trusted commit, data seed); later calls reuse it. A smoke
+        dataset is the one of `smoke_seed(data_seed)`: the ids are the team's prepare's to keep apart."""
         from pipeline.dag import render
         from pipeline.isolation import run_once
 
         lab = self._lab()
+        data_seed = smoke_seed(data_seed) if smoke else data_seed
         state_dir = Path(state_dir)
         sha = trusted_commit(lab)
         did = f"command-{sha[:12]}-d{data_seed}"

@@ -11,7 +11,7 @@ store, gate, graph.
 The metric is written by the stage itself (predictions.csv: `id,score` and the one row `0,<value>`)
 and this scorer only reads it back, bounded and without following links: nothing is sealed, so
 this harness is for measuring the loop, never a research benchmark. `prepare` writes `{data}/sim.json`;
-a smoke-sized preparation (`customers` given) marks it so, and the stage does not sleep then.
+the smoke run's preparation (`smoke=True`) marks it so, and the stage does not sleep then.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class SimHarness(Harness):
     suites = {"sim": SIM_TASKS}
     metrics = {"score"}
 
-    def prepare(self, state_dir: Path, suite: str, data_seed: int, customers: int | None = None) -> Prepared:
-        smoke = customers is not None
+    def prepare(self, state_dir: Path, suite: str, data_seed: int, customers: int | None = None, *,
+                smoke: bool = False) -> Prepared:
         dataset_id = f"sim-s{data_seed}{'-smoke' if smoke else ''}"
         public = Path(state_dir) / "data" / dataset_id
         sealed = Path(state_dir) / "sealed" / dataset_id

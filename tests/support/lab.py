@@ -2,7 +2,7 @@
 
 The lab is the real template (`autoresearch init`) shrunk to CPU seconds: 300 customers, two tasks,
 3 baseline runs, looks at 2 and 3 challenger runs (the two-sample `sequential` protocol), a one-layer 16-wide model trained for one epoch.
-It is built once per session (`make_template`) and copied per test (`copy_lab`), dataset included,
+It is built once per session (`make_template`) and copied per test (`copy_lab`), datasets included,
 so a test pays only for what it measures. Everything is real: git, SQLite, the warm-worker
 executor, the sealed scorer, the openai SDK over HTTP.
 """
@@ -39,6 +39,7 @@ def make_template(root: Path) -> Path:
     from agent.labinit import init_lab
     from pipeline.harness import get_harness
     from pipeline.lab import load_lab
+    from pipeline.smoke import SMOKE_CUSTOMERS
 
     init_lab(root)
     research = (root / "research.toml").read_text()
@@ -61,6 +62,7 @@ def make_template(root: Path) -> Path:
     lab = load_lab(root)
     b = lab.config.benchmark
     get_harness(b.harness).prepare(lab.state, b.suite, b.data_seed, b.customers)
+    get_harness(b.harness).prepare(lab.state, b.suite, b.data_seed, SMOKE_CUSTOMERS, smoke=True)  # the smoke run's
     return root
 
 

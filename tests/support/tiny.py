@@ -30,14 +30,17 @@ class TinyHarness(Harness):
     name = "tiny"
     suites = {"tiny": [*TASKS, *FAILING, "env", "slow", "sealed"]}
 
-    def prepare(self, state_dir: Path, suite: str, data_seed: int, customers: int | None = None) -> Prepared:
+    def prepare(self, state_dir: Path, suite: str, data_seed: int, customers: int | None = None, *,
+                smoke: bool = False) -> Prepared:
         n = customers or 400
-        dataset_id = f"tiny-s{data_seed}-n{n}"
+        dataset_id = f"tiny{'-smoke' if smoke else ''}-s{data_seed}-n{n}"
         public = Path(state_dir) / "data" / dataset_id
         sealed = Path(state_dir) / "sealed" / dataset_id
         if not (public / "meta.json").exists():
-            rng = np.random.default_rng(data_seed)
-            ids = np.arange(1000, 1000 + n, dtype=np.int64)
+            # a smoke dataset: a seed stream and ids of its own
+            rng = np.random.default_rng([data_seed, 7]) if smoke else np.random.default_rng(data_seed)
+            first = 1_000_000_000 if smoke else 1000
+            ids = np.arange(first, first + n, dtype=np.int64)
             split = rng.choice(np.array([0, 1, 2], dtype=np.int8), size=n, p=[0.6, 0.1, 0.3])
             tab = rng.normal(size=(n, 5)).astype(np.float32)
             labels = {}

@@ -30,14 +30,16 @@ class TransactionsHarness(Harness):
     suites = gen.SUITES
     metrics = {"auc"}
 
-    def dataset_id(self, suite: str, data_seed: int, customers: int | None = None) -> str:
+    def dataset_id(self, suite: str, data_seed: int, customers: int | None = None, smoke: bool = False) -> str:
         n = customers or gen.DEFAULT_CUSTOMERS[suite]
-        return f"transactions-v{GENERATOR_VERSION}-{suite}-d{data_seed}-n{n}"
+        return f"transactions-v{GENERATOR_VERSION}-{suite}{'-smoke' if smoke else ''}-d{data_seed}-n{n}"
 
-    def prepare(self, state_dir: Path, suite: str, data_seed: int, customers: int | None = None) -> Prepared:
-        """Generate once per (suite, data seed, size); later calls, from any process, reuse it."""
+    def prepare(self, state_dir: Path, suite: str, data_seed: int, customers: int | None = None, *,
+                smoke: bool = False) -> Prepared:
+        """Generate once per (suite, data seed, size, smoke or not); later calls, from any process,
+        reuse it. A smoke dataset shares no customer with a real one (`data.generate`)."""
         state_dir = Path(state_dir)
-        did = self.dataset_id(suite, data_seed, customers)
+        did = self.dataset_id(suite, data_seed, customers, smoke)
         prepared = Prepared(did, state_dir / "data" / did, state_dir / "sealed" / did)
         if (prepared.public / "meta.json").is_file() and (prepared.sealed / "splits.npz").is_file():
             return prepared
@@ -45,11 +47,11 @@ class TransactionsHarness(Harness):
         with open(state_dir / "data" / f".{did}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not (prepared.public / "meta.json").is_file():
-                self._write(prepared, suite, data_seed, customers)
+                self._write(prepared, suite, data_seed, customers, smoke)
         return prepared
 
-    def _write(self, prepared: Prepared, suite: str, data_seed: int, customers: int | None) -> None:
-        ds = gen.generate(suite, data_seed, customers)
+    def _write(self, prepared: Prepared, suite: str, data_seed: int, customers: int | None, smoke: bool) -> None:
+        ds = gen.generate(suite, data_seed, customers, smoke)
         test = ds.split == 2
         sealed_tmp = Path(tempfile.mkdtemp(dir=_mk(prepared.sealed.parent)))  # mkdtemp makes it 0700
         np.savez(sealed_tmp / "test_labels.npz", ids=ds.ids[test], **{t: y[test] for t, y in ds.labels.items()})
@@ -69,6 +71,7 @@ class TransactionsHarness(Harness):
             "dataset_id": prepared.dataset_id,
             "suite": suite,
             "data_seed": data_seed,
+            "smoke": smoke,
             "customers": int(len(ds.ids)),
             "tasks": list(ds.labels),
             "sources": gen.SOURCES,

@@ -94,6 +94,11 @@ def _extra_tasks() -> dict[str, dict[str, float]]:
 FULL_TASKS = {**SMALL_TASKS, **_extra_tasks()}
 SUITES = {"small": list(SMALL_TASKS), "full": list(FULL_TASKS)}
 DEFAULT_CUSTOMERS = {"small": 6000, "full": 40000}
+# The generator's seed stream is `[data_seed, stream]`: numpy's SeedSequence hashes the whole list, so
+# the smoke stream's last word (never DATA_STREAM) gives draws no real data seed ever gives.
+DATA_STREAM, SMOKE_STREAM = 7919, 104729
+# Customer ids: real ones count up from ID_BASE, a smoke dataset's from SMOKE_ID_BASE (disjoint below it).
+ID_BASE, SMOKE_ID_BASE = 100_000, 1_000_000_000
 # Label logits are the weighted sum of traits, scaled so the Bayes AUC is high but not perfect.
 LABEL_SCALE = 1.6
 SPLIT_FRACTIONS = (0.5, 1 / 6)  # train, val; the rest is test
@@ -168,11 +173,16 @@ def _source_events(rng: np.random.Generator, source: str, z: np.ndarray) -> dict
     }
 
 
-def generate(suite: str, data_seed: int, customers: int | None = None) -> Dataset:
-    """Generate the whole dataset for a suite. Same (suite, data_seed, customers) → same bytes."""
+def generate(suite: str, data_seed: int, customers: int | None = None, smoke: bool = False) -> Dataset:
+    """Generate the whole dataset for a suite. Same (suite, data_seed, customers, smoke) → same bytes.
+
+    A smoke dataset (`smoke=True`) is drawn from a stream of its own and has ids of its own: no
+    customer, trait or id of it is one of a real dataset's, whatever the seeds and sizes."""
     n = customers or DEFAULT_CUSTOMERS[suite]
+    if n > SMOKE_ID_BASE - ID_BASE:
+        raise ValueError(f"{n} customers: ids from {ID_BASE} would reach the smoke ids at {SMOKE_ID_BASE}")
     tasks = {name: FULL_TASKS[name] for name in SUITES[suite]}
-    rng = np.random.default_rng([data_seed, 7919])
+    rng = np.random.default_rng([data_seed, SMOKE_STREAM if smoke else DATA_STREAM])
     z = _trait_matrix(rng, n)
 
     parts = [_source_events(rng, source, z) for source in SOURCES]
@@ -202,5 +212,5 @@ def generate(suite: str, data_seed: int, customers: int | None = None) -> Datase
     n_train, n_val = int(n * SPLIT_FRACTIONS[0]), int(n * SPLIT_FRACTIONS[1])
     split[perm[:n_train]] = 0
     split[perm[n_train:n_train + n_val]] = 1
-    ids = (100_000 + rng.permutation(n)).astype(np.int64)
+    ids = ((SMOKE_ID_BASE if smoke else ID_BASE) + rng.permutation(n)).astype(np.int64)
     return Dataset(ids, split, tabular, z.astype(np.float32), events, labels)
