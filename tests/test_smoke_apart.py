@@ -71,6 +71,8 @@ def test_the_sim_and_command_harnesses_prepare_a_smoke_dataset_of_their_own(tmp_
     assert smoke.public != real.public and smoke.sealed != real.sealed
     with np.load(real.public / "train.npz") as r, np.load(smoke.public / "train.npz") as s:
         assert not shared_rows(s["x"], r["x"])
+    with np.load(real.public / "test.npz") as r, np.load(smoke.public / "test.npz") as s:
+        assert not set(r["id"].tolist()) & set(s["id"].tolist())  # the template gives smoke ids of their own
     research = lab.root / "research.toml"
     research.write_text(research.read_text().replace("data_seed = 0", f"data_seed = {SMOKE_SEED_BASE}", 1))
     with pytest.raises(LabConfigError, match="benchmark.data_seed.*smoke"):
