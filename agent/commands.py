@@ -146,8 +146,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
         "gpu": gpu_facts(lab),
         "pairing": Experiment(lab, store).lab_pairing(),  # what the shared seeds buy, from this lab's comparisons
         "stream": Experiment(lab, store).stream(),  # [gate] online_fdr: the stream's tests and its next α
-        "llm": {"spent_today_usd": round(ledger.spent_today(), 4), "cap_usd": lab.config.agent.max_usd_per_day,
-                "unreachable_since": llm_unreachable_since(rec)},
+        "llm": {**llm_use(lab, ledger), "unreachable_since": llm_unreachable_since(rec)},
         "events": [{"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(5)],
         "notify": _notify_status(store),
     }
@@ -169,6 +168,31 @@ def _notify_status(store: Any) -> dict[str, Any]:
 
 def _plateau(lab: Any, rec: Records) -> dict[str, int]:
     return {"since_promotion": rec.since_promotion(), "after": lab.config.agent.plateau_after}
+
+
+def llm_use(lab: Any, ledger: Any, since: float | None = None) -> dict[str, Any]:
+    """What the LLM cost since `since` (today's UTC midnight by default): dollars for a model with a
+    price, under the dollar cap; tokens always, under the token cap if one is set; the server's
+    learned rate and how many answers were cut at their bound."""
+    from agent.ledger import utc_day_start
+    from agent.llm import model_price
+
+    agent = lab.config.agent
+    model, price = model_price(agent)
+    t0 = utc_day_start() if since is None else since
+    prompt, completion = ledger.tokens_since(t0)
+    rate = ledger.rate(model)
+    return {
+        "model": model,
+        "priced": price is not None,
+        "price_per_mtok": None if price is None else {"input": price.input_per_mtok, "output": price.output_per_mtok},
+        "spent_today_usd": round(ledger.spent_usd(t0), 4),
+        "cap_usd": agent.max_usd_per_day if price is not None else None,  # no dollar cap on a model without a price
+        "tokens_today": {"prompt": prompt, "completion": completion},
+        "cap_tokens": agent.max_tokens_per_day,
+        "rate": rate.as_dict() if rate is not None else None,
+        "cut_short_today": ledger.cut_short(t0),
+    }
 
 
 def llm_unreachable_since(rec: Records) -> float | None:
@@ -233,5 +257,6 @@ def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
         "compute": Experiment(lab, store).goodput(since=t0).as_dict(),
         "gpu": gpu_facts(lab),
         "llm_usd": round(Ledger(store.engine).spent_usd(t0), 4),
+        "llm": llm_use(lab, Ledger(store.engine), t0),
         **digest_extras(lab, store, rec, t0),  # baseline progress, holds, the progress chart (agent.summary)
     }

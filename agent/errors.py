@@ -7,6 +7,7 @@ is the agent's too: a review action or a notification target that does not fit i
     ├── LLMError                     the LLM client's; `retryable`: asking again later may answer
     │   ├── LLMNotConfigured
     │   ├── BudgetExceeded           today's spend reached the cap; nothing was sent
+    │   │   └── TokenBudgetExceeded  today's tokens reached `max_tokens_per_day` (a model without a price)
     │   ├── LLMUnavailable           429/5xx/timeouts/connection errors through every attempt (retryable)
     │   ├── LLMRequestRejected       the endpoint refused the request itself
     │   └── LLMOutputError           no usable answer after every repair round
@@ -49,6 +50,16 @@ class BudgetExceeded(LLMError):
     def __init__(self, spent_usd: float, cap_usd: float):
         self.spent_usd, self.cap_usd = spent_usd, cap_usd
         super().__init__(f"LLM budget reached: ${spent_usd:.4f} spent today (UTC), cap ${cap_usd:.2f}/day")
+
+
+class TokenBudgetExceeded(BudgetExceeded):
+    """Today's (UTC) LLM tokens reached `[agent] max_tokens_per_day`; no request was sent."""
+
+    def __init__(self, tokens: int, cap_tokens: int):
+        self.tokens, self.cap_tokens = tokens, cap_tokens
+        self.spent_usd, self.cap_usd = 0.0, 0.0
+        LLMError.__init__(self, f"LLM budget reached: {tokens} tokens used today (UTC), cap {cap_tokens}/day "
+                                "([agent] max_tokens_per_day)")
 
 
 class LLMUnavailable(LLMError):

@@ -9,11 +9,22 @@ that differ (OpenAI, vLLM, Ollama, proxies) and fail (rate limits, 5xx, stalls).
 - validates every answer against the schema, whatever the mode, and sends the error back for up to
   `repair_rounds` corrections before giving up with `LLMOutputError` (the caller skips the hypothesis
   with that reason instead of crashing the loop);
-- retries 429, 5xx, timeouts and dropped connections with exponential backoff and jitter, honouring
+- streams every answer (`stream=True`, with `stream_options.include_usage` where the server takes
+  it), so a slow server still writing is never cut off: a request ends when no token came for
+  `idle_timeout_s` (`[agent] idle_timeout_s`; the first token included) or the whole answer passed
+  `timeout_s` (`[agent] request_timeout_s`). A timeout is not asked again here: the same server
+  would be as slow, so the error names the key to raise and the loop's back-off asks later;
+- learns the server's rate from its answers (`Ledger.rate`) and bounds each answer (`max_tokens`)
+  by what it writes within `timeout_s`, saying so once per purpose, and says in a log line when an
+  answer was cut at its bound (finish_reason "length");
+- retries 429, 5xx and dropped connections with exponential backoff and jitter, honouring
   `Retry-After`; the SDK's own retries are off so that every attempt is counted and recorded;
-- prices each answer from its `usage` and refuses to call once today's (UTC) spend reaches the cap;
-- records every attempt — request body, raw response, tokens, dollars, latency, error — in the
-  `Ledger`, which is also what the cap is checked against, so the cap holds across restarts.
+- prices each answer from its `usage` when the model's price is known (`PRICES`, dated, or the
+  lab's `[agent] price_per_mtok`), and refuses to call once today's (UTC) spend reaches the dollar
+  cap; a model without a price is counted in tokens, and only a token cap applies to it;
+- records every attempt — request body, the response (a streamed one assembled as one completion),
+  tokens, dollars, latency, time to the first token, error — in the `Ledger`, once, with what
+  arrived; the caps are checked against it, so they hold across restarts.
 
 Configuration is the SDK's: `OPENAI_BASE_URL`, `OPENAI_API_KEY`; the model comes from research.toml's
 `[agent] model` unless `AUTORESEARCH_MODEL` overrides it. Words sent to the model come from
@@ -23,6 +34,7 @@ Configuration is the SDK's: `OPENAI_BASE_URL`, `OPENAI_API_KEY`; the model comes
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -39,12 +51,14 @@ from agent.errors import (
     LLMOutputError,
     LLMRequestRejected,
     LLMUnavailable,
+    TokenBudgetExceeded,
 )
-from agent.ledger import Ledger, LLMCall, utc_day_start
+from agent.ledger import Ledger, LLMCall, ServerRate, utc_day_start
 
 if TYPE_CHECKING:
     from openai import OpenAI
-    from openai.types.chat import ChatCompletion
+
+log = logging.getLogger("autoresearch.llm")
 
 Mode = Literal["json_schema", "tool", "text"]
 MODES: tuple[Mode, ...] = ("json_schema", "tool", "text")
@@ -62,7 +76,11 @@ class Price:
         return (prompt_tokens * self.input_per_mtok + completion_tokens * self.output_per_mtok) / 1e6
 
 
-# List prices; a dated model name ("gpt-4.1-mini-2025-04-14") matches its longest listed prefix.
+# OpenAI's list prices as of PRICES_AS_OF; a dated model name ("gpt-4.1-mini-2025-04-14") matches its
+# longest listed prefix. Any other model has no price: its spend is counted in tokens, not guessed in
+# dollars (a model on the team's own server costs no dollars per token; `[agent] price_per_mtok`
+# prices one that does).
+PRICES_AS_OF = "2025-08-07"
 PRICES: dict[str, Price] = {
     "gpt-5": Price(1.25, 10.00),
     "gpt-5-mini": Price(0.25, 2.00),
@@ -76,18 +94,23 @@ PRICES: dict[str, Price] = {
     "o3-mini": Price(1.10, 4.40),
     "o4-mini": Price(1.10, 4.40),
 }
-# An unknown model is priced high on purpose: overestimating spend stops early, underestimating
-# would let the daily cap be overrun. Pass `prices` (or `default_price`) for a local, free endpoint.
-DEFAULT_PRICE = Price(5.00, 15.00)
 
 # The answer's bound per purpose (`max_tokens`), overridable in `[agent.max_output_tokens]`: a
 # proposal and a decision are a few hundred tokens of JSON, edits carry whole search/replace blocks.
 DEFAULT_MAX_OUTPUT_TOKENS: dict[str, int] = {"propose": 2000, "implement": 8000, "decide": 1000, "summarize": 2000,
                                              "default": 4000}
+# The defaults of `[agent] request_timeout_s` and `idle_timeout_s`: a server writing 15 tokens/s
+# writes the largest default answer (8000 tokens) in 533 s; its first token may wait for a long prompt.
+REQUEST_TIMEOUT_S = 600.0
+IDLE_TIMEOUT_S = 120.0
+# Sized to a slow server, an answer's bound leaves this share of the time cap's room unused (the
+# server may slow down), and is never below MIN_ANSWER_TOKENS (less holds no useful answer).
+FIT_SHARE = 0.8
+MIN_ANSWER_TOKENS = 256
 
 
-def price_for(model: str, prices: Mapping[str, Price] = PRICES, default: Price = DEFAULT_PRICE) -> Price:
-    """The price of `model`: exact name, else the longest listed prefix, else `default`.
+def price_for(model: str, prices: Mapping[str, Price] = PRICES) -> Price | None:
+    """The price of `model`: exact name, else the longest listed prefix, else None (no known price).
 
     A provider prefix ("openai/gpt-4.1-mini", as routers spell it) is ignored.
     """
@@ -95,11 +118,51 @@ def price_for(model: str, prices: Mapping[str, Price] = PRICES, default: Price =
     if name in prices:
         return prices[name]
     prefixes = [p for p in prices if name.startswith(p)]
-    return prices[max(prefixes, key=len)] if prefixes else default
+    return prices[max(prefixes, key=len)] if prefixes else None
+
+
+def lab_price(agent: Any) -> Price | None:
+    """The price the lab sets for its model (`[agent] price_per_mtok`), or None."""
+    p = agent.price_per_mtok
+    return None if p is None else Price(p.input, p.output)
+
+
+def model_price(agent: Any, env: Mapping[str, str] | None = None) -> tuple[str, Price | None]:
+    """The model the lab's `[agent]` section runs (`AUTORESEARCH_MODEL` first) and its price: the
+    lab's own, else the listed one, else None (its spend is counted in tokens)."""
+    model = resolve_model(agent.model, env)
+    return model, lab_price(agent) or price_for(model)
 
 
 class InvalidOutput(ValueError):
     """One answer failed parsing or validation; the message is what the repair prompt sends back."""
+
+
+@dataclass
+class Answer:
+    """One answer as the client uses it, streamed or sent whole.
+
+    `text` holds the JSON (the forced tool call's arguments, else the content); tokens are the
+    server's `usage`, None where it gave none; `pieces` counts the streamed deltas that carried text
+    (about one token each); `first_token_s` is None when nothing streamed. `completion` is the answer
+    as one chat completion (a stream assembled), what the ledger keeps."""
+
+    text: str = ""
+    refusal: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    pieces: int = 0
+    first_token_s: float | None = None
+    completion: dict[str, Any] | None = None
+
+
+class _Cut(Exception):
+    """A request given up on a timeout; `answer` holds what arrived, `key` the `[agent]` key that cut it."""
+
+    def __init__(self, answer: Answer, key: str, message: str):
+        super().__init__(message)
+        self.answer, self.key = answer, key
 
 
 class _ModeRejected(Exception):
@@ -175,8 +238,9 @@ def _retry_after(headers: Mapping[str, str] | None) -> float | None:
 class LLMClient:
     """Chat completions with structured answers, retries, accounting and an audit trail.
 
-    One client per process is enough; it is safe to share between threads (the mode it learned is a
-    single int, and the ledger opens a session per call).
+    One client per process is enough; it is safe to share between threads (what it learned — the
+    mode, the bound's name, whether the server takes `stream_options` — is a few plain attributes,
+    and the ledger opens a session per call).
     """
 
     def __init__(
@@ -187,12 +251,14 @@ class LLMClient:
         base_url: str | None = None,
         api_key: str | None = None,
         max_usd_per_day: float | None = None,
+        max_tokens_per_day: int | None = None,
+        price: Price | None = None,
         prices: Mapping[str, Price] | None = None,
-        default_price: Price = DEFAULT_PRICE,
         max_attempts: int = 6,
         backoff_s: float = 1.0,
         max_backoff_s: float = 60.0,
-        timeout_s: float = 120.0,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
         repair_rounds: int = 2,
         temperature: float | None = None,
         max_output_tokens: Mapping[str, int] | None = None,
@@ -210,19 +276,19 @@ class LLMClient:
         import openai  # here, not at module level: the CLI must start without it
 
         # A local server (vLLM, Ollama) may need no key, but the SDK insists on one.
-        self._openai: OpenAI = openai.OpenAI(
-            base_url=base_url, api_key=api_key or "not-needed", max_retries=0, timeout=timeout_s
-        )
+        self._openai: OpenAI = openai.OpenAI(base_url=base_url, api_key=api_key or "not-needed", max_retries=0)
         self.model = model
         self.ledger = ledger
         self.base_url = str(self._openai.base_url)
-        self.max_usd_per_day = max_usd_per_day
-        self.prices: dict[str, Price] = {**PRICES, **(prices or {})}
-        self.price = price_for(model, self.prices, default_price)
+        self.price: Price | None = price or price_for(model, {**PRICES, **(prices or {})})
+        # the dollar cap holds for a model with a price; spend on one without is counted in tokens
+        self.max_usd_per_day = max_usd_per_day if self.price is not None else None
+        self.max_tokens_per_day = max_tokens_per_day
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.timeout_s = timeout_s
+        self.idle_timeout_s = min(idle_timeout_s, timeout_s)
         self.repair_rounds = repair_rounds
         self.temperature = temperature
         self.max_output_tokens = {**DEFAULT_MAX_OUTPUT_TOKENS, **(max_output_tokens or {})}
@@ -230,6 +296,10 @@ class LLMClient:
         self._clock = clock
         self._mode_index = 0
         self._tokens_key = "max_tokens"  # the widest-supported name; "max_completion_tokens" once refused
+        self._stream_usage = True  # ask for the usage chunk until the server refuses `stream_options`
+        self._rate: ServerRate | None = None
+        self._rate_stale = True
+        self._said_bound: set[str] = set()
 
     @classmethod
     def from_env(cls, configured_model: str, ledger: Ledger, **kwargs: Any) -> LLMClient:
@@ -247,9 +317,54 @@ class LLMClient:
         """How structured output is asked for now: json_schema, tool, or text (learned by fallback)."""
         return MODES[self._mode_index]
 
+    @property
+    def priced(self) -> bool:
+        """Whether the model's price is known: spend is then in dollars and the dollar cap applies."""
+        return self.price is not None
+
     def spent_today(self) -> float:
         """Dollars spent on LLM calls since UTC midnight, by every client sharing the ledger."""
         return self.ledger.spent_usd(utc_day_start(self._clock()))
+
+    def tokens_today(self) -> int:
+        """Prompt and completion tokens since UTC midnight, by every client sharing the ledger."""
+        return sum(self.ledger.tokens_since(utc_day_start(self._clock())))
+
+    def budget_reached(self) -> str | None:
+        """Why no request may be sent today (the dollar cap of a priced model, or the token cap), in
+        one line; None while both allow more."""
+        if self.max_usd_per_day is not None:
+            spent = self.spent_today()
+            if spent >= self.max_usd_per_day:
+                return f"LLM budget reached: ${spent:.4f} of ${self.max_usd_per_day:.2f} spent today (UTC)"
+        if self.max_tokens_per_day is not None:
+            used = self.tokens_today()
+            if used >= self.max_tokens_per_day:
+                return (f"LLM budget reached: {used} of {self.max_tokens_per_day} tokens used today (UTC) "
+                        "([agent] max_tokens_per_day)")
+        return None
+
+    def server_rate(self) -> ServerRate | None:
+        """How fast the server answers this model, from its last streamed answers (None before one)."""
+        if self._rate_stale:
+            self._rate, self._rate_stale = self.ledger.rate(self.model), False
+        return self._rate
+
+    def max_tokens_for(self, purpose: str) -> int:
+        """The bound on an answer for `purpose`: the lab's (or default) bound, lowered to what the
+        server writes within `timeout_s` at its learned rate; said once per purpose when lowered."""
+        configured = self.max_output_tokens.get(purpose, DEFAULT_MAX_OUTPUT_TOKENS["default"])
+        rate = self.server_rate()
+        if rate is None:
+            return configured
+        fits = int(rate.tokens_per_s * max(0.0, self.timeout_s - rate.first_token_s) * FIT_SHARE)
+        bound = max(MIN_ANSWER_TOKENS, min(configured, fits))
+        if bound < configured and purpose not in self._said_bound:
+            self._said_bound.add(purpose)
+            log.warning("%s: answers bounded to %d tokens, not %d: the server writes %.1f tokens/s and "
+                        "[agent] request_timeout_s is %g s", purpose, bound, configured, rate.tokens_per_s,
+                        self.timeout_s)
+        return bound
 
     # --- public calls ---------------------------------------------------------------------------
 
@@ -269,7 +384,8 @@ class LLMClient:
         `hypothesis_id` label the ledger rows.
 
         Raises `LLMOutputError` (no valid answer after repairs), `BudgetExceeded`, `LLMUnavailable`
-        (retries exhausted) or `LLMRequestRejected` (the endpoint refuses the request in every mode).
+        (retries exhausted, or a timeout) or `LLMRequestRejected` (the endpoint refuses the request
+        in every mode).
         """
         rejections: list[str] = []
         for index in range(self._mode_index, len(MODES)):
@@ -286,8 +402,10 @@ class LLMClient:
     def _body(self, mode: Mode, purpose: str, messages: list[Mapping[str, Any]],
               schema: Mapping[str, Any] | None = None, name: str = "") -> dict[str, Any]:
         # every request bounds its answer: a small local model left unbounded rambles until the timeout
-        body: dict[str, Any] = {"model": self.model, "messages": messages, self._tokens_key:
-                                self.max_output_tokens.get(purpose, DEFAULT_MAX_OUTPUT_TOKENS["default"])}
+        body: dict[str, Any] = {"model": self.model, "messages": messages,
+                                self._tokens_key: self.max_tokens_for(purpose), "stream": True}
+        if self._stream_usage:
+            body["stream_options"] = {"include_usage": True}
         if self.temperature is not None:
             body["temperature"] = self.temperature
         if schema is not None and mode == "json_schema":
@@ -314,16 +432,15 @@ class LLMClient:
         if mode == "text":
             convo = _append_to_last_user(convo, prompts.render("json_only", name=name, schema=schema_text))
         errors: list[str] = []
-        answer: str | None = None
+        text: str | None = None
         for round_ in range(self.repair_rounds + 1):
-            completion = self._send(purpose, hypothesis_id, mode, self._body(mode, purpose, convo, schema, name))
+            answer = self._send(purpose, hypothesis_id, mode, self._body(mode, purpose, convo, schema, name))
             self._mode_index = max(self._mode_index, MODES.index(mode))  # this endpoint accepts this mode
-            message = completion.choices[0].message
-            if getattr(message, "refusal", None):
-                raise LLMOutputError(purpose, name, errors + [f"the model refused: {message.refusal}"], None)
-            answer = _answer_text(message)
+            if answer.refusal:
+                raise LLMOutputError(purpose, name, errors + [f"the model refused: {answer.refusal}"], None)
+            text = answer.text
             try:
-                obj = extract_json_object(answer)
+                obj = extract_json_object(text)
                 validate(obj, schema)
                 return obj
             except InvalidOutput as e:
@@ -331,17 +448,20 @@ class LLMClient:
                 if round_ == self.repair_rounds:
                     break
                 repair = prompts.render("json_repair", error=str(e), schema=schema_text)
-                convo = [*convo, {"role": "assistant", "content": answer}, {"role": "user", "content": repair}]
-        raise LLMOutputError(purpose, name, errors, answer)
+                convo = [*convo, {"role": "assistant", "content": text}, {"role": "user", "content": repair}]
+        raise LLMOutputError(purpose, name, errors, text)
 
     # --- one request, with retries --------------------------------------------------------------
 
     def _check_budget(self) -> None:
-        if self.max_usd_per_day is None:
-            return
-        spent = self.spent_today()
-        if spent >= self.max_usd_per_day:
-            raise BudgetExceeded(spent, self.max_usd_per_day)
+        if self.max_usd_per_day is not None:
+            spent = self.spent_today()
+            if spent >= self.max_usd_per_day:
+                raise BudgetExceeded(spent, self.max_usd_per_day)
+        if self.max_tokens_per_day is not None:
+            used = self.tokens_today()
+            if used >= self.max_tokens_per_day:
+                raise TokenBudgetExceeded(used, self.max_tokens_per_day)
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None and retry_after >= 0:
@@ -349,22 +469,27 @@ class LLMClient:
         ceiling = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
         return ceiling / 2 + random.uniform(0, ceiling / 2)  # jitter: drivers don't retry in lockstep
 
-    def _send(self, purpose: str, hypothesis_id: str | None, mode: Mode, body: dict[str, Any]) -> ChatCompletion:
-        """POST one chat completion, retrying transient failures; one ledger row per attempt."""
+    def _send(self, purpose: str, hypothesis_id: str | None, mode: Mode, body: dict[str, Any]) -> Answer:
+        """POST one chat completion, retrying transient failures; one ledger row per attempt.
+
+        A timeout ends it at once (`LLMUnavailable` naming the key): the row counts what arrived."""
         import openai
 
-        request_json = json.dumps(body, ensure_ascii=False)
         last_error = ""
         for attempt in range(1, self.max_attempts + 1):
             self._check_budget()
+            request_json = json.dumps(body, ensure_ascii=False)
             call = LLMCall(ts=self._clock(), purpose=purpose, hypothesis_id=hypothesis_id, model=self.model,
                            mode=mode, attempt=attempt, request_json=request_json)
             retry_after: float | None = None
             started = time.monotonic()
             try:
-                raw = self._openai.chat.completions.with_raw_response.create(**body, timeout=self.timeout_s)
-            except openai.APITimeoutError:
-                last_error = f"timeout after {self.timeout_s:g}s"
+                answer = self._request(body, call, started)
+            except _Cut as cut:
+                if cut.answer.pieces:  # the server read the prompt and wrote this much: that is spent
+                    self._account(call, cut.answer, request_json)
+                self._record(call, started, error=str(cut))
+                raise LLMUnavailable(purpose, attempt, str(cut)) from None
             except openai.APIConnectionError as e:
                 last_error = f"connection error: {e.__cause__ or e}"
             except openai.APIStatusError as e:
@@ -372,49 +497,200 @@ class LLMClient:
                 last_error = f"HTTP {status}: {message}"
                 call.status_code, call.response_text = status, text
                 self._record(call, started, error=last_error)
-                if status in (400, 422) and "max_tokens" in body and "max_completion_tokens" in f"{message} {text}":
+                said = f"{message} {text}"
+                if status in (400, 422) and "max_tokens" in body and "max_completion_tokens" in said:
                     # OpenAI's reasoning models take the bound under its newer name: use it from now on
                     self._tokens_key = "max_completion_tokens"
                     body["max_completion_tokens"] = body.pop("max_tokens")
-                    request_json = json.dumps(body, ensure_ascii=False)
                     continue
-                rejected = _mode_rejection(mode, status, f"{message} {text}")
+                if status in (400, 422) and "stream_options" in body and "stream_options" in said:
+                    # a server that streams but sends no usage chunk: tokens are counted from the text
+                    self._stream_usage = False
+                    del body["stream_options"]
+                    continue
+                rejected = _mode_rejection(mode, status, said)
                 if rejected is not None:
                     raise _ModeRejected(last_error, explicit=rejected) from None
                 if status not in RETRYABLE_STATUS and status < 500:
                     raise LLMRequestRejected(purpose, status, message) from None
                 retry_after = _retry_after(e.response.headers)
+            except openai.APIError as e:  # an error event inside the stream: the server failed mid-answer
+                last_error = f"error in the stream: {_error_message(e)}"
+            except _Malformed as e:  # a 200 whose body is not a chat completion: a broken proxy
+                last_error = f"malformed response: {e}"
             else:
-                call.status_code, call.response_text = raw.http_response.status_code, raw.http_response.text
-                try:
-                    completion = raw.parse()
-                    if not completion.choices:
-                        raise ValueError("no choices")
-                except Exception as e:  # a 200 whose body is not a chat completion: a broken proxy
-                    last_error = f"malformed response: {e}"
-                else:
-                    self._account(call, completion, request_json)
-                    self._record(call, started, error=None)
-                    return completion
+                self._account(call, answer, request_json)
+                self._record(call, started, error=None)
+                if answer.first_token_s is not None:
+                    self._rate_stale = True
+                if answer.finish_reason == "length":
+                    log.warning("%s: the answer was cut at %s = %s (finish_reason \"length\"); "
+                                "[agent.max_output_tokens] %s raises it", purpose, self._tokens_key,
+                                body.get(self._tokens_key), purpose)
+                return answer
             if call.id is None:
                 self._record(call, started, error=last_error)
             if attempt < self.max_attempts:
                 self._sleep(self._delay(attempt, retry_after))
         raise LLMUnavailable(purpose, self.max_attempts, last_error)
 
-    def _account(self, call: LLMCall, completion: ChatCompletion, request_json: str) -> None:
-        usage = completion.usage
-        if usage is not None:
-            call.prompt_tokens, call.completion_tokens = usage.prompt_tokens or 0, usage.completion_tokens or 0
-        else:  # some servers omit usage; ~4 characters a token keeps the cap meaningful
-            call.prompt_tokens = len(request_json) // 4
-            call.completion_tokens = len(call.response_text or "") // 4
-        call.usd = self.price.cost(call.prompt_tokens, call.completion_tokens)
+    def _request(self, body: dict[str, Any], call: LLMCall, started: float) -> Answer:
+        """One HTTP request: its answer, streamed (or whole, from a server that does not stream).
+
+        Raises `_Cut` on a timeout, with what arrived; the SDK's errors otherwise."""
+        import openai
+
+        assembly = _Assembly(started)
+        read_s = min(self.idle_timeout_s, self.timeout_s)  # the longest wait for any byte
+        try:
+            raw = self._openai.chat.completions.with_raw_response.create(**body, timeout=openai.Timeout(read_s))
+            call.status_code = raw.http_response.status_code
+            if "text/event-stream" not in raw.http_response.headers.get("content-type", ""):
+                call.response_text = _read_whole(raw.http_response)
+                return _whole_answer(call.response_text)
+            stream = raw.parse()
+            try:
+                for chunk in stream:
+                    assembly.add(chunk)
+                    if assembly.finish_reason is None and time.monotonic() - started > self.timeout_s:
+                        answer = assembly.answer()
+                        raise _Cut(answer, "request_timeout_s", self._cut_message("request_timeout_s", answer))
+            finally:
+                stream.close()
+                if assembly.head:
+                    call.response_text = json.dumps(assembly.answer().completion, ensure_ascii=False)
+        except openai.APITimeoutError:
+            key = "request_timeout_s" if time.monotonic() - started >= self.timeout_s else "idle_timeout_s"
+            answer = assembly.answer()
+            raise _Cut(answer, key, self._cut_message(key, answer)) from None
+        if not assembly.choices:
+            raise _Malformed("a stream without choices")
+        return assembly.answer()
+
+    def _cut_message(self, key: str, answer: Answer) -> str:
+        """The one line a timeout is: what happened and the key to raise."""
+        got = f" after {answer.pieces} token(s)" if answer.pieces else ""
+        if key == "idle_timeout_s":
+            hint = "" if answer.pieces else ("; a server that does not stream sends nothing until its whole answer "
+                                             "is written")
+            idle = self.idle_timeout_s
+            return f"no token for {idle:g} s{got} ([agent] idle_timeout_s = {idle:g}){hint}"
+        return (f"the answer took longer than [agent] request_timeout_s = {self.timeout_s:g} s "
+                f"({answer.pieces} token(s) arrived)")
+
+    def _account(self, call: LLMCall, answer: Answer, request_json: str) -> None:
+        # a server that sends no usage: ~4 characters a token (or a streamed delta each), so the caps hold
+        call.prompt_tokens = answer.prompt_tokens if answer.prompt_tokens is not None else len(request_json) // 4
+        call.completion_tokens = (answer.completion_tokens if answer.completion_tokens is not None
+                                  else max(answer.pieces, len(answer.text) // 4))
+        call.usd = self.price.cost(call.prompt_tokens, call.completion_tokens) if self.price is not None else 0.0
+        call.first_token_s = answer.first_token_s
+        call.finish_reason = answer.finish_reason
 
     def _record(self, call: LLMCall, started: float, error: str | None) -> None:
         call.latency_s = time.monotonic() - started
         call.error = error
         self.ledger.record(call)
+
+
+class _Malformed(ValueError):
+    """A 200 whose body is not a chat completion."""
+
+
+def _read_whole(response: Any) -> str:
+    """The body of an answer sent whole; a read that fails is a dropped connection."""
+    import openai
+
+    try:
+        return response.read().decode("utf-8", "replace")
+    except Exception as e:  # the transport's own error types differ between SDK versions
+        raise openai.APIConnectionError(message=f"reading the answer: {e}", request=response.request) from e
+
+
+def _whole_answer(text: str) -> Answer:
+    """An answer sent as one chat completion (a server that ignores `stream`), read as leniently as
+    the SDK reads one."""
+    from openai.types.chat import ChatCompletion
+
+    try:
+        data = json.loads(text)
+        completion = ChatCompletion.construct(**data)
+        choice = completion.choices[0]
+        usage = completion.usage
+        return Answer(text=_answer_text(choice.message), refusal=getattr(choice.message, "refusal", None),
+                      finish_reason=choice.finish_reason, prompt_tokens=usage.prompt_tokens if usage else None,
+                      completion_tokens=usage.completion_tokens if usage else None, completion=data)
+    except Exception as e:
+        raise _Malformed(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+class _Assembly:
+    """A streamed answer put back together, chunk by chunk: content, refusal, tool-call arguments,
+    the finish reason, the usage chunk, and when the first token came."""
+
+    def __init__(self, started: float):
+        self.started = started
+        self.first_token_s: float | None = None
+        self.content: list[str] = []
+        self.refusal: list[str] = []
+        self.tools: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.usage: Any = None
+        self.pieces = 0
+        self.choices = 0  # chunks that carried the first choice
+        self.head: dict[str, Any] = {}
+
+    def add(self, chunk: Any) -> None:
+        if not hasattr(chunk, "choices"):
+            raise _Malformed(f"a stream event that is no chat completion chunk: {str(chunk)[:100]}")
+        self.head = self.head or {"id": chunk.id, "model": chunk.model, "created": chunk.created}
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        choice = next((c for c in chunk.choices or [] if c.index == 0), None)
+        if choice is None:
+            return
+        self.choices += 1
+        delta = choice.delta
+        wrote = False
+        if delta.content:
+            self.content.append(delta.content)
+            wrote = True
+        if getattr(delta, "refusal", None):
+            self.refusal.append(delta.refusal)
+            wrote = True
+        for t in delta.tool_calls or []:
+            slot = self.tools.setdefault(t.index, {"id": None, "name": "", "arguments": []})
+            slot["id"] = slot["id"] or t.id
+            if t.function is not None:
+                slot["name"] += t.function.name or ""
+                if t.function.arguments:
+                    slot["arguments"].append(t.function.arguments)
+                    wrote = True
+        if wrote:
+            self.pieces += 1
+            if self.first_token_s is None:
+                self.first_token_s = time.monotonic() - self.started
+        self.finish_reason = choice.finish_reason or self.finish_reason
+
+    def answer(self) -> Answer:
+        content = "".join(self.content)
+        calls = [{"id": t["id"], "type": "function",
+                  "function": {"name": t["name"], "arguments": "".join(t["arguments"])}}
+                 for _, t in sorted(self.tools.items())]
+        message: dict[str, Any] = {"role": "assistant", "content": content if self.content or not calls else None,
+                                   "refusal": "".join(self.refusal) or None}
+        if calls:
+            message["tool_calls"] = calls
+        usage = self.usage
+        completion = {**self.head, "object": "chat.completion",
+                      "choices": [{"index": 0, "message": message, "finish_reason": self.finish_reason}]
+                      if self.choices else [],
+                      "usage": usage.model_dump(mode="json", exclude_unset=True) if usage is not None else None}
+        text = next((c["function"]["arguments"] for c in calls if c["function"]["arguments"]), content)
+        return Answer(text=text, refusal=message["refusal"], finish_reason=self.finish_reason,
+                      prompt_tokens=usage.prompt_tokens if usage is not None else None,
+                      completion_tokens=usage.completion_tokens if usage is not None else None,
+                      pieces=self.pieces, first_token_s=self.first_token_s, completion=completion)
 
 
 def _mode_rejection(mode: Mode, status: int, message: str) -> bool | None:

@@ -311,19 +311,17 @@ class Loop:
         return self.count_left()
 
     def llm_budget_spent(self) -> bool:
-        """Whether today's LLM spend reached the cap; said once (in `status` too) when it does."""
+        """Whether today's LLM spend reached a cap (dollars, or tokens); said once (in `status` too)
+        when it does."""
         client = llm_client(self.policy)
-        cap = getattr(client, "max_usd_per_day", None) if client is not None else None
-        if client is None or cap is None:
-            return False
-        spent = client.spent_today()
-        if spent < cap:
+        reached = getattr(client, "budget_reached", None) if client is not None else None
+        why = reached() if reached is not None else None
+        if why is None:
             self._budget_said = False
             return False
         if not self._budget_said:
             self._budget_said = True
-            msg = (f"LLM budget reached: ${spent:.4f} of ${cap:.2f} spent today (UTC); no new hypothesis until "
-                   "the cap resets at UTC midnight")
+            msg = f"{why}; no new hypothesis until the cap resets at UTC midnight"
             self.records.event("budget", msg)
             self.say(msg)
         return True

@@ -168,13 +168,14 @@ class LLMPolicy:
 def make(lab: Any, store: Any) -> LLMPolicy:
     """The registry's factory: `NotConfigured` without an endpoint (OPENAI_BASE_URL / OPENAI_API_KEY)."""
     from agent.ledger import Ledger
-    from agent.llm import LLMClient
+    from agent.llm import LLMClient, lab_price
 
     if not LLMClient.configured():
         raise NotConfigured("no LLM endpoint: set OPENAI_BASE_URL and/or OPENAI_API_KEY")
-    client = LLMClient.from_env(lab.config.agent.model, Ledger(store.engine),
-                                max_usd_per_day=lab.config.agent.max_usd_per_day,
-                                max_output_tokens=lab.config.agent.max_output_tokens,
-                                timeout_s=lab.config.agent.request_timeout_s,
-                                max_attempts=lab.config.agent.request_attempts)
+    agent = lab.config.agent
+    client = LLMClient.from_env(agent.model, Ledger(store.engine),
+                                max_usd_per_day=agent.max_usd_per_day, max_tokens_per_day=agent.max_tokens_per_day,
+                                price=lab_price(agent), max_output_tokens=agent.max_output_tokens,
+                                timeout_s=agent.request_timeout_s, idle_timeout_s=agent.idle_timeout_s,
+                                max_attempts=agent.request_attempts)
     return LLMPolicy(client)

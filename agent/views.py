@@ -88,7 +88,7 @@ def print_status(st: dict[str, Any]) -> None:
         con.print(f"pairing: seed k of a challenger and of its baseline correlate at a median "
                   f"{pr['median_pair_correlation']:.2f} over {pr['comparisons']} comparisons; the paired difference "
                   f"has {pr['median_variance_ratio']:.2f}× the unpaired variance")
-    con.print(f"LLM spend today: ${st['llm']['spent_today_usd']:.2f} of ${st['llm']['cap_usd']:.2f}")
+    con.print(llm_line(st["llm"]), markup=False, highlight=False)
     if st["llm"].get("unreachable_since"):
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["llm"]["unreachable_since"]))
         con.print(f"LLM unreachable since {since}: no proposals until it answers (seeds and runs go on)")
@@ -108,6 +108,26 @@ def print_status(st: dict[str, Any]) -> None:
 
         for line in status_lines(st["notify"]):
             con.print(line, markup=False, highlight=False, style="bold red" if " DEAD: " in line else None)
+
+
+def llm_line(llm: dict[str, Any], when: str = "today") -> str:
+    """The LLM's cost in one line: dollars for a model with a price, tokens for one without (its
+    spend is not guessed, and no dollar cap holds it); the server's rate once learned."""
+    tokens = llm["tokens_today"]["prompt"] + llm["tokens_today"]["completion"]
+    of_cap = f" of {llm['cap_tokens']:,}" if llm.get("cap_tokens") else ""
+    if llm["priced"]:
+        line = f"LLM spend {when}: ${llm['spent_today_usd']:.2f} of ${llm['cap_usd']:.2f} ({tokens:,}{of_cap} tokens)"
+    else:
+        line = (f"LLM use {when}: {tokens:,}{of_cap} tokens ({llm['tokens_today']['prompt']:,} in, "
+                f"{llm['tokens_today']['completion']:,} out); {llm['model']} has no known price, so no dollar cap "
+                "([agent] price_per_mtok sets one)")
+    if llm.get("rate"):
+        r = llm["rate"]
+        line += (f"; the server writes {r['tokens_per_s']:.1f} tokens/s, first token after {r['first_token_s']:.1f} s "
+                 f"(last {r['answers']} answers)")
+    if llm.get("cut_short_today"):
+        line += f"; {llm['cut_short_today']} answer(s) cut at max_tokens"
+    return line
 
 
 def progress_line(pr: dict[str, Any], metric: str) -> str:
@@ -188,7 +208,10 @@ def digest_markdown(d: dict[str, Any]) -> str:
     if gl := gpu_line(c, d.get("gpu")):
         lines.append(f"- {gl}")
     usd = d["llm_usd"]
-    lines.append(f"- LLM spend: ${usd:.2f}" if usd >= 1 or usd == 0 else f"- LLM spend: ${usd:.4f}")
+    if d.get("llm") and not d["llm"]["priced"]:
+        lines.append("- " + llm_line(d["llm"], "in this period"))
+    else:
+        lines.append(f"- LLM spend: ${usd:.2f}" if usd >= 1 or usd == 0 else f"- LLM spend: ${usd:.4f}")
     held = d.get("held") or []
     if held:
         lines.append("- held for approval (promotion waits for `autoresearch review ID --approve`): "

@@ -237,15 +237,26 @@ SEED_BLOCKS = 1000
 GateSection = GateConfig
 
 
+class PriceSection(_Strict):
+    """`[agent] price_per_mtok`: what the lab's model costs, USD per million tokens."""
+
+    input: float = Field(ge=0)
+    output: float = Field(ge=0)
+
+
 class AgentSection(_Strict):
     model: str = "gpt-4.1-mini"
     # hypotheses measured at once; None: derived from the executor's slots (agent.loop.in_flight_room)
     max_in_flight: int | None = Field(default=None, ge=1)
-    max_usd_per_day: float = Field(default=20.0, ge=0)
+    max_usd_per_day: float = Field(default=20.0, ge=0)  # applies to a model with a price only
+    max_tokens_per_day: int | None = Field(default=None, ge=1)  # prompt + completion tokens, any model
+    price_per_mtok: PriceSection | None = None  # None: the client's dated price list (agent.llm.PRICES)
     repair_rounds: int = Field(default=2, ge=0)
     plateau_after: int = Field(default=20, ge=1)  # measured hypotheses in a row without a promotion
-    request_timeout_s: float = Field(default=120.0, gt=0)  # one LLM request; a slow local model needs more
-    request_attempts: int = Field(default=6, ge=1, le=20)  # per request, on 429/5xx/timeouts/refused connections
+    # one streamed LLM answer, whole (15 tokens/s writes the largest default answer, 8000 tokens, in it)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    idle_timeout_s: float = Field(default=120.0, gt=0)  # no token (the first included) this long: given up
+    request_attempts: int = Field(default=6, ge=1, le=20)  # per request, on 429/5xx/refused connections
     # the bound on each LLM answer, by purpose; unset purposes keep the client's defaults
     max_output_tokens: dict[str, int] = Field(default_factory=dict)
 

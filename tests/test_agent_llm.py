@@ -16,6 +16,7 @@ from support.lab import (
     LR_EDIT,
     TASKS,
     RoutedOpenAI,
+    cli,
     decision,
     edit,
     edits,
@@ -231,3 +232,39 @@ def test_code_measured_before_is_refused_as_a_duplicate_without_runs_or_repair(l
     asks = [user_texts(b) for b in llm.asked("hypothesis")]
     assert "## Directions tried\n\nnone yet" in asks[0]
     assert "- finetune.lr: 1 hypotheses (1 in flight), banked +0.000σ in 0 promotions" in asks[1], asks[1]
+
+
+def test_a_model_on_a_slow_local_server_streams_into_the_loop_and_is_counted_in_tokens(
+        lab: Path, llm: RoutedOpenAI) -> None:
+    """A model without a price on a server writing 60 tokens/s: the proposal takes longer than the
+    idle timeout allows for any one wait, arrives once, and the loop goes on to the edits; `status`
+    shows tokens and the server's rate, no dollars, and a $0 dollar cap holds nothing back."""
+    set_research(lab, 'model = "gpt-4.1-mini"', 'model = "gemma-3-270m"\nidle_timeout_s = 1\nrequest_timeout_s = 30')
+    set_research(lab, "max_usd_per_day = 20", "max_usd_per_day = 0")  # would stop a priced model at once
+    slow = {**proposal(), "rationale": "The adapters' learning rate was never tuned. " + "x" * 400}
+    llm.on("hypothesis", content(slow, rate=60.0))
+    llm.on("edits", content(edits(LR_EDIT)))
+    loop = make_loop(lab)
+    try:
+        h = one_pass(loop)
+    finally:
+        loop.close()
+
+    assert h.status == "measuring" and h.title == slow["title"]
+    assert len(llm.asked("hypothesis")) == 1 and len(llm.asked("edits")) == 1  # each asked once
+    from agent.commands import status
+    from agent.ledger import Ledger
+    from agent.views import llm_line
+
+    propose = Ledger(loop.store.engine).calls(purpose="propose")[0]
+    assert propose.latency_s > 2 > 1 and propose.usd == 0 and propose.completion_tokens > 120
+    st = status(lab, None)["llm"]
+    assert (st["model"], st["priced"], st["cap_usd"], st["spent_today_usd"]) == ("gemma-3-270m", False, None, 0)
+    assert st["tokens_today"]["completion"] >= propose.completion_tokens
+    assert 40 < st["rate"]["tokens_per_s"] < 70
+    line = llm_line(st)
+    assert "$" not in line and line.startswith("LLM use today: ") and "gemma-3-270m has no known price" in line
+    assert "tokens/s" in line
+    shown = cli(lab, "status").stdout  # what a user sees
+    (spend,) = [x for x in shown.splitlines() if x.startswith("LLM ")]
+    assert spend.startswith("LLM use today: ") and "$" not in spend and "no dollar cap" in spend

@@ -28,7 +28,6 @@ from support.fake_openai import (
 from agent import prompts
 from agent.ledger import Ledger, LLMCall, utc_day_start
 from agent.llm import (
-    DEFAULT_PRICE,
     BudgetExceeded,
     LLMClient,
     LLMNotConfigured,
@@ -230,14 +229,21 @@ def test_server_errors_beyond_max_attempts_is_a_clear_error(fake_openai: FakeOpe
     assert [r.status_code for r in ledger.calls()] == [502, 502, 502]
 
 
-def test_timeout_is_retried(fake_openai: FakeOpenAI, ledger: Ledger) -> None:
+def test_a_server_silent_past_the_idle_timeout_is_one_clear_error_not_retried(fake_openai: FakeOpenAI,
+                                                                              ledger: Ledger) -> None:
+    """The same server would be as slow again: no retry within the call, one line naming the key
+    (the loop's back-off asks later)."""
     fake_openai.script(stall(30.0, then=content({"title": "late", "tasks_expected": []})), content(GOOD))
-    client = make_client(fake_openai, ledger, timeout_s=2)
+    client = make_client(fake_openai, ledger, idle_timeout_s=1)
 
-    assert ask(client) == GOOD  # the retry's answer, not the stalled one
-    first, second = ledger.calls()
-    assert first.error == "timeout after 2s" and first.response_text is None and first.latency_s >= 2
-    assert second.error is None and second.attempt == 2
+    with pytest.raises(LLMUnavailable) as exc:
+        ask(client)
+    assert "[agent] idle_timeout_s = 1" in str(exc.value) and "\n" not in str(exc.value)
+    assert len(fake_openai.requests) == 1
+    (row,) = ledger.calls()
+    assert row.error and "no token for 1 s" in row.error and row.response_text is None and row.latency_s >= 1
+    assert (row.prompt_tokens, row.completion_tokens, row.usd) == (0, 0, 0)  # nothing arrived, nothing spent
+    assert ask(client) == GOOD  # the next call is a new request
 
 
 def test_dropped_connection_and_malformed_body_are_retried(fake_openai: FakeOpenAI, ledger: Ledger) -> None:
@@ -277,15 +283,30 @@ def test_tokens_and_cost_are_stored_and_survive_a_restart(fake_openai: FakeOpenA
     assert reopened.spent_usd(since=time.time() + 60) == 0
 
 
-def test_prices_unknown_models_conservatively_and_can_be_overridden(fake_openai: FakeOpenAI, ledger: Ledger) -> None:
+def test_an_unknown_model_has_no_price_and_no_dollar_cap_but_a_token_cap(fake_openai: FakeOpenAI,
+                                                                        ledger: Ledger) -> None:
     assert price_for("gpt-4.1-mini-2025-04-14") == Price(0.40, 1.60)
     assert price_for("openai/gpt-4o-mini") == Price(0.15, 0.60)
-    assert price_for("my-local-llama") == DEFAULT_PRICE
+    assert price_for("my-local-llama") is None
 
-    fake_openai.script(content(GOOD, usage=(1_000_000, 0)), content(GOOD, usage=(1_000_000, 1_000_000)))
-    ask(make_client(fake_openai, ledger, model="my-local-llama"))
-    ask(make_client(fake_openai, ledger, model="my-local-llama", prices={"my-local": Price(0.0, 1.0)}))
-    assert [r.usd for r in ledger.calls()] == [pytest.approx(DEFAULT_PRICE.input_per_mtok), pytest.approx(1.0)]
+    fake_openai.script(*[content(GOOD, usage=(1_000_000, 1000))] * 2)
+    local = make_client(fake_openai, ledger, model="my-local-llama", max_usd_per_day=0.01, max_tokens_per_day=1_500_000)
+    assert not local.priced and local.max_usd_per_day is None  # a guessed price would stop a free model
+    ask(local)  # $0.01 would be spent many times over at any listed price
+    assert local.budget_reached() is None
+    ask(local)  # crosses the token cap
+    with pytest.raises(BudgetExceeded, match=r"2002000 tokens used today .*max_tokens_per_day"):
+        ask(local)
+    assert local.budget_reached() == ("LLM budget reached: 2002000 of 1500000 tokens used today (UTC) "
+                                      "([agent] max_tokens_per_day)")
+    assert len(fake_openai.requests) == 2 and fake_openai.remaining == 0 and [r.usd for r in ledger.calls()] == [0, 0]
+
+    # the lab's [agent] price_per_mtok prices it: then it is dollars, and the dollar cap holds
+    fake_openai.script(content(GOOD, usage=(1_000_000, 1_000_000)))
+    priced = make_client(fake_openai, ledger, model="my-local-llama", price=Price(0.0, 1.0), max_usd_per_day=5)
+    assert priced.priced and priced.max_usd_per_day == 5
+    ask(priced)
+    assert ledger.calls()[-1].usd == pytest.approx(1.0)
 
 
 def test_daily_cap_stops_calls_before_they_are_sent(fake_openai: FakeOpenAI, ledger: Ledger) -> None:
