@@ -136,29 +136,32 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
     cpus = lab.config.run.cpus
     env = scrub_env(os.environ, lab.config.run.env) | thread_env(cpus)
     sandbox = spec_for(lab, ro=[cwd, *ro], out=out, rw=rw)
-    holder, pool = f"once-{os.getpid()}-{time.monotonic_ns()}", None
-    if gpus:
-        ids = visible_gpus()
-        if gpu_pool.capacity(gpus, len(ids)) < 1:
-            raise UserError(f"{argv[0]} is given {gpus:g} GPU(s) ([run]) but {len(ids)} are visible here")
-        pool = gpu_pool.GpuPool.shared(ids)
-        held = pool.wait_take(holder, gpus, timeout=timeout_s)
-        if held is None:
-            raise InfrastructureFailure(f"no GPU came free for {argv[0]} in {timeout_s:.0f} s")
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU unless given one below
+    if not gpus:
+        return _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, 0), timeout_s)
+    ids = visible_gpus()
+    if gpu_pool.capacity(gpus, len(ids)) < 1:
+        raise UserError(f"{argv[0]} is given {gpus:g} GPU(s) ([run]) but {len(ids)} are visible here")
+    pool, holder = gpu_pool.GpuPool.shared(ids), f"once-{os.getpid()}-{time.monotonic_ns()}"
+    held = pool.wait_take(holder, gpus, timeout=timeout_s)
+    if held is None:
+        raise InfrastructureFailure(f"no GPU came free for {argv[0]} in {timeout_s:.0f} s")
+    try:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(held)
         if sandbox is not None:
             sandbox |= {"gpus": gpus, "gpu_ids": held}
             env["CUDA_VISIBLE_DEVICES"] = inside_gpu_ids(held, env["CUDA_VISIBLE_DEVICES"])
-    elif "CUDA_VISIBLE_DEVICES" in env or visible_gpus():
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    spec = {"argv": argv, "cwd": str(cwd), "env": env, "log": str(log), "cpus": cpus,
+        return _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, gpus), timeout_s)
+    finally:
+        pool.give_back(holder)
+        pool.sampler().stage_done(holder)
+
+
+def _once_spec(lab: Any, argv: list[str], cwd: Path, env: dict[str, str], log: Path, out: Path | None,
+               stdout: Path | None, sandbox: dict[str, Any] | None, gpus: float) -> dict[str, Any]:
+    return {"argv": argv, "cwd": str(cwd), "env": env, "log": str(log), "cpus": lab.config.run.cpus,
             "memory_mb": once_memory_mb(lab, with_out=out is not None, gpus=gpus),
             "stdout": str(stdout) if stdout else None, "sandbox": sandbox}
-    try:
-        return _run_child(spec, timeout_s)
-    finally:
-        if pool is not None:
-            pool.give_back(holder)
 
 
 def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:

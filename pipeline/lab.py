@@ -568,21 +568,21 @@ def toml_tables(data: bytes, tables: Iterable[str]) -> bytes:
     (`pipeline.dag.input_digests`). `data` itself when it is not UTF-8 TOML: then the key hashes it whole."""
     import tomli_w
 
-    try:
+    try:  # a branch's file: nested past the interpreter's depth is as good as unparsable
         doc = tomllib.loads(data.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        out: dict[str, Any] = {}
+        for table in tables:
+            value = table_value(doc, table)
+            if value is None:
+                continue
+            *parents, last = table.split(".")
+            node = out
+            for part in parents:  # a parent already taken whole holds this table already
+                node = node.setdefault(part, {})
+            node[last] = value
+        return tomli_w.dumps(_sorted_keys(out)).encode("utf-8")
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError):
         return data
-    out: dict[str, Any] = {}
-    for table in tables:
-        value = table_value(doc, table)
-        if value is None:
-            continue
-        *parents, last = table.split(".")
-        node = out
-        for part in parents:  # a parent already taken whole holds this table already
-            node = node.setdefault(part, {})
-        node[last] = value
-    return tomli_w.dumps(_sorted_keys(out)).encode("utf-8")
 
 
 def _sorted_keys(value: Any) -> Any:

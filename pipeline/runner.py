@@ -135,6 +135,8 @@ class Driver:
         self._not_baseline_at: dict[str, float] = {}  # commit -> when the store said it was none
         self._last_reconcile = 0.0
         self._gpu_usage_at = 0.0
+        self._gpu_usage_totals: tuple[int, int, float] = (0, 0, 0.0)  # the sampler's, at the last row written
+        self._gpu_usage_since = time.time()
         self.heartbeat = heartbeat  # the process's (the loop's, with its lease), else one of its own in start()
         self._own_heartbeat: Heartbeat | None = None
 
@@ -248,11 +250,11 @@ class Driver:
             for res in self.executor.poll(timeout):
                 self._on_result(res)
             self._fill()
+        elif timeout > 0 and not self.to_score:
+            time.sleep(min(timeout, 0.2))
         if time.monotonic() - self._gpu_usage_at > GPU_USAGE_EVERY_S:
             self._gpu_usage_at = time.monotonic()
             self._record_gpu_usage()
-        elif timeout > 0 and not self.to_score:
-            time.sleep(min(timeout, 0.2))
         # slots are full again before the driver scores and claims ahead: neither delays a stage
         self._score_pending()
         self._prefetch()
@@ -260,11 +262,17 @@ class Driver:
         return done
 
     def _record_gpu_usage(self) -> None:
+        """What the executor's GPU sampler saw since the last call, as one row of the store."""
         sampled = getattr(self.executor, "gpu_usage", None)  # optional in the protocol: an executor may sample nothing
         usage = sampled() if sampled is not None else None
-        if usage is not None and usage["samples"]:
-            self.store.gpu_usage_update(str(usage["holder"]), list(usage["gpus"]), int(usage["samples"]),  # type: ignore[arg-type]
-                                        int(usage["busy"]), float(usage["util_sum"]))  # type: ignore[arg-type]
+        if usage is None:
+            return
+        totals = (int(usage["samples"]), int(usage["busy"]), float(usage["util_sum"]))  # type: ignore[arg-type]
+        last = self._gpu_usage_totals
+        if totals[0] > last[0]:
+            self.store.gpu_usage_add(str(usage["holder"]), list(usage["gpus"]), self._gpu_usage_since,  # type: ignore[arg-type]
+                                     totals[0] - last[0], totals[1] - last[1], totals[2] - last[2])
+            self._gpu_usage_totals, self._gpu_usage_since = totals, time.time()
 
     def _score_pending(self) -> None:
         while self.to_score:
@@ -340,7 +348,7 @@ class Driver:
         try:  # a link out of the tree is the branch's doing: the method's failure, never laid out
             self.worktrees.check_tree(run.commit)
             worktree = self._worktree_of.get(run.commit)
-            if worktree is None or not (worktree / ".git").exists():
+            if worktree is None or not worktree.is_dir():
                 worktree = self._worktree_of[run.commit] = self.worktrees.ensure(run.commit)
         except UnsafeTree as e:
             self._record(claim, ResultOutcome.METHOD_FAILURE, None, "unsafe_tree", str(e), cpu_s=0.0)
@@ -459,7 +467,7 @@ class Driver:
             return
         fl = self.flights.pop(key)
         outcome, kind = classify(res)
-        gpus = self.lab.config.run.gpus
+        gpus = float(res.extra.get("gpu_share", self.lab.config.run.gpus))  # a stage run alone held its GPU whole
         common = dict(cpu_s=res.cpu_s, wall_s=res.wall_s, gpu_s=res.wall_s * gpus, exit_code=res.exit_code,
                       signal=res.signal, host=res.host)
         name = fl.node.name

@@ -100,7 +100,8 @@ class SmokeRunner:
             logs = self.lab.state / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             self._executor = LocalExecutor(cpus=run.cpus, gpus=self.gpus, slots=1, worker_log=logs / "smoke-worker.log",
-                                           preload=DEFAULT_PRELOAD if run.preload is None else run.preload)
+                                           preload=DEFAULT_PRELOAD if run.preload is None else run.preload,
+                                           priority=True)  # the driver's executor yields it the next free share
         return self._executor
 
     def job(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float, inputs: list[Path] = ()) -> Any:

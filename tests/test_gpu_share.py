@@ -314,3 +314,52 @@ def test_prepare_and_score_get_a_gpu_only_when_the_lab_gives_them_one(tmp_path: 
                                log=tmp_path / "late.log", timeout_s=1.0, ro=[], gpus=0.5)
     finally:
         pool.give_back("a-whole-gpu-stage")
+
+
+def test_a_waiter_from_outside_the_driver_gets_the_next_free_share_and_the_reserve_stays_free() -> None:
+    """The driver's executor takes a freed share back at once: without yielding, a smoke stage would
+    wait for the whole queue. And it keeps `prepare`/`score`'s share placeable: the driver's own
+    thread runs those between its stages and cannot wait for shares only it gives back."""
+    pool = GpuPool(["0"])
+    assert pool.take("stage-1", 1) == ["0"]
+    assert pool.take("smoke", 1, wait=True) is None  # the smoke stage waits: wanted
+    pool.give_back("stage-1")
+    assert pool.take("stage-2", 1, yield_to_waiters=True) is None  # the driver's next stage yields
+    assert pool.take("smoke", 1) == ["0"]
+    pool.give_back("smoke")
+    assert pool.take("stage-2", 1, yield_to_waiters=True) == ["0"]
+    pool.give_back("stage-2")
+    took = [pool.take(f"q{i}", 0.25, keep=0.25, yield_to_waiters=True) for i in range(4)]
+    assert took == [["0"], ["0"], ["0"], None] and pool.take("score", 0.25) == ["0"]
+    assert capacity(0.25, 1, keep=0.25) == 3 and capacity(1, 1, keep=0.25) == 0 and capacity(1, 2, keep=0.5) == 1
+    from pipeline.errors import UserError
+
+    with pytest.raises(UserError, match="leaves no room for prepare_gpus/score_gpus"):
+        LocalExecutor(gpus=1, preload=(), pool=GpuPool(["0"]), reserve=0.25)
+
+
+def test_a_driver_whose_scorer_needs_a_gpu_share_scores_between_its_stages(tmp_path: Path, monkeypatch) -> None:
+    """`[run] score_gpus` through the real driver: the scorer runs in the driver's own thread, which
+    would wait for ever for a share its own full slots hold (the stages' shares are given back only
+    when it polls). The executor keeps the scorer's share free, so every run is scored."""
+    from agent.labinit import init_lab
+    from pipeline import experiment, runner
+    from pipeline.executors import make_executor
+    from pipeline.lab import load_lab
+    from pipeline.labrepo import resolve_commit
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")
+    root = init_lab(tmp_path / "lab", harness="command")
+    research = root / "research.toml"
+    research.write_text(research.read_text().replace(
+        'sandbox = "auto"', 'sandbox = "off"\ngpus = 0.5\nscore_gpus = 0.5\npreload = ["numpy"]'))
+    lab = load_lab(root)
+    store = experiment.open_store(lab)
+    ex = make_executor("local", lab)
+    assert ex.slots == 1 and ex.reserve == 0.5  # one stage on the GPU, the scorer's half kept free
+    ids = experiment.ensure_runs(store, lab, "autoresearch/baseline", lab.tasks(), [0, 1])
+    with runner.Driver(lab, store, ex) as d:
+        d.drive(until=ids, timeout_s=240)
+    rows = store.results_for(resolve_commit(lab, "autoresearch/baseline"), lab.tasks())
+    assert len(rows) == len(ids) and all(r.outcome == "ok" for r in rows), [(r.outcome, r.detail) for r in rows]
+    assert GpuPool.shared(["6"]).used() == {"6": 0.0}

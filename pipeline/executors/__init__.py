@@ -48,7 +48,7 @@ def _local(lab: "Lab", *, workers: int | None, ray_address: str | None, preload:
     plan = memory_plan(run, workers if workers is not None else local_slots(run))
     return LocalExecutor(cpus=run.cpus, gpus=run.gpus, slots=workers,
                          preload=_preload(run, preload, DEFAULT_PRELOAD), worker_log=Path(logs) / "worker.log",
-                         default_memory_mb=plan.memory_mb)
+                         default_memory_mb=plan.memory_mb, reserve=max(run.prepare_gpus, run.score_gpus))
 
 
 def _ray(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: tuple[str, ...] | None) -> Executor:

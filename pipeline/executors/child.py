@@ -27,9 +27,14 @@ except ImportError:  # run from source (`python -c`) on a node without our packa
 
 PR_SET_PDEATHSIG = 1
 PYTHON_NAMES = {"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
-# OpenBLAS's thread-count setter under its builds' names (numpy's wheels: scipy_openblas64_)
-BLAS_SET_THREADS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads",
-                    "scipy_openblas_set_num_threads")
+# the BLAS libraries' thread-count setters (numpy's wheels: scipy_openblas64_; conda: MKL; BLIS), by the
+# name a loaded library's file carries
+BLAS_SET_THREADS = {
+    "openblas": ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads",
+                 "scipy_openblas_set_num_threads"),
+    "mkl_rt": ("MKL_Set_Num_Threads",),
+    "blis": ("bli_thread_set_num_threads",),
+}
 OWN_PACKAGES = ("pipeline", "agent")  # what a stage must not import from the driver's install
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "TORCH_NUM_THREADS")
@@ -80,21 +85,25 @@ def _limit_memory(memory_mb: int | None, in_process: bool) -> None:
 
 
 def _set_blas_threads(cpus: int) -> None:
-    """Size the thread pool of every OpenBLAS already loaded (numpy's, in a warm worker that imported
-    it with one thread, so that it forks a single-threaded process): what threadpoolctl does."""
+    """Size the thread pool of every BLAS already loaded (numpy's, in a warm worker that imported it
+    with one thread, so that it forks a single-threaded process): what threadpoolctl does."""
     import ctypes
 
     try:
         with open("/proc/self/maps") as fh:
-            libs = {line.split()[-1] for line in fh if "openblas" in line.rsplit("/", 1)[-1].lower()}
+            libs = {line.split()[-1] for line in fh if "/" in line}
     except OSError:
         return
     for lib in libs:
+        name = lib.rsplit("/", 1)[-1].lower()
+        symbols = next((names for kind, names in BLAS_SET_THREADS.items() if kind in name), None)
+        if symbols is None:
+            continue
         try:
             handle = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         except OSError:
             continue
-        for symbol in BLAS_SET_THREADS:
+        for symbol in symbols:
             setter = getattr(handle, symbol, None)
             if setter is not None:
                 setter(ctypes.c_int(cpus))

@@ -6,6 +6,13 @@ here: the local executor's slots, the smoke run's stages, and `prepare`/`score` 
 them a GPU; a stage that finds no room waits for it, so nothing oversubscribes a GPU. Fractions are
 placed on the least-loaded GPU that fits them; whole GPUs are taken only when nobody holds them.
 
+Two rules keep everyone served. A waiter from outside the driver's executor (a smoke stage, a
+`prepare`) is *wanted*: the driver's executor, which takes a freed share back at once, yields while
+that share would no longer fit (`yield_to_waiters`), so the next freed share goes to the waiter, not
+to the queue's next run. And the driver's executor keeps `keep` placeable (the share of `prepare` and
+`score`, which the driver's own thread runs between its stages: it must not wait for shares only it
+can give back).
+
 `GpuSampler` asks NVML (the `nvidia-ml-py` package, `pynvml`; optional) every half second how busy
 each GPU is, and charges each sample to the stages holding that GPU: a stage's mean utilisation, and
 the GPUs' busy share of the loop's wall time. Without NVML it samples nothing and says so.
@@ -30,16 +37,44 @@ CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of m
 MPS_PROCESSES = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 
 
-def per_gpu(share: float) -> int:
-    """How many stages of `share` fit on one GPU (1 for whole GPUs)."""
-    return max(1, int(1 / share + EPS)) if 0 < share < 1 else 1
+def _place(used: dict[str, float], share: float, alone: bool = False) -> tuple[list[str], float] | None:
+    """Where a stage of `share` goes given `used` (GPU → share held), and what it holds of each."""
+    ids = list(used)
+    if share >= 1 or alone:
+        free = [g for g in ids if used[g] <= EPS]
+        need = max(1, int(round(share)))
+        return (free[:need], 1.0) if len(free) >= need else None
+    fits = [g for g in ids if used[g] + share <= 1 + EPS]
+    return ([min(fits, key=lambda g: (used[g], ids.index(g)))], share) if fits else None
 
 
-def capacity(share: float, n_gpus: int) -> int:
-    """How many stages of `share` run at once on `n_gpus` GPUs."""
-    if share <= 0:
-        return 0
-    return n_gpus * per_gpu(share) if share < 1 else n_gpus // int(round(share))
+def _fits(used: dict[str, float], shares: list[float]) -> bool:
+    """Whether every share in `shares` can still be placed, largest first."""
+    used = dict(used)
+    for share in sorted(shares, reverse=True):
+        placed = _place(used, share)
+        if placed is None:
+            return False
+        for g in placed[0]:
+            used[g] += placed[1]
+    return True
+
+
+def capacity(share: float, n_gpus: int, keep: float = 0.0) -> int:
+    """How many stages of `share` run at once on `n_gpus` GPUs while `keep` stays placeable."""
+    used = {str(i): 0.0 for i in range(n_gpus)}
+    count = 0
+    while share > 0:
+        placed = _place(used, share)
+        if placed is None:
+            break
+        after = dict(used)
+        for g in placed[0]:
+            after[g] += placed[1]
+        if keep and not _fits(after, [keep]):
+            break
+        used, count = after, count + 1
+    return count
 
 
 @dataclass
@@ -61,6 +96,7 @@ class GpuPool:
         self.ids = list(ids)
         self._used = {g: 0.0 for g in self.ids}
         self._holdings: dict[str, Holding] = {}
+        self._wanted: dict[str, float] = {}  # holders waiting from outside the driver's executor
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)
         self._sampler: GpuSampler | None = None
@@ -74,22 +110,32 @@ class GpuPool:
                 cls._shared[key] = cls(ids)
             return cls._shared[key]
 
-    def take(self, holder: str, share: float, *, alone: bool = False) -> list[str] | None:
-        """The GPUs given to `holder` for a stage of `share`, or None if they are not free now."""
+    def take(self, holder: str, share: float, *, alone: bool = False, keep: float = 0.0,
+             yield_to_waiters: bool = False, wait: bool = False) -> list[str] | None:
+        """The GPUs given to `holder` for a stage of `share`, or None if they are not free now.
+
+        `keep`: a share that must stay placeable after this one; `yield_to_waiters`: so must every
+        other holder's wanted share; `wait`: a None makes `holder` wanted (until it takes, or
+        `forget`)."""
         with self._lock:
             if holder in self._holdings:
                 return list(self._holdings[holder].ids)
-            if share >= 1 or alone:
-                need = max(1, int(round(share)))
-                free = [g for g in self.ids if self._used[g] <= EPS]
-                if len(free) < need:
-                    return None
-                ids, used = free[:need], 1.0
-            else:
-                fits = [g for g in self.ids if self._used[g] + share <= 1 + EPS]
-                if not fits:
-                    return None
-                ids, used = [min(fits, key=lambda g: (self._used[g], self.ids.index(g)))], share
+            placed = _place(self._used, share, alone)
+            needs = [keep] if keep else []
+            if yield_to_waiters:
+                needs += [w for h, w in self._wanted.items() if h != holder]
+            if placed is not None and needs:
+                after = dict(self._used)
+                for g in placed[0]:
+                    after[g] += placed[1]
+                if not _fits(after, needs):
+                    placed = None
+            if placed is None:
+                if wait:
+                    self._wanted.setdefault(holder, share)
+                return None
+            self._wanted.pop(holder, None)
+            ids, used = placed
             holding = Holding(ids, used, alone)
             for other in self._holdings.values():
                 if set(other.ids) & set(ids):
@@ -101,19 +147,28 @@ class GpuPool:
 
     def wait_take(self, holder: str, share: float, *, alone: bool = False, stop: threading.Event | None = None,
                   timeout: float | None = None) -> list[str] | None:
-        """`take`, waiting until the GPUs are free (None if `stop` is set or `timeout` passes first)."""
+        """`take`, wanted until the GPUs are free (None if `stop` is set or `timeout` passes first)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            got = self.take(holder, share, alone=alone)
-            if got is not None or (stop is not None and stop.is_set()):
-                return got
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
-            with self._lock:
-                self.changed.wait(0.2)
+        try:
+            while True:
+                got = self.take(holder, share, alone=alone, wait=True)
+                if got is not None or (stop is not None and stop.is_set()):
+                    return got
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                with self._lock:
+                    self.changed.wait(0.2)
+        finally:
+            self.forget(holder)
+
+    def forget(self, holder: str) -> None:
+        """`holder` no longer waits (it took its GPUs, gave up, or was cancelled)."""
+        with self._lock:
+            self._wanted.pop(holder, None)
 
     def give_back(self, holder: str) -> Holding | None:
         with self._lock:
+            self._wanted.pop(holder, None)
             holding = self._holdings.pop(holder, None)
             if holding is not None:
                 for g in holding.ids:

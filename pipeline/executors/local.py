@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pipeline
 from pipeline.disk import read_tail
-from pipeline.executors.base import ExecutorError, JobResult, StageJob, scrub_env, thread_env
+from pipeline.executors.base import ExecutorError, JobResult, StageJob, UserError, scrub_env, thread_env
 from pipeline.executors.gpus import GpuPool, capacity, is_cuda_oom
 
 DEFAULT_PRELOAD = ("numpy", "torch", "peft")
@@ -64,17 +64,25 @@ class LocalExecutor:
 
     def __init__(self, *, cpus: int = 1, gpus: float = 0, slots: int | None = None,
                  preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD, worker_log: Path | None = None,
-                 default_memory_mb: int | None = None, pool: GpuPool | None = None):
+                 default_memory_mb: int | None = None, pool: GpuPool | None = None, reserve: float = 0.0,
+                 priority: bool = False):
         self.cpus = cpus
         self.default_memory_mb = default_memory_mb  # a job's memory_mb when it names none (lab.memory_plan)
         self.gpus = gpus
         self.gpu_ids = (pool.ids if pool is not None else visible_gpus()) if gpus else []
         by_cpu = max(1, (os.cpu_count() or 1) // cpus)
         self.pool: GpuPool | None = None
+        # `reserve`: the GPU share the driver's own thread needs between stages (`prepare`, `score`),
+        # kept free of stages; `priority`: a smoke run's executor, which the driver's yields to
+        self.reserve, self.priority = (reserve if gpus else 0.0), priority
         if gpus:
             if capacity(gpus, len(self.gpu_ids)) < 1:
                 raise ExecutorError(f"run.gpus = {gpus:g} but {len(self.gpu_ids)} GPU(s) are visible")
-            by_cpu = min(by_cpu, capacity(gpus, len(self.gpu_ids)))
+            if capacity(gpus, len(self.gpu_ids), self.reserve) < 1:
+                raise UserError(f"[run] gpus = {gpus:g} on {len(self.gpu_ids)} GPU(s) leaves no room for "
+                                f"prepare_gpus/score_gpus = {self.reserve:g}, which the driver runs between its "
+                                "stages; lower one of them")
+            by_cpu = min(by_cpu, capacity(gpus, len(self.gpu_ids), self.reserve))
             self.pool = pool if pool is not None else GpuPool.shared(self.gpu_ids)
         self._slots = slots if slots is not None else by_cpu
         if self._slots < 1:
@@ -85,6 +93,7 @@ class LocalExecutor:
         # the stages' (and the warm worker's) environment: decided once, the allow-listed part of ours
         self.base_env = scrub_env(os.environ) | thread_env(cpus)
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started_at = time.time()  # names this executor's GPU samples in the store, with host and pid
         self.worker_threads: list[str] = []  # the warm worker's threads when it was ready (one: fork-safe)
         self._buf = b""
         self._running: dict[str, StageJob] = {}  # submitted: sent to the worker, or waiting for GPUs
@@ -160,7 +169,7 @@ class LocalExecutor:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        self._waiting = []
+        self._forget_waiting()
         for job_id in list(self._running):
             self._finish(JobResult(job_id, "infra", detail=f"warm worker died (exit {proc.returncode if proc else '?'})",
                                    host=self.host))
@@ -169,7 +178,9 @@ class LocalExecutor:
         self._running.pop(result.job_id, None)
         extra = dict(result.extra)
         if self._gpu_of.pop(result.job_id, None) is not None and self.pool is not None:
-            self.pool.give_back(result.job_id)
+            held = self.pool.give_back(result.job_id)
+            if held is not None:  # the GPUs it held: its share, or a whole GPU when it ran alone
+                extra["gpu_share"] = held.share * len(held.ids)
             use = self.pool.sampler().stage_done(result.job_id)
             if use is not None and use.util is not None:
                 extra["gpu_util"], extra["gpu_samples"] = use.util, use.samples
@@ -195,19 +206,37 @@ class LocalExecutor:
 
     def _dispatch(self) -> None:
         """Send the worker every waiting job whose GPUs the pool can give now, in order."""
-        still: list[tuple[StageJob, bool]] = []
-        for job, alone in self._waiting:
+        waiting, self._waiting = self._waiting, []
+        for i, (job, alone) in enumerate(waiting):
+            if job.job_id not in self._running:  # finished meanwhile (the worker died under a send)
+                continue
             if job.gpus:
                 if self.pool is None:
                     self._finish(JobResult(job.job_id, "infra", detail="no GPU on this executor", host=self.host))
                     continue
                 self.pool.sampler()  # sampling from the first GPU stage on (idle without NVML)
                 # first come, first served: no GPU stage overtakes one that waits
-                if still or self.pool.take(job.job_id, job.gpus, alone=alone) is None:
-                    still.append((job, alone))
+                if self._waiting or self.pool.take(job.job_id, job.gpus, alone=alone, keep=self.reserve,
+                                                   yield_to_waiters=not self.priority, wait=self.priority) is None:
+                    self._waiting.append((job, alone))
                     continue
-            self._send(job)
-        self._waiting = still
+            try:
+                self._send(job)
+            except Exception as e:  # e.g. its log folder cannot be made: the job's infrastructure failure
+                self._gpu_of.pop(job.job_id, None)
+                if self.pool is not None:
+                    self.pool.give_back(job.job_id)
+                self._finish(JobResult(job.job_id, "infra", detail=f"cannot start the stage: {e}", host=self.host))
+            if self._proc is None:  # the worker died under the send: every job it had is finished
+                self._waiting += waiting[i + 1:]
+                self._forget_waiting()
+                return
+
+    def _forget_waiting(self) -> None:
+        if self.pool is not None:
+            for job, _ in self._waiting:
+                self.pool.forget(job.job_id)
+        self._waiting = []
 
     def _send(self, job: StageJob) -> None:
         proc = self._start() if self._proc is None else self._proc
@@ -289,7 +318,7 @@ class LocalExecutor:
         self.pool.give_back(job_id)  # type: ignore[union-attr]  (held: the pool exists)
         self.pool.sampler().stage_done(job_id)  # type: ignore[union-attr]
         self._retried[job_id] = {"cpu_s": float(msg["cpu_s"]), "wall_s": float(msg["wall_s"]),  # type: ignore[arg-type]
-                                 "gpu_s": float(msg["wall_s"]) * held.share}  # type: ignore[arg-type]
+                                 "gpu_s": float(msg["wall_s"]) * held.share * len(held.ids)}  # type: ignore[arg-type]
         with open(job.log_path, "a") as fh:
             fh.write("\nautoresearch: CUDA out of memory on a GPU shared with other stages; "
                      "running this stage again with the GPU alone\n")
@@ -300,13 +329,15 @@ class LocalExecutor:
     def gpu_usage(self) -> dict[str, object] | None:
         if self.pool is None or not self.pool.sampler().available:
             return None
-        return {**self.pool.sampler().summary(), "holder": f"{self.host}:{os.getpid()}:{id(self.pool):x}",
+        return {**self.pool.sampler().summary(), "holder": f"{self.host}:{os.getpid()}:{self._started_at:.3f}",
                 "gpus": list(self.pool.ids)}
 
     def cancel(self, job_id: str) -> None:
         waiting = [w for w in self._waiting if w[0].job_id == job_id]
         if waiting:
             self._waiting.remove(waiting[0])
+            if self.pool is not None:
+                self.pool.forget(job_id)
             self._finish(JobResult(job_id, "cancelled", detail="cancelled while waiting for a GPU", host=self.host))
             return
         proc = self._proc
@@ -333,7 +364,7 @@ class LocalExecutor:
         finally:
             if proc.stdout is not None:
                 proc.stdout.close()
-        self._waiting = []
+        self._forget_waiting()
         for job_id in list(self._running):
             self._finish(JobResult(job_id, "cancelled", detail="executor closed", host=self.host))
 

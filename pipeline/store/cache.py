@@ -45,13 +45,12 @@ class CacheRows:
             s.merge(StageGpu(exec_id=exec_id, util=util, samples=samples))
             s.commit()
 
-    def gpu_usage_update(self, holder: str, gpus: list[str], samples: int, busy: int, util_sum: float) -> None:
-        """The running totals of one process's GPU sampler (`GpuUsage`), written over the last ones."""
+    def gpu_usage_add(self, holder: str, gpus: list[str], started_at: float, samples: int, busy: int,
+                      util_sum: float) -> None:
+        """One interval of a process's GPU sampler (`GpuUsage`): the samples it took since `started_at`."""
         with self.session() as s:
-            row = s.exec(select(GpuUsage).where(GpuUsage.holder == holder)).first()
-            row = row or GpuUsage(holder=holder, gpus=",".join(gpus))
-            row.samples, row.busy, row.util_sum, row.updated_at = samples, busy, util_sum, now()
-            s.add(row)
+            s.add(GpuUsage(holder=holder, gpus=",".join(gpus), started_at=started_at, samples=samples, busy=busy,
+                           util_sum=util_sum))
             s.commit()
 
     def stage_served(self, run_id: int, stage: str, key: str, outcome: StageOutcome, *, executor: str,

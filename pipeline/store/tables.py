@@ -116,15 +116,16 @@ class FdrTest(SQLModel, table=True):
 
 
 class GpuUsage(SQLModel, table=True):
-    """One process's GPU sampler (`pipeline.executors.gpus.GpuSampler`): how many of its samples, taken
-    every half second from its first GPU stage on, found a GPU busy; updated as it goes."""
+    """What one process's GPU sampler (`pipeline.executors.gpus.GpuSampler`) saw over one interval
+    (a row per `runner.GPU_USAGE_EVERY_S` or so): its samples, taken every half second from its first
+    GPU stage on, and how many found a GPU busy."""
 
     __tablename__ = "gpu_usage"
     id: int | None = Field(default=None, primary_key=True)
-    holder: str = Field(unique=True)  # host:pid:start of the sampling process
+    holder: str = Field(index=True)  # host:pid:start of the sampling executor
     gpus: str  # the GPUs it sampled, comma-separated
-    started_at: float = Field(default_factory=now)
-    updated_at: float = Field(default_factory=now, index=True)
+    started_at: float  # the interval's start (the previous row's end)
+    updated_at: float = Field(default_factory=now, index=True)  # its end
     samples: int = 0
     busy: int = 0  # samples at which any of its GPUs was busy (utilisation > 0)
     util_sum: float = 0.0  # of the GPUs' mean utilisation at each sample
