@@ -307,7 +307,9 @@ class LocalExecutor:
 
     def _retry_alone(self, job_id: str, msg: dict[str, object]) -> bool:
         """A stage that ran out of CUDA memory on a GPU it shared goes back to wait for that GPU alone
-        (once): the first attempt's compute is kept in the result's `extra`, as lost."""
+        (once): the first attempt's compute is kept in the result's `extra`, as lost. The OOM is read
+        from the stage's log, which branch code writes: a failing stage on a crowded GPU can buy one
+        more attempt, on the same seed, by printing it; that attempt shows as lost in the goodput."""
         held = self.pool.holding(job_id) if self.pool is not None else None
         if msg.get("status") != "exit" or held is None or not held.crowded or held.alone or job_id in self._retried:
             return False
