@@ -154,7 +154,10 @@ def oracle_campaign(looks: tuple[int, ...], upper: np.ndarray, zf: np.ndarray, r
 
     total = runs_chal + runs_base
     true_gain = mu.mean(axis=1)
+    promotions = sum(v[1] for v in counts.values())
+    false = sum(v[1] for k, v in counts.items() if k.split("@")[0] in lq.FALSE_CLASSES)
     return {
+        "fdp": false / promotions if promotions else None,  # loop_quality's: false promotions ÷ all, pooled
         "h@0.5": rate(lambda c, s: c == "horizontal" and s == 0.5),
         "h@0.25": rate(lambda c, s: c == "horizontal" and s == 0.25),
         "null": rate(lambda c, s: c == "null"),

@@ -133,3 +133,61 @@ def test_loop_quality_in_flight_paired():
     lq = _loop_quality()
     one, four = _in_flight_checks(lq, "paired", 6, 10)
     assert four["baseline_runs_per_hypothesis"] > 0
+
+
+def test_peer_rules_fdp():
+    """Issue 34: the peers' rules at a threshold grid, and FDP. A threshold of 0 is keep/discard on
+    its noise stream, number for number; a huge threshold promotes nothing (FDP undefined, no gain);
+    each rule's runs are what it says; a promoted null is a false discovery."""
+    lq = _loop_quality()
+    sigma, pair = np.full(lq.TASKS, 0.01), np.full(lq.TASKS, 0.8)
+    i = [r.name for r in lq.RULES].index("keep-discard")
+    kd = lq.campaign(lq.RULES[i], 0.02, 20, 40, 0, sigma, i, False, pair)
+    rows = {p.name: lq.peer_campaign(p, 0.02, 20, 40, 0, sigma, i, thresholds=(0.0, 1.0, 1e9)) for p in lq.PEERS}
+    zero, one, huge = rows["threshold"]
+    same = ("promoted", "promotions", "false_promotions", "fdp", "runs_per_hypothesis", "true_gain_per_1000_runs",
+            "drift", "challenger_runs_per_null")
+    assert {k: zero[k] for k in same} == {k: kd[k] for k in same} and kd["promotions"] > 0
+    assert 0 < one["promotions"] < zero["promotions"] and one["fdp"] < zero["fdp"]  # a noise floor: fewer, truer
+    for name, (_, _, none) in rows.items():
+        assert none["promotions"] == 0 and none["fdp"] is None and none["true_gain_per_1000_runs"] == 0, name
+        assert lq.best_at([none], lq.TARGET_FDP) is none  # nothing promoted counts as FDP 0
+    # runs: one per challenger (threshold, senpai), three (median of 3), one or three (rerun)
+    assert zero["challenger_runs_per_hypothesis"] == 1 and rows["median3"][0]["challenger_runs_per_hypothesis"] == 3
+    assert all(1 < r["challenger_runs_per_hypothesis"] < 3 for r in rows["rerun"])  # 3 where the first looked promising
+    s0, s_none = rows["senpai7v1"][0], rows["senpai7v1"][2]
+    assert s_none["baseline_runs_per_hypothesis"] * 40 == pytest.approx(7)  # the first champion's seeds alone
+    assert s0["baseline_runs_per_hypothesis"] * 40 == pytest.approx(7 + 7 * s0["promotions"] / 20)  # + 7 per promotion
+    # FDP: nulls, harms and one-task harms promoted over all promoted; one-task gains are true
+    counts = {"null@0": [10, 2], "horizontal@1": [5, 3], "one_task@1": [3, 1], "harm@-1": [4, 1],
+              "one_task_harm@-3": [2, 1]}
+    B = 2
+    row = lq.summary(lq.RULES[i], 0.02, B, 12, "fresh", 0.01, lq.PRIOR, counts, {}, sigma, np.zeros((B, lq.TASKS)),
+                     np.ones(B), np.zeros(B), np.zeros(B), {})
+    assert (row["promotions"], row["false_promotions"], row["fdp"]) == (8, 4, 0.5)
+    # the best variant at FDP ≤ 5 %: the most gain among those at or under it
+    grid = [{"rule": "a", "fdp": 0.2, "true_gain_per_1000_runs": 9.0}, {"rule": "b", "fdp": 0.05,
+            "true_gain_per_1000_runs": 3.0}, {"rule": "c", "fdp": 0.01, "true_gain_per_1000_runs": 2.0}]
+    assert lq.best_at(grid, lq.TARGET_FDP)["rule"] == "b" and lq.best_at(grid[:1], lq.TARGET_FDP) is None
+
+
+def test_loop_quality_fdp_report(tmp_path):
+    """`--fdp`: the peers' grids beside the gate's rules, the default rule's verdicts with its oracle
+    gap, and the Pareto picture."""
+    out, png = tmp_path / "lq.json", tmp_path / "fdp.png"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "loop_quality.py"), "--campaigns", "10", "--hypotheses", "30",
+         "--rho", "0.02", "--in-flight", "1", "--rules", "paired", "keep-discard", "--fdp", "--picture", str(png),
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode in (0, 1), done.stderr
+    doc = json.loads(out.read_text())
+    lq = _loop_quality()
+    peers = [r for r in doc["rules"] if r["peer"]]
+    assert len(peers) == len(lq.PEERS) * len(lq.PEER_THRESHOLDS)
+    (v,) = doc["fdp"]["verdicts"]
+    assert v["rule"] == "paired" and set(v["best_peer_by_family"]) == {p.name for p in lq.PEERS}
+    assert v["oracle"]["designs"] == len(doc["fdp"]["oracle"][0]["designs"]) > 0
+    assert "paired: FDP" in done.stdout and "every peer's threshold grid" in done.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
