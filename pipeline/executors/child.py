@@ -14,7 +14,7 @@ None (unsandboxed: the lab opted out) or the mounts and limits of `sandbox.enter
 
 from __future__ import annotations
 
-import importlib
+import functools
 import json
 import os
 import sys
@@ -84,17 +84,23 @@ def _limit_memory(memory_mb: int | None, in_process: bool) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def _set_blas_threads(cpus: int) -> None:
-    """Size the thread pool of every BLAS already loaded (numpy's, in a warm worker that imported it
-    with one thread, so that it forks a single-threaded process): what threadpoolctl does."""
+_BLAS_SETTERS: list[Any] | None = None  # found once in a warm worker (`prepare_fork`), inherited by its forks
+
+
+def _blas_setters() -> list[Any]:
+    """The thread-count setter of every BLAS loaded in this process (numpy's OpenBLAS, MKL, BLIS)."""
+    global _BLAS_SETTERS
+    if _BLAS_SETTERS is not None:
+        return _BLAS_SETTERS
     import ctypes
 
+    setters: list[Any] = []
     try:
         with open("/proc/self/maps") as fh:
             libs = {line.split()[-1] for line in fh if "/" in line}
     except OSError:
-        return
-    for lib in libs:
+        libs = set()
+    for lib in sorted(libs):
         name = lib.rsplit("/", 1)[-1].lower()
         symbols = next((names for kind, names in BLAS_SET_THREADS.items() if kind in name), None)
         if symbols is None:
@@ -103,11 +109,43 @@ def _set_blas_threads(cpus: int) -> None:
             handle = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         except OSError:
             continue
-        for symbol in symbols:
-            setter = getattr(handle, symbol, None)
-            if setter is not None:
-                setter(ctypes.c_int(cpus))
-                break
+        found = next((getattr(handle, sym) for sym in symbols if hasattr(handle, sym)), None)
+        if found is not None:
+            setters.append(found)
+    _BLAS_SETTERS = setters
+    return setters
+
+
+def _set_blas_threads(cpus: int) -> None:
+    """Size the thread pool of every BLAS already loaded (numpy's, in a warm worker that imported it
+    with one thread, so that it forks a single-threaded process): what threadpoolctl does."""
+    import ctypes
+
+    for setter in _blas_setters():
+        setter(ctypes.c_int(cpus))
+
+
+def prepare_fork() -> None:
+    """In a warm worker, after its preload: look up now, once, what each forked stage would (the BLAS
+    setters, the interpreter's site folders, our modules among the thousands imported), so a stage's
+    start costs none of it: reading them in the child copies the pages it touches."""
+    _blas_setters()
+    _site_dirs()
+    _OWN.extend(m for m in sys.modules if m.partition(".")[0] in OWN_PACKAGES)
+
+
+_OWN: list[str] = []  # our modules imported by the warm worker (`prepare_fork`)
+
+
+def _own_modules() -> list[str]:
+    return _OWN or [m for m in sys.modules if m.partition(".")[0] in OWN_PACKAGES]
+
+
+@functools.lru_cache(maxsize=1)
+def _site_dirs() -> frozenset[str]:
+    import site
+
+    return frozenset(os.path.realpath(d) for d in [*site.getsitepackages(), site.getusersitepackages()])
 
 
 def _set_threads(cpus: int) -> None:
@@ -160,10 +198,8 @@ def hide_own_packages(roots: list[str]) -> None:
     `sys.meta_path`. A lab module of the same name still imports."""
     if not roots:
         return
-    import site
-
     roots = [os.path.realpath(r) for r in roots]
-    sites = {os.path.realpath(d) for d in [*site.getsitepackages(), site.getusersitepackages()]}
+    sites = _site_dirs()
     sys.path[:] = [p for p in sys.path if p != "" and (os.path.realpath(p) not in roots or os.path.realpath(p) in sites)]
     for entry in sys.path:
         if os.path.realpath(entry) in roots:
@@ -182,9 +218,8 @@ def hide_own_packages(roots: list[str]) -> None:
             continue
         if found is not None and _under(found.origin or next(iter(found.submodule_search_locations or []), None), roots):
             sys.meta_path.remove(finder)
-    for mod in [m for m in sys.modules if m.partition(".")[0] in OWN_PACKAGES]:
-        del sys.modules[mod]
-    importlib.invalidate_caches()
+    for mod in _own_modules():
+        sys.modules.pop(mod, None)
 
 
 STAGE_OOM_SCORE_ADJ = 1000  # a stage is the OOM killer's first victim, never a warm worker

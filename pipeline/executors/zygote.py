@@ -267,6 +267,7 @@ def main() -> None:
     if len(threads) > 1:  # a preloaded library started threads: fork is unsafe, say which
         print(f"warm worker: {len(threads)} threads after preload ({', '.join(threads)}); "
               "stages are forked from a multi-threaded process", file=sys.stderr)
+    child.prepare_fork()
     # Objects imported so far live for ever: keep the children's garbage collector from walking
     # them, which would touch (and so copy) every page shared with this process.
     gc.collect()
