@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/loop_quality.py [--campaigns 300] [--hypotheses 200] [--rho 0.02 0.6]
         [--noise benchmarks/results/headroom.json | --noise VARIANCE.json] [--in-flight 1 4 16] [--overlap 0]
-        [--fdp [--picture FILE.png]] [--json] [--out FILE]
+        [--rules RULE ...] [--fdp [--picture FILE.png]] [--json] [--out FILE]
 
 One population of hypotheses is drawn from a stated prior (`PRIOR` below: mostly no effect, gains of
 0.5-3σ on every task or on one, some harms) and run, one campaign of `--hypotheses` after another,
@@ -41,7 +41,15 @@ Rules:
                   re-tested at 5 and 10 (same verdict table and escalation);
 - `fixed-10`    — pooled t at nominal α, one look at 10 runs against 10 baseline runs;
 - `keep-discard` — karpathy/autoresearch: one challenger run against the current best's one measured
-                  run, kept if its mean over tasks is higher; a kept run *is* the new best's measurement.
+                  run, kept if its mean over tasks is higher; a kept run *is* the new best's measurement;
+- `paired-lond`, `paired-f0.2-lond` — opt-in (`--rules`, in flight 1 only): `paired` and `paired-f0.2`
+                  under `[gate] online_fdr = "lond"` (pipeline/gate/online_fdr.py). Each campaign is one
+                  lab's stream: its i-th hypothesis is its i-th comparison, run through the whole gate
+                  (every boundary, the p-values) at α_i = lond_alpha(i, D, `LOND_FDR`, 0.025), D its
+                  comparisons whose gate said `improvement` before (`judge`: one `look_path` per distinct
+                  α). On their base rule's noise stream (common random numbers). Their boundaries are
+                  calibrated by `fast_paired_boundaries`, the product's calibration on the same null
+                  paths, bit for bit, without re-drawing the paths for every α.
 
 In flight (issue 22, `--in-flight K ...`, default 1 4 16): with k hypotheses measured at once, each
 campaign has k slots, each measuring one hypothesis at a time at one run per time unit (a look of m
@@ -88,6 +96,9 @@ through this grid, so "the same FDP" is "at most", and the gap is reported, not 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import functools
 import json
 import math
 import sys
@@ -101,7 +112,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.gate.sim import look_path  # noqa: E402
+from pipeline.gate.online_fdr import lond_alpha  # noqa: E402
+from pipeline.gate.sim import LookPath, look_path  # noqa: E402
 from pipeline.gate.verdict import CODE, ORDER, Verdict  # noqa: E402
 
 TASKS = 8
@@ -153,6 +165,9 @@ class Rule:
     futility_p: float = 0.30
     peer: str | None = None  # a peer's rule (`PEERS`, scored by `peer_campaign`), with its threshold (× σ_floor)
     threshold: float | None = None
+    alpha: float = 0.025  # `[gate] alpha`: the one-sided level (with `online_fdr`, the cap on α_i)
+    online_fdr: str | None = None  # "lond": each comparison at α_i = lond_alpha(i, D, LOND_FDR, alpha)
+    stream: str | None = None  # the rule whose noise stream (and hypotheses) it shares: common random numbers
 
 
 RULES = (
@@ -163,7 +178,24 @@ RULES = (
     Rule("fixed-5v2", "fixed", 5, (2, 5, 10), 0.25, "fresh"),
     Rule("fixed-10", "fixed", 10, (10,), 0.125, "fresh"),
     Rule("keep-discard", None, 1, (1,), 0.125, "fresh"),
+    # opt-in (`--rules`): the same gates under online FDR control, on their noise streams
+    Rule("paired-lond", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, online_fdr="lond", stream="paired"),
+    Rule("paired-f0.2-lond", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20,
+         online_fdr="lond", stream="paired-f0.2"),
 )
+LOND_FDR = 0.05  # `[gate] fdr`: the stream's false discovery rate under `online_fdr = "lond"`
+STREAMS = [r.name for r in RULES if r.stream is None]  # noise streams: a rule's index here (the peers' follow)
+
+
+def stream_index(rule: Rule) -> int:
+    """The index of `rule`'s noise stream: its own, or that of the rule it shares one with."""
+    return STREAMS.index(rule.stream or rule.name)
+
+
+def default_rules() -> list[Rule]:
+    """The rules scored without `--rules`: all but the online-FDR ones (opt-in: LOND's boundaries
+    differ at every comparison and cost a calibration each)."""
+    return [r for r in RULES if r.online_fdr is None]
 
 
 def read_noise(path: Path) -> dict[str, Any]:
@@ -243,10 +275,138 @@ def _push_arms(arm_hist: np.ndarray, arm_next: np.ndarray, runs: np.ndarray, wid
     arm_next[rows] += 1
 
 
+def judge(rule: Rule, base: np.ndarray, chal: np.ndarray, depth: np.ndarray, pair_hist: np.ndarray,
+          arm_hist: np.ndarray, alpha: np.ndarray | None = None) -> LookPath:
+    """`look_path` for one step of every campaign under `rule`. `alpha` (B,): each campaign's level
+    for this comparison (online FDR), else the rule's own: the gate is run once per distinct α on
+    the campaigns that have it, so α enters every boundary, p-value and flag it computes."""
+    kw: dict[str, Any] = {"horizontal_trim": rule.trim, "futility_p": rule.futility_p}
+    lazy = rule.lazy
+    base = base if lazy else base[..., : rule.baseline_runs]
+    if alpha is None:
+        return look_path(rule.protocol, base, chal, rule.looks, alpha=rule.alpha, **kw,
+                         pair_history=pair_hist if lazy else None, base_depth=depth if lazy else None,
+                         arm_history=arm_hist if lazy else None)
+    B = base.shape[0]
+    parts: dict[str, np.ndarray] = {}
+    for a in np.unique(alpha):
+        on = alpha == a
+        path = look_path(rule.protocol, base[on], chal[on], rule.looks, alpha=float(a), **kw,
+                         pair_history=pair_hist[on] if lazy else None, base_depth=depth[on] if lazy else None,
+                         arm_history=arm_hist[on] if lazy else None)
+        for f in dataclasses.fields(LookPath):
+            if f.name == "looks":
+                continue
+            v = getattr(path, f.name)
+            out = parts.setdefault(f.name, np.empty((B, *v.shape[1:]), dtype=v.dtype))
+            out[on] = v
+    return LookPath(looks=tuple(int(x) for x in rule.looks), **parts)
+
+
+# LOND gives every comparison its own α, so a campaign's boundaries are calibrated afresh at nearly
+# every look: `pipeline.gate.boundaries.paired_boundaries` draws its 2M null paths each time (0.1-0.8 s).
+# `fast_paired_boundaries` is the same calibration on the same paths, drawn once per (looks, prior df):
+# only the largest ⌈α·2M⌉ values of a look matter once the paths that crossed before are set aside,
+# so each look keeps its ⌈FAST_ALPHA_MAX·2M⌉ + a few largest (sorted) and α only walks down them. The LOND rules run with
+# it in place of the product's (`fast_boundaries`); tests/test_loop_quality.py checks it equal to the
+# product's, bit for bit.
+FAST_ALPHA_MAX = 0.025  # the largest α it serves (a larger one goes to the product's calibration)
+
+
+@functools.lru_cache(maxsize=1024)
+def _null_tops(looks: tuple[int, ...], prior_df: int, sims: int, seed: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per look, the indices and values of the ⌈FAST_ALPHA_MAX · size⌉ + a few largest of the
+    reflected null paths (`calibrate`'s sample), descending; and the sample's size."""
+    from pipeline.gate import boundaries as gb
+
+    paths = gb.null_paired_paths(looks, prior_df, sims, seed)
+    paths = np.where(np.isfinite(paths), paths, np.nan)
+    sample = np.concatenate([paths, -paths])
+    total = sample.shape[0]
+    top = min(total, int(math.ceil(FAST_ALPHA_MAX * total)) + 4 * len(looks) + 16)
+    idx = np.empty((len(looks), top), dtype=np.int64)
+    val = np.empty((len(looks), top))
+    for k in range(len(looks)):
+        col = np.where(np.isfinite(sample[:, k]), sample[:, k], -np.inf)
+        part = np.argpartition(-col, top - 1)[:top]
+        order = part[np.argsort(-col[part], kind="stable")]
+        idx[k], val[k] = order, sample[order, k]
+    return idx, val, total
+
+
+@functools.lru_cache(maxsize=65536)
+def fast_paired_boundaries(looks: tuple[int, ...], planned_max: int, alpha: float, prior_df: int = 0,
+                           sims: int | None = None, seed: int | None = None) -> Any:
+    """`pipeline.gate.boundaries.paired_boundaries`, the same numbers, α walked down each look's
+    largest null values (`_null_tops`) instead of partitioning all of them."""
+    from pipeline.gate import boundaries as gb
+    from pipeline.gate.stats import bound_weight
+    from scipy import stats
+
+    sims = gb.CALIBRATION_SIMS if sims is None else sims
+    seed = gb.CALIBRATION_SEED if seed is None else seed
+    if not 0 < alpha <= FAST_ALPHA_MAX:
+        return gb.paired_boundaries(looks, planned_max, alpha, prior_df, sims, seed)
+    looks = gb.normalize_schedule(looks)
+    final = max(planned_max, looks[-1])
+    fractions = np.array([m / final for m in looks], dtype=float)
+    spent = gb.spending(gb.PAIRED_SPENDING, fractions, alpha)
+    if looks[-1] >= planned_max:
+        spent[-1] = alpha
+    dfs = tuple(gb.paired_df(m, float(bound_weight(prior_df, m)) if prior_df > 0 else 0.0) for m in looks)
+    usable = np.array([df >= 1 and m >= gb.MIN_DECIDING_PAIRS for df, m in zip(dfs, looks)])
+    spent = np.where(usable, spent, 0.0)
+    spent = np.maximum.accumulate(spent)
+    increments = np.diff(np.concatenate([[0.0], spent]))
+    idx, val, total = _null_tops(looks, prior_df, sims, seed)
+    upper = np.empty(len(looks))
+    dead = np.empty(0, dtype=np.int64)  # the paths that crossed at an earlier look
+    for k in range(len(looks)):
+        if not usable[k]:
+            upper[k] = np.inf
+            continue
+        count = int(round(increments[k] * total))
+        need = count + 1 + dead.size
+        if need > idx.shape[1]:
+            raise AssertionError("fast_paired_boundaries: too few null values kept")
+        alive = ~np.isin(idx[k, :need], dead)
+        a_idx, a_val = idx[k, :need][alive], val[k, :need][alive]
+        if count <= 0:
+            upper[k] = float(a_val[0]) + 1e-9
+        else:  # midpoint between the count-th and (count+1)-th largest values, as `calibrate` takes it
+            upper[k] = 0.5 * (a_val[count] + a_val[count - 1])
+            dead = np.concatenate([dead, a_idx[a_val >= upper[k]]])
+    nominal = tuple(float(stats.t.sf(u, df)) if df >= 1 else 0.0 for u, df in zip(upper, dfs))
+    return gb.Boundaries(looks=looks, fractions=tuple(float(f) for f in fractions),
+                         spent=tuple(float(x) for x in spent), upper=tuple(float(u) for u in upper), df=dfs, nominal=nominal)
+
+
+@contextlib.contextmanager
+def fast_boundaries(on: bool = True) -> Any:
+    """While inside, the paired protocol calibrates with `fast_paired_boundaries` (`on`: else a no-op)."""
+    import pipeline.gate.protocol.paired as paired_protocol
+
+    if not on:
+        yield
+        return
+    before = paired_protocol.paired_boundaries
+    paired_protocol.paired_boundaries = fast_paired_boundaries
+    try:
+        yield
+    finally:
+        paired_protocol.paired_boundaries = before
+
+
 def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int, sigma: np.ndarray,
              rule_index: int = 0, fresh_seeds: bool = False, pair: np.ndarray | None = None,
-             prior: Prior = PRIOR) -> dict[str, Any]:
-    """Run `campaigns` independent campaigns of `hypotheses` each through one rule, vectorised over campaigns."""
+             prior: Prior = PRIOR, alphas: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
+    """Run `campaigns` independent campaigns of `hypotheses` each through one rule, vectorised over campaigns.
+
+    With `rule.online_fdr` ("lond"), each campaign is one lab's stream: its i-th hypothesis is its
+    i-th comparison (in flight 1, no re-bases), judged through the whole gate at
+    α_i = lond_alpha(i, D, LOND_FDR, rule.alpha), D the comparisons before it whose gate said
+    `improvement` (held ones included: the gate's verdict, as `Experiment.judge_look` books it).
+    `alphas`, if a list, gets per comparison {"i", "alpha", "discoveries"} (arrays over campaigns)."""
     from agent.graph import allowed_decisions
 
     population = np.random.default_rng([seed, 1])  # the same hypotheses for every rule
@@ -274,6 +434,8 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
     runs_by_class: dict[str, float] = {}
     improvement_code = CODE[Verdict.improvement]
     looks = np.asarray(rule.looks)
+    found = np.zeros(B, int)  # online FDR: each campaign's discoveries so far
+    alpha_sum = np.zeros(B)
 
     for h in range(hypotheses):
         cls, size, effect = draw_hypotheses(population, B, J, prior)
@@ -292,10 +454,16 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
             spent = np.ones(B)
             seen = value - best_seen
         else:
-            path = look_path(rule.protocol, base if rule.lazy else base[..., : rule.baseline_runs], chal, rule.looks,
-                             horizontal_trim=rule.trim, futility_p=rule.futility_p,
-                             pair_history=pair_hist if rule.lazy else None, base_depth=depth if rule.lazy else None,
-                             arm_history=arm_hist if rule.lazy else None)
+            alpha = None
+            if rule.online_fdr == "lond":  # the (h+1)-th comparison of every campaign's stream
+                alpha = np.array([lond_alpha(h + 1, int(d), LOND_FDR, rule.alpha) for d in found])
+                alpha_sum += alpha
+                if alphas is not None:
+                    alphas.append({"i": np.full(B, h + 1), "alpha": alpha, "discoveries": found.copy()})
+            elif rule.online_fdr is not None:
+                raise ValueError(f"online_fdr {rule.online_fdr!r}: expected 'lond' or None")
+            with fast_boundaries(alpha is not None):
+                path = judge(rule, base, chal, depth, pair_hist, arm_hist, alpha)
             code, k_stop = path.first_stop()
             held = path.held[np.arange(B), k_stop]
             promote = np.array([
@@ -303,6 +471,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
                 for c, k in zip(code, k_stop)
             ]) & ~held
             assert np.array_equal(promote, (code == improvement_code) & ~held)
+            found += code == improvement_code
             spent = looks[k_stop].astype(float)
             seen = (path.task_delta[np.arange(B), k_stop] / sigma).mean(axis=1)
             if rule.lazy:
@@ -336,10 +505,16 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
             else:
                 runs_base += promote * rule.baseline_runs
 
+    extra: dict[str, Any] = {"in_flight": 1, "overlap": 0.0, "rebases_per_hypothesis": 0.0, "rebased_share": 0.0,
+                             "rebased_promoted": None, "span_per_hypothesis": float(runs_chal.mean() / hypotheses)}
+    if rule.online_fdr:
+        extra["online_fdr"] = {"procedure": rule.online_fdr, "fdr": LOND_FDR, "cap": rule.alpha,
+                               "alpha_mean": float(alpha_sum.mean() / hypotheses),
+                               "discoveries_mean": float(found.mean()),
+                               "next_alpha_mean": float(np.mean([
+                                   lond_alpha(hypotheses + 1, int(d), LOND_FDR, rule.alpha) for d in found]))}
     return summary(rule, rho, campaigns, hypotheses, seeds, unit, prior, counts, runs_by_class, sigma, mu,
-                   runs_chal, runs_base, measured,
-                   {"in_flight": 1, "overlap": 0.0, "rebases_per_hypothesis": 0.0, "rebased_share": 0.0,
-                    "rebased_promoted": None, "span_per_hypothesis": float(runs_chal.mean() / hypotheses)})
+                   runs_chal, runs_base, measured, extra)
 
 
 def concurrent_campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int, sigma: np.ndarray,
@@ -366,6 +541,8 @@ def concurrent_campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int,
     """
     from agent.graph import allowed_decisions
 
+    if rule.online_fdr:
+        raise ValueError(f"{rule.name}: online FDR is simulated in flight 1 only (`campaign`)")
     population = np.random.default_rng([seed, 1])
     rng = np.random.default_rng([seed, 2, rule_index])
     coin = np.random.default_rng([seed, 3, rule_index])  # overlapping re-bases (drawn only if overlap > 0)
@@ -437,10 +614,7 @@ def concurrent_campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int,
             seen = value - best_seen
         else:
             depth = gen_depth[rows, gen]
-            path = look_path(rule.protocol, base if rule.lazy else base[..., : rule.baseline_runs], chal, rule.looks,
-                             horizontal_trim=rule.trim, futility_p=rule.futility_p,
-                             pair_history=pair_hist if rule.lazy else None, base_depth=depth if rule.lazy else None,
-                             arm_history=arm_hist if rule.lazy else None)
+            path = judge(rule, base, chal, depth, pair_hist, arm_hist)
             code, k_stop = path.first_stop()
             held = path.held[rows, k_stop]
             promote = np.array([
@@ -918,8 +1092,9 @@ def _pct(v: float | None) -> str:
 
 
 def fdp_table(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> str:
-    """Per (prior, ρ): every gate rule, each peer as its users state it and its best variant at FDP
-    ≤ `TARGET_FDP`; then every peer's threshold grid; then the default rule's verdicts."""
+    """Per (prior, ρ): every gate rule (an online-FDR one with its levels), each peer as its users
+    state it and its best variant at FDP ≤ `TARGET_FDP`; then every peer's threshold grid; then the
+    default rule's verdicts. Without peers (no `--fdp`), the gate rules alone."""
     lines = []
     cols = ("runs/hyp", "gain/1k", "FDP", "promoted", "h@0.25", "h@0.5", "h@1", "h@2", "null", "harm")
     by_cell = {(v["prior"], v["rho"]): v for v in verdicts}
@@ -927,12 +1102,12 @@ def fdp_table(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> str
         for rho in sorted({r["rho"] for r in rows if r["prior"] == prior}):
             group = [r for r in rows if r["prior"] == prior and r["rho"] == rho and r.get("in_flight", 1) == 1]
             peers = [r for r in group if r.get("peer")]
-            if not peers:
+            if not group:
                 continue
-            floor = peers[0]["noise_floor"]
+            floor = f"; peer thresholds t in σ_floor = {peers[0]['noise_floor']:.3f}σ" if peers else ""
             lines.append(f"\nprior {prior}, ρ = {rho}: FDP = (nulls + harms + one-task harms promoted) ÷ all promoted; "
-                         f"power = share of horizontal gains of 0.25/0.5/1/2σ promoted (— : none in this prior); "
-                         f"peer thresholds t in σ_floor = {floor:.3f}σ")
+                         f"power = share of horizontal gains of 0.25/0.5/1/2σ promoted (— : none in this prior)"
+                         + floor)
             lines.append(f"{'rule':<30}" + "".join(f"{c:>10}" for c in cols))
 
             def line(r: dict[str, Any], note: str = "") -> str:
@@ -946,6 +1121,15 @@ def fdp_table(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> str
             for r in group:
                 if not r.get("peer"):
                     lines.append(line(r))
+            for r in group:
+                o = r.get("online_fdr")
+                if o:
+                    lines.append(f"  {r['rule']}: {o['procedure'].upper()} at FDR {o['fdr']:g}, α_i ≤ {o['cap']:g}: "
+                                 f"mean α_i {o['alpha_mean']:.2e} over the {r['hypotheses']} comparisons; "
+                                 f"discoveries per campaign {o['discoveries_mean']:.1f}; the next comparison's α "
+                                 f"{o['next_alpha_mean']:.1e}")
+            if not peers:
+                continue
             for peer in PEERS:
                 fam = [r for r in peers if r["peer"] == peer.name]
                 for r in fam:
@@ -1040,7 +1224,8 @@ def pareto_picture(rows: list[dict[str, Any]], oracle: dict[tuple[str, float], l
     colours = {"threshold": "tab:blue", "rerun": "tab:orange", "median3": "tab:green", "senpai7v1": "tab:purple"}
     gate_marks = {"paired": ("*", "red", 260), "paired-f0.2": ("P", "darkred", 110), "sequential": ("s", "black", 60),
                   "sequential-v1": ("D", "dimgray", 50), "fixed-5v2": ("^", "saddlebrown", 70),
-                  "fixed-10": ("v", "olive", 70), "keep-discard": ("o", "tab:blue", 90)}
+                  "fixed-10": ("v", "olive", 70), "keep-discard": ("o", "tab:blue", 90),
+                  "paired-lond": ("X", "orangered", 110), "paired-f0.2-lond": ("X", "darkorange", 90)}
     ticks = [0, 2, 5, 10, 20, 50, 100]
     for ax in axes.flat:
         ax.set_visible(False)
@@ -1134,8 +1319,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="per-task σ and pair correlation: headroom.json, or `autoresearch variance --pair REV --json`")
     ap.add_argument("--prior", type=Path, nargs="+", default=[],
                     help="prior files (benchmarks/priors/*.json), scored beside the bundled prior")
-    ap.add_argument("--rules", nargs="+", default=None, help=f"rules to score (default all: "
-                                                              f"{', '.join(r.name for r in RULES)})")
+    ap.add_argument("--rules", nargs="+", default=None, help=f"rules to score (default: "
+                    f"{', '.join(r.name for r in default_rules())}; opt-in: "
+                    f"{', '.join(r.name for r in RULES if r.online_fdr)}, in flight 1 only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fresh-seeds", action="store_true", help="challengers draw fresh seed shocks (no shared seeds)")
     ap.add_argument("--in-flight", type=int, nargs="+", default=[1, 4, 16], metavar="K",
@@ -1159,7 +1345,12 @@ def main(argv: list[str] | None = None) -> int:
     pair = np.array(noise.get("pair") or [0.0] * len(sigma), dtype=float)
     sigma_median = float(np.median(sigma))
     priors: dict[str, Prior] = {"bundled": PRIOR, **{p.stem: read_prior(p) for p in args.prior}}
-    rules = [r for r in RULES if args.rules is None or r.name in args.rules]
+    unknown = sorted(set(args.rules or ()) - {r.name for r in RULES})
+    if unknown:
+        raise SystemExit(f"--rules: unknown {', '.join(unknown)}; expected among {', '.join(r.name for r in RULES)}")
+    rules = default_rules() if args.rules is None else [r for r in RULES if r.name in args.rules]
+    if any(r.online_fdr for r in rules) and args.in_flight != [1]:
+        raise SystemExit("--rules: the online-FDR rules are simulated in flight 1 only (--in-flight 1)")
     t0 = time.perf_counter()
     rows = []
     for pname, prior in priors.items():
@@ -1168,23 +1359,23 @@ def main(argv: list[str] | None = None) -> int:
                 for k in args.in_flight:
                     t = time.perf_counter()
                     if k == 1:  # one after another: the sequential code path itself
-                        row = campaign(rule, rho, args.campaigns, args.hypotheses, args.seed, sigma, RULES.index(rule),
+                        row = campaign(rule, rho, args.campaigns, args.hypotheses, args.seed, sigma, stream_index(rule),
                                        args.fresh_seeds, pair, prior)
                     else:
                         row = concurrent_campaign(rule, rho, args.campaigns, args.hypotheses, args.seed, sigma,
-                                                  RULES.index(rule), args.fresh_seeds, pair, prior, k, args.overlap)
+                                                  stream_index(rule), args.fresh_seeds, pair, prior, k, args.overlap)
                     rows.append({"prior": pname, **row})
                     print(f"  [{pname} {rule.name} ρ={rho} k={k}: {time.perf_counter() - t:.1f}s]", file=sys.stderr)
     oracle: dict[tuple[str, float], list[dict[str, Any]]] = {}
     verdicts: list[dict[str, Any]] = []
     if args.fdp:
         bounds = oracle_bounds()
-        kd_index = [r.name for r in RULES].index("keep-discard")
+        kd_index = STREAMS.index("keep-discard")
         for pname, prior in priors.items():
             for rho in args.rho:
                 for i, peer in enumerate(PEERS):  # threshold: keep/discard's noise, so its t = 0 is keep/discard
                     t = time.perf_counter()
-                    index = kd_index if peer.name == "threshold" else len(RULES) + i
+                    index = kd_index if peer.name == "threshold" else len(STREAMS) + i
                     rows += [{"prior": pname, **r} for r in peer_campaign(peer, rho, args.campaigns, args.hypotheses,
                                                                           args.seed, sigma, index, prior)]
                     print(f"  [{pname} {peer.name} ×{len(PEER_THRESHOLDS)} ρ={rho}: {time.perf_counter() - t:.1f}s]",
@@ -1238,6 +1429,10 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows, sigma_median))
         if args.in_flight != [1] and any(r.name == "keep-discard" for r in rules):
             print(f"\ntargets of {DEFAULT_RULE}, per row:\n" + target_lines(rows))
+        if not args.fdp and any(r.online_fdr for r in rules):
+            print(f"\nfalse discoveries and gain per run of the gate rules, in flight 1 (online FDR: LOND, "
+                  f"onlineFDR's γ, each campaign one lab's stream; no peers: see --fdp)")
+            print(fdp_table(rows, verdicts))
         if args.fdp:
             print(f"\nissue 34: false discoveries and gain per run, in flight 1. Peers (fresh seeds, one number per "
                   f"run: the mean over tasks in σ units; σ_floor, the sd of one such run, known exactly):")
@@ -1250,7 +1445,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"α {', '.join(f'{a:g}' for a in ORACLE_ALPHAS)}); its gap: its most gain among designs whose FDP "
                   f"is ≤ the default rule's")
             print(fdp_table(rows, verdicts))
-        print(f"\ntargets ({DEFAULT_RULE}):", "all met" if not misses else "; ".join(misses))
+        judged = any(r.name == "keep-discard" for r in rules) or args.fdp
+        print(f"\ntargets ({DEFAULT_RULE}):", ("all met" if not misses else "; ".join(misses)) if judged else
+              "not judged (they need the keep-discard row or --fdp)")
     if args.fdp and args.picture:
         pareto_picture(rows, oracle, args.picture, f"Gain per run against false discoveries "
                        f"(benchmarks/loop_quality.py --fdp: {args.campaigns} campaigns × {args.hypotheses} hypotheses "

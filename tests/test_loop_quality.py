@@ -191,3 +191,59 @@ def test_loop_quality_fdp_report(tmp_path):
     assert v["oracle"]["designs"] == len(doc["fdp"]["oracle"][0]["designs"]) > 0
     assert "paired: FDP" in done.stdout and "every peer's threshold grid" in done.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lond_rule_alpha(monkeypatch):
+    """`paired-lond`: each campaign is one lab's stream; its first comparison is judged at
+    lond_alpha(1, 0, 0.05, 0.025), every later one at lond_alpha(i, D) with D its discoveries so far
+    (so α grows after a discovery), and that α is the one the gate is run at (`look_path`'s alpha)."""
+    from pipeline.gate.online_fdr import lond_alpha
+
+    lq = _loop_quality()
+    rule = next(r for r in lq.RULES if r.name == "paired-lond")
+    assert rule.online_fdr == "lond" and lq.stream_index(rule) == lq.STREAMS.index("paired")
+    assert rule not in lq.default_rules() and len(lq.STREAMS) == 7  # opt-in; the other streams keep their indices
+    seen = []
+    real = lq.look_path
+
+    def spy(*args, **kw):
+        seen.append((kw["alpha"], args[1].shape[0]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(lq, "look_path", spy)
+    big = (("horizontal", 1.0, (3.0,)),)  # every hypothesis a 3σ gain: discoveries early
+    alphas = []
+    row = lq.campaign(rule, 0.02, 6, 4, 0, np.full(lq.TASKS, 0.01), lq.stream_index(rule), False,
+                      np.full(lq.TASKS, 0.8), big, alphas=alphas)
+    first = alphas[0]
+    assert np.all(first["i"] == 1) and np.all(first["discoveries"] == 0)
+    assert np.all(first["alpha"] == lond_alpha(1, 0, 0.05, 0.025))
+    grew = 0
+    for i, (a, b) in enumerate(zip(alphas, alphas[1:]), start=2):
+        assert np.all(b["i"] == i) and np.all(b["discoveries"] >= a["discoveries"])
+        assert np.array_equal(b["alpha"], [lond_alpha(i, int(d), 0.05, 0.025) for d in b["discoveries"]])
+        found = b["discoveries"] > a["discoveries"]
+        without = [lond_alpha(i, int(d), 0.05, 0.025) for d in a["discoveries"][found]]
+        assert np.all(b["alpha"][found] > without)  # a discovery raises the next comparison's α
+        grew += found.sum()
+    assert grew > 0 and row["promotions"] > 0 and row["online_fdr"]["fdr"] == 0.05
+    # the gate ran once per distinct α of each comparison, on the campaigns that had it
+    want = [(float(x), int((s["alpha"] == x).sum())) for s in alphas for x in np.unique(s["alpha"])]
+    assert seen == want
+
+
+def test_fast_paired_boundaries_are_the_gates():
+    """The LOND rules' calibration (`fast_paired_boundaries`, patched in while they run) gives the
+    product's `paired_boundaries`, bit for bit, at LOND's small α and at the cap."""
+    from pipeline.gate.boundaries import paired_boundaries
+
+    lq = _loop_quality()
+    for looks, df in (((1, 2), 0), ((1, 2, 5, 10), 40)):
+        for alpha in (0.025, 0.0026758, 1.02e-5):
+            assert lq.fast_paired_boundaries(looks, 10, alpha, df) == paired_boundaries(looks, 10, alpha, df)
+    import pipeline.gate.protocol.paired as paired_protocol
+
+    before = paired_protocol.paired_boundaries
+    with lq.fast_boundaries():
+        assert paired_protocol.paired_boundaries is lq.fast_paired_boundaries
+    assert paired_protocol.paired_boundaries is before
