@@ -16,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.errors import ServiceUnavailable, UserError
+from pipeline.api import ServiceUnavailable, UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -66,7 +66,7 @@ def init(
 ) -> None:
     """Create a lab from a bundled template: a git repo with a baseline branch."""
     from agent.labinit import default_suite, init_lab
-    from pipeline.experiment import harness_suites
+    from pipeline.api import harness_suites
 
     suite = suite or default_suite(harness_suites(harness))  # chosen once, here: the message names it
     root = init_lab(directory, suite=suite, force=force, harness=harness, gpus=gpus)
@@ -94,7 +94,7 @@ def power_cmd(
     {"challenger", "df", "se", "mde", "power_at", "power"} per count; "power" is at --effect,
     or at the MDE when no effect is given.
     """
-    from pipeline.gate.power import plan
+    from pipeline.api import power_plan as plan
 
     result = plan(sigma, baseline, challenger, alpha, two_sided, effect, target_power)
     if as_json:
@@ -102,7 +102,7 @@ def power_cmd(
     else:
         from rich.console import Console
 
-        from pipeline.gate.cli_views import power_table
+        from pipeline.api import power_table
 
         Console().print(power_table(result))
 
@@ -142,7 +142,7 @@ def gate_sim_cmd(
     JSON: "false_positive_rate" (effect 0) or "power" (the rate of `improvement` verdicts) with its
     "_se", "mean_challenger_runs", horizontal and per-task crossing rates, "verdict_rates".
     """
-    from pipeline.gate.sim import UserError, simulate
+    from pipeline.api import UserError, simulate
 
     if looks is None:
         looks = "1,2,5,10" if protocol == "paired" else "2,5,10"
@@ -162,7 +162,7 @@ def gate_sim_cmd(
     else:
         from rich.console import Console
 
-        from pipeline.gate.cli_views import sim_table
+        from pipeline.api import sim_table
 
         Console().print(sim_table(result))
 
@@ -170,7 +170,7 @@ def gate_sim_cmd(
 @app.command()
 def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Validate the lab (research.toml, harness, tasks, editable files) and summarise it."""
-    from pipeline.lab import load_lab
+    from pipeline.api import load_lab
 
     import subprocess
 
@@ -250,14 +250,13 @@ def run_cmd(
 
     from agent.loop import Loop, LoopOptions
     from agent.terminal import RunDisplay
-    from pipeline.experiment import check_executor
-    from pipeline.lab import load_lab
+    from pipeline.api import ExecutorOptions, check_executor, load_lab
 
     check_executor(executor)  # an unknown name: one line before the lab is read
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     lab = load_lab(Ctx.repo)
-    opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever, executor=executor,
-                       workers=workers, ray_address=ray_address, offline=offline, policy=policy, supervised=supervised,
+    opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever,
+                       executor=ExecutorOptions(executor, workers, ray_address), offline=offline, policy=policy, supervised=supervised,
                        pause_on_plateau=pause_on_plateau, mlflow=mlflow, db=Ctx.db, notify=tuple(notify or ()))
     display = RunDisplay()
     loop = Loop(lab, opts, progress=display.say, looks=display.looks if display.tty else None)
@@ -339,7 +338,7 @@ def report_cmd(
     if result is None:
         typer.echo(f"hypothesis {h.id} ({h.status}) has no gate result yet")
         return
-    from pipeline.gate import render_markdown, render_table
+    from pipeline.api import render_markdown, render_table
 
     if as_md:
         from agent.views import report_markdown
@@ -401,13 +400,13 @@ def variance_cmd(
     """The variance study: N identical baseline runs per task, per-task σ, correlation, MDE table;
     with --pair REV, per task the seed-k pair correlation of REV with the baseline, the sd of the
     paired differences and the variance ratio (a noise model for benchmarks/loop_quality.py)."""
-    from pipeline.experiment import Experiment, open_store
-    from pipeline.lab import load_lab
+    from pipeline.api import Experiment, ExecutorOptions, load_lab, open_store
 
     lab = load_lab(Ctx.repo)
     exp = Experiment(lab, open_store(lab, Ctx.db))
+    options = ExecutorOptions(executor, workers, ray_address)
     if pair is not None:
-        out = exp.pairing(pair, runs, executor, workers=workers, ray_address=ray_address)
+        out = exp.pairing(pair, runs, options)
         if as_json:
             emit_json(out)
             return
@@ -421,7 +420,7 @@ def variance_cmd(
         typer.echo(f"median pair correlation {med:.2f}, median variance ratio {ratio:.2f} (paired / unpaired)"
                    if med is not None and ratio is not None else "pairing: n/a (fewer than 3 pairs)")
         return
-    out = exp.variance(runs, executor, workers=workers, ray_address=ray_address)
+    out = exp.variance(runs, options)
     if as_json:
         emit_json(out)
         return
@@ -442,8 +441,7 @@ def trust(
     """Show or move the trusted commit the harness files come from (`harness = "command"`)."""
     import git
 
-    from pipeline.experiment import Experiment, open_store
-    from pipeline.lab import load_lab
+    from pipeline.api import Experiment, load_lab, open_store
 
     lab = load_lab(Ctx.repo)
     TRUSTED_TAG, sha = Experiment(lab, open_store(lab, Ctx.db)).trust(rev)

@@ -15,10 +15,8 @@ from typing import Any
 
 from agent.errors import UserError
 from agent.records import ACTIVE, Hypothesis, Records
-from pipeline import disk, isolation, lease
-from pipeline.experiment import Experiment, open_store
-from pipeline.lab import Lab, load_lab, memory_plan
-from pipeline.outcomes import RunStatus
+from pipeline.api import Experiment, disk_usage, is_sandboxed, lease, open_store, UNSANDBOXED
+from pipeline.api import Lab, RunStatus, load_lab, memory_plan
 
 
 
@@ -110,7 +108,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
                for r in store.runs(status=RunStatus.RUNNING)]
     import git
 
-    from pipeline.labrepo import LabRepo
+    from pipeline.api import LabRepo
 
     try:
         repo_ = LabRepo(lab.root)
@@ -124,7 +122,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
 
     return {
         "lab": lab.config.lab.name,
-        "sandbox": "on" if isolation.is_sandboxed(lab) else isolation.UNSANDBOXED,
+        "sandbox": "on" if is_sandboxed(lab) else UNSANDBOXED,
         "memory": memory_plan(lab.config.run).to_json(),
         "baseline": {"commit": base, "tag": tags[-1] if tags else None},
         "metric": {"name": lab.config.benchmark.metric, "higher_is_better": lab.config.benchmark.higher_is_better},
@@ -138,7 +136,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
         ],
         "in_flight": [h.id for h in hyps if h.status in ACTIVE],
         "driver": driver.as_dict() if driver is not None else None,
-        "disk": disk.usage(lab, store),
+        "disk": disk_usage(lab, store),
         "plateau": _plateau(lab, rec),
         "progress": split_progress(lab, store, rec),
         "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == "reject").items())),
@@ -155,7 +153,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
 def gpu_facts(lab: Any) -> dict[str, Any]:
     """The lab's GPU share per stage and whether CUDA MPS runs here (stages of a share then run as
     MPS clients: their kernels overlap instead of taking turns)."""
-    from pipeline.executors.gpus import mps_running
+    from pipeline.api import mps_running
 
     return {"lab_gpus": lab.config.run.gpus, "mps": mps_running()}
 

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.outcomes import RunStatus
+from pipeline.api import RunStatus
 
 CONFIG_FILE = "config.toml"
 NO_CHANGE = "(no change)"

@@ -1,7 +1,7 @@
 """Every error of `agent/`, in one place (the pipeline's are in `pipeline.errors`, whose `UserError`
 is the agent's too: a review action or a notification target that does not fit is one).
 
-    Exception
+    AgentError                       the root: every error the agent raises on purpose
     ├── EditRejected                 an implementation the loop refuses; `kind` is recorded
     ├── NotConfigured                a policy that cannot work here (no LLM endpoint)
     ├── LLMError                     the LLM client's; `retryable`: asking again later may answer
@@ -18,10 +18,14 @@ Each module re-exports the errors it raises, so `from agent.llm import LLMUnavai
 
 from __future__ import annotations
 
-from pipeline.errors import PromotionConflict, UserError  # noqa: F401 (re-exported: the agent's are the pipeline's)
+from pipeline.api import PromotionConflict, UserError  # noqa: F401 (re-exported: the agent's are the pipeline's)
 
 
-class EditRejected(Exception):
+class AgentError(Exception):
+    """The root of every error the agent raises on purpose (the pipeline's: `PipelineError`)."""
+
+
+class EditRejected(AgentError):
     """An edit the loop refuses; `kind` is recorded so `status` can count rejections by cause."""
 
     def __init__(self, kind: str, message: str):
@@ -29,11 +33,11 @@ class EditRejected(Exception):
         super().__init__(message)
 
 
-class NotConfigured(Exception):
+class NotConfigured(AgentError):
     """A policy that needs something this machine does not have (an LLM endpoint)."""
 
 
-class LLMError(Exception):
+class LLMError(AgentError):
     """Base of the client's errors. `retryable`: the same request may succeed later (the loop
     backs off and asks again); otherwise the answer is recorded as it is."""
 
@@ -93,7 +97,7 @@ class LLMOutputError(LLMError):
         super().__init__(f"{purpose}: no valid {name} after {len(errors)} answer(s): {detail}")
 
 
-class PromptError(Exception):
+class PromptError(AgentError):
     """A prompt template is missing, malformed, or was filled with the wrong values."""
 
 

@@ -41,8 +41,7 @@ from agent.policy import Choice, Context, Feedback, Policy
 from agent.lifecycle import Status, project
 from agent.records import Decision, Hypothesis, Records
 from agent.workspace import EditRejected, FileEdit, Workspace, slugify
-from pipeline.experiment import Experiment
-from pipeline.lab import BASELINE_BRANCH, Lab, glob_match
+from pipeline.api import Experiment, Lab, BASELINE_BRANCH, glob_match
 
 log = logging.getLogger("autoresearch.agent")
 
@@ -194,7 +193,7 @@ def _effect_summaries(svc: Services, hs: list[Any]) -> dict[int, dict[str, Any]]
     are read in one query when there are many (a loop starting on a long history)."""
     from agent.verdicts import VERDICT
 
-    from pipeline.gate.report import GateResult
+    from pipeline.api import GateResult
 
     out, missing = {}, []
     for h in hs:
@@ -364,7 +363,7 @@ class Nodes:
         svc = self.svc
         if not svc.smoke:
             return
-        from pipeline.errors import SmokeFailed
+        from pipeline.api import SmokeFailed
 
         try:
             svc.experiment.smoke(base, files, stop=svc.stop)
@@ -405,7 +404,7 @@ class Nodes:
         would promote a merge nobody measured. A conflict, or a merge that lands a change on a path
         the agent may not change, is a reject naming the paths."""
         from agent.workspace import PromotionConflict
-        from pipeline.errors import UserError
+        from pipeline.api import UserError
 
         ws, rec = self.svc.workspace, self.svc.records
         branch = h.seed_branch
@@ -458,8 +457,7 @@ class Nodes:
             # resumed early, it waits again (a fresh pass of this node: the phase stays `measuring`)
             interrupt({"kind": LOOK, "hypothesis_id": h.id, "look": look, "runs": ids})
             return {}
-        result = svc.experiment.judge_look(h.base_commit, h.commit, look)
-        svc.store.put_gate_record(str(h.id), look, result)
+        result = svc.experiment.judge_look(h.base_commit, h.commit, look, record_as=str(h.id))
         return self._to(h, Status.DECIDING, look=look, verdict=result.verdict or "inconclusive")
 
     # decide -----------------------------------------------------------------
@@ -532,7 +530,7 @@ class Nodes:
     def _too_good(self, h: Hypothesis, verdict: str | None) -> str | None:
         if verdict != "improvement":
             return None
-        from pipeline.gate.plausibility import implausible
+        from pipeline.api import implausible
 
         return implausible(self.svc.records.latest_verdict(h.id), self.svc.lab.config)
 
@@ -543,7 +541,7 @@ class Nodes:
         done = svc.records.decision_at(h.id, look)
         if done is not None and done.decision in allowed:  # an unknown decision string is in no allowed list
             return Choice(done.decision, done.rationale, done.follow_up)
-        from pipeline.gate import render_markdown
+        from pipeline.api import render_markdown
 
         from agent import prompts
         from agent.verdicts import DecisionRecord

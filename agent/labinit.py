@@ -7,8 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from pipeline.errors import UserError
-from pipeline.lab import BASELINE_BRANCH, CONFIG_NAME, load_lab, parse_config
+from pipeline.api import UserError, BASELINE_BRANCH, CONFIG_NAME, load_lab, parse_config
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "pipeline" / "templates"
 AUTHOR = ("autoresearch", "autoresearch@localhost")
@@ -44,7 +43,7 @@ def init_lab(directory: str | Path, suite: str | None = None, force: bool = Fals
     """
     import git
 
-    from pipeline.experiment import harness_suites
+    from pipeline.api import harness_suites
 
     root = Path(directory).resolve()
     suites = harness_suites(harness)

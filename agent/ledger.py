@@ -27,7 +27,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError, ProgrammingError
 from sqlmodel import Field, Session, SQLModel, select
 
-from pipeline.store import create_schema
+from pipeline.api import create_schema
 
 
 class LLMCall(SQLModel, table=True):

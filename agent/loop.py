@@ -22,17 +22,14 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from agent.errors import BudgetExceeded, LLMError
 from agent.lifecycle import Decision, Status, project
 from agent.policy import llm_client
 from agent.records import ACTIVE, Hypothesis, Records
-from pipeline.errors import HarnessCommandError, MixedDatasets
-from pipeline.experiment import open_store
-from pipeline.lab import Lab
-from pipeline.outcomes import RunStatus
+from pipeline.api import ExecutorOptions, HarnessCommandError, Lab, MixedDatasets, RunStatus, open_store
 
 log = logging.getLogger("autoresearch.loop")
 
@@ -112,9 +109,7 @@ class LoopOptions:
     max_hypotheses: int | None = 3
     hours: float | None = None
     forever: bool = False
-    executor: str = "local"
-    workers: int | None = None
-    ray_address: str | None = None
+    executor: ExecutorOptions = field(default_factory=ExecutorOptions)  # where runs execute (--executor, --workers, ...)
     offline: bool = False
     policy: str | None = None  # a name in agent.policy.POLICIES; None: the first configured one
     supervised: bool = False
@@ -223,14 +218,14 @@ class Loop:
     # -------------------------------------------------------------- the lab's lease
 
     def _release_lease(self) -> None:
-        from pipeline import lease
+        from pipeline.api import lease
 
         self.heartbeat.stop()
         lease.release(self.store, self.owner)
 
     def _take_lease(self) -> None:
         """One driver per lab (`pipeline.lease`): take it, or a dead holder's; refresh it while we live."""
-        from pipeline import lease
+        from pipeline.api import lease
 
         self.owner = lease.Owner.current()
         dead = lease.acquire(self.store, self.owner)
@@ -418,7 +413,7 @@ class Loop:
         hypothesis is given up: one broken idea must not stop the loop."""
         from sqlalchemy.exc import OperationalError
 
-        from pipeline.errors import Interrupted
+        from pipeline.api import Interrupted
 
         config = self._thread(h)
         before = (h.status, h.look, h.verdict)
@@ -502,7 +497,7 @@ class Loop:
     def _export(self, h: Hypothesis) -> None:
         """`run --mlflow URI`: the decided hypothesis to MLflow; a tracking server that fails is said
         and retried at the next decision (`export mlflow` catches up), never a stop of the loop."""
-        from pipeline.errors import ServiceUnavailable
+        from pipeline.api import ServiceUnavailable
 
         try:
             if self._exporter is None:
@@ -647,9 +642,8 @@ class Loop:
         return list(waits["runs"]) if waits and waits.get("kind") == LOOK else []
 
     def run(self) -> dict[str, Any]:
-        driver = self.svc.experiment.driver(self.opts.executor, workers=self.opts.workers,
-                                            ray_address=self.opts.ray_address, heartbeat=self.heartbeat)
-        self.say(f"loop started: policy {self.policy.name}, executor {self.opts.executor} "
+        driver = self.svc.experiment.driver(self.opts.executor, heartbeat=self.heartbeat)
+        self.say(f"loop started: policy {self.policy.name}, executor {self.opts.executor.kind} "
                  f"({driver.slots} slots), lab {self.lab.root}")
         clock = self._start_clock()
         worker = self.driver_thread = DriverThread(driver, self.stop)

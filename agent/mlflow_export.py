@@ -38,7 +38,7 @@ from typing import Any
 
 from agent.directions import changed_keys, direction_of, label
 from agent.records import Hypothesis, Records
-from pipeline.errors import ServiceUnavailable
+from pipeline.api import ServiceUnavailable
 
 log = logging.getLogger("autoresearch.mlflow")
 
@@ -115,7 +115,7 @@ class Exporter:
         try:
             from mlflow.tracking import MlflowClient
         except ImportError:
-            from pipeline.errors import UserError
+            from pipeline.api import UserError
 
             raise UserError("export mlflow needs MLflow: pip install -e '.[mlflow]'") from None
         from agent.workspace import Workspace

@@ -53,7 +53,7 @@ from sqlalchemy import update
 from sqlmodel import select
 
 from agent.records import LoopEvent, Notification, NotifyTargetState, Records
-from pipeline.errors import UserError
+from pipeline.api import UserError
 
 log = logging.getLogger("autoresearch.notify")
 
@@ -106,7 +106,7 @@ def cli_target(url: str) -> Any:
     (Slack-compatible), `smtp://[user@]host[:port]?to=a@b,c@d&from=me@x&password_env=VAR&starttls=false`."""
     from pydantic import ValidationError
 
-    from pipeline.lab import NotifyTarget
+    from pipeline.api import NotifyTarget
 
     def bad(why: str) -> UserError:
         return UserError(f"--notify: {why}; expected https://… (JSON webhook), slack+https://… (Slack-compatible) "

@@ -305,7 +305,7 @@ def write_progress(lab: Any, store: Any, records: Any, splits: dict | None = Non
 # ----------------------------------------------------------------------------- in a process of its own
 
 def _paint_forest(result: dict[str, Any], path: str, title: str, metric: str) -> str:
-    from pipeline.gate.report import GateResult
+    from pipeline.api import GateResult
 
     return str(draw_forest(GateResult.from_dict(result), Path(path), title, metric))
 
@@ -432,7 +432,7 @@ def seed_view(lab: Any, store: Any, h: Any) -> SeedView | None:
     """The runs of a hypothesis and of its baseline by seed, on the seed block they share (a
     promoted challenger's later runs, and its baseline's runs as a challenger before, lie in other
     blocks and are left out); None before its commit exists."""
-    from pipeline.experiment import Experiment, generation, seed_block
+    from pipeline.api import Experiment, generation, seed_block
 
     if not (h.commit and h.base_commit):
         return None

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from agent.errors import NotConfigured
 from agent.workspace import FileEdit
-from pipeline.registry import Registry
+from pipeline.api import Registry
 
 CONFIG_FILE = "config.toml"
 
@@ -95,7 +95,7 @@ POLICIES: Registry[PolicyFactory] = Registry("policy", {"llm": "agent.policy_llm
 
 def make_policy(lab: Any, store: Any, name: str | None = None) -> Policy:
     """The policy `name`, or the first configured one (the LLM with an endpoint, else offline)."""
-    from pipeline.errors import UserError
+    from pipeline.api import UserError
 
     if name is not None:
         factory = POLICIES.get(name)

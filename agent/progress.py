@@ -26,7 +26,7 @@ def champions(records: Any) -> list[tuple[str, str, int | None]]:
         return []
     promoted = [h for h in hyps if h.decision == "promote" and h.promoted_tag and h.commit]
 
-    from pipeline.labrepo import baseline_number
+    from pipeline.api import baseline_number
 
     def number(h: Any) -> int:
         n = baseline_number(h.promoted_tag)
@@ -45,8 +45,7 @@ def split_progress(lab: Any, store: Any, records: Any) -> dict[str, Any]:
     has none; a champion whose own runs are not all in yet has no point (the gains then run to the
     latest champion that has one).
     """
-    from pipeline.errors import WorktreeError
-    from pipeline.experiment import Experiment
+    from pipeline.api import Experiment, WorktreeError
 
     exp = Experiment(lab, store)
     points = []

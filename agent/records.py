@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from sqlalchemy import JSON, Column, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel, select
 
-from pipeline.store import Store, create_schema
+from pipeline.api import Store, create_schema
 
 from agent.lifecycle import Decision, Status  # noqa: F401 (re-exported: the column vocabularies)
 
 if TYPE_CHECKING:
-    from pipeline.gate.report import GateResult
+    from pipeline.api import GateResult
 
     from agent.verdicts import DecisionRecord
 
@@ -168,7 +168,7 @@ class Records:
         with self.store.session() as s:
             h = s.get(Hypothesis, hid)
         if h is None:
-            from pipeline.errors import UserError
+            from pipeline.api import UserError
 
             raise UserError(f"no hypothesis {hid}")
         return h
@@ -244,7 +244,7 @@ class Records:
     def archive_decisions(self, hid: int, to: str) -> int:
         """Move the hypothesis's decisions to the key `to` (a re-based comparison kept aside, beside
         its verdicts: `Store.move_gate_records`), replacing any there; idempotent. How many moved."""
-        from pipeline.store.reads import rekey
+        from pipeline.api import rekey
 
         with self.store.session() as s:
             rows = list(s.exec(select(DecisionRow).where(DecisionRow.hypothesis == str(hid))))
@@ -259,7 +259,7 @@ class Records:
         from sqlalchemy.exc import IntegrityError
 
         from agent.verdicts import DECISION, DecisionRecord
-        from pipeline.store import GateRecord
+        from pipeline.api import GateRecord
 
         with self.store.session() as s:
             old = list(s.exec(select(GateRecord).where(GateRecord.kind == DECISION)))

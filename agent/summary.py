@@ -33,7 +33,7 @@ from typing import Any
 
 from agent.errors import LLMError
 from agent.records import Hypothesis
-from pipeline import isolation
+from pipeline.api import UNSANDBOXED, is_sandboxed
 
 log = logging.getLogger("autoresearch.summary")
 
@@ -68,8 +68,7 @@ def latest_result(svc: Any, h: Hypothesis) -> Any:
 def compute_line(svc: Any, h: Hypothesis) -> str:
     if not h.commit:
         return "none"
-    from pipeline.lab import SEED_BLOCK
-    from pipeline.outcomes import RunStatus, StageOutcome
+    from pipeline.api import RunStatus, StageOutcome, SEED_BLOCK
 
     # a promoted champion's own re-verification runs (the next seed block) are not challenger runs
     block = svc.experiment.challenger_seeds(h.base_commit, SEED_BLOCK) if h.base_commit else range(0)
@@ -314,7 +313,7 @@ def llm_prose(svc: Any, h: Hypothesis, result: Any, evidence: str, diff_stat: st
 # ----------------------------------------------------------------------------- summary
 
 def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Prose]:
-    from pipeline.gate import render_markdown
+    from pipeline.api import render_markdown
 
     evidence = render_markdown(result) if result is not None else "No runs were measured."
     diff_stat, diff, files = _diff_parts(svc, h)
@@ -405,7 +404,7 @@ def draw_pictures(svc: Any, h: Hypothesis, result: Any) -> None:
 
 
 UNSANDBOXED_BANNER = (
-    f"> **{isolation.UNSANDBOXED}**: this lab opted out of the sandbox (`[run] sandbox = \"off\"`). Its branch code "
+    f"> **{UNSANDBOXED}**: this lab opted out of the sandbox (`[run] sandbox = \"off\"`). Its branch code "
     "could read the sealed labels, the store and the network: no number below is protected from it.\n\n")
 
 
@@ -413,7 +412,7 @@ def write_summary(svc: Any, h: Hypothesis) -> str:
     result = latest_result(svc, h)
     draw_pictures(svc, h, result)  # first: the summary links the files that exist
     text, prose = render_summary(svc, h, result)
-    if not isolation.is_sandboxed(svc.lab):
+    if not is_sandboxed(svc.lab):
         text = UNSANDBOXED_BANNER + text
     path = summary_path(svc.lab, h.id)
     path.parent.mkdir(parents=True, exist_ok=True)

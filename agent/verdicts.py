@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 from agent.lifecycle import Decision
 
 if TYPE_CHECKING:
-    from pipeline.gate.report import GateResult
-    from pipeline.store import Store
+    from pipeline.api import GateResult, Store
 
 VERDICT, DECISION, REBASE, REVERIFY = "verdict", "decision", "rebase", "reverify"
 
@@ -69,7 +68,7 @@ def _key(hid: int | str) -> str:
 
 def verdicts_by_look(store: Store, hid: int | str) -> dict[int, GateResult]:
     """Every verdict record of the hypothesis, by the look it is stored at, in look order."""
-    from pipeline.gate.report import GateResult
+    from pipeline.api import GateResult
 
     return {r.look: GateResult.from_dict(r.payload) for r in store.gate_records(_key(hid), kind=VERDICT)}
 
@@ -83,14 +82,14 @@ def latest_verdict(store: Store, hid: int | str) -> GateResult | None:
     recs = store.gate_records(_key(hid), kind=VERDICT)
     if not recs:
         return None
-    from pipeline.gate.report import GateResult
+    from pipeline.api import GateResult
 
     return GateResult.from_dict(recs[-1].payload)
 
 
 def latest_verdicts(store: Store) -> dict[int, GateResult]:
     """Every hypothesis's latest verdict, in one read of the store ({id: result}; ids with none absent)."""
-    from pipeline.gate.report import GateResult
+    from pipeline.api import GateResult
 
     out: dict[int, GateResult] = {}
     for key, rec in store.latest_gate_records(VERDICT).items():
@@ -102,7 +101,7 @@ def latest_verdicts(store: Store) -> dict[int, GateResult]:
 def verdict_at(store: Store, hid: int | str, look: int) -> GateResult | None:
     for r in store.gate_records(_key(hid), kind=VERDICT):
         if r.look == look:
-            from pipeline.gate.report import GateResult
+            from pipeline.api import GateResult
 
             return GateResult.from_dict(r.payload)
     return None

@@ -154,7 +154,7 @@ def report_markdown(repo: Path, h: Any, gate_md: str) -> str:
     """The gate's table with the pictures beside the summary embedded (absolute paths: the output
     may be saved anywhere)."""
     from agent.pictures import forest_path, progress_path
-    from pipeline.lab import load_lab
+    from pipeline.api import load_lab
 
     lab = load_lab(repo)
     out = [f"# Hypothesis {h.id}: {h.title}", "", f"Status {h.status}; verdict {h.verdict}; decision {h.decision}.", "",

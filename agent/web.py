@@ -48,7 +48,7 @@ from typing import Any
 from agent.lifecycle import Decision
 from agent.views import gpu_line
 from agent.verdicts import reverify_record, verdicts_by_look
-from pipeline.outcomes import RunStatus, StageOutcome
+from pipeline.api import RunStatus, StageOutcome
 
 TEMPLATES = Path(__file__).resolve().parent / "web_templates"
 CSRF_COOKIE, TOKEN_COOKIE = "ar_csrf", "ar_token"
@@ -68,7 +68,7 @@ def lab_token(state: Path) -> tuple[str, bool]:
     there (32 random bytes, URL-safe) when absent. The file is opened relative to the state
     folder with O_NOFOLLOW: a symlink, a file that is not regular, not ours or readable by others,
     or that holds no token, is refused in one line (`UserError`), never followed or rewritten."""
-    from pipeline.errors import UserError
+    from pipeline.api import UserError
 
     path = state / TOKEN_FILE
     state.mkdir(parents=True, exist_ok=True)
@@ -156,7 +156,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
     from starlette.templating import Jinja2Templates
 
     from agent import commands
-    from pipeline.errors import UserError
+    from pipeline.api import UserError
 
     templates = Jinja2Templates(directory=str(TEMPLATES))
     md = MarkdownIt("commonmark", {"html": False}).enable("table")  # raw HTML in a summary is escaped
@@ -340,7 +340,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         return FileResponse(path, media_type="image/png", headers={"Cache-Control": "no-store"})
 
     def stage_log(request: Request) -> Response:
-        from pipeline.disk import read_tail
+        from pipeline.api import read_tail
 
         lab, store, _rec = lab_store()
         ex = store.stage_exec(int(request.path_params["eid"]))
@@ -398,7 +398,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
 
 
 def tag_number(tag: str) -> int:
-    from pipeline.labrepo import baseline_number
+    from pipeline.api import baseline_number
 
     n = baseline_number(tag)
     return n if n is not None else 1 << 30
@@ -426,7 +426,7 @@ def serve(repo: Path, db: str | None, host: str, port: int, token: str | None, g
     import uvicorn
 
     from agent import commands
-    from pipeline.errors import UserError
+    from pipeline.api import UserError
 
     lab, _store, _rec = commands.open_lab_store(repo, db)  # a wrong --repo or store: one line before binding
     loopback = is_loopback(host)

@@ -22,8 +22,7 @@ from pathlib import PurePosixPath
 import git
 
 from agent.errors import EditRejected, PromotionConflict  # noqa: F401 (re-exported: promote and merge_onto raise it)
-from pipeline.lab import CONFIG_NAME, Lab, glob_match
-from pipeline.labrepo import LabRepo
+from pipeline.api import Lab, LabRepo, CONFIG_NAME, glob_match
 
 GIT_FILES = {".gitattributes", ".gitignore", ".gitmodules", ".lfsconfig"}  # git obeys them at any depth of a tree
 PROTECTED = {CONFIG_NAME, *GIT_FILES}

@@ -195,6 +195,7 @@ def cell(executor: str, db: str, slots: int, stage_s: float, minutes: float, hyp
     from sqlmodel import select
 
     from agent.loop import Loop, LoopOptions
+    from pipeline.api import ExecutorOptions
     from agent.records import Records
     from pipeline.lab import load_lab
     from pipeline.experiment import open_store
@@ -208,8 +209,8 @@ def cell(executor: str, db: str, slots: int, stage_s: float, minutes: float, hyp
         make_lab(root, stage_s)
         seed(root, url, hypotheses)
         lab = load_lab(root)
-        opts = LoopOptions(max_hypotheses=None, hours=minutes / 60, executor=executor, workers=slots,
-                           ray_address=ray_address, offline=True, db=url, idle_poll_s=1.0)
+        opts = LoopOptions(max_hypotheses=None, hours=minutes / 60, executor=ExecutorOptions(executor, slots, ray_address),
+                           offline=True, db=url, idle_poll_s=1.0)
         timer = StoreTimer()
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         loop = Loop(lab, opts, progress=lambda m: None)

@@ -1,6 +1,6 @@
 """Every error of `pipeline/`, in one place: a small family, one class per way a caller reacts.
 
-    Exception
+    PipelineError                    the root: every error the pipeline raises on purpose
     ├── UserError                    a user's mistake: one line on the CLI, exit code 2
     │   ├── LabConfigError           research.toml: names the file, the key and what was expected
     │   ├── HarnessCommandError      the lab's own `prepare` failed (the loop stops: the lab's to fix)
@@ -25,7 +25,12 @@ is a plain `UserError` whose message says what and where: nothing catches those 
 Each module re-exports the errors it raises, so `from pipeline.dag import UserError` works too.
 """
 
-class UserError(Exception):
+class PipelineError(Exception):
+    """The root of every error the pipeline raises on purpose (`except PipelineError` catches them
+    all; anything else is a bug or the standard library's)."""
+
+
+class UserError(PipelineError):
     """Base for mistakes in user input: never shown with a traceback."""
 
 
@@ -42,11 +47,11 @@ class HarnessCommandError(UserError):
     """The lab's own `prepare` failed: its code or its data, not a hypothesis."""
 
 
-class MethodFailure(Exception):
+class MethodFailure(PipelineError):
     """The branch's own code failed (not the machinery): recorded against the hypothesis."""
 
 
-class InfrastructureFailure(RuntimeError):
+class InfrastructureFailure(PipelineError, RuntimeError):
     """The machinery failed, not the idea (a worker, a cluster, git, the database): retried,
     re-queued or said, never counted against a hypothesis."""
 
@@ -59,7 +64,7 @@ class SmokeFailed(MethodFailure):
     """The candidate's pipeline failed on tiny data; the message is fed back to the implementer."""
 
 
-class Interrupted(Exception):
+class Interrupted(PipelineError):
     """The loop was asked to stop during a smoke run: nothing is recorded, the next start redoes it."""
 
 
@@ -71,11 +76,11 @@ class WorktreeError(InfrastructureFailure):
     """A commit cannot be resolved or checked out."""
 
 
-class PromotionConflict(Exception):
+class PromotionConflict(PipelineError):
     """A hypothesis does not merge onto the baseline (`pipeline.labrepo`): the paths that conflict."""
 
 
-class ServiceUnavailable(Exception):
+class ServiceUnavailable(PipelineError):
     """A service the command needs cannot be reached (the store's database, a Ray cluster): one
     line on the CLI, exit code 1."""
 

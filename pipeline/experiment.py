@@ -5,15 +5,15 @@ picks a seed, builds a gate input or touches an executor. One object per lab and
 
     exp = Experiment(lab, store)
     ids = exp.queue_look(base, commit, look, rank=r)  # the runs a look needs of both arms, idempotent
-    if exp.finished(ids):
-        result = exp.judge_look(base, commit, look)   # pipeline.gate.GateResult
+    if exp.finished(ids):                             # the gate's answer, recorded under the key
+        result = exp.judge_look(base, commit, look, record_as="12")  # pipeline.gate.GateResult
     exp.queue_champion(commit, tag)                   # a promoted champion's fresh baseline runs
     exp.reverification(tag, commit, base, look)       # how it held up on them (None until all are in)
     exp.smoke(base, files)                            # the whole pipeline on tiny data, sandboxed
     exp.release(commit)                               # a decided challenger's worktree goes
     exp.close()
 
-    driver = exp.driver("local", workers=8)           # the execution layer: works the queue
+    driver = exp.driver(ExecutorOptions(workers=8))   # the execution layer: works the queue
     driver.start(); driver.drive(until=...); driver.close()
     exp.variance(runs), exp.pairing(rev, runs)        # the variance study, what the seeds buy
 
@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from pipeline import runner
+from pipeline.executors import Executor, ExecutorOptions
 from pipeline.lab import SEED_BLOCK, SEED_BLOCKS, Lab
 from pipeline.labrepo import generation  # noqa: F401 (re-exported: a baseline's generation)
 from pipeline.labrepo import resolve_commit
@@ -47,9 +48,36 @@ from pipeline.outcomes import ResultOutcome, RunStatus
 from pipeline.store import Store
 from pipeline.store.reads import by_task
 
+if TYPE_CHECKING:
+    from pipeline.store.tables import FdrTest
+    from pipeline.gate.report import GateResult
+    from pipeline.lease import Heartbeat
+    from pipeline.smoke import SmokeRunner
+    from pipeline.store.tables import Goodput
+
 LOOK_RANK = 100  # queue priority: a look's place in the schedule outranks the caller's rank (0-99)
 FROZEN_HISTORIES = 256  # frozen histories kept per Experiment (a few per hypothesis in flight)
 MIN_BASELINE_RUNS = 2  # a lazy baseline still runs 2 seeds at the first look: a task's σ needs a variance
+
+
+class TaskReverification(TypedDict):
+    task: str
+    fresh: float  # the champion's mean on its fresh seeds
+    selected: float  # its challenger's mean on the runs it was selected on
+    fresh_runs: int
+
+
+class Reverification(TypedDict):
+    """How a champion held up on fresh seeds (`Experiment.reverification`); stored as a gate record
+    of kind `reverify`."""
+
+    tag: str
+    tasks: list[TaskReverification]
+    fresh_mean: float
+    selected_mean: float
+    shrinkage: float  # fresh − selected: the winner's curse, measured
+    tasks_worse: int  # by the metric's direction
+    fresh_seeds: list[int]
 
 
 def seed_block(generation: int) -> range:
@@ -112,13 +140,6 @@ def results(store: Store, lab: Lab | None, commit: str, tasks: Iterable[str] | N
     return store.results_by_task(sha, tasks)
 
 
-def check_executor(name: str) -> None:
-    """`UserError` naming the executors if `name` is none of them (no executor is built)."""
-    from pipeline.executors import EXECUTORS
-
-    EXECUTORS.get(name)
-
-
 def harness_suites(name: str) -> dict[str, Any] | None:
     """The suites of the harness `name` (`autoresearch init`), or None if no harness has that name."""
     from pipeline.harness import HARNESSES, get_harness
@@ -129,39 +150,35 @@ def harness_suites(name: str) -> dict[str, Any] | None:
 class Experiment:
     """The measurement protocol of one lab, over one store, and the execution layer behind it."""
 
-    def __init__(self, lab: Lab, store: Any):
+    def __init__(self, lab: Lab, store: Store):
         self.lab = lab
         self.store = store
-        self._smoke_runner: Any = None
+        self._smoke_runner: SmokeRunner | None = None
         self._frozen: dict[tuple[Any, ...], Any] = {}  # histories frozen at a recorded comparison (`histories`)
 
     # --- the execution layer -------------------------------------------------------------------
 
-    def driver(self, executor: str = "local", *, workers: int | None = None,
-               ray_address: str | None = None, heartbeat: Any = None) -> "runner.Driver":
+    def driver(self, executor: ExecutorOptions | None = None, *, heartbeat: Heartbeat | None = None) -> runner.Driver:
         """The one thing that executes runs: a `Driver` working this lab's queue in this store on the
         named executor's slots (`driver.slots`). `drive` it in one thread; `close` it in the same.
         `heartbeat`: the process's `pipeline.lease.Heartbeat` (the loop's, with its lease); without
         one the driver beats for its runs itself."""
-        return runner.Driver(self.lab, self.store, self._executor(executor, workers, ray_address),
-                             heartbeat=heartbeat)
+        return runner.Driver(self.lab, self.store, self._executor(executor), heartbeat=heartbeat)
 
-    def _executor(self, name: str, workers: int | None, ray_address: str | None) -> Any:
-        return runner.make_executor(name, self.lab, workers=workers, ray_address=ray_address)
+    def _executor(self, opts: ExecutorOptions | None) -> Executor:
+        return runner.make_executor(opts or ExecutorOptions(), self.lab)
 
-    def variance(self, runs: int, executor: str = "local", *, workers: int | None = None,
-                 ray_address: str | None = None) -> dict[str, Any]:
+    def variance(self, runs: int, executor: ExecutorOptions | None = None) -> dict[str, Any]:
         """The variance study (`autoresearch variance`): `runs` identical baseline runs per task."""
         from pipeline.variance import study
 
-        return study(self.lab, self.store, self._executor(executor, workers, ray_address), runs)
+        return study(self.lab, self.store, self._executor(executor), runs)
 
-    def pairing(self, rev: str, runs: int, executor: str = "local", *, workers: int | None = None,
-                ray_address: str | None = None) -> dict[str, Any]:
+    def pairing(self, rev: str, runs: int, executor: ExecutorOptions | None = None) -> dict[str, Any]:
         """What the seeds buy (`variance --pair REV`): `rev` against the baseline, seed k with seed k."""
         from pipeline.variance import pairing
 
-        return pairing(self.lab, self.store, self._executor(executor, workers, ray_address), rev, runs)
+        return pairing(self.lab, self.store, self._executor(executor), rev, runs)
 
     def lab_pairing(self) -> dict[str, Any] | None:
         """The pairing this lab's comparisons measured so far (no runs queued), for `status`."""
@@ -173,7 +190,7 @@ class Experiment:
         """{task: {seed: metric, or None for a method failure}} of a commit's finished runs (a full sha)."""
         return results(self.store, None, commit, tasks)
 
-    def goodput(self, since: float | None = None) -> Any:
+    def goodput(self, since: float | None = None) -> Goodput:
         """Where the compute went (`runner.Goodput`), since a time or ever."""
         return self.store.goodput(since)
 
@@ -247,8 +264,10 @@ class Experiment:
     def finished(self, ids: list[int]) -> bool:
         return all(RunStatus(r.status).is_finished() for r in self.store.runs(ids))
 
-    def judge_look(self, base_commit: str, commit: str, look: int) -> Any:
-        """The gate's result at a look, from the store's results (never from the policy)."""
+    def judge_look(self, base_commit: str, commit: str, look: int, *, record_as: str | None = None) -> GateResult:
+        """The gate's result at a look, from the store's results (never from the policy). With
+        `record_as`, it is recorded as that key's gate record at this look (the agent's hypothesis
+        id; replaced if judged again): what the decision, the summary and `report` read."""
         from pipeline.gate import evaluate
 
         cfg = self.lab.config
@@ -294,9 +313,11 @@ class Experiment:
         result = evaluate(inp)
         if cfg.gate.online_fdr == "lond" and result.verdict is not None and result.verdict.value == "improvement":
             self.store.fdr_discovered(sha, base_sha)
+        if record_as is not None:
+            self.store.put_gate_record(record_as, look, result)
         return result
 
-    def stream_test(self, sha: str, base_sha: str) -> Any:
+    def stream_test(self, sha: str, base_sha: str) -> FdrTest:
         """The comparison's test of the lab's stream (`[gate] online_fdr = "lond"`): its index and α_i."""
         from pipeline.gate.online_fdr import lond_alpha
 
@@ -396,7 +417,7 @@ class Experiment:
         seeds = self.look_baseline_seeds(commit, self.lab.config.gate.looks[0])  # lazy: the first look's
         return ensure_runs(self.store, self.lab, commit, self.lab.tasks(), seeds, label=label)
 
-    def reverification(self, champion: str, commit: str, base_commit: str, look: int) -> dict[str, Any] | None:
+    def reverification(self, champion: str, commit: str, base_commit: str, look: int) -> Reverification | None:
         """How a champion (`champion`, e.g. its tag) did on its fresh baseline seeds, against the
         runs its challenger `commit` was selected on at `look` (the winner's curse, measured).
         None until every fresh run has finished."""
@@ -409,7 +430,8 @@ class Experiment:
         picked = list(challenger_seeds(look, g))
         if any(s not in fresh.get(t, {}) for t in tasks for s in seeds):
             return None
-        rows, sign = [], 1.0 if cfg.benchmark.higher_is_better else -1.0
+        rows: list[TaskReverification] = []
+        sign = 1.0 if cfg.benchmark.higher_is_better else -1.0
         for t in tasks:
             f = [v for s in seeds if (v := fresh[t].get(s)) is not None]
             c = [v for s in picked if (v := chosen.get(t, {}).get(s)) is not None]

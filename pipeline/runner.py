@@ -48,7 +48,7 @@ from typing import Any
 from pipeline import isolation
 from pipeline.dag import Cache, StageNode, check_not_sealed, input_digests, plan_run, render
 from pipeline.disk import DiskKeeper, open_regular
-from pipeline.executors import Executor, StageJob, classify, make_executor
+from pipeline.executors import Executor, ExecutorOptions, StageJob, classify, make_executor
 from pipeline.executors.base import lab_env
 from pipeline.harness import Harness, Prepared, PredictionsError
 from pipeline.harness.base import HOLDOUT_SPLIT
@@ -652,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     lab = load_lab(args.lab)
     store = Store.for_lab(lab, args.db)
     preload = tuple(filter(None, args.preload.split(","))) if args.preload is not None else None
-    executor = make_executor(args.executor, lab, workers=args.workers, ray_address=args.ray_address, preload=preload)
+    executor = make_executor(ExecutorOptions(args.executor, args.workers, args.ray_address, preload), lab)
     with Driver(lab, store, executor, heartbeat_s=args.heartbeat_s, stale_s=args.stale_s) as d:
         d.drive()
     counts = store.queue_counts()

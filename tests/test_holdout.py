@@ -76,8 +76,10 @@ def _seen_by_gate_and_agent(root: Path) -> dict:
     """Everything the gate decided on and the agent's next context, as JSON."""
     from agent.graph import build_context
     from agent.loop import Loop, LoopOptions
+    from pipeline.api import ExecutorOptions
 
-    loop = Loop(open_lab(root), LoopOptions(offline=True, smoke=False, workers=1), progress=lambda m: None)
+    loop = Loop(open_lab(root), LoopOptions(offline=True, smoke=False, executor=ExecutorOptions(workers=1)),
+                progress=lambda m: None)
     try:
         ctx = dataclasses.asdict(build_context(loop.svc))
         store = loop.store

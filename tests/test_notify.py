@@ -158,10 +158,11 @@ def command_lab(root: Path, research_extra: str, run_extra: str = "", agent_extr
 
 def make_loop(root: Path, **opts: Any):
     from agent.loop import Loop, LoopOptions
-    from pipeline.lab import load_lab
+    from pipeline.api import ExecutorOptions, load_lab
 
     said: list[str] = []
-    loop = Loop(load_lab(root), LoopOptions(**{"offline": True, "smoke": False, "workers": 2, **opts}),
+    loop = Loop(load_lab(root), LoopOptions(**{"offline": True, "smoke": False, "executor": ExecutorOptions(workers=2),
+                                               **opts}),
                 progress=said.append)
     loop.said = said  # type: ignore[attr-defined]
     return loop

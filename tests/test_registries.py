@@ -19,7 +19,7 @@ from agent.policy_offline import OfflinePolicy
 from support.lab import REPO
 from support.tiny import TASKS, TinyHarness, make_lab
 from pipeline import runner
-from pipeline.executors import EXECUTORS, JobResult, StageJob, make_executor
+from pipeline.executors import EXECUTORS, ExecutorOptions, JobResult, StageJob, make_executor
 from pipeline.harness import HARNESSES
 from pipeline import experiment
 
@@ -65,7 +65,7 @@ class SerialExecutor:
 
 @pytest.fixture
 def registered():
-    EXECUTORS.register("serial", lambda lab, **_: SerialExecutor())
+    EXECUTORS.register("serial", lambda lab, opts: SerialExecutor())
     HARNESSES.register("tiny", TinyHarness)
     yield
     EXECUTORS.unregister("serial")
@@ -147,7 +147,7 @@ def test_a_registered_policy_drives_the_real_loop(tmp_path: Path) -> None:
 
     POLICIES.register("one-idea", lambda lab, store: OneIdea())
     root = init_lab(tmp_path / "lab", harness="command")
-    loop = Loop(load_lab(root), LoopOptions(max_hypotheses=1, policy="one-idea", workers=2))
+    loop = Loop(load_lab(root), LoopOptions(max_hypotheses=1, policy="one-idea", executor=ExecutorOptions(workers=2)))
     try:
         loop.run()
     finally:

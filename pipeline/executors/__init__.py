@@ -1,5 +1,7 @@
 """Executors: where stage processes run. To add one, implement `Executor` (base.py) in a module and
 register a factory in `EXECUTORS` (one line below; a plugin or a test: `EXECUTORS.register(name, factory)`).
+A factory takes the lab and one `ExecutorOptions`; an executor's own settings (a Slurm partition, a
+queue) travel in its `extra`, so no caller between the CLI and the factory knows them.
 
 - `local` (default): warm forked workers on this machine (local.py).
 - `ray`: tasks on a Ray cluster (ray_executor.py); Ray is imported only when chosen.
@@ -7,7 +9,8 @@ register a factory in `EXECUTORS` (one line below; a plugin or a test: `EXECUTOR
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +28,25 @@ from pipeline.registry import Registry
 if TYPE_CHECKING:
     from pipeline.lab import Lab
 
-ExecutorFactory = Callable[..., Executor]
-"""(lab, *, workers, ray_address, preload) → an executor sized from the lab's `[run]`."""
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """What the caller chooses of the executor (`--executor`, `--workers`, `--address`); the rest
+    comes from the lab's `[run]`. `extra`: an executor's own options, by name, for its factory only."""
+
+    kind: str = "local"  # a name in EXECUTORS
+    workers: int | None = None  # run slots (default: the executor's, from `[run]` and the machine)
+    address: str | None = None  # the cluster to join (Ray: `ray://…` or `host:port`; None: the executor's default)
+    preload: tuple[str, ...] | None = None  # what a warm worker imports once (default: `[run] preload`)
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def with_(self, **changes: object) -> "ExecutorOptions":
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+ExecutorFactory = Callable[["Lab", ExecutorOptions], Executor]
+"""(lab, options) → an executor sized from the lab's `[run]`."""
 
 
 def _preload(run: Any, asked: tuple[str, ...] | None, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -36,7 +56,7 @@ def _preload(run: Any, asked: tuple[str, ...] | None, default: tuple[str, ...]) 
     return default if run.preload is None else tuple(run.preload)
 
 
-def _local(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: tuple[str, ...] | None) -> Executor:
+def _local(lab: "Lab", opts: ExecutorOptions) -> Executor:
     from pipeline.executors.local import DEFAULT_PRELOAD, LocalExecutor
 
     run = lab.config.run
@@ -45,21 +65,21 @@ def _local(lab: "Lab", *, workers: int | None, ray_address: str | None, preload:
     from pipeline.lab import local_slots, memory_plan
 
     # with [run] memory_mb unset: the machine's share per slot, less the slot's tmpfs (lab.MemoryPlan)
-    plan = memory_plan(run, workers if workers is not None else local_slots(run))
-    return LocalExecutor(cpus=run.cpus, gpus=run.gpus, slots=workers,
-                         preload=_preload(run, preload, DEFAULT_PRELOAD), worker_log=Path(logs) / "worker.log",
+    plan = memory_plan(run, opts.workers if opts.workers is not None else local_slots(run))
+    return LocalExecutor(cpus=run.cpus, gpus=run.gpus, slots=opts.workers,
+                         preload=_preload(run, opts.preload, DEFAULT_PRELOAD), worker_log=Path(logs) / "worker.log",
                          default_memory_mb=plan.memory_mb, reserve=max(run.prepare_gpus, run.score_gpus))
 
 
-def _ray(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: tuple[str, ...] | None) -> Executor:
+def _ray(lab: "Lab", opts: ExecutorOptions) -> Executor:
     from pipeline.executors.ray_executor import RayExecutor
     from pipeline.worktrees import Worktrees
 
     run = lab.config.run
     from pipeline.executors.local import DEFAULT_PRELOAD
 
-    return RayExecutor(Worktrees(lab.root, lab.state), address=ray_address, cpus=run.cpus, gpus=run.gpus,
-                       slots=workers, preload=_preload(run, preload, DEFAULT_PRELOAD),
+    return RayExecutor(Worktrees(lab.root, lab.state), address=opts.address, cpus=run.cpus, gpus=run.gpus,
+                       slots=opts.workers, preload=_preload(run, opts.preload, DEFAULT_PRELOAD),
                        memory_mb=run.memory_mb)
 
 
@@ -67,11 +87,18 @@ def _ray(lab: "Lab", *, workers: int | None, ray_address: str | None, preload: t
 EXECUTORS: Registry[ExecutorFactory] = Registry("executor", {"local": _local, "ray": _ray}, error=UserError)
 
 
-def make_executor(kind: str, lab: "Lab", *, workers: int | None = None,
-                  ray_address: str | None = None, preload: tuple[str, ...] | None = None) -> Executor:
-    """The executor the CLI's `--executor/--workers/--ray-address` ask for, sized from `[run]`."""
-    return EXECUTORS.get(kind)(lab, workers=workers, ray_address=ray_address, preload=preload)
+def check_executor(name: str) -> None:
+    """`UserError` naming the executors if `name` is none of them (nothing is built or imported)."""
+    if name not in EXECUTORS:
+        EXECUTORS.get(name)
+
+
+def make_executor(opts: ExecutorOptions | str, lab: "Lab", **changes: object) -> Executor:
+    """The executor `opts` asks for (or `ExecutorOptions(kind=opts, **changes)` for a name), sized from `[run]`."""
+    opts = ExecutorOptions(kind=opts) if isinstance(opts, str) else opts
+    opts = opts.with_(**changes) if changes else opts
+    return EXECUTORS.get(opts.kind)(lab, opts)
 
 
 __all__ = ["Executor", "ExecutorError", "UserError", "JobResult", "StageJob", "classify", "scrub_env",
-           "make_executor", "EXECUTORS"]
+           "make_executor", "check_executor", "EXECUTORS", "ExecutorOptions", "ExecutorFactory"]

@@ -113,9 +113,11 @@ def records(root: Path):
 def make_loop(root: Path, **opts: Any):
     """The real `Loop` in this process (smoke runs off unless asked for); its messages in `.said`."""
     from agent.loop import Loop, LoopOptions
+    from pipeline.api import ExecutorOptions
 
     said: list[str] = []
-    loop = Loop(open_lab(root), LoopOptions(**{"smoke": False, "workers": 2, **opts}), progress=said.append)
+    loop = Loop(open_lab(root), LoopOptions(**{"smoke": False, "executor": ExecutorOptions(workers=2), **opts}),
+                progress=said.append)
     loop.said = said  # type: ignore[attr-defined]
     return loop
 

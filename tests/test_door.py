@@ -1,0 +1,80 @@
+"""The house's doors: `agent/` reaches the pipeline through `pipeline.api` only, and `pipeline/`
+knows nothing of the agent (nor of an LLM)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def imports(folder: str) -> list[tuple[str, int, str]]:
+    """(file, line, module) of every import in `folder`'s Python files, function-level ones too,
+    and of every `importlib.import_module("...")` with a literal name."""
+    out = []
+    for path in sorted((REPO / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        rel = str(path.relative_to(REPO))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                out.append((rel, node.lineno, node.module))
+            elif isinstance(node, ast.Import):
+                out.extend((rel, node.lineno, a.name) for a in node.names)
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in
+                  ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)
+                  and isinstance(node.args[0].value, str)):
+                out.append((rel, node.lineno, node.args[0].value))
+    return out
+
+
+def test_the_agent_imports_the_pipeline_only_through_its_api() -> None:
+    found = imports("agent")
+    assert any(m == "pipeline.api" for _, _, m in found)  # the scan sees the imports at all
+    wrong = [f"{f}:{n}: {m}" for f, n, m in found if m.split(".")[0] == "pipeline" and m != "pipeline.api"]
+    assert wrong == []
+
+
+def test_the_pipeline_knows_nothing_of_the_agent_or_an_llm() -> None:
+    found = imports("pipeline")
+    wrong = [f"{f}:{n}: {m}" for f, n, m in found if m.split(".")[0] in ("agent", "openai", "langgraph")]
+    assert wrong == []
+
+
+def test_every_name_of_the_api_resolves_and_nothing_heavy_is_imported_by_naming_one() -> None:
+    code = ("import json, sys, pipeline.api as api\n"
+            "from pipeline.api import ExecutorOptions, Lab, UserError, check_executor, load_lab  # the CLI at start-up\n"
+            "heavy = sorted(m for m in ('numpy', 'scipy', 'torch', 'ray') if m in sys.modules)\n"
+            "missing = [n for n in api.__all__ if getattr(api, n, None) is None]  # every name, numpy and all\n"
+            "print(json.dumps({'heavy': heavy, 'missing': missing, 'names': len(api.__all__)}))\n")
+    out = json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                                    check=True).stdout)
+    assert out["heavy"] == [] and out["missing"] == [] and out["names"] > 40, out
+
+
+def test_an_unknown_name_at_the_door_is_an_attribute_error() -> None:
+    import pipeline.api as api
+
+    with pytest.raises(AttributeError, match="pipeline.api.*no attribute 'Nope'"):
+        api.Nope  # noqa: B018
+
+
+def test_every_error_of_a_package_has_its_root() -> None:
+    import inspect
+
+    import agent.errors
+    import pipeline.errors
+    from agent.errors import AgentError
+    from pipeline.errors import PipelineError
+
+    for module, root in ((pipeline.errors, PipelineError), (agent.errors, AgentError)):
+        own = [c for _, c in inspect.getmembers(module, inspect.isclass)
+               if issubclass(c, BaseException) and c.__module__ == module.__name__]
+        assert own and all(issubclass(c, root) for c in own), [c.__name__ for c in own if not issubclass(c, root)]
