@@ -895,6 +895,24 @@ def build_graph(svc: Services, checkpointer: Any):
     return graph_spec(svc).compile(checkpointer, projection=svc.records)
 
 
+def claim(records: Records, h: Hypothesis) -> Hypothesis:
+    """A queued hypothesis taken off the queue by the loop: its thread starts at its first node
+    (`implement` for one with a title: a seed or a refinement; else `propose`)."""
+    return project(records, h.id, {"phase": Status.IMPLEMENTING if h.title else Status.PROPOSING})
+
+
+def open_proposal(records: Records, origin: str) -> Hypothesis:
+    """An empty hypothesis whose thread proposes (the loop asks for one when it has room)."""
+    h = records.add(Hypothesis(origin=origin))
+    return project(records, h.id, {"phase": Status.PROPOSING})
+
+
+def give_up(records: Records, hid: int, reason: str) -> Hypothesis:
+    """A hypothesis whose graph failed too often (the loop counts): ended, rejected with the reason."""
+    return project(records, hid, {"phase": Status.DONE}, decision=Decision.REJECT, reject_kind="internal_error",
+                   reject_reason=reason, finished_at=time.time())
+
+
 def thread_input(h: Hypothesis) -> State:
     """What a thread starts from (a new one, or one an earlier version ended): the row's lifecycle."""
     state: State = {"hypothesis_id": h.id, "phase": h.status, "look": h.look, "verdict": h.verdict}

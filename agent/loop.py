@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from agent.errors import BudgetExceeded, LLMError
-from agent.lifecycle import Decision, Status, project
+from agent.graph import claim, give_up, open_proposal
+from agent.lifecycle import Status
 from agent.policy import llm_client
 from agent.records import ACTIVE, Hypothesis, Records
 from pipeline.api import ExecutorOptions, HarnessCommandError, Lab, MixedDatasets, RunStatus, open_store
@@ -381,15 +382,14 @@ class Loop:
         else:
             h = self.records.next_queued()
         if h is not None:  # taken off the queue: its thread starts at its first node
-            return project(self.records, h.id, {"phase": Status.IMPLEMENTING if h.title else Status.PROPOSING})
+            return claim(self.records, h)
         if held or self.llm_blocked():
             return None
         base = self.svc.workspace.baseline_head()
         if any(x.reject_kind == "exhausted" and x.origin == self.policy.name and x.base_commit == base
                for x in self.records.all(("done",))):
             return None  # nothing untried around this baseline; wait for human seeds or a new baseline
-        h = self.records.add(Hypothesis(origin=self.policy.name))  # an empty one: its thread proposes
-        return project(self.records, h.id, {"phase": Status.PROPOSING})
+        return open_proposal(self.records, self.policy.name)  # an empty one: its thread proposes
 
     def _thread(self, h: Hypothesis) -> dict[str, Any]:
         return {"configurable": {"thread_id": str(h.id)}}
@@ -447,8 +447,7 @@ class Loop:
                 self.records.event("error", msg)
                 self.say(msg)
                 if n >= MAX_GRAPH_FAILURES:
-                    project(self.records, h.id, {"phase": Status.DONE}, decision=Decision.REJECT,
-                            reject_kind="internal_error", reject_reason=msg, finished_at=time.time())
+                    give_up(self.records, h.id, msg)
                 break
             h = self.records.get(h.id)
             if h.status == "done":
