@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 # name → (module, attribute in it)
 _WHERE: dict[str, tuple[str, str]] = {
     # the lab
-    **{n: ("pipeline.lab", n) for n in ("BASELINE_BRANCH", "CONFIG_NAME", "SEED_BLOCK", "Lab", "glob_match",
-                                        "load_lab", "memory_plan", "parse_config")},
+    **{n: ("pipeline.lab", n) for n in ("BASELINE_BRANCH", "CONFIG_NAME", "SEED_BLOCK", "Lab", "NotifyTarget",
+                                        "glob_match", "load_lab", "memory_plan", "parse_config")},
     **{n: ("pipeline.labrepo", n) for n in ("LabRepo", "baseline_number")},
     # measuring
     **{n: ("pipeline.experiment", n) for n in ("Experiment", "Reverification", "generation",
@@ -137,6 +137,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         CONFIG_NAME,
         SEED_BLOCK,
         Lab,
+        NotifyTarget,
         glob_match,
         load_lab,
         memory_plan,

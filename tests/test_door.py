@@ -42,6 +42,18 @@ def test_the_agent_imports_the_pipeline_only_through_its_api() -> None:
     assert wrong == []
 
 
+def test_every_name_the_agent_takes_at_the_door_is_there() -> None:
+    import pipeline.api as api
+
+    taken = set()
+    for path in sorted((REPO / "agent").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "pipeline.api":
+                taken |= {(str(path.relative_to(REPO)), a.name) for a in node.names}
+    assert len(taken) > 40
+    assert sorted((f, n) for f, n in taken if n not in api.__all__) == []
+
+
 def test_the_pipeline_knows_nothing_of_the_agent_or_an_llm() -> None:
     found = imports("pipeline")
     wrong = [f"{f}:{n}: {m}" for f, n, m in found if m.split(".")[0] in ("agent", "openai", "langgraph")]
