@@ -1,9 +1,11 @@
 """The `autoresearch` command line: thin wrappers over `pipeline/` and `agent/`.
 
 Start-up imports nothing heavy (no torch, peft, ray, langgraph): each command imports what it
-needs inside its body. Data goes to stdout, progress and logs to stderr. Exit codes: 0 ok,
-1 failure (an unreachable service: one line), 2 bad input (a `UserError`, printed as one line, never a
-traceback).
+needs inside its body. Data goes to stdout, progress and logs to stderr. Exit codes (`exit_code`):
+0 ok; 2 bad input (a `UserError`, a policy this machine cannot run, a broken prompt template);
+1 any other error the pipeline or the agent raises on purpose (an unreachable service, an LLM
+endpoint down, an executor that cannot start). Either is one line on stderr, never a traceback; a
+traceback is a bug.
 """
 
 from __future__ import annotations
@@ -16,7 +18,19 @@ from typing import Optional
 
 import typer
 
-from pipeline.api import ServiceUnavailable, UserError
+from agent.errors import AgentError, LLMNotConfigured, NotConfigured, PromptError
+from pipeline.api import PipelineError, UserError
+
+# each error root and kind the CLI tells apart, and its exit code (the first that matches)
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (UserError, 2), (NotConfigured, 2), (LLMNotConfigured, 2), (PromptError, 2),  # the user's to fix
+    (PipelineError, 1), (AgentError, 1),  # the machinery's: a service down, an executor that cannot start
+)
+
+
+def exit_code(e: BaseException) -> int | None:
+    """The exit code for an error raised on purpose; None for anything else (a bug: its traceback)."""
+    return next((code for kind, code in EXIT_CODES if isinstance(e, kind)), None)
 
 app = typer.Typer(
     add_completion=False,
@@ -170,11 +184,10 @@ def gate_sim_cmd(
 @app.command()
 def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Validate the lab (research.toml, harness, tasks, editable files) and summarise it."""
-    from pipeline.api import load_lab
-
     import subprocess
 
     from agent.notify import check_urls
+    from pipeline.api import load_lab
 
     lab = load_lab(Ctx.repo)
     cfg = lab.config
@@ -400,7 +413,7 @@ def variance_cmd(
     """The variance study: N identical baseline runs per task, per-task σ, correlation, MDE table;
     with --pair REV, per task the seed-k pair correlation of REV with the baseline, the sd of the
     paired differences and the variance ratio (a noise model for benchmarks/loop_quality.py)."""
-    from pipeline.api import Experiment, ExecutorOptions, load_lab, open_store
+    from pipeline.api import ExecutorOptions, Experiment, load_lab, open_store
 
     lab = load_lab(Ctx.repo)
     exp = Experiment(lab, open_store(lab, Ctx.db))
@@ -494,12 +507,11 @@ def main() -> None:
     sys.argv[1:] = hoist_global_options(sys.argv[1:])
     try:
         app()
-    except UserError as e:
+    except (PipelineError, AgentError) as e:
+        code = exit_code(e)
+        assert code is not None
         typer.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except ServiceUnavailable as e:  # the store's database, a Ray cluster: not the user's input
-        typer.echo(f"error: {e}", err=True)
-        sys.exit(1)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

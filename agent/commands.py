@@ -14,10 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import UserError
+from agent.lifecycle import Decision, Review, ReviewAction, Status
 from agent.records import ACTIVE, Hypothesis, Records
-from pipeline.api import Experiment, disk_usage, is_sandboxed, lease, open_store, UNSANDBOXED
-from pipeline.api import Lab, RunStatus, load_lab, memory_plan
-
+from pipeline.api import (
+    UNSANDBOXED,
+    Experiment,
+    Lab,
+    RunStatus,
+    disk_usage,
+    is_sandboxed,
+    lease,
+    load_lab,
+    memory_plan,
+    open_store,
+)
 
 
 def open_lab_store(repo: Path, db: str | None) -> tuple[Lab, Any, Records]:
@@ -139,7 +149,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
         "disk": disk_usage(lab, store),
         "plateau": _plateau(lab, rec),
         "progress": split_progress(lab, store, rec),
-        "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == "reject").items())),
+        "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == Decision.REJECT).items())),
         "compute": Experiment(lab, store).goodput().as_dict(),
         "gpu": gpu_facts(lab),
         "pairing": Experiment(lab, store).lab_pairing(),  # what the shared seeds buy, from this lab's comparisons
@@ -216,7 +226,7 @@ def review(repo: Path, db: str | None, hid: int | None, approve: bool, reject: b
     if hid is None:
         if approve or reject or comment:
             raise UserError("give the hypothesis ID to approve, reject or comment on")
-        pending = [h for h in rec.all() if h.review == "pending"]
+        pending = [h for h in rec.all() if h.review == Review.PENDING]
         return {"pending": [{"id": h.id, "title": h.title, "status": h.status, "decision": h.decision,
                              "verdict": h.verdict, "summary": str(lab.state / "summaries" / f"{h.id}.md")}
                             for h in pending]}
@@ -224,12 +234,12 @@ def review(repo: Path, db: str | None, hid: int | None, approve: bool, reject: b
     if comment:
         rec.comment(hid, "comment", comment)
     if approve or reject:
-        if not rec.decide_review(hid, "approved" if approve else "rejected"):
+        if not rec.decide_review(hid, Review.APPROVED if approve else Review.REJECTED):
             raise UserError(f"hypothesis {hid} was already {rec.get(hid).review}")
-        rec.comment(hid, "approve" if approve else "reject", comment or "")
+        rec.comment(hid, ReviewAction.APPROVE if approve else ReviewAction.REJECT, comment or "")
         h = rec.get(hid)
     return {"id": hid, "review": h.review, "status": h.status,
-            "note": ("the running loop promotes it at its next pass" if h.status == "held" and h.review == "approved"
+            "note": ("the running loop promotes it at its next pass" if h.status == Status.HELD and h.review == Review.APPROVED
                      else "")}
 
 
@@ -242,15 +252,15 @@ def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
 
     t0 = time.time() - parse_duration(since)
     hyps = [h for h in rec.all() if (h.finished_at or h.updated_at) >= t0]
-    done = [h for h in hyps if h.status == "done"]
+    done = [h for h in hyps if h.status == Status.DONE]
     return {
         "since": since,
         "tried": len(hyps),
-        "promoted": [{"id": h.id, "title": h.title, "tag": h.promoted_tag} for h in done if h.decision == "promote"],
-        "abandoned": [{"id": h.id, "title": h.title, "verdict": h.verdict} for h in done if h.decision in ("abandon", "refine")],
-        "rejected": [{"id": h.id, "title": h.title, "why": h.reject_kind} for h in done if h.decision == "reject"],
+        "promoted": [{"id": h.id, "title": h.title, "tag": h.promoted_tag} for h in done if h.decision == Decision.PROMOTE],
+        "abandoned": [{"id": h.id, "title": h.title, "verdict": h.verdict} for h in done if h.decision in (Decision.ABANDON, Decision.REFINE)],
+        "rejected": [{"id": h.id, "title": h.title, "why": h.reject_kind} for h in done if h.decision == Decision.REJECT],
         "in_flight": [{"id": h.id, "title": h.title, "status": h.status} for h in hyps if h.status in ACTIVE],
-        "awaiting_review": [h.id for h in rec.all() if h.review == "pending"],
+        "awaiting_review": [h.id for h in rec.all() if h.review == Review.PENDING],
         "plateau": _plateau(lab, rec),
         "compute": Experiment(lab, store).goodput(since=t0).as_dict(),
         "gpu": gpu_facts(lab),

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.lifecycle import Decision, Status
 from pipeline.api import RunStatus
 
 CONFIG_FILE = "config.toml"
@@ -140,10 +141,10 @@ def group_directions(workspace: Any, store: Any, records: Any) -> list[Group]:
         g = groups.setdefault(d, Group(d))
         g.hypotheses.append(h.id)
         g.verdicts[h.verdict or "not measured"] += 1
-        g.decisions[h.decision or ("held" if h.status == "held" else "in flight" if h.status != "done" else "none")] += 1
+        g.decisions[h.decision or ("held" if h.status == Status.HELD else "in flight" if h.status != Status.DONE else "none")] += 1
         if h.commit:
             g.runs += sum(RunStatus(r.status).is_finished() for r in store.runs(commit=h.commit))
-        if h.decision == "promote":
+        if h.decision == Decision.PROMOTE:
             g.promoted += 1
             last = latest_verdict(store, h.id)
             delta = last.horizontal.delta if last is not None else None

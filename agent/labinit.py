@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from pipeline.api import UserError, BASELINE_BRANCH, CONFIG_NAME, load_lab, parse_config
+from pipeline.api import BASELINE_BRANCH, CONFIG_NAME, UserError, load_lab, parse_config
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "pipeline" / "templates"
 AUTHOR = ("autoresearch", "autoresearch@localhost")

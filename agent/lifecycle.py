@@ -1,4 +1,5 @@
-"""The vocabularies of a hypothesis's lifecycle: its `Status` and the `Decision` made about it.
+"""The vocabularies of a hypothesis's lifecycle: its `Status`, the `Decision` made about it, and its
+human `Review`.
 
 `StrEnum`s, so a member is its stored string: the `hypothesis` columns and the `agent_decision`
 rows keep the strings they always had, and an old database reads the same. Standard library only
@@ -34,6 +35,27 @@ class Status(StrEnum):
     def is_active(self) -> bool:
         """A thread is working on it (not waiting in the queue, for a human, or finished)."""
         return self not in (Status.QUEUED, Status.HELD, Status.DONE)
+
+
+class Review(StrEnum):
+    """`Hypothesis.review`: whether a human has read its summary, and what they answered."""
+
+    NONE = "none"  # not asked yet (a hypothesis in flight)
+    PENDING = "pending"  # its summary (or a held promotion) waits for a human
+    APPROVED = "approved"
+    REJECTED = "rejected"
+
+    def is_open(self) -> bool:
+        """A human may still answer (`review --approve/--reject`, the page's buttons)."""
+        return self in (Review.NONE, Review.PENDING)
+
+
+class ReviewAction(StrEnum):
+    """What a human did on a summary (`review_comment.action`)."""
+
+    APPROVE = "approve"
+    REJECT = "reject"
+    COMMENT = "comment"
 
 
 class Decision(StrEnum):

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.directions import changed_keys, direction_of, label
+from agent.lifecycle import Status
 from agent.records import Hypothesis, Records
 from pipeline.api import ServiceUnavailable
 
@@ -149,9 +150,8 @@ class Exporter:
 
     @staticmethod
     def _call(fn: Any, *args: Any, what: str) -> Any:
-        from mlflow.exceptions import MlflowException
-
         import requests
+        from mlflow.exceptions import MlflowException
 
         try:
             return fn(*args)
@@ -192,9 +192,8 @@ class Exporter:
 
     def export(self, h: Hypothesis) -> str:
         """Create or update the hypothesis's run and its nested runs; returns the parent run's id."""
-        from mlflow.exceptions import MlflowException
-
         import requests
+        from mlflow.exceptions import MlflowException
 
         if h.promoted_tag:  # a new champion's points: read afresh
             self._split = None
@@ -246,7 +245,7 @@ class Exporter:
                 self.updated += 1
         self._artifacts(run_id, h)
         self._nested(run_id, h)
-        status = "FINISHED" if h.status == "done" else "RUNNING"
+        status = "FINISHED" if h.status == Status.DONE else "RUNNING"
         if run.info.status != status:
             self.client.update_run(run_id, status=status)
         return run_id

@@ -52,6 +52,7 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import select
 
+from agent.lifecycle import Decision, Review, Status
 from agent.records import LoopEvent, Notification, NotifyTargetState, Records
 from pipeline.api import UserError
 
@@ -261,7 +262,7 @@ class Outbox:
 
     def on_update(self, s: Any, before: dict[str, Any], h: Any) -> bool:
         staged = False
-        if h.status == "held" and before["status"] != "held":
+        if h.status == Status.HELD and before["status"] != Status.HELD:
             link = self._link(h)
             body = (f"{_hyp_line(h)} awaits review: verdict {h.verdict} at {h.look} runs.\n"
                     f"{h.rationale_decision or ''}\n"
@@ -272,7 +273,7 @@ class Outbox:
                     f"runs.\n{h.rationale_decision or ''}")
             staged |= self.stage(s, "promote", f"promote:{h.id}", f"#{h.id} promoted ({h.promoted_tag}): {h.title}",
                                  body, self._link(h))
-        if h.decision == "abandon" and before["decision"] != "abandon" and (h.look or 0) > self.first_look:
+        if h.decision == Decision.ABANDON and before["decision"] != Decision.ABANDON and (h.look or 0) > self.first_look:
             body = (f"{_hyp_line(h)} abandoned after escalation to {h.look} runs: verdict {h.verdict}.\n"
                     f"{h.rationale_decision or ''}")
             staged |= self.stage(s, "abandon", f"abandon:{h.id}", f"#{h.id} abandoned after escalation: {h.title}",
@@ -289,18 +290,18 @@ def digest_text(records: Records, store: Any, since: float) -> str:
 
     hyps = records.all()
     recent = [h for h in hyps if (h.finished_at or h.updated_at) >= since]
-    done = [h for h in recent if h.status == "done"]
+    done = [h for h in recent if h.status == Status.DONE]
     lines = [f"The last 24 h: {len(recent)} hypotheses tried."]
     for label, group in (("promoted", [h for h in done if h.promoted_tag]),
-                         ("abandoned", [h for h in done if h.decision in ("abandon", "refine")]),
-                         ("rejected", [h for h in done if h.decision == "reject"])):
+                         ("abandoned", [h for h in done if h.decision in (Decision.ABANDON, Decision.REFINE)]),
+                         ("rejected", [h for h in done if h.decision == Decision.REJECT])):
         if group:
             lines.append(f"{label}: " + "; ".join(_hyp_line(h) + (f" → {h.promoted_tag}" if h.promoted_tag else "")
                                                  for h in group))
     active = [h for h in hyps if h.status in ACTIVE]
     if active:
         lines.append("in flight: " + "; ".join(f"{_hyp_line(h)} ({h.status})" for h in active))
-    pending = [h for h in hyps if h.review == "pending"]
+    pending = [h for h in hyps if h.review == Review.PENDING]
     lines.append(f"awaiting review: {', '.join(f'#{h.id}' for h in pending) or 'none'}")
     lines.append(f"measured in a row without a promotion: {records.since_promotion()}")
     return "\n".join(lines)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.lifecycle import Decision, Status
+
 log = logging.getLogger("autoresearch.pictures")
 
 PROGRESS_NAME = "progress.png"
@@ -82,7 +84,7 @@ class Point:
 
 def _decision(h: Any) -> str:
     """The decision so far: the chart is redrawn while a summary is written, before status `done`."""
-    if h.status == "held":
+    if h.status == Status.HELD:
         return "hold"
     return h.decision if h.decision in DECISION_COLORS else "in flight"
 
@@ -232,7 +234,7 @@ def draw_progress(points: list[Point], path: Path, lab_name: str, metric: str, h
                 y = measured[0].base if measured else 0.0
             marker, level = "x", y
         else:
-            marker, level = ("*" if p.decision == "promote" else "o"), p.level
+            marker, level = ("*" if p.decision == Decision.PROMOTE else "o"), p.level
             if p.tag:
                 ax.annotate(p.tag, xy=(p.id, p.level), xytext=(4, 6), textcoords="offset points", fontsize=8)
         gx, gy = groups.setdefault((p.decision, marker), ([], []))
@@ -248,7 +250,7 @@ def draw_progress(points: list[Point], path: Path, lab_name: str, metric: str, h
         else:
             ax.scatter(gx, gy, marker=marker, color=color, s=110 if marker == "*" else 40,
                        edgecolors="black" if marker == "*" else "none", linewidths=0.5, label=label, zorder=3)
-    promoted = sum(p.decision == "promote" for p in points)
+    promoted = sum(p.decision == Decision.PROMOTE for p in points)
     ax.set_title(f"{lab_name}: {len(points)} hypotheses, {promoted} promoted", fontsize=10, loc="left")
     ax.set_xlabel("hypothesis (in the order proposed)")
     ax.set_ylabel(progress_ylabel(metric, higher_is_better))

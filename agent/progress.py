@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from agent.lifecycle import Decision
+
 log = logging.getLogger("autoresearch.progress")
 
 
@@ -24,7 +26,7 @@ def champions(records: Any) -> list[tuple[str, str, int | None]]:
     hyps = sorted((h for h in records.all() if h.base_commit), key=lambda h: h.id)
     if not hyps:
         return []
-    promoted = [h for h in hyps if h.decision == "promote" and h.promoted_tag and h.commit]
+    promoted = [h for h in hyps if h.decision == Decision.PROMOTE and h.promoted_tag and h.commit]
 
     from pipeline.api import baseline_number
 

@@ -12,24 +12,47 @@ import time
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
-from sqlalchemy import JSON, Column, Text, UniqueConstraint
+from sqlalchemy import JSON, Column, String, Text, UniqueConstraint
+from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel, select
 
+from agent.lifecycle import Decision, Review, ReviewAction, Status  # noqa: F401 (re-exported: the column vocabularies)
 from pipeline.api import Store, create_schema
 
-from agent.lifecycle import Decision, Status  # noqa: F401 (re-exported: the column vocabularies)
-
 if TYPE_CHECKING:
+    from agent.verdicts import DecisionRecord
     from pipeline.api import GateResult
 
-    from agent.verdicts import DecisionRecord
-
 Origin = Literal["human", "llm", "offline"]
-ACTIVE = tuple(s.value for s in Status if s.is_active())
+ACTIVE = tuple(s for s in Status if s.is_active())
 
 
 def now() -> float:
     return time.time()
+
+
+class EnumText(TypeDecorator):  # type: ignore[type-arg]
+    """A column of plain strings read back as members of a `StrEnum` (`Status`, `Decision`, `Review`):
+    the database keeps the strings it always had (no schema change, no native enum type), and a row
+    reads typed. A string this version does not know (a newer database's) is read as it is."""
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, enum: type[Enum], *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.enum = enum
+
+    def process_bind_param(self, value: Any, dialect: Any) -> Any:
+        return value.value if isinstance(value, Enum) else value
+
+    def process_result_value(self, value: Any, dialect: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return self.enum(value)
+        except ValueError:
+            return value
 
 
 class Hypothesis(SQLModel, table=True):
@@ -48,19 +71,19 @@ class Hypothesis(SQLModel, table=True):
     # what to apply: a list of edit dicts (offline policy, --file seeds) or None (the LLM implements)
     plan: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON))
     change: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))  # search-space values
-    status: str = Field(default="queued", index=True)
+    status: Status = Field(default=Status.QUEUED, sa_type=EnumText(Status), index=True)
     branch: str | None = None
     base_commit: str | None = None
     commit: str | None = None
     look: int | None = None  # challenger runs wanted at the current look
     verdict: str | None = None
-    decision: str | None = None
+    decision: Decision | None = Field(default=None, sa_type=EnumText(Decision))
     rationale_decision: str | None = Field(default=None, sa_column=Column(Text))
     follow_up: str | None = Field(default=None, sa_column=Column(Text))
     reject_kind: str | None = None
     reject_reason: str | None = Field(default=None, sa_column=Column(Text))
     promoted_tag: str | None = None
-    review: str = "none"  # none | pending | approved | rejected
+    review: Review = Field(default=Review.NONE, sa_type=EnumText(Review))
     summary_md: str | None = Field(default=None, sa_column=Column(Text))
     summary_author: str | None = None
     created_at: float = Field(default_factory=now)
@@ -80,7 +103,7 @@ class DecisionRow(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     hypothesis: str = Field(index=True, max_length=80)
     look: int
-    decision: str
+    decision: Decision = Field(sa_type=EnumText(Decision))
     rationale: str = Field(default="", sa_column=Column(Text))
     follow_up: str = Field(default="", sa_column=Column(Text))
     allowed: list[str] = Field(default_factory=list, sa_column=Column(JSON))
@@ -95,7 +118,7 @@ class ReviewComment(SQLModel, table=True):
     __tablename__ = "review_comment"
     id: int | None = Field(default=None, primary_key=True)
     hypothesis_id: int = Field(index=True)
-    action: str  # approve | reject | comment
+    action: ReviewAction = Field(sa_type=EnumText(ReviewAction))
     text: str = Field(default="", sa_column=Column(Text))
     created_at: float = Field(default_factory=now)
 
@@ -277,14 +300,14 @@ class Records:
             except IntegrityError:
                 s.rollback()
 
-    def decide_review(self, hid: int, review: str) -> bool:
+    def decide_review(self, hid: int, review: Review) -> bool:
         """Set the review to `review` only if none was given yet (an approve from the page and a
         reject from the CLI at the same moment: exactly one wins). False if another answer was first."""
         from sqlalchemy import update
 
         with self.store.session() as s:
             res = s.exec(update(Hypothesis).where(  # type: ignore[call-overload]
-                Hypothesis.id == hid, Hypothesis.review.in_(("pending", "none"))).values(  # type: ignore[attr-defined]
+                Hypothesis.id == hid, Hypothesis.review.in_((Review.PENDING, Review.NONE))).values(  # type: ignore[attr-defined]
                 review=review, updated_at=now()))
             s.commit()
             return res.rowcount == 1
@@ -297,7 +320,7 @@ class Records:
                 s.delete(h)
                 s.commit()
 
-    def all(self, statuses: tuple[str, ...] | None = None, since: float | None = None) -> list[Hypothesis]:
+    def all(self, statuses: tuple[Status, ...] | None = None, since: float | None = None) -> list[Hypothesis]:
         with self.store.session() as s:
             q = select(Hypothesis).order_by(Hypothesis.id)
             if statuses:
@@ -317,7 +340,7 @@ class Records:
     def since_promotion(self) -> int:
         """Measured hypotheses decided in a row since the last promotion (rejections before any run
         do not count: they measured nothing)."""
-        done = sorted((h for h in self.all(("done",)) if h.finished_at), key=lambda h: h.finished_at or 0)
+        done = sorted((h for h in self.all((Status.DONE,)) if h.finished_at), key=lambda h: h.finished_at or 0)
         n = 0
         for h in reversed(done):
             if h.promoted_tag:
@@ -329,11 +352,11 @@ class Records:
     def next_queued(self) -> Hypothesis | None:
         """Human seeds first, by priority, then oldest."""
         with self.store.session() as s:
-            q = (select(Hypothesis).where(Hypothesis.status == "queued")
+            q = (select(Hypothesis).where(Hypothesis.status == Status.QUEUED)
                  .order_by(Hypothesis.priority.desc(), Hypothesis.id))
             return s.exec(q).first()
 
-    def comment(self, hid: int, action: str, text: str = "") -> ReviewComment:
+    def comment(self, hid: int, action: ReviewAction, text: str = "") -> ReviewComment:
         with self.store.session() as s:
             c = ReviewComment(hypothesis_id=hid, action=action, text=text)
             s.add(c)

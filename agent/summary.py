@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import LLMError
+from agent.lifecycle import Decision, Status
 from agent.records import Hypothesis
 from pipeline.api import UNSANDBOXED, is_sandboxed
 
@@ -68,7 +69,7 @@ def latest_result(svc: Any, h: Hypothesis) -> Any:
 def compute_line(svc: Any, h: Hypothesis) -> str:
     if not h.commit:
         return "none"
-    from pipeline.api import RunStatus, StageOutcome, SEED_BLOCK
+    from pipeline.api import SEED_BLOCK, RunStatus, StageOutcome
 
     # a promoted champion's own re-verification runs (the next seed block) are not challenger runs
     block = svc.experiment.challenger_seeds(h.base_commit, SEED_BLOCK) if h.base_commit else range(0)
@@ -234,9 +235,9 @@ def _diff_parts(svc: Any, h: Hypothesis) -> tuple[str, str, list[str]]:
 def _decision_line(h: Hypothesis) -> str:
     from agent import prompts
 
-    if h.decision == "reject":
+    if h.decision == Decision.REJECT:
         return prompts.phrase("decision_rejected", kind=h.reject_kind)
-    if h.status == "held":
+    if h.status == Status.HELD:
         return prompts.phrase("decision_held", verdict=h.verdict)
     if h.promoted_tag:
         return prompts.phrase("decision_promoted", decision=h.decision, verdict=h.verdict, tag=h.promoted_tag)
@@ -244,7 +245,7 @@ def _decision_line(h: Hypothesis) -> str:
 
 
 def _decision_rationale(h: Hypothesis) -> str:
-    return (h.reject_reason if h.decision == "reject" else h.rationale_decision) or ""
+    return (h.reject_reason if h.decision == Decision.REJECT else h.rationale_decision) or ""
 
 
 def _decision_rationale_md(h: Hypothesis) -> str:
@@ -252,7 +253,7 @@ def _decision_rationale_md(h: Hypothesis) -> str:
     text = _decision_rationale(h)
     if not text:
         return ""
-    return fenced(text) if h.decision == "reject" else untrusted(text)
+    return fenced(text) if h.decision == Decision.REJECT else untrusted(text)
 
 
 def metric_line(cfg: Any) -> str:
@@ -267,7 +268,6 @@ def llm_prose(svc: Any, h: Hypothesis, result: Any, evidence: str, diff_stat: st
               compute: str, fallback: Prose) -> Prose:
     """The LLM's prose, checked number by number against what it was shown; else `fallback`."""
     from agent import prompts
-
     from agent.policy import llm_client
 
     client = llm_client(svc.policy)
@@ -439,7 +439,7 @@ def digest_extras(lab: Any, store: Any, records: Any, since: float) -> dict[str,
     promotions = []
     for p in points:
         h = hyps[p.id]
-        if p.decision == "promote" and (h.finished_at or 0) >= since:
+        if p.decision == Decision.PROMOTE and (h.finished_at or 0) >= since:
             promotions.append({"id": p.id, "title": p.title, "tag": p.tag, "horizontal_delta": p.horizontal_delta,
                                "horizontal_ci": list(p.horizontal_ci), "level_before": p.base, "level_after": p.level})
     tags = [p.tag for p in points if p.tag]
@@ -458,7 +458,7 @@ def digest_extras(lab: Any, store: Any, records: Any, since: float) -> dict[str,
             "metric": lab.config.benchmark.metric,
             "higher_is_better": lab.config.benchmark.higher_is_better,
         },
-        "held": [{"id": h.id, "title": h.title, "verdict": h.verdict} for h in hyps.values() if h.status == "held"],
+        "held": [{"id": h.id, "title": h.title, "verdict": h.verdict} for h in hyps.values() if h.status == Status.HELD],
         "split_progress": splits,
         "progress_chart": chart,
     }
@@ -469,4 +469,4 @@ def _level_now(measured: list[Any]) -> float | None:
     if not measured:
         return None
     last = measured[-1]
-    return last.level if last.decision == "promote" else last.base
+    return last.level if last.decision == Decision.PROMOTE else last.base

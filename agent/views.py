@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent.lifecycle import Decision
+
 
 def _secs(s: float) -> str:
     return f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.0f} s"
@@ -69,7 +71,7 @@ def print_status(st: dict[str, Any]) -> None:
         t.add_column(col, no_wrap=col != "title")
     for h in st["hypotheses"][-25:]:
         decision = (h["decision"] or "-") + (f" → {h['promoted_tag']}" if h["promoted_tag"] else "")
-        if h["decision"] == "reject":
+        if h["decision"] == Decision.REJECT:
             decision += f" ({h['reject_kind']})"
         t.add_row(str(h["id"]), escape(h["title"][:50]), h["origin"], h["status"], str(h["look"] or "-"),
                   h["verdict"] or "-", decision, h["review"])

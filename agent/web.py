@@ -45,9 +45,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.lifecycle import Decision
-from agent.views import gpu_line
+from agent.lifecycle import Decision, Review, ReviewAction
 from agent.verdicts import reverify_record, verdicts_by_look
+from agent.views import gpu_line
 from pipeline.api import RunStatus, StageOutcome
 
 TEMPLATES = Path(__file__).resolve().parent / "web_templates"
@@ -208,8 +208,8 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
             rows = [h for h in rows if h.status == q["status"]]
         if q.get("decision"):
             rows = [h for h in rows if h.decision == q["decision"]]
-        if q.get("review") == "pending":
-            rows = [h for h in rows if h.review == "pending"]
+        if q.get("review") == Review.PENDING:
+            rows = [h for h in rows if h.review == Review.PENDING]
         return page(request, "hypotheses.html", rows=rows[::-1], q=dict(q))
 
     def hypothesis(request: Request) -> Response:
@@ -236,7 +236,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         return page(request, "hypothesis.html", h=h, summary=html, looks=looks, last=looks[-1] if looks else None,
                     diff=diff, diff_note=diff_note, failed=failed, comments=comments, related=related,
                     forest=forest_path(lab, hid).is_file() and f"{hid}.forest.png" not in html,
-                    seeds=bool(h.commit and h.base_commit), can_decide=h.review in ("pending", "none"), refresh=30)
+                    seeds=bool(h.commit and h.base_commit), can_decide=Review(h.review).is_open(), refresh=30)
 
     def directions(request: Request) -> Response:
         from agent.directions import group_directions
@@ -311,13 +311,13 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
             raise HTTPException(403, "the request's Origin (or Referer) is not this server: CSRF refused")
         action = str(form.get("action") or "comment")
         text = str(form.get("comment") or "").strip() or None
-        if action not in ("approve", "reject", "comment"):
+        if action not in tuple(ReviewAction):
             raise HTTPException(400, f"unknown action {action!r}")
         if action == "comment" and not text:
             raise HTTPException(400, "an empty comment")
         from starlette.concurrency import run_in_threadpool
 
-        await run_in_threadpool(commands.review, repo, db, hid, approve=action == "approve", reject=action == "reject",
+        await run_in_threadpool(commands.review, repo, db, hid, approve=action == ReviewAction.APPROVE, reject=action == ReviewAction.REJECT,
                                 comment=text)  # the database and git off the event loop, like the pages
         return RedirectResponse(f"/hypotheses/{hid}", status_code=303)
 

@@ -22,7 +22,7 @@ from pathlib import PurePosixPath
 import git
 
 from agent.errors import EditRejected, PromotionConflict  # noqa: F401 (re-exported: promote and merge_onto raise it)
-from pipeline.api import Lab, LabRepo, CONFIG_NAME, glob_match
+from pipeline.api import CONFIG_NAME, Lab, LabRepo, glob_match
 
 GIT_FILES = {".gitattributes", ".gitignore", ".gitmodules", ".lfsconfig"}  # git obeys them at any depth of a tree
 PROTECTED = {CONFIG_NAME, *GIT_FILES}

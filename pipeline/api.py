@@ -147,5 +147,5 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from pipeline.outcomes import RunStatus, StageOutcome  # noqa: F401
     from pipeline.registry import Registry  # noqa: F401
     from pipeline.store import GateRecord, Store, create_schema  # noqa: F401
-    from pipeline.store.tables import Goodput  # noqa: F401
     from pipeline.store.reads import rekey  # noqa: F401
+    from pipeline.store.tables import Goodput  # noqa: F401

@@ -90,3 +90,17 @@ def test_every_error_of_a_package_has_its_root() -> None:
         own = [c for _, c in inspect.getmembers(module, inspect.isclass)
                if issubclass(c, BaseException) and c.__module__ == module.__name__]
         assert own and all(issubclass(c, root) for c in own), [c.__name__ for c in own if not issubclass(c, root)]
+
+
+def test_the_cli_tells_each_error_root_apart() -> None:
+    from agent.cli import exit_code
+    from agent.errors import EditRejected, LLMNotConfigured, LLMUnavailable, NotConfigured, PromptError
+    from pipeline.errors import (ExecutorError, HarnessCommandError, LabConfigError, MixedDatasets, ServiceUnavailable,
+                                 UserError)
+
+    assert [exit_code(e) for e in (UserError("x"), LabConfigError("r.toml", "gate.looks", "x"),
+                                   HarnessCommandError("x"), MixedDatasets("x"), NotConfigured("x"),
+                                   PromptError("x"), LLMNotConfigured("x"))] == [2] * 7
+    assert [exit_code(e) for e in (ServiceUnavailable("x"), ExecutorError("x"), LLMUnavailable("p", 3, "x"),
+                                   EditRejected("smoke_failed", "x"))] == [1] * 4
+    assert exit_code(ValueError("a bug")) is None and exit_code(KeyError("a bug")) is None

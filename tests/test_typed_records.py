@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from agent import verdicts
 from agent.graph import allowed_decisions
-from agent.records import ACTIVE, Decision, Hypothesis, Records, Status
+from agent.records import ACTIVE, Decision, Hypothesis, Records, Review, Status
 from agent.verdicts import DecisionRecord
 from pipeline.gate import GateResult, evaluate
 from pipeline.store import Store
@@ -67,11 +67,17 @@ def test_decisions_round_trip_and_stored_as_plain_strings(rec: Records):
     back = rec.decision_at(h.id, 5)
     assert back == d and back.decision is Decision.PROMOTE and back.known
     assert rec.decision_at(h.id, 2) is None
-    # a column written with an enum holds its string
+    # a column written with an enum holds its string, and reads back as the enum
     rec.update(h.id, status=Status.DONE, decision=Decision.ABANDON)
     with rec.store.engine.connect() as c:
-        row = c.execute(text("select status, decision from hypothesis where id = :i"), {"i": h.id}).one()
-    assert tuple(row) == ("done", "abandon") and type(rec.get(h.id).decision) is str
+        row = c.execute(text("select status, decision, review from hypothesis where id = :i"), {"i": h.id}).one()
+    assert tuple(row) == ("done", "abandon", "none") and type(row[0]) is str
+    back = rec.get(h.id)
+    assert back.status is Status.DONE and back.decision is Decision.ABANDON and back.review is Review.NONE
+    # a string this version does not know (a newer database's) reads as it is
+    with rec.store.engine.begin() as c:
+        c.execute(text("update hypothesis set decision = 'graft' where id = :i"), {"i": h.id})
+    assert rec.get(h.id).decision == "graft"
 
 
 def test_an_unknown_decision_from_an_old_database_is_kept_raw(rec: Records):
