@@ -18,19 +18,8 @@ from typing import Optional
 
 import typer
 
-from agent.errors import AgentError, LLMNotConfigured, NotConfigured, PromptError
+from agent.errors import AgentError
 from pipeline.api import PipelineError, UserError
-
-# each error root and kind the CLI tells apart, and its exit code (the first that matches)
-EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
-    (UserError, 2), (NotConfigured, 2), (LLMNotConfigured, 2), (PromptError, 2),  # the user's to fix
-    (PipelineError, 1), (AgentError, 1),  # the machinery's: a service down, an executor that cannot start
-)
-
-
-def exit_code(e: BaseException) -> int | None:
-    """The exit code for an error raised on purpose; None for anything else (a bug: its traceback)."""
-    return next((code for kind, code in EXIT_CODES if isinstance(e, kind)), None)
 
 app = typer.Typer(
     add_completion=False,
@@ -507,11 +496,9 @@ def main() -> None:
     sys.argv[1:] = hoist_global_options(sys.argv[1:])
     try:
         app()
-    except (PipelineError, AgentError) as e:
-        code = exit_code(e)
-        assert code is not None
+    except (PipelineError, AgentError) as e:  # raised on purpose: one line, the code its class says
         typer.echo(f"error: {e}", err=True)
-        sys.exit(code)
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,39 @@
 """Every error of `agent/`, in one place (the pipeline's are in `pipeline.errors`, whose `UserError`
 is the agent's too: a review action or a notification target that does not fit is one).
 
-    AgentError                       the root: every error the agent raises on purpose
+    AgentError                       the root: every error the agent raises on purpose (exit code 1)
     ├── EditRejected                 an implementation the loop refuses; `kind` is recorded
-    ├── NotConfigured                a policy that cannot work here (no LLM endpoint)
+    ├── NotConfigured                a policy that cannot work here (no LLM endpoint): exit code 2
     ├── LLMError                     the LLM client's; `retryable`: asking again later may answer
-    │   ├── LLMNotConfigured
     │   ├── BudgetExceeded           today's spend reached the cap; nothing was sent
     │   │   └── TokenBudgetExceeded  today's tokens reached `max_tokens_per_day` (a model without a price)
     │   ├── LLMUnavailable           429/5xx/timeouts/connection errors through every attempt (retryable)
     │   ├── LLMRequestRejected       the endpoint refused the request itself
     │   └── LLMOutputError           no usable answer after every repair round
-    └── PromptError                  a template missing, malformed, or filled with a value missing or unused
+    ├── PromptError                  a template missing, malformed, or filled with a value missing or
+    │                                unused: exit code 2
+    └── the client's own, never seen outside agent/llm.py:
+        ├── InvalidOutput            one answer failed parsing or validation (the repair prompt's text)
+        ├── RequestCut               a request given up on a timeout, with what arrived
+        ├── ModeRejected             the endpoint refused this way of asking for structure
+        └── MalformedAnswer          a 200 whose body is not a chat completion
+
+Each class says its exit code (`exit_code`): the CLI exits with the code of what it caught.
 
 Each module re-exports the errors it raises, so `from agent.llm import LLMUnavailable` works too.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from pipeline.api import PromotionConflict, UserError  # noqa: F401 (re-exported: the agent's are the pipeline's)
 
 
 class AgentError(Exception):
     """The root of every error the agent raises on purpose (the pipeline's: `PipelineError`)."""
+
+    exit_code = 1
 
 
 class EditRejected(AgentError):
@@ -36,16 +47,14 @@ class EditRejected(AgentError):
 class NotConfigured(AgentError):
     """A policy that needs something this machine does not have (an LLM endpoint)."""
 
+    exit_code = 2
+
 
 class LLMError(AgentError):
     """Base of the client's errors. `retryable`: the same request may succeed later (the loop
     backs off and asks again); otherwise the answer is recorded as it is."""
 
     retryable = False
-
-
-class LLMNotConfigured(LLMError):
-    """Neither OPENAI_BASE_URL nor OPENAI_API_KEY is set: use the offline policy."""
 
 
 class BudgetExceeded(LLMError):
@@ -99,5 +108,32 @@ class LLMOutputError(LLMError):
 
 class PromptError(AgentError):
     """A prompt template is missing, malformed, or was filled with the wrong values."""
+
+    exit_code = 2
+
+
+class InvalidOutput(AgentError, ValueError):
+    """One answer failed parsing or validation; the message is what the repair prompt sends back."""
+
+
+class RequestCut(AgentError):
+    """A request given up on a timeout; `answer` (an `agent.llm.Answer`) holds what arrived, `key` the
+    `[agent]` key that cut it."""
+
+    def __init__(self, answer: Any, key: str, message: str):
+        super().__init__(message)
+        self.answer, self.key = answer, key
+
+
+class ModeRejected(AgentError):
+    """The endpoint refused this way of asking for structure; `explicit` when it named the parameter."""
+
+    def __init__(self, message: str, explicit: bool):
+        super().__init__(message)
+        self.explicit = explicit
+
+
+class MalformedAnswer(AgentError, ValueError):
+    """A 200 whose body is not a chat completion (a broken proxy)."""
 
 

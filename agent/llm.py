@@ -45,12 +45,17 @@ from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from agent import prompts
-from agent.errors import (
+from agent.errors import (  # noqa: F401 (re-exported: the client raises them)
     BudgetExceeded,
-    LLMNotConfigured,
+    InvalidOutput,
+    LLMError,
     LLMOutputError,
     LLMRequestRejected,
     LLMUnavailable,
+    MalformedAnswer,
+    ModeRejected,
+    NotConfigured,
+    RequestCut,
     TokenBudgetExceeded,
 )
 from agent.ledger import Ledger, LLMCall, ServerRate, utc_day_start
@@ -134,10 +139,6 @@ def model_price(agent: Any, env: Mapping[str, str] | None = None) -> tuple[str, 
     return model, lab_price(agent) or price_for(model)
 
 
-class InvalidOutput(ValueError):
-    """One answer failed parsing or validation; the message is what the repair prompt sends back."""
-
-
 @dataclass
 class Answer:
     """One answer as the client uses it, streamed or sent whole.
@@ -155,22 +156,6 @@ class Answer:
     pieces: int = 0
     first_token_s: float | None = None
     completion: dict[str, Any] | None = None
-
-
-class _Cut(Exception):
-    """A request given up on a timeout; `answer` holds what arrived, `key` the `[agent]` key that cut it."""
-
-    def __init__(self, answer: Answer, key: str, message: str):
-        super().__init__(message)
-        self.answer, self.key = answer, key
-
-
-class _ModeRejected(Exception):
-    """The endpoint refused this way of asking for structure; `explicit` when it named the parameter."""
-
-    def __init__(self, message: str, explicit: bool):
-        super().__init__(message)
-        self.explicit = explicit
 
 
 def resolve_model(configured: str, env: Mapping[str, str] | None = None) -> str:
@@ -270,7 +255,7 @@ class LLMClient:
         base_url = base_url or env.get("OPENAI_BASE_URL") or None
         api_key = api_key or env.get("OPENAI_API_KEY") or None
         if not (base_url or api_key):
-            raise LLMNotConfigured("no LLM endpoint: set OPENAI_API_KEY (and OPENAI_BASE_URL for other servers)")
+            raise NotConfigured("no LLM endpoint: set OPENAI_API_KEY (and OPENAI_BASE_URL for other servers)")
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         import openai  # here, not at module level: the CLI must start without it
@@ -391,7 +376,7 @@ class LLMClient:
         for index in range(self._mode_index, len(MODES)):
             try:
                 return self._complete_in_mode(MODES[index], purpose, messages, schema, name, hypothesis_id)
-            except _ModeRejected as r:
+            except ModeRejected as r:
                 rejections.append(f"{MODES[index]}: {r}")
                 if r.explicit:  # the endpoint named the parameter it lacks: no need to ask again
                     self._mode_index = max(self._mode_index, index + 1)
@@ -485,7 +470,7 @@ class LLMClient:
             started = time.monotonic()
             try:
                 answer = self._request(body, call, started)
-            except _Cut as cut:
+            except RequestCut as cut:
                 if cut.answer.pieces:  # the server read the prompt and wrote this much: that is spent
                     self._account(call, cut.answer, request_json)
                 self._record(call, started, error=str(cut))
@@ -510,13 +495,13 @@ class LLMClient:
                     continue
                 rejected = _mode_rejection(mode, status, said)
                 if rejected is not None:
-                    raise _ModeRejected(last_error, explicit=rejected) from None
+                    raise ModeRejected(last_error, explicit=rejected) from None
                 if status not in RETRYABLE_STATUS and status < 500:
                     raise LLMRequestRejected(purpose, status, message) from None
                 retry_after = _retry_after(e.response.headers)
             except openai.APIError as e:  # an error event inside the stream: the server failed mid-answer
                 last_error = f"error in the stream: {_error_message(e)}"
-            except _Malformed as e:  # a 200 whose body is not a chat completion: a broken proxy
+            except MalformedAnswer as e:  # a 200 whose body is not a chat completion: a broken proxy
                 last_error = f"malformed response: {e}"
             else:
                 self._account(call, answer, request_json)
@@ -537,7 +522,7 @@ class LLMClient:
     def _request(self, body: dict[str, Any], call: LLMCall, started: float) -> Answer:
         """One HTTP request: its answer, streamed (or whole, from a server that does not stream).
 
-        Raises `_Cut` on a timeout, with what arrived; the SDK's errors otherwise."""
+        Raises `RequestCut` on a timeout, with what arrived; the SDK's errors otherwise."""
         import openai
 
         assembly = _Assembly(started)
@@ -554,7 +539,7 @@ class LLMClient:
                     assembly.add(chunk)
                     if assembly.finish_reason is None and time.monotonic() - started > self.timeout_s:
                         answer = assembly.answer()
-                        raise _Cut(answer, "request_timeout_s", self._cut_message("request_timeout_s", answer))
+                        raise RequestCut(answer, "request_timeout_s", self._cut_message("request_timeout_s", answer))
             finally:
                 stream.close()
                 if assembly.head:
@@ -562,9 +547,9 @@ class LLMClient:
         except openai.APITimeoutError:
             key = "request_timeout_s" if time.monotonic() - started >= self.timeout_s else "idle_timeout_s"
             answer = assembly.answer()
-            raise _Cut(answer, key, self._cut_message(key, answer)) from None
+            raise RequestCut(answer, key, self._cut_message(key, answer)) from None
         if not assembly.choices:
-            raise _Malformed("a stream without choices")
+            raise MalformedAnswer("a stream without choices")
         return assembly.answer()
 
     def _cut_message(self, key: str, answer: Answer) -> str:
@@ -593,10 +578,6 @@ class LLMClient:
         self.ledger.record(call)
 
 
-class _Malformed(ValueError):
-    """A 200 whose body is not a chat completion."""
-
-
 def _read_whole(response: Any) -> str:
     """The body of an answer sent whole; a read that fails is a dropped connection."""
     import openai
@@ -621,7 +602,7 @@ def _whole_answer(text: str) -> Answer:
                       finish_reason=choice.finish_reason, prompt_tokens=usage.prompt_tokens if usage else None,
                       completion_tokens=usage.completion_tokens if usage else None, completion=data)
     except Exception as e:
-        raise _Malformed(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        raise MalformedAnswer(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
 
 class _Assembly:
@@ -642,7 +623,7 @@ class _Assembly:
 
     def add(self, chunk: Any) -> None:
         if not hasattr(chunk, "choices"):
-            raise _Malformed(f"a stream event that is no chat completion chunk: {str(chunk)[:100]}")
+            raise MalformedAnswer(f"a stream event that is no chat completion chunk: {str(chunk)[:100]}")
         self.head = self.head or {"id": chunk.id, "model": chunk.model, "created": chunk.created}
         if chunk.usage is not None:
             self.usage = chunk.usage

@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 # name → (module, attribute in it)
 _WHERE: dict[str, tuple[str, str]] = {
     # the lab
-    **{n: ("pipeline.lab", n) for n in ("BASELINE_BRANCH", "CONFIG_NAME", "SEED_BLOCK", "Lab", "NotifyTarget",
-                                        "glob_match", "load_lab", "memory_plan", "parse_config")},
+    **{n: ("pipeline.lab", n) for n in ("BASELINE_BRANCH", "CONFIG_NAME", "ENV_NAME", "SEED_BLOCK", "Lab",
+                                        "NotifyTarget", "glob_match", "load_lab", "memory_plan", "parse_client_tables",
+                                        "parse_config")},
     **{n: ("pipeline.labrepo", n) for n in ("LabRepo", "baseline_number")},
     # measuring
     **{n: ("pipeline.experiment", n) for n in ("Experiment", "Reverification", "generation",
@@ -74,10 +75,10 @@ _WHERE: dict[str, tuple[str, str]] = {
     "rekey": ("pipeline.store.reads", "rekey"),
     "Registry": ("pipeline.registry", "Registry"),
     # errors
-    **{n: ("pipeline.errors", n) for n in ("PipelineError", "UserError", "LabConfigError", "HarnessCommandError",
-                                           "MixedDatasets", "MethodFailure", "SmokeFailed", "InfrastructureFailure",
-                                           "WorktreeError", "Interrupted", "PromotionConflict",
-                                           "ServiceUnavailable")},
+    **{n: ("pipeline.errors", n) for n in ("PipelineError", "UserError", "LabConfigError", "KeyedConfigError",
+                                           "HarnessCommandError", "MixedDatasets", "MethodFailure", "SmokeFailed",
+                                           "InfrastructureFailure", "WorktreeError", "Interrupted", "PromotionConflict",
+                                           "ServiceUnavailable", "UnsafeTree")},
 }
 
 
@@ -105,6 +106,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         HarnessCommandError,
         InfrastructureFailure,
         Interrupted,
+        KeyedConfigError,
         LabConfigError,
         MethodFailure,
         MixedDatasets,
@@ -112,6 +114,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         PromotionConflict,
         ServiceUnavailable,
         SmokeFailed,
+        UnsafeTree,
         UserError,
         WorktreeError,
     )
@@ -135,12 +138,14 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from pipeline.lab import (  # noqa: F401
         BASELINE_BRANCH,
         CONFIG_NAME,
+        ENV_NAME,
         SEED_BLOCK,
         Lab,
         NotifyTarget,
         glob_match,
         load_lab,
         memory_plan,
+        parse_client_tables,
         parse_config,
     )
     from pipeline.labrepo import LabRepo, baseline_number  # noqa: F401

@@ -1,8 +1,10 @@
 """Every error of `pipeline/`, in one place: a small family, one class per way a caller reacts.
 
-    PipelineError                    the root: every error the pipeline raises on purpose
+    PipelineError                    the root: every error the pipeline raises on purpose (exit code 1)
     ├── UserError                    a user's mistake: one line on the CLI, exit code 2
     │   ├── LabConfigError           research.toml: names the file, the key and what was expected
+    │   ├── KeyedConfigError         what a validator of research.toml found, with its key (a
+    │   │                            ValueError too: pydantic reports it as LabConfigError)
     │   ├── HarnessCommandError      the lab's own `prepare` failed (the loop stops: the lab's to fix)
     │   └── MixedDatasets            a comparison would mix datasets (the loop stops: use a fresh store)
     ├── ServiceUnavailable           a service does not answer (the store's database, a Ray
@@ -15,9 +17,13 @@
     │   └── WorktreeError            a commit cannot be resolved or checked out
     ├── PromotionConflict            a commit does not merge onto the baseline (names the paths)
     ├── Interrupted                  the loop is stopping during a smoke run: nothing is recorded
-    └── OSError
-        └── SandboxError, OutputTooLarge   in executors/sandbox.py, which must stay standard-library
-                                           only (it travels to Ray nodes as source)
+    └── UnsafeTree                   a tree or path the driver refuses to read or write through
+                                     (an OSError too: `pipeline.safefs`)
+
+    SandboxError, OutputTooLarge (OSErrors) live in executors/sandbox.py, which must stay
+    standard-library only and self-contained (it travels to Ray nodes as source).
+
+Each class says its exit code (`exit_code`): the CLI exits with the code of what it caught.
 
 A user's mistake of any other kind (an unknown task or executor, a stage argument into the seal,
 `init` refused, a gate, power or gate-sim request that makes no sense, a lab another driver holds)
@@ -29,9 +35,13 @@ class PipelineError(Exception):
     """The root of every error the pipeline raises on purpose (`except PipelineError` catches them
     all; anything else is a bug or the standard library's)."""
 
+    exit_code = 1
+
 
 class UserError(PipelineError):
     """Base for mistakes in user input: never shown with a traceback."""
+
+    exit_code = 2
 
 
 class LabConfigError(UserError):
@@ -41,6 +51,15 @@ class LabConfigError(UserError):
         self.path, self.key, self.expected = str(path), key, expected
         where = f"{self.path}: {key}: " if key else f"{self.path}: "
         super().__init__(where + expected)
+
+
+class KeyedConfigError(UserError, ValueError):
+    """A problem a validator of research.toml found, with the key it is about (`parse_config` makes it
+    a `LabConfigError` naming the file; a ValueError, so pydantic's validators report it)."""
+
+    def __init__(self, key: str, expected: str):
+        self.key = key
+        super().__init__(expected)
 
 
 class HarnessCommandError(UserError):
@@ -83,6 +102,13 @@ class PromotionConflict(PipelineError):
 class ServiceUnavailable(PipelineError):
     """A service the command needs cannot be reached (the store's database, a Ray cluster): one
     line on the CLI, exit code 1."""
+
+
+class UnsafeTree(PipelineError, OSError):
+    """A tree or a path in it that the driver refuses to write or read through (one line)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class MixedDatasets(UserError):

@@ -15,11 +15,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
-from pipeline.errors import LabConfigError, UserError
+from pipeline.errors import KeyedConfigError, LabConfigError, UserError
 from pipeline.gate.inputs import GateConfig
 
 if TYPE_CHECKING:
@@ -378,6 +378,11 @@ class NotifySection(_Strict):
         return url if url is None else _http_url(url)
 
 
+# research.toml's tables that belong to the pipeline's client (the agent's `[agent]` and `[notify]`):
+# kept raw, never read here, validated by the client's own model (`parse_client_tables`)
+CLIENT_TABLES = ("agent", "notify")
+
+
 class ResearchConfig(_Strict):
     lab: LabSection
     benchmark: BenchmarkSection = BenchmarkSection()
@@ -422,18 +427,6 @@ class ResearchConfig(_Strict):
         return self
 
 
-class KeyedConfigError(ValueError):
-    """A problem a validator found, with the research.toml key it is about."""
-
-    def __init__(self, key: str, expected: str):
-        self.key = key
-        super().__init__(expected)
-
-
-class StageGraphError(KeyedConfigError):
-    pass
-
-
 def check_stage_graph(stages: list[StageSpec]) -> list[StageSpec]:
     """Unique names, known needs, placeholders that exist, no cycles, exactly one final stage.
 
@@ -444,25 +437,25 @@ def check_stage_graph(stages: list[StageSpec]) -> list[StageSpec]:
     for i, s in enumerate(stages):
         key = f"stage[{i}]"
         if s.name in names[:i]:
-            raise StageGraphError(f"{key}.name", f"duplicate stage name {s.name!r}")
+            raise KeyedConfigError(f"{key}.name", f"duplicate stage name {s.name!r}")
         if s.name in BUILTIN_PLACEHOLDERS:
-            raise StageGraphError(f"{key}.name", f"{s.name!r} is reserved; expected another name")
+            raise KeyedConfigError(f"{key}.name", f"{s.name!r} is reserved; expected another name")
         for need in s.needs:
             if need not in by_name:
-                raise StageGraphError(f"{key}.needs", f"unknown stage {need!r}; expected one of {names}")
+                raise KeyedConfigError(f"{key}.needs", f"unknown stage {need!r}; expected one of {names}")
             if s.scope == "seed" and by_name[need].scope == "run":
-                raise StageGraphError(
+                raise KeyedConfigError(
                     f"{key}.needs", f"seed-scoped stage {s.name!r} cannot need run-scoped {need!r}"
                 )
         for ph in PLACEHOLDER.findall(s.run):
             if ph in BUILTIN_PLACEHOLDERS:
                 if ph == "task" and s.scope == "seed":
-                    raise StageGraphError(
+                    raise KeyedConfigError(
                         f"{key}.run", "{task} in a seed-scoped stage; expected scope = \"run\""
                     )
                 continue
             if ph not in s.needs:
-                raise StageGraphError(
+                raise KeyedConfigError(
                     f"{key}.run",
                     f"placeholder {{{ph}}} is not a built-in ({', '.join(sorted(BUILTIN_PLACEHOLDERS))}) "
                     f"or a stage listed in needs",
@@ -475,7 +468,7 @@ def check_stage_graph(stages: list[StageSpec]) -> list[StageSpec]:
             return
         if state.get(name) == 1:
             cycle = " -> ".join(path[path.index(name):] + [name])
-            raise StageGraphError("stage.needs", f"stage cycle {cycle}; expected a DAG")
+            raise KeyedConfigError("stage.needs", f"stage cycle {cycle}; expected a DAG")
         state[name] = 1
         for need in by_name[name].needs:
             visit(need, path + [name])
@@ -487,9 +480,9 @@ def check_stage_graph(stages: list[StageSpec]) -> list[StageSpec]:
     needed = {n for s in stages for n in s.needs}
     finals = [s.name for s in stages if s.name not in needed]
     if len(finals) != 1:
-        raise StageGraphError("stage", f"expected exactly one final stage (writing predictions.csv), found {finals}")
+        raise KeyedConfigError("stage", f"expected exactly one final stage (writing predictions.csv), found {finals}")
     if by_name[finals[0]].scope != "run":
-        raise StageGraphError("stage", f"final stage {finals[0]!r} must have scope = \"run\"")
+        raise KeyedConfigError("stage", f"final stage {finals[0]!r} must have scope = \"run\"")
     return order
 
 
@@ -505,9 +498,10 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _known_keys(loc: tuple[Any, ...]) -> list[str]:
-    """The keys of the table at `loc` (e.g. ("benchmark",), ("stage", 0)), or [] if it is not a model."""
-    model: Any = ResearchConfig
+def _known_keys(loc: tuple[Any, ...], root: type[BaseModel] | None = None) -> list[str]:
+    """The keys of the table at `loc` (e.g. ("benchmark",), ("stage", 0)) of `root` (default: the whole
+    `ResearchConfig`), or [] if it is not a model."""
+    model: Any = root or ResearchConfig
     for part in loc:
         if isinstance(part, int):
             continue
@@ -522,10 +516,10 @@ def _known_keys(loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
-def _explain(err: dict[str, Any]) -> str:
+def _explain(err: dict[str, Any], root: type[BaseModel] | None = None) -> str:
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
-        known = _known_keys(err["loc"][:-1])
+        known = _known_keys(err["loc"][:-1], root)
         return (f"unknown key; expected one of {', '.join(known)}" if known else "unknown key") + \
             " (README: The lab)"
     if err["type"] == "missing":
@@ -543,14 +537,29 @@ def parse_config(text: str, path: str | Path = CONFIG_NAME) -> ResearchConfig:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise LabConfigError(path, "", f"not valid TOML ({e})") from None
+    return _validated(ResearchConfig, raw, path)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _validated(model: type[M], raw: Any, path: str | Path) -> M:
     try:
-        return ResearchConfig.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
         ctx = err.get("ctx", {}).get("error")
         if isinstance(ctx, KeyedConfigError):
             raise LabConfigError(path, ctx.key, str(ctx)) from None
-        raise LabConfigError(path, _loc(err["loc"]), _explain(err)) from None
+        raise LabConfigError(path, _loc(err["loc"]), _explain(err, model)) from None
+
+
+def parse_client_tables(model: type[M], config: ResearchConfig, path: str | Path = CONFIG_NAME) -> M:
+    """A client's own tables of research.toml (`CLIENT_TABLES`: the agent's `[agent]` and `[notify]`),
+    validated with the client's model: a mistake is the same one-line `LabConfigError` as one in the
+    pipeline's tables (the file, the key, what was expected)."""
+    raw = {t: getattr(config, t) for t in CLIENT_TABLES if t in model.model_fields}
+    return _validated(model, raw, path)
 
 
 def table_value(doc: dict[str, Any], table: str) -> Any:

@@ -1,4 +1,5 @@
-"""Branch files written and read without following links. Standard library only.
+"""Branch files written and read without following links. Standard library only (and its error,
+`pipeline.errors.UnsafeTree`).
 
 A branch's tree can hold symlinks, and a chain of them (`config.toml -> model.py/../X`,
 `model.py -> train.py/..`, `train.py -> .`) passes a check made one link at a time while each is
@@ -19,19 +20,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
+from pipeline.errors import UnsafeTree  # noqa: F401 (re-exported: raised here)
+
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_HOPS = 40  # the kernel's own limit on links followed in one lookup
 MAX_DEPTH = 256  # components in any path of a tree (deeper ones are refused before anything is written)
 MAX_TARGET_BYTES = 4096  # a link's target (the kernel's PATH_MAX)
 MAX_TARGET_PARTS = 256  # components of a link's target
 MAX_WALK = 100_000  # components walked while resolving all the links of one tree
-
-
-class UnsafeTree(OSError):
-    """A tree or a path in it that the driver refuses to write or read through (one line)."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)
 
 
 def parts_of(rel: str) -> list[str]:

@@ -30,7 +30,7 @@ from agent.ledger import Ledger, LLMCall, utc_day_start
 from agent.llm import (
     BudgetExceeded,
     LLMClient,
-    LLMNotConfigured,
+    NotConfigured,
     LLMOutputError,
     LLMRequestRejected,
     LLMUnavailable,
@@ -365,7 +365,7 @@ def test_configuration_from_environment(fake_openai: FakeOpenAI, ledger: Ledger)
     assert not LLMClient.configured({})
     assert LLMClient.configured({"OPENAI_API_KEY": "sk-x"})
     assert LLMClient.configured({"OPENAI_BASE_URL": "http://127.0.0.1:8000/v1"})  # a local server needs no key
-    with pytest.raises(LLMNotConfigured):
+    with pytest.raises(NotConfigured):
         LLMClient("gpt-4.1-mini", ledger, env={})
     assert resolve_model("gpt-4.1-mini", {}) == "gpt-4.1-mini"
     assert resolve_model("gpt-4.1-mini", {"AUTORESEARCH_MODEL": "gpt-4o"}) == "gpt-4o"

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.errors import UserError
+
 
 @dataclass(frozen=True)
 class Edit:
@@ -70,13 +72,9 @@ HARMS: dict[str, list[Edit]] = {
     ],
 }
 
-class EditError(Exception):
-    """The search text is not in the file exactly once."""
-
-
 def apply_edit(root: Path, edit: Edit) -> None:
     path = Path(root) / edit.path
     text = path.read_text()
     if text.count(edit.search) != 1:
-        raise EditError(f"{edit.path}: search text found {text.count(edit.search)} times, expected once")
+        raise UserError(f"{edit.path}: search text found {text.count(edit.search)} times, expected once")
     path.write_text(text.replace(edit.search, edit.replace))
