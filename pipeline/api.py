@@ -39,12 +39,13 @@ from typing import TYPE_CHECKING, Any
 _WHERE: dict[str, tuple[str, str]] = {
     # the lab
     **{n: ("pipeline.lab", n) for n in ("BASELINE_BRANCH", "CONFIG_NAME", "ENV_NAME", "SEED_BLOCK", "Lab",
-                                        "NotifyTarget", "glob_match", "load_lab", "memory_plan", "parse_client_tables",
+                                        "NotifyTarget", "glob_match", "load_lab", "parse_client_tables",
                                         "parse_config")},
     **{n: ("pipeline.labrepo", n) for n in ("LabRepo", "baseline_number")},
     # measuring
     **{n: ("pipeline.experiment", n) for n in ("Experiment", "Reverification", "generation",
                                                "harness_suites", "open_store", "seed_block")},
+    "memory_plan": ("pipeline.memory", "memory_plan"),
     "ExecutorOptions": ("pipeline.executors", "ExecutorOptions"),
     "check_executor": ("pipeline.executors", "check_executor"),
     "Store": ("pipeline.store", "Store"),
@@ -144,11 +145,11 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         NotifyTarget,
         glob_match,
         load_lab,
-        memory_plan,
         parse_client_tables,
         parse_config,
     )
     from pipeline.labrepo import LabRepo, baseline_number  # noqa: F401
+    from pipeline.memory import memory_plan  # noqa: F401
     from pipeline.outcomes import RunStatus, StageOutcome  # noqa: F401
     from pipeline.registry import Registry  # noqa: F401
     from pipeline.store import GateRecord, Store, create_schema  # noqa: F401

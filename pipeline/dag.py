@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import UserError
-from pipeline.lab import PLACEHOLDER, StageSpec, check_stage_graph, glob_match, toml_tables
+from pipeline.lab import PLACEHOLDER, StageSpec, check_stage_graph, glob_match
+from pipeline.tomlview import toml_tables
 
 if TYPE_CHECKING:
     from pipeline.worktrees import Worktrees
@@ -65,7 +66,7 @@ def input_digests(worktrees: "Worktrees", commit: str, patterns: list[str]) -> d
     """Content digests of a stage's inputs at a commit.
 
     Plain globs map to git blob ids (already a hash of the content). `file.toml#table` maps to the
-    hash of that table as the stage sees it (`pipeline.lab.toml_tables`: the table alone, written
+    hash of that table as the stage sees it (`pipeline.tomlview.toml_tables`: the table alone, written
     from its values), so edits elsewhere in the file do not count, and the stage reads nothing else
     of the file (`Lab.stage_sees`).
     """

@@ -109,10 +109,10 @@ class Completed:
 
 def once_memory_mb(lab: Any, with_out: bool = True, gpus: float = 0) -> int | None:
     """The RLIMIT_AS of a process run once (`prepare`, `score`, a smoke run's stage in a fresh
-    interpreter): `[run] memory_mb`, else the default a local stage gets (`lab.memory_plan`: the
+    interpreter): `[run] memory_mb`, else the default a local stage gets (`pipeline.memory.memory_plan`: the
     slot's share of the machine less its tmpfs, of which `{out}` only `with_out`): none for a process
     given a GPU, whose CUDA maps far more address space than it uses."""
-    from pipeline.lab import local_slots, memory_plan
+    from pipeline.memory import local_slots, memory_plan
 
     run = lab.config.run
     if run.memory_mb is not None:

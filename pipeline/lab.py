@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import functools
 import glob
-import os
 import re
 import tomllib
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from pipeline.errors import KeyedConfigError, LabConfigError, UserError
 from pipeline.gate.inputs import GateConfig
+from pipeline.tomlview import Seen
 
 if TYPE_CHECKING:
     from pipeline.harness import Harness
@@ -143,88 +141,6 @@ class RunSection(_Strict):
             if name in DRIVER_ONLY_ENV or name.startswith(("AUTORESEARCH_", "OPENAI_")):
                 raise ValueError(f"a name other than {name}: the driver's own (store, LLM, cluster) stay hidden")
         return tuple(names)
-
-
-MEMORY_SHARE = 0.8  # of the machine's memory, split between the local executor's slots
-
-
-def mem_total_mb(meminfo: str = "/proc/meminfo") -> int | None:
-    try:
-        with open(meminfo) as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) // 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def local_slots(run: "RunSection") -> int:
-    """The local executor's default slots (cores ÷ `cpus`; `--workers` may say otherwise)."""
-    return max(1, (os.cpu_count() or 1) // run.cpus)
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """What bounds one stage's memory. No cgroup v2 is used (not delegated everywhere): `memory_mb`
-    is an RLIMIT_AS on the stage's processes, and its tmpfs (/tmp, /dev/shm, {out}: RAM the rlimit
-    does not count) have fixed sizes, so one slot holds at most `memory_mb` + `tmpfs_mb`; with
-    `memory_mb` unset (and no GPU) the default makes that MEMORY_SHARE of the machine ÷ slots."""
-
-    memory_mb: int | None  # the RLIMIT_AS in force; None: none (GPU stages: CUDA maps huge address space)
-    source: str  # "set" ([run] memory_mb), "default" (from the machine), "none"
-    tmp_mb: int
-    shm_mb: int
-    out_mb: int
-    slots: int
-    budget_mb: int | None  # MEMORY_SHARE of MemTotal ÷ slots
-
-    @property
-    def tmpfs_mb(self) -> int:
-        return self.tmp_mb + self.shm_mb + self.out_mb
-
-    @property
-    def within_budget(self) -> bool | None:
-        if self.budget_mb is None or self.memory_mb is None:
-            return None
-        return self.memory_mb + self.tmpfs_mb <= self.budget_mb
-
-    def describe(self) -> str:
-        tmpfs = f"tmpfs /tmp {self.tmp_mb} MB, /dev/shm {self.shm_mb} MB, out {self.out_mb} MB"
-        if self.memory_mb is None:
-            head = "no rlimit (a GPU stage: CUDA needs the address space)"
-        else:
-            head = f"rlimit {self.memory_mb} MB per stage ({'[run] memory_mb' if self.source == 'set' else 'default'})"
-        tail = "no cgroup v2 delegation"
-        if self.budget_mb is not None:
-            tail += f"; bound {self.budget_mb} MB per slot, {self.slots} slot(s)"
-            if self.within_budget is False:
-                tail += f", EXCEEDED by {self.memory_mb + self.tmpfs_mb - self.budget_mb} MB"
-        return f"memory: {head} + {tmpfs} ({tail})"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"mode": "rlimit+tmpfs" if self.memory_mb is not None else "tmpfs", "cgroup": False,
-                "memory_mb": self.memory_mb, "source": self.source, "tmp_mb": self.tmp_mb,
-                "shm_mb": self.shm_mb, "out_mb": self.out_mb, "slots": self.slots, "budget_mb": self.budget_mb,
-                "within_budget": self.within_budget, "text": self.describe()}
-
-
-def memory_plan(run: "RunSection", slots: int | None = None, total_mb: int | None = None,
-                with_out: bool = True) -> MemoryPlan:
-    """The memory bound of a stage under `run` on this machine (`total_mb`: MemTotal, read if None);
-    `with_out` False: a process with no `{out}` tmpfs (`prepare`, `score`), whose share keeps that part."""
-    slots = slots if slots is not None else local_slots(run)
-    total = total_mb if total_mb is not None else mem_total_mb()
-    budget = int(total * MEMORY_SHARE / slots) if total else None
-    out_mb = run.out_max_mb if with_out else 0
-    tmpfs = run.tmp_max_mb + run.shm_size_mb() + out_mb
-    if run.memory_mb is not None:
-        mem, source = run.memory_mb, "set"
-    elif run.gpus or budget is None:
-        mem, source = None, "none"
-    else:  # what the slot's share leaves after its tmpfs, never under 1 GB (status then says EXCEEDED)
-        mem, source = max(1024, budget - tmpfs), "default"
-    return MemoryPlan(mem, source, run.tmp_max_mb, run.shm_size_mb(), out_mb, slots, budget)
 
 
 # Seeds (the scheme is pipeline.experiment's): a baseline with g promotions owns the block
@@ -560,58 +476,6 @@ def parse_client_tables(model: type[M], config: ResearchConfig, path: str | Path
     pipeline's tables (the file, the key, what was expected)."""
     raw = {t: getattr(config, t) for t in CLIENT_TABLES if t in model.model_fields}
     return _validated(model, raw, path)
-
-
-def table_value(doc: dict[str, Any], table: str) -> Any:
-    """The value at the dotted name `table` of a parsed TOML document; None where there is none."""
-    value: Any = doc
-    for part in table.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return value
-
-
-def toml_tables(data: bytes, tables: Iterable[str]) -> bytes:
-    """The TOML file `data` cut down to `tables` (dotted names; one it lacks left out), written from
-    the parsed values with keys sorted, so the bytes are a function of those values alone: what a
-    stage that names the file by tables sees, and what its cache key hashes, table by table
-    (`pipeline.dag.input_digests`). `data` itself when it is not UTF-8 TOML: then the key hashes it whole."""
-    import tomli_w
-
-    try:  # a branch's file: nested past the interpreter's depth is as good as unparsable
-        doc = tomllib.loads(data.decode("utf-8"))
-        out: dict[str, Any] = {}
-        for table in tables:
-            value = table_value(doc, table)
-            if value is None:
-                continue
-            *parents, last = table.split(".")
-            node = out
-            for part in parents:  # a parent already taken whole holds this table already
-                node = node.setdefault(part, {})
-            node[last] = value
-        return tomli_w.dumps(_sorted_keys(out)).encode("utf-8")
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError):
-        return data
-
-
-def _sorted_keys(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _sorted_keys(value[k]) for k in sorted(value)}
-    if isinstance(value, list):
-        return [_sorted_keys(v) for v in value]
-    return value
-
-
-@dataclass(frozen=True)
-class Seen:
-    """What a stage sees of a file it sees (`Lab.stage_sees`): the whole file, or, when `tables` is
-    not empty, a TOML file of just those tables (`toml_tables`)."""
-
-    tables: tuple[str, ...] = ()
-
-    def content(self, data: bytes) -> bytes:
-        """The bytes the stage reads, from the file's committed bytes."""
-        return toml_tables(data, self.tables) if self.tables else data
 
 
 class Lab:

@@ -34,8 +34,9 @@ import git
 
 from pipeline import safefs
 from pipeline.errors import UserError, WorktreeError
-from pipeline.lab import Seen, glob_match
+from pipeline.lab import glob_match
 from pipeline.labrepo import LabRepo
+from pipeline.tomlview import Seen
 
 SHA = re.compile(r"^[0-9a-f]{40}$")
 

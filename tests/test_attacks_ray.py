@@ -255,9 +255,10 @@ def test_on_ray_a_link_out_of_the_tree_is_refused_before_anything_runs(attacked_
 
 def test_the_nodes_default_memory_bound_is_the_local_executors(tmp_path: Path) -> None:
     """With no `[run] memory_mb`, a Ray node bounds a CPU stage as the local executor does on the same
-    machine (`lab.memory_plan`), from the node's own MemTotal and cores; a GPU stage gets none."""
+    machine (`pipeline.memory.memory_plan`), from the node's own MemTotal and cores; a GPU stage gets none."""
     from pipeline.executors import ray_task
-    from pipeline.lab import RunSection, local_slots, memory_plan
+    from pipeline.lab import RunSection
+    from pipeline.memory import local_slots, memory_plan
 
     meminfo = tmp_path / "meminfo"
     for total_mb in (24_000, 3_000, 512_000):

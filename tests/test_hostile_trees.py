@@ -16,7 +16,8 @@ from support.tiny import TinyHarness, commit_change, git, make_lab, require_sand
 
 from pipeline import experiment
 from pipeline.dag import input_digests
-from pipeline.lab import StageSpec, toml_tables
+from pipeline.lab import StageSpec
+from pipeline.tomlview import toml_tables
 from pipeline.worktrees import Worktrees
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

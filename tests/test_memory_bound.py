@@ -18,7 +18,8 @@ from support.tiny import require_sandbox
 from pipeline import isolation
 from pipeline.executors import StageJob, classify
 from pipeline.executors.local import LocalExecutor
-from pipeline.lab import SHM_MB, LabConfigError, memory_plan, mem_total_mb, parse_config
+from pipeline.lab import SHM_MB, LabConfigError, parse_config
+from pipeline.memory import mem_total_mb, memory_plan
 from pipeline import experiment, labrepo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -160,7 +161,7 @@ def test_processes_run_once_get_the_stages_default_bound_or_the_set_one() -> Non
     """prepare, score and smoke stages (isolation.run_once) had no RLIMIT_AS unless memory_mb was set."""
     from types import SimpleNamespace
 
-    from pipeline.lab import local_slots
+    from pipeline.memory import local_slots
 
     run = run_section()
     lab = SimpleNamespace(config=SimpleNamespace(run=run))

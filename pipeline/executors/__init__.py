@@ -62,9 +62,9 @@ def _local(lab: "Lab", opts: ExecutorOptions) -> Executor:
     run = lab.config.run
     logs = lab.state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    from pipeline.lab import local_slots, memory_plan
+    from pipeline.memory import local_slots, memory_plan
 
-    # with [run] memory_mb unset: the machine's share per slot, less the slot's tmpfs (lab.MemoryPlan)
+    # with [run] memory_mb unset: the machine's share per slot, less the slot's tmpfs (pipeline.memory.MemoryPlan)
     plan = memory_plan(run, opts.workers if opts.workers is not None else local_slots(run))
     return LocalExecutor(cpus=run.cpus, gpus=run.gpus, slots=opts.workers,
                          preload=_preload(run, opts.preload, DEFAULT_PRELOAD), worker_log=Path(logs) / "worker.log",

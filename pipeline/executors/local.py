@@ -67,7 +67,7 @@ class LocalExecutor:
                  default_memory_mb: int | None = None, pool: GpuPool | None = None, reserve: float = 0.0,
                  priority: bool = False):
         self.cpus = cpus
-        self.default_memory_mb = default_memory_mb  # a job's memory_mb when it names none (lab.memory_plan)
+        self.default_memory_mb = default_memory_mb  # a job's memory_mb when it names none (pipeline.memory.memory_plan)
         self.gpus = gpus
         self.gpu_ids = (pool.ids if pool is not None else visible_gpus()) if gpus else []
         by_cpu = max(1, (os.cpu_count() or 1) // cpus)

@@ -55,7 +55,7 @@ WORKER_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREAD
 
 def node_memory_mb(cpus: int, gpus: int, sandbox: dict[str, Any] | None, meminfo: str = "/proc/meminfo") -> int | None:
     """A CPU stage's RLIMIT_AS on this node when the lab sets no `[run] memory_mb`: the local
-    executor's default (`pipeline.lab.memory_plan`) from this node's memory and cores, not the
+    executor's default (`pipeline.memory.memory_plan`) from this node's memory and cores, not the
     driver's. MEMORY_SHARE of MemTotal ÷ the stages of `cpus` the node holds at once, less the
     stage's tmpfs, never under 1 GB. None for a GPU stage (CUDA maps a huge address space) or
     where MemTotal cannot be read."""
