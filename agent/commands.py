@@ -183,7 +183,7 @@ def llm_use(lab: Any, ledger: Any, since: float | None = None) -> dict[str, Any]
     price, under the dollar cap; tokens always, under the token cap if one is set; the server's
     learned rate and how many answers were cut at their bound."""
     from agent.ledger import utc_day_start
-    from agent.llm import model_price
+    from agent.llm_prices import model_price
 
     agent = lab.config.agent
     model, price = model_price(agent)

@@ -117,7 +117,7 @@ class InvalidOutput(AgentError, ValueError):
 
 
 class RequestCut(AgentError):
-    """A request given up on a timeout; `answer` (an `agent.llm.Answer`) holds what arrived, `key` the
+    """A request given up on a timeout; `answer` (an `agent.llm_answers.Answer`) holds what arrived, `key` the
     `[agent]` key that cut it."""
 
     def __init__(self, answer: Any, key: str, message: str):

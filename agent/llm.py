@@ -37,10 +37,8 @@ import json
 import logging
 import os
 import random
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -59,6 +57,8 @@ from agent.errors import (  # noqa: F401 (re-exported: the client raises them)
     TokenBudgetExceeded,
 )
 from agent.ledger import Ledger, LLMCall, ServerRate, utc_day_start
+from agent.llm_answers import Answer, Assembly, extract_json_object, read_whole, validate, whole_answer  # noqa: F401
+from agent.llm_prices import PRICES, Price, price_for, resolve_model  # noqa: F401 (Price, price_for: re-exported)
 
 if TYPE_CHECKING:
     from openai import OpenAI
@@ -69,36 +69,6 @@ Mode = Literal["json_schema", "tool", "text"]
 MODES: tuple[Mode, ...] = ("json_schema", "tool", "text")
 RETRYABLE_STATUS = frozenset({408, 409, 429})  # and every 5xx
 
-
-@dataclass(frozen=True)
-class Price:
-    """USD per million tokens, input (prompt) and output (completion)."""
-
-    input_per_mtok: float
-    output_per_mtok: float
-
-    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        return (prompt_tokens * self.input_per_mtok + completion_tokens * self.output_per_mtok) / 1e6
-
-
-# OpenAI's list prices as of PRICES_AS_OF; a dated model name ("gpt-4.1-mini-2025-04-14") matches its
-# longest listed prefix. Any other model has no price: its spend is counted in tokens, not guessed in
-# dollars (a model on the team's own server costs no dollars per token; `[agent] price_per_mtok`
-# prices one that does).
-PRICES_AS_OF = "2025-08-07"
-PRICES: dict[str, Price] = {
-    "gpt-5": Price(1.25, 10.00),
-    "gpt-5-mini": Price(0.25, 2.00),
-    "gpt-5-nano": Price(0.05, 0.40),
-    "gpt-4.1": Price(2.00, 8.00),
-    "gpt-4.1-mini": Price(0.40, 1.60),
-    "gpt-4.1-nano": Price(0.10, 0.40),
-    "gpt-4o": Price(2.50, 10.00),
-    "gpt-4o-mini": Price(0.15, 0.60),
-    "o3": Price(2.00, 8.00),
-    "o3-mini": Price(1.10, 4.40),
-    "o4-mini": Price(1.10, 4.40),
-}
 
 # The answer's bound per purpose (`max_tokens`), overridable in `[agent.max_output_tokens]`: a
 # proposal and a decision are a few hundred tokens of JSON, edits carry whole search/replace blocks.
@@ -112,90 +82,6 @@ IDLE_TIMEOUT_S = 120.0
 # server may slow down), and is never below MIN_ANSWER_TOKENS (less holds no useful answer).
 FIT_SHARE = 0.8
 MIN_ANSWER_TOKENS = 256
-
-
-def price_for(model: str, prices: Mapping[str, Price] = PRICES) -> Price | None:
-    """The price of `model`: exact name, else the longest listed prefix, else None (no known price).
-
-    A provider prefix ("openai/gpt-4.1-mini", as routers spell it) is ignored.
-    """
-    name = model.rsplit("/", 1)[-1]
-    if name in prices:
-        return prices[name]
-    prefixes = [p for p in prices if name.startswith(p)]
-    return prices[max(prefixes, key=len)] if prefixes else None
-
-
-def lab_price(agent: Any) -> Price | None:
-    """The price the lab sets for its model (`[agent] price_per_mtok`), or None."""
-    p = agent.price_per_mtok
-    return None if p is None else Price(p.input, p.output)
-
-
-def model_price(agent: Any, env: Mapping[str, str] | None = None) -> tuple[str, Price | None]:
-    """The model the lab's `[agent]` section runs (`AUTORESEARCH_MODEL` first) and its price: the
-    lab's own, else the listed one, else None (its spend is counted in tokens)."""
-    model = resolve_model(agent.model, env)
-    return model, lab_price(agent) or price_for(model)
-
-
-@dataclass
-class Answer:
-    """One answer as the client uses it, streamed or sent whole.
-
-    `text` holds the JSON (the forced tool call's arguments, else the content); tokens are the
-    server's `usage`, None where it gave none; `pieces` counts the streamed deltas that carried text
-    (about one token each); `first_token_s` is None when nothing streamed. `completion` is the answer
-    as one chat completion (a stream assembled), what the ledger keeps."""
-
-    text: str = ""
-    refusal: str | None = None
-    finish_reason: str | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    pieces: int = 0
-    first_token_s: float | None = None
-    completion: dict[str, Any] | None = None
-
-
-def resolve_model(configured: str, env: Mapping[str, str] | None = None) -> str:
-    """The model to use: `AUTORESEARCH_MODEL` when set, else research.toml's `[agent] model`."""
-    return (env if env is not None else os.environ).get("AUTORESEARCH_MODEL") or configured
-
-
-_FENCE = re.compile(r"```[A-Za-z0-9_-]*[ \t]*\n?(.*?)```", re.DOTALL)
-_MAX_DECODE_STARTS = 200
-
-
-def extract_json_object(text: str) -> dict[str, Any]:
-    """The first JSON object in a model's answer: inside a code fence if there is one, else anywhere.
-
-    Raises `InvalidOutput` with the parser's message, which is what the model needs to fix it.
-    """
-    decoder = json.JSONDecoder()
-    first_error: str | None = None
-    for chunk in [m.group(1) for m in _FENCE.finditer(text)] + [text]:
-        starts = [i for i, ch in enumerate(chunk) if ch == "{"][:_MAX_DECODE_STARTS]
-        for i in starts:
-            try:
-                obj, _end = decoder.raw_decode(chunk, i)
-            except json.JSONDecodeError as e:
-                first_error = first_error or f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-                continue
-            if isinstance(obj, dict):
-                return obj
-    raise InvalidOutput(first_error or "no JSON object found in the answer")
-
-
-def validate(obj: Any, schema: Mapping[str, Any]) -> None:
-    """Raise `InvalidOutput` naming where `obj` breaks `schema` (JSON Schema 2020-12)."""
-    from jsonschema import Draft202012Validator
-
-    errors = sorted(Draft202012Validator(schema).iter_errors(obj), key=lambda e: list(e.absolute_path))
-    if errors:
-        lines = [f"at {'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in errors[:5]]
-        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-        raise InvalidOutput("the JSON does not match the schema: " + "; ".join(lines) + more)
 
 
 def _retry_after(headers: Mapping[str, str] | None) -> float | None:
@@ -525,14 +411,14 @@ class LLMClient:
         Raises `RequestCut` on a timeout, with what arrived; the SDK's errors otherwise."""
         import openai
 
-        assembly = _Assembly(started)
+        assembly = Assembly(started)
         read_s = min(self.idle_timeout_s, self.timeout_s)  # the longest wait for any byte
         try:
             raw = self._openai.chat.completions.with_raw_response.create(**body, timeout=openai.Timeout(read_s))
             call.status_code = raw.http_response.status_code
             if "text/event-stream" not in raw.http_response.headers.get("content-type", ""):
-                call.response_text = _read_whole(raw.http_response)
-                return _whole_answer(call.response_text)
+                call.response_text = read_whole(raw.http_response)
+                return whole_answer(call.response_text)
             stream = raw.parse()
             try:
                 for chunk in stream:
@@ -578,102 +464,6 @@ class LLMClient:
         self.ledger.record(call)
 
 
-def _read_whole(response: Any) -> str:
-    """The body of an answer sent whole; a read that fails is a dropped connection."""
-    import openai
-
-    try:
-        return response.read().decode("utf-8", "replace")
-    except Exception as e:  # the transport's own error types differ between SDK versions
-        raise openai.APIConnectionError(message=f"reading the answer: {e}", request=response.request) from e
-
-
-def _whole_answer(text: str) -> Answer:
-    """An answer sent as one chat completion (a server that ignores `stream`), read as leniently as
-    the SDK reads one."""
-    from openai.types.chat import ChatCompletion
-
-    try:
-        data = json.loads(text)
-        completion = ChatCompletion.construct(**data)
-        choice = completion.choices[0]
-        usage = completion.usage
-        return Answer(text=_answer_text(choice.message), refusal=getattr(choice.message, "refusal", None),
-                      finish_reason=choice.finish_reason, prompt_tokens=usage.prompt_tokens if usage else None,
-                      completion_tokens=usage.completion_tokens if usage else None, completion=data)
-    except Exception as e:
-        raise MalformedAnswer(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-
-
-class _Assembly:
-    """A streamed answer put back together, chunk by chunk: content, refusal, tool-call arguments,
-    the finish reason, the usage chunk, and when the first token came."""
-
-    def __init__(self, started: float):
-        self.started = started
-        self.first_token_s: float | None = None
-        self.content: list[str] = []
-        self.refusal: list[str] = []
-        self.tools: dict[int, dict[str, Any]] = {}
-        self.finish_reason: str | None = None
-        self.usage: Any = None
-        self.pieces = 0
-        self.choices = 0  # chunks that carried the first choice
-        self.head: dict[str, Any] = {}
-
-    def add(self, chunk: Any) -> None:
-        if not hasattr(chunk, "choices"):
-            raise MalformedAnswer(f"a stream event that is no chat completion chunk: {str(chunk)[:100]}")
-        self.head = self.head or {"id": chunk.id, "model": chunk.model, "created": chunk.created}
-        if chunk.usage is not None:
-            self.usage = chunk.usage
-        choice = next((c for c in chunk.choices or [] if c.index == 0), None)
-        if choice is None:
-            return
-        self.choices += 1
-        delta = choice.delta
-        wrote = False
-        if delta.content:
-            self.content.append(delta.content)
-            wrote = True
-        if getattr(delta, "refusal", None):
-            self.refusal.append(delta.refusal)
-            wrote = True
-        for t in delta.tool_calls or []:
-            slot = self.tools.setdefault(t.index, {"id": None, "name": "", "arguments": []})
-            slot["id"] = slot["id"] or t.id
-            if t.function is not None:
-                slot["name"] += t.function.name or ""
-                if t.function.arguments:
-                    slot["arguments"].append(t.function.arguments)
-                    wrote = True
-        if wrote:
-            self.pieces += 1
-            if self.first_token_s is None:
-                self.first_token_s = time.monotonic() - self.started
-        self.finish_reason = choice.finish_reason or self.finish_reason
-
-    def answer(self) -> Answer:
-        content = "".join(self.content)
-        calls = [{"id": t["id"], "type": "function",
-                  "function": {"name": t["name"], "arguments": "".join(t["arguments"])}}
-                 for _, t in sorted(self.tools.items())]
-        message: dict[str, Any] = {"role": "assistant", "content": content if self.content or not calls else None,
-                                   "refusal": "".join(self.refusal) or None}
-        if calls:
-            message["tool_calls"] = calls
-        usage = self.usage
-        completion = {**self.head, "object": "chat.completion",
-                      "choices": [{"index": 0, "message": message, "finish_reason": self.finish_reason}]
-                      if self.choices else [],
-                      "usage": usage.model_dump(mode="json", exclude_unset=True) if usage is not None else None}
-        text = next((c["function"]["arguments"] for c in calls if c["function"]["arguments"]), content)
-        return Answer(text=text, refusal=message["refusal"], finish_reason=self.finish_reason,
-                      prompt_tokens=usage.prompt_tokens if usage is not None else None,
-                      completion_tokens=usage.completion_tokens if usage is not None else None,
-                      pieces=self.pieces, first_token_s=self.first_token_s, completion=completion)
-
-
 def _mode_rejection(mode: Mode, status: int, message: str) -> bool | None:
     """Whether an error means "this endpoint can't do this mode": None if not; True if it said so.
 
@@ -698,15 +488,6 @@ def _error_message(e: Any) -> str:
         if isinstance(inner, dict) and isinstance(inner.get("message"), str):
             return inner["message"]
     return str(getattr(e, "message", e))
-
-
-def _answer_text(message: Any) -> str:
-    """The text holding the JSON: the forced tool call's arguments, else the message content."""
-    for call in getattr(message, "tool_calls", None) or []:
-        function = getattr(call, "function", None)
-        if function is not None and function.arguments:
-            return str(function.arguments)
-    return message.content or ""
 
 
 def _append_to_last_user(messages: list[Mapping[str, Any]], text: str) -> list[Mapping[str, Any]]:

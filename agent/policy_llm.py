@@ -168,7 +168,8 @@ class LLMPolicy:
 def make(lab: Any, store: Any) -> LLMPolicy:
     """The registry's factory: `NotConfigured` without an endpoint (OPENAI_BASE_URL / OPENAI_API_KEY)."""
     from agent.ledger import Ledger
-    from agent.llm import LLMClient, lab_price
+    from agent.llm import LLMClient
+    from agent.llm_prices import lab_price
 
     if not LLMClient.configured():
         raise NotConfigured("no LLM endpoint: set OPENAI_BASE_URL and/or OPENAI_API_KEY")
