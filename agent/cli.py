@@ -175,7 +175,7 @@ def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
     """Validate the lab (research.toml, harness, tasks, editable files) and summarise it."""
     import subprocess
 
-    from agent.notify import check_urls
+    from agent.notify_targets import check_urls
     from pipeline.api import load_lab
 
     lab = load_lab(Ctx.repo)

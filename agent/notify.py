@@ -37,24 +37,19 @@ What is left at exit (a back-off not yet over, a target down) is sent by the nex
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import re
-import socket
 import threading
 import time
-import urllib.parse
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import update
 from sqlmodel import select
 
 from agent.lifecycle import Decision, Review, Status
+from agent.notify_delivery import Scrubber, deliver
+from agent.notify_targets import Target, targets
 from agent.records import LoopEvent, Notification, NotifyTargetState, Records
-from pipeline.api import UserError
 
 log = logging.getLogger("autoresearch.notify")
 
@@ -63,7 +58,6 @@ DISK_CHECK_S = 60.0
 DISK_SHARE = 0.9
 DISK_REPEAT_S = 86400.0  # the disk warning at most once a day
 FLUSH_S = 10.0  # at close: how long the loop waits for due notifications to go out
-ERROR_MAX = 300
 
 TITLES = {
     "plateau": "plateau", "llm_down": "LLM unreachable", "llm_up": "LLM reachable again",
@@ -74,149 +68,12 @@ TITLES = {
 
 
 SUBJECT_MAX = 200
-SECRET_MIN = 4  # a URL's path segment or query value shorter than this is no secret (and `***` would mangle words)
-ZWSP = "\u200b"  # breaks a mention or a link in a Slack-compatible text without a visible change
 STALE_CLAIM_TIMEOUTS = 10  # a claim older than this many timeouts is a sender that died mid-attempt
 
 
 def one_line(text: str) -> str:
     """A subject: an LLM-written title may hold line breaks, which an e-mail header refuses."""
     return " ".join(text.split())[:SUBJECT_MAX]
-
-
-# ----------------------------------------------------------------------------- targets
-
-@dataclass(frozen=True)
-class Target:
-    id: str
-    kind: str  # webhook | slack | email
-    where: str  # shown in status: no path, no query, no password
-    events: frozenset[str]
-    url: str | None = field(default=None, repr=False)
-    smtp_host: str | None = None
-    smtp_port: int = 587
-    starttls: bool = True
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-    sender: str | None = None
-    to: tuple[str, ...] = ()
-
-
-def cli_target(url: str) -> Any:
-    """`--notify URL` as a `[notify]` target: `https://…` (JSON webhook), `slack+https://…`
-    (Slack-compatible), `smtp://[user@]host[:port]?to=a@b,c@d&from=me@x&password_env=VAR&starttls=false`."""
-    from pydantic import ValidationError
-
-    from pipeline.api import NotifyTarget
-
-    def bad(why: str) -> UserError:
-        return UserError(f"--notify: {why}; expected https://… (JSON webhook), slack+https://… (Slack-compatible) "
-                           "or smtp://[user@]host[:port]?to=ADDR&from=ADDR[&password_env=VAR][&starttls=false]")
-
-    try:
-        if url.startswith(("http://", "https://")):
-            raw: dict[str, Any] = {"kind": "webhook", "url": url}
-        elif url.startswith(("slack+http://", "slack+https://")):
-            raw = {"kind": "slack", "url": url.removeprefix("slack+")}
-        elif url.startswith("smtp://"):
-            u = urllib.parse.urlsplit(url)
-            if u.password:
-                raise bad("no password in the URL (it would show in ps); name its variable with password_env")
-            q = {k: v[-1] for k, v in urllib.parse.parse_qs(u.query, strict_parsing=False).items()}
-            unknown = set(q) - {"to", "from", "password_env", "starttls"}
-            if unknown:
-                raise bad(f"unknown parameter {sorted(unknown)[0]!r}")
-            starttls = q.get("starttls", "true").lower()
-            if starttls not in ("true", "false", "1", "0"):
-                raise bad("starttls is true or false")
-            raw = {"kind": "email", "smtp_host": u.hostname, "smtp_port": u.port or 587,
-                   "to": [a for a in q.get("to", "").split(",") if a], "starttls": starttls in ("true", "1")}
-            if u.username:
-                raw["username"] = urllib.parse.unquote(u.username)
-            for key in ("from", "password_env"):
-                if key in q:
-                    raw[key] = q[key]
-        else:
-            raise bad("an unknown scheme")
-        return NotifyTarget.model_validate(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise bad(f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}") from None
-    except ValueError as e:  # a port that is not a number
-        raise bad(str(e)) from None
-
-
-def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
-
-
-def _user_info_refused(spec: Any, url: str) -> None:
-    """A URL with user info: its password would sit in every error that quotes the host (`urllib`'s
-    `nonnumeric port: 'PASSWORD@host'`). Refused in one line that does not echo the URL."""
-    try:
-        has_user_info = "@" in urllib.parse.urlsplit(url).netloc
-    except ValueError:  # a malformed host: said by the http(s) check
-        return
-    if has_user_info:
-        where = f"url_env {spec.url_env}" if spec.url_env else "url"
-        raise UserError(f"[notify] {spec.kind} target {spec.name or spec.url_env or spec.kind}: the {where} holds "
-                        "user info (user:password@host), refused: a password there would show in errors; "
-                        "use a webhook URL whose token is in its path")
-
-
-def check_urls(config: Any, env: dict[str, str]) -> None:
-    """`[notify]` checked without a run (for `autoresearch check`): a webhook or Slack URL (`url`, or
-    `url_env` where it is set) with user info is a `UserError`. An unset `url_env` is `run`'s to refuse."""
-    for spec in config.target:
-        if spec.kind == "email":
-            continue
-        url = spec.url if spec.url is not None else env.get(spec.url_env or "", "")
-        if url:
-            _user_info_refused(spec, url)
-
-
-def resolve(spec: Any, defaults: list[str], env: dict[str, str]) -> Target:
-    """A `[notify]` target (pipeline.lab.NotifyTarget) with its secrets read from `env`."""
-    events = frozenset(spec.events if spec.events is not None else defaults)
-    if spec.kind == "email":
-        password = None
-        if spec.password_env:
-            password = env.get(spec.password_env)
-            if not password:
-                raise UserError(f"[notify] e-mail target {spec.name or spec.smtp_host}: password_env "
-                                  f"{spec.password_env} is not set in the environment")
-        ident = f"{spec.smtp_host}:{spec.smtp_port}:{','.join(spec.to)}"
-        return Target(spec.name or f"email-{_short_hash(ident)}", "email",
-                      f"smtp {spec.smtp_host}:{spec.smtp_port} to {', '.join(spec.to)}", events,
-                      smtp_host=spec.smtp_host, smtp_port=spec.smtp_port, starttls=spec.starttls,
-                      username=spec.username, password=password, sender=spec.sender, to=tuple(spec.to))
-    if spec.url_env:
-        url = env.get(spec.url_env, "")
-        if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
-            raise UserError(f"[notify] {spec.kind} target {spec.name or spec.url_env}: url_env {spec.url_env} "
-                              "is not set to an http(s) URL in the environment")
-        _user_info_refused(spec, url)
-        parts = urllib.parse.urlsplit(url)
-        ident, where = f"env:{spec.url_env}", f"${spec.url_env} ({parts.hostname}" + (f":{parts.port})" if parts.port else ")")
-    else:
-        url = spec.url
-        _user_info_refused(spec, url)
-        ident = url
-        parts = urllib.parse.urlsplit(url)
-        where = f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return Target(spec.name or f"{spec.kind}-{_short_hash(ident)}", spec.kind, where, events, url=url)
-
-
-def targets(config: Any, cli_urls: list[str], env: dict[str, str]) -> list[Target]:
-    specs = list(config.target) + [cli_target(u) for u in cli_urls]
-    out: list[Target] = []
-    for spec in specs:
-        t = resolve(spec, list(config.events), env)
-        if any(o.id == t.id for o in out):
-            raise UserError(f"[notify] two targets named {t.id}; give each its own name")
-        out.append(t)
-    return out
 
 
 # ----------------------------------------------------------------------------- what to say
@@ -308,107 +165,6 @@ def digest_text(records: Records, store: Any, since: float) -> str:
 
 
 # ----------------------------------------------------------------------------- sending
-
-def url_secrets(url: str) -> set[str]:
-    """The parts of a URL that may hold a secret: the URL, its user info, user name and password (as
-    written and decoded), path, query and fragment, each path segment and query value of `SECRET_MIN`
-    characters or more. Not the scheme, host or port: `status` shows those."""
-    try:
-        u = urllib.parse.urlsplit(url)
-    except ValueError:
-        return {url}
-    found = {url, u.path, u.query, u.fragment, u.netloc.rpartition("@")[0]}
-    for part in (u.username, u.password):
-        found |= {part, urllib.parse.unquote(part)} if part else set()
-    for segment in u.path.split("/") + [v for pair in u.query.split("&") for v in pair.split("=")]:
-        if len(segment) >= SECRET_MIN:
-            found |= {segment, urllib.parse.unquote(segment)}
-    return {x for x in found if x and (len(x) >= SECRET_MIN or x in (u.password, u.username))}
-
-
-class Scrubber:
-    """Errors as they may be stored, logged and shown: every secret of the configured targets (their
-    URLs' parts, passwords) replaced by `***`, and any `scheme://user:password@` left masked too."""
-
-    USER_INFO = re.compile(r"(?<=://)[^\s/@]+@")
-
-    def __init__(self, targets_: list[Target]):
-        found: set[str] = set()
-        for t in targets_:
-            found |= url_secrets(t.url) if t.url else set()
-            found |= {t.password} if t.password else set()
-        self.secrets = sorted(found, key=len, reverse=True)  # the whole URL before its parts
-
-    def __call__(self, text: str) -> str:
-        for secret in self.secrets:
-            text = text.replace(secret, "***")
-        return " ".join(self.USER_INFO.sub("***@", text).split())[:ERROR_MAX]
-
-
-def slack_text(text: str) -> str:
-    """Text for a Slack-compatible receiver (Slack, Mattermost, Teams), shown as written and inert:
-    Slack's three escapes (`&`, `<`, `>`), and a zero-width space after each `<` (a `<!channel>`,
-    `<!here>`, `<@U1>` or `<url|text>` stays text even where a receiver decodes the escapes first),
-    after each `@` before a word (`@channel`, `@here`, `@everyone`, `@all`, `@user`: Mattermost's
-    mentions) and between `]` and `(` (a Markdown link or image, `[text](url)`)."""
-    text = text.replace("&", "&amp;").replace("<", "&lt;" + ZWSP).replace(">", "&gt;")
-    return re.sub(r"@(?=\w)", "@" + ZWSP, text).replace("](", "]" + ZWSP + "(")
-
-
-def idempotency_key(lab: str, row: Notification) -> str:
-    return hashlib.sha256(f"{lab}\0{row.key}\0{row.target}".encode()).hexdigest()[:32]
-
-
-def deliver(t: Target, row: Notification, lab: str, timeout: float) -> None:
-    """One attempt; raises on any failure. Every network operation is bounded by `timeout`."""
-    import urllib.request
-
-    idem = idempotency_key(lab, row)
-    text = row.body + (f"\n{row.link}" if row.link else "")
-    if t.kind in ("webhook", "slack"):
-        if t.kind == "slack":  # inert text; the subject in bold; our own link the one link
-            payload: dict[str, Any] = {"text": f"*{slack_text(row.subject)}*\n{slack_text(row.body)}"
-                                               + (f"\n<{row.link}|open the review page>" if row.link else "")}
-        else:
-            payload = {"event": row.kind, "key": row.key, "lab": lab, "subject": row.subject, "text": row.body,
-                       "link": row.link, "created_at": row.created_at, "idempotency_key": idem}
-        req = urllib.request.Request(t.url or "", data=json.dumps(payload).encode(), method="POST", headers={
-            "Content-Type": "application/json", "Idempotency-Key": idem, "User-Agent": "autoresearch-notify"})
-        with _no_redirects().open(req, timeout=timeout) as resp:
-            resp.read(65536)
-        return
-    import smtplib
-    import ssl
-    from email.message import EmailMessage
-    from email.utils import formatdate
-
-    msg = EmailMessage()
-    msg["Subject"] = row.subject
-    msg["From"] = t.sender or f"autoresearch@{socket.gethostname()}"
-    msg["To"] = ", ".join(t.to)
-    msg["Date"] = formatdate(row.created_at, localtime=True)
-    msg["Message-ID"] = f"<{idem}@autoresearch>"
-    msg["X-Autoresearch-Event"] = row.kind
-    msg.set_content(text)
-    with smtplib.SMTP(t.smtp_host or "", t.smtp_port, timeout=timeout) as smtp:
-        if t.starttls:
-            smtp.starttls(context=ssl.create_default_context())
-        if t.username:
-            smtp.login(t.username, t.password or "")
-        smtp.send_message(msg)
-
-
-def _no_redirects() -> Any:
-    """An opener for which a 3xx answer is a failed attempt: followed, the POST would become a
-    body-less GET to wherever `Location` points (an internal host too) and count as delivered."""
-    import urllib.request
-
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-            return None
-
-    return urllib.request.build_opener(NoRedirect)
-
 
 class Sender:
     """The delivering half: a daemon thread working the outbox (see the module's docstring)."""

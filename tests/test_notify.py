@@ -526,7 +526,7 @@ def test_a_targets_rate_limit_holds_the_rest_back_and_the_next_start_keeps_count
 
 
 def test_notify_urls_parse_into_targets_that_show_no_secret() -> None:
-    from agent.notify import cli_target, resolve
+    from agent.notify_targets import cli_target, resolve
 
     spec = cli_target("smtp://bot@127.0.0.1:2525?to=a@b.example,c@d.example&from=x@y.example"
                       "&password_env=NOTIFY_PW&starttls=false")
@@ -594,7 +594,7 @@ def test_a_title_with_line_breaks_reaches_e_mail_as_one_line(tmp_path: Path, mai
 
 
 def test_a_url_from_the_environment_is_shown_by_its_host_alone() -> None:
-    from agent.notify import resolve
+    from agent.notify_targets import resolve
     from pipeline.lab import NotifyTarget
 
     t = resolve(NotifyTarget(kind="webhook", url_env="HOOK"), ["hold"], {"HOOK": "https://hooks.example:8443/x/T0K3N"})
@@ -610,7 +610,7 @@ def test_a_url_with_user_info_is_refused_in_one_line(tmp_path: Path) -> None:
     """Its password would sit in every error quoting the host: `run` refuses it (`url_env`, `url` or
     `--notify`) in one line, exit code 2, the secret not echoed; `check_urls` (for `check`)
     refuses it too, and leaves an unset `url_env` to `run`."""
-    from agent.notify import check_urls
+    from agent.notify_targets import check_urls
     from pipeline.errors import UserError
     from pipeline.lab import load_lab
 
@@ -644,7 +644,8 @@ def test_an_error_is_stored_and_shown_without_any_part_of_the_urls(tmp_path: Pat
     the real sender's errors — urllib's `nonnumeric port: 'PASSWORD@host'`, a server's reason phrase
     quoting the URL's path — are stored with every part of the configured URLs scrubbed, so neither
     `status` (text and JSON, `last_error` and the `notify_dead` event) nor the review page shows them."""
-    from agent.notify import Outbox, Sender, Target
+    from agent.notify import Outbox, Sender
+    from agent.notify_targets import Target
     from agent.records import Records
     from pipeline import experiment
     from pipeline.lab import load_lab
