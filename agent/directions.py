@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.lifecycle import Decision, Status
+from agent.verdicts import latest_verdict
 from pipeline.api import RunStatus
 
 CONFIG_FILE = "config.toml"
@@ -131,7 +132,6 @@ class Group:
 
 def group_directions(workspace: Any, store: Any, records: Any) -> list[Group]:
     """Every proposed hypothesis in its direction's group; groups in order of first appearance."""
-    from agent.verdicts import latest_verdict
 
     groups: dict[tuple[str, ...], Group] = {}
     for h in records.all():

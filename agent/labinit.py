@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+import git
+
 from pipeline.api import BASELINE_BRANCH, CONFIG_NAME, UserError, load_lab, parse_config
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "pipeline" / "templates"
@@ -41,7 +43,6 @@ def init_lab(directory: str | Path, suite: str | None = None, force: bool = Fals
     The working tree stays on `main`: the loop measures commits in worktrees of its own, and
     promotions move the baseline branch without touching what a researcher has checked out.
     """
-    import git
 
     from pipeline.api import harness_suites
 

@@ -31,14 +31,21 @@ import math
 import os
 import posixpath
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import requests
+
 from agent.directions import changed_keys, direction_of, label
 from agent.lifecycle import Status
+from agent.pictures import forest_path
 from agent.records import Hypothesis, Records
+from agent.summary import summary_path
+from agent.workspace import Workspace
 from pipeline.api import ServiceUnavailable
 
 log = logging.getLogger("autoresearch.mlflow")
@@ -119,7 +126,6 @@ class Exporter:
             from pipeline.api import UserError
 
             raise UserError("export mlflow needs MLflow: pip install -e '.[mlflow]'") from None
-        from agent.workspace import Workspace
 
         self.lab, self.store = lab, store
         self.records = Records(store)
@@ -150,7 +156,6 @@ class Exporter:
 
     @staticmethod
     def _call(fn: Any, *args: Any, what: str) -> Any:
-        import requests
         from mlflow.exceptions import MlflowException
 
         try:
@@ -192,7 +197,6 @@ class Exporter:
 
     def export(self, h: Hypothesis) -> str:
         """Create or update the hypothesis's run and its nested runs; returns the parent run's id."""
-        import requests
         from mlflow.exceptions import MlflowException
 
         if h.promoted_tag:  # a new champion's points: read afresh
@@ -284,8 +288,6 @@ class Exporter:
         return out
 
     def _artifacts(self, run_id: str, h: Hypothesis) -> None:
-        from agent.pictures import forest_path
-        from agent.summary import summary_path
 
         have = {a.path for a in self.client.list_artifacts(run_id)}
         for path in (summary_path(self.lab, h.id), forest_path(self.lab, h.id)):
@@ -294,8 +296,6 @@ class Exporter:
                 self._log_as(run_id, path, name)
 
     def _log_as(self, run_id: str, path: Path, name: str) -> None:
-        import shutil
-        import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             dst = Path(tmp) / name

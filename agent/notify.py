@@ -38,8 +38,10 @@ What is left at exit (a back-off not yet over, a target down) is sent by the nex
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import urllib.error
 from collections import deque
 from typing import Any
 
@@ -49,7 +51,7 @@ from sqlmodel import select
 from agent.lifecycle import Decision, Review, Status
 from agent.notify_delivery import Scrubber, deliver
 from agent.notify_targets import Target, targets
-from agent.records import LoopEvent, Notification, NotifyTargetState, Records
+from agent.records import ACTIVE, LoopEvent, Notification, NotifyTargetState, Records
 
 log = logging.getLogger("autoresearch.notify")
 
@@ -143,7 +145,6 @@ class Outbox:
 
 def digest_text(records: Records, store: Any, since: float) -> str:
     """The daily digest, in a few lines (`autoresearch digest` has the full one)."""
-    from agent.records import ACTIVE
 
     hyps = records.all()
     recent = [h for h in hyps if (h.finished_at or h.updated_at) >= since]
@@ -291,7 +292,6 @@ class Sender:
             self.outbox.woken.clear()
 
     def _send_due(self, flush: bool = False) -> None:
-        import urllib.error
 
         for row in self._due():
             if flush and time.monotonic() > self.flush_until:
@@ -358,7 +358,6 @@ class Sender:
 def attach(lab: Any, store: Any, records: Records, cli_urls: list[str] | None = None,
            env: dict[str, str] | None = None) -> Sender | None:
     """The loop's notifications: the outbox on `records` and its sender started; None if no target."""
-    import os
 
     cfg = lab.config.notify
     ts = targets(cfg, list(cli_urls or []), dict(os.environ) if env is None else env)

@@ -8,8 +8,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import smtplib
 import socket
+import ssl
 import urllib.parse
+import urllib.request
+from email.message import EmailMessage
+from email.utils import formatdate
 from typing import Any
 
 from agent.notify_targets import Target
@@ -72,7 +77,6 @@ def idempotency_key(lab: str, row: Notification) -> str:
 
 def deliver(t: Target, row: Notification, lab: str, timeout: float) -> None:
     """One attempt; raises on any failure. Every network operation is bounded by `timeout`."""
-    import urllib.request
 
     idem = idempotency_key(lab, row)
     text = row.body + (f"\n{row.link}" if row.link else "")
@@ -88,10 +92,6 @@ def deliver(t: Target, row: Notification, lab: str, timeout: float) -> None:
         with _no_redirects().open(req, timeout=timeout) as resp:
             resp.read(65536)
         return
-    import smtplib
-    import ssl
-    from email.message import EmailMessage
-    from email.utils import formatdate
 
     msg = EmailMessage()
     msg["Subject"] = row.subject
@@ -112,7 +112,6 @@ def deliver(t: Target, row: Notification, lab: str, timeout: float) -> None:
 def _no_redirects() -> Any:
     """An opener for which a 3xx answer is a failed attempt: followed, the POST would become a
     body-less GET to wherever `Location` points (an internal host too) and count as delivered."""
-    import urllib.request
 
     class NoRedirect(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, *args: Any, **kwargs: Any) -> None:

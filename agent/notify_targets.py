@@ -10,7 +10,9 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.api import UserError
+from pydantic import ValidationError
+
+from pipeline.api import NotifyTarget, UserError
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,7 @@ class Target:
 def cli_target(url: str) -> Any:
     """`--notify URL` as a `[notify]` target: `https://…` (JSON webhook), `slack+https://…`
     (Slack-compatible), `smtp://[user@]host[:port]?to=a@b,c@d&from=me@x&password_env=VAR&starttls=false`."""
-    from pydantic import ValidationError
 
-    from pipeline.api import NotifyTarget
 
     def bad(why: str) -> UserError:
         return UserError(f"--notify: {why}; expected https://… (JSON webhook), slack+https://… (Slack-compatible) "

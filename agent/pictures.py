@@ -27,14 +27,21 @@ PostgreSQL: 85.5 % slot utilisation drawing in the loop's thread, 95.5 % not dra
 
 from __future__ import annotations
 
+import io
 import logging
+import math
+import multiprocessing
 import os
 import threading
+from concurrent.futures import ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.lifecycle import Decision, Status
+from agent.progress import split_progress
+from agent.verdicts import latest_verdicts, verdicts
 
 log = logging.getLogger("autoresearch.pictures")
 
@@ -91,7 +98,6 @@ def _decision(h: Any) -> str:
 
 def progress_points(store: Any, records: Any) -> list[Point]:
     """Every proposed hypothesis, in order, with its levels from its latest gate record."""
-    from agent.verdicts import latest_verdicts
 
     points = []
     latest = latest_verdicts(store)
@@ -295,7 +301,6 @@ def write_forest(lab: Any, hid: int, title: str, result: Any) -> Path:
 
 
 def write_progress(lab: Any, store: Any, records: Any, splits: dict | None = None) -> Path:
-    from agent.progress import split_progress
 
     bench = lab.config.benchmark
     if splits is None:
@@ -341,7 +346,6 @@ class Painter:
         return path
 
     def write_progress(self, lab: Any, store: Any, records: Any) -> Path:
-        from agent.progress import split_progress
 
         bench, path = lab.config.benchmark, progress_path(lab)
         self._submit(_paint_progress, progress_points(store, records), str(path), lab.config.lab.name, bench.metric,
@@ -349,9 +353,6 @@ class Painter:
         return path
 
     def _submit(self, fn: Any, *args: Any) -> None:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-        from concurrent.futures.process import BrokenProcessPool
 
         with self._lock:
             self._reap()
@@ -369,8 +370,6 @@ class Painter:
     def _reap(self, wait_s: float = 0.0) -> None:
         """Say what failed among the pictures asked for; draw here those a dead worker took with it;
         keep those not done yet."""
-        from concurrent.futures import wait
-        from concurrent.futures.process import BrokenProcessPool
 
         if wait_s and self._pending:
             wait([f for f, _, _ in self._pending], timeout=wait_s)
@@ -443,7 +442,6 @@ def seed_view(lab: Any, store: Any, h: Any) -> SeedView | None:
     exp = Experiment(lab, store)
     base = exp.results(h.base_commit, tasks)  # both are full shas in the records
     chal = exp.results(h.commit, tasks)
-    from agent.verdicts import verdicts
 
     recs = verdicts(store, h.id)
     alpha = float((recs[-1].alpha if recs else None) or lab.config.gate.alpha)
@@ -457,7 +455,6 @@ def seed_view(lab: Any, store: Any, h: Any) -> SeedView | None:
 
 def mean_ci(values: list[float], level: float) -> tuple[float, float | None, float | None]:
     """The mean and its two-sided t interval at `level` (no interval under 2 values)."""
-    import math
 
     n = len(values)
     m = sum(values) / n
@@ -473,7 +470,6 @@ def mean_ci(values: list[float], level: float) -> tuple[float, float | None, flo
 def draw_seeds(view: SeedView) -> bytes:
     """Per task: each seed's baseline (grey) and challenger (blue) run, the pair joined by a line,
     dashed lines at the looks' seed counts, and each arm's mean ± interval at the right. PNG bytes."""
-    import io
 
     n_tasks = max(len(view.tasks), 1)
     cols = min(n_tasks, 2)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from agent.errors import NotConfigured
 from agent.workspace import FileEdit
-from pipeline.api import Registry
+from pipeline.api import Registry, UserError
 
 CONFIG_FILE = "config.toml"
 
@@ -95,8 +95,6 @@ POLICIES: Registry[PolicyFactory] = Registry("policy", {"llm": "agent.policy_llm
 
 def make_policy(lab: Any, store: Any, name: str | None = None) -> Policy:
     """The policy `name`, or the first configured one (the LLM with an endpoint, else offline)."""
-    from pipeline.api import UserError
-
     if name is not None:
         factory = POLICIES.get(name)
         try:
@@ -108,9 +106,7 @@ def make_policy(lab: Any, store: Any, name: str | None = None) -> Policy:
             return POLICIES.get(each)(lab, store)
         except NotConfigured:
             continue
-    from agent.policy_offline import OfflinePolicy
-
-    return OfflinePolicy()
+    return POLICIES.get("offline")(lab, store)  # always configured
 
 
 def llm_client(policy: Any) -> Any:

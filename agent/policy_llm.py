@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from agent import prompts
 from agent.errors import NotConfigured
+from agent.ledger import Ledger
 from agent.lifecycle import Decision
+from agent.llm import LLMClient
+from agent.llm_prices import lab_price
 from agent.policy import Choice, Context, Feedback, Proposal
 from agent.workspace import EditRejected, FileEdit
-
 
 PROPOSAL_SCHEMA = {
     "type": "object",
@@ -69,13 +72,11 @@ def decision_schema(allowed: list[str]) -> dict[str, Any]:
 
 
 def _md_files(files: dict[str, str]) -> str:
-    from agent import prompts
 
     return "\n\n".join(prompts.phrase("file_block", path=p, text=t) for p, t in sorted(files.items()))
 
 
 def history_table(history: list[dict[str, Any]]) -> str:
-    from agent import prompts
 
     if not history:
         return prompts.phrase("none_yet")
@@ -89,7 +90,6 @@ def history_table(history: list[dict[str, Any]]) -> str:
 
 def choices_text(allowed: list[str]) -> str:
     """The decisions allowed at this look, each with what it does (prompts/phrases.toml)."""
-    from agent import prompts
 
     return "\n".join(prompts.phrase("choice_item", text=prompts.phrase(f"choice_{a}")) for a in allowed)
 
@@ -104,14 +104,12 @@ class LLMPolicy:
         self.client = client
 
     def _messages(self, ctx: Context, name: str, **values: Any) -> list[dict[str, str]]:
-        from agent import prompts
 
         system = prompts.render("system", lab_name=ctx.lab_name, editable=prompts.md_list(ctx.editable),
                                 metric=ctx.metric)
         return [{"role": "system", "content": system}, {"role": "user", "content": prompts.render(name, **values)}]
 
     def propose(self, ctx: Context) -> Proposal | None:
-        from agent import prompts
 
         msgs = self._messages(
             ctx, "propose", program=ctx.program, metric=ctx.metric, tasks=prompts.md_list(ctx.tasks),
@@ -126,7 +124,6 @@ class LLMPolicy:
                         notes=out["change"].strip())
 
     def implement(self, ctx: Context, hyp: Any, feedback: Feedback | None) -> list[FileEdit]:
-        from agent import prompts
 
         msgs = self._messages(
             ctx, "implement", title=hyp.title, rationale=hyp.rationale, expected_effect=hyp.expected_effect,
@@ -149,7 +146,6 @@ class LLMPolicy:
         return edits
 
     def decide(self, ctx: Context, hyp: Any, verdict: str, evidence: str, allowed: list[str], look: str) -> Choice:
-        from agent import prompts
 
         msgs = self._messages(
             ctx, "decide", title=hyp.title, rationale=hyp.rationale,
@@ -167,9 +163,6 @@ class LLMPolicy:
 
 def make(lab: Any, store: Any) -> LLMPolicy:
     """The registry's factory: `NotConfigured` without an endpoint (OPENAI_BASE_URL / OPENAI_API_KEY)."""
-    from agent.ledger import Ledger
-    from agent.llm import LLMClient
-    from agent.llm_prices import lab_price
 
     if not LLMClient.configured():
         raise NotConfigured("no LLM endpoint: set OPENAI_BASE_URL and/or OPENAI_API_KEY")

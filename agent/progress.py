@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 from agent.lifecycle import Decision
+from pipeline.api import baseline_number
 
 log = logging.getLogger("autoresearch.progress")
 
@@ -28,7 +29,6 @@ def champions(records: Any) -> list[tuple[str, str, int | None]]:
         return []
     promoted = [h for h in hyps if h.decision == Decision.PROMOTE and h.promoted_tag and h.commit]
 
-    from pipeline.api import baseline_number
 
     def number(h: Any) -> int:
         n = baseline_number(h.promoted_tag)

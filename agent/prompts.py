@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.resources
 import re
 import string
+import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -90,7 +91,6 @@ def render(name: str, directory: Path | None = None, /, **values: Any) -> str:
 
 @lru_cache(maxsize=8)
 def _phrases_cached(path: Path, mtime_ns: int) -> dict[str, Template]:
-    import tomllib
 
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))

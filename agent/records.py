@@ -16,7 +16,9 @@ from sqlalchemy import JSON, Column, String, Text, UniqueConstraint
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel, select
 
+from agent import verdicts
 from agent.lifecycle import Decision, Review, ReviewAction, Status  # noqa: F401 (re-exported: the column vocabularies)
+from agent.verdicts import DECISION, DecisionRecord
 from pipeline.api import Store, create_schema
 
 if TYPE_CHECKING:
@@ -220,24 +222,20 @@ class Records:
 
     # the gate records of a hypothesis, typed (agent/verdicts.py) ----------------------------
     def verdicts(self, hid: int) -> list[GateResult]:
-        from agent import verdicts
 
         return verdicts.verdicts(self.store, hid)
 
     def latest_verdict(self, hid: int) -> GateResult | None:
-        from agent import verdicts
 
         return verdicts.latest_verdict(self.store, hid)
 
     def verdict_at(self, hid: int, look: int) -> GateResult | None:
-        from agent import verdicts
 
         return verdicts.verdict_at(self.store, hid, look)
 
     # the agent's decisions (its own table) ------------------------------------------------
     def decisions(self, hid: int | str) -> list[DecisionRecord]:
         """The hypothesis's decisions in look order (`hid` may be an archived key, `<id>@<base>`)."""
-        from agent.verdicts import DecisionRecord
 
         with self.store.session() as s:
             rows = s.exec(select(DecisionRow).where(DecisionRow.hypothesis == str(hid)).order_by(DecisionRow.look))
@@ -281,7 +279,6 @@ class Records:
         constraint taken, and leaves it to the first."""
         from sqlalchemy.exc import IntegrityError
 
-        from agent.verdicts import DECISION, DecisionRecord
         from pipeline.api import GateRecord
 
         with self.store.session() as s:

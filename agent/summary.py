@@ -31,10 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent import pictures, prompts
 from agent.errors import LLMError
 from agent.lifecycle import Decision, Status
+from agent.pictures import forest_path, progress_path
+from agent.policy import llm_client
+from agent.progress import split_progress
 from agent.records import Hypothesis
-from pipeline.api import UNSANDBOXED, is_sandboxed
+from pipeline.api import SEED_BLOCK, UNSANDBOXED, RunStatus, StageOutcome, is_sandboxed
 
 log = logging.getLogger("autoresearch.summary")
 
@@ -69,7 +73,6 @@ def latest_result(svc: Any, h: Hypothesis) -> Any:
 def compute_line(svc: Any, h: Hypothesis) -> str:
     if not h.commit:
         return "none"
-    from pipeline.api import SEED_BLOCK, RunStatus, StageOutcome
 
     # a promoted champion's own re-verification runs (the next seed block) are not challenger runs
     block = svc.experiment.challenger_seeds(h.base_commit, SEED_BLOCK) if h.base_commit else range(0)
@@ -233,7 +236,6 @@ def _diff_parts(svc: Any, h: Hypothesis) -> tuple[str, str, list[str]]:
 
 
 def _decision_line(h: Hypothesis) -> str:
-    from agent import prompts
 
     if h.decision == Decision.REJECT:
         return prompts.phrase("decision_rejected", kind=h.reject_kind)
@@ -258,7 +260,6 @@ def _decision_rationale_md(h: Hypothesis) -> str:
 
 def metric_line(cfg: Any) -> str:
     """The metric and its direction: a summary's Δ reads the wrong way round without it."""
-    from agent import prompts
 
     direction = prompts.phrase("higher" if cfg.benchmark.higher_is_better else "lower")
     return prompts.phrase("metric", metric=cfg.benchmark.metric, direction=direction)
@@ -267,8 +268,6 @@ def metric_line(cfg: Any) -> str:
 def llm_prose(svc: Any, h: Hypothesis, result: Any, evidence: str, diff_stat: str, diff: str,
               compute: str, fallback: Prose) -> Prose:
     """The LLM's prose, checked number by number against what it was shown; else `fallback`."""
-    from agent import prompts
-    from agent.policy import llm_client
 
     client = llm_client(svc.policy)
     cfg = svc.lab.config
@@ -319,11 +318,9 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
     diff_stat, diff, files = _diff_parts(svc, h)
     compute = compute_line(svc, h)
     prose = template_prose(h, result, files, svc.lab.config.benchmark.metric)
-    from agent.policy import llm_client
 
     if result is not None and llm_client(svc.policy) is not None:
         prose = llm_prose(svc, h, result, evidence, diff_stat, diff, compute, prose)
-    from agent.pictures import forest_path, progress_path
 
     pictures = []
     coming = getattr(svc, "painter", None) is not None  # drawn by the painter: there in a moment
@@ -364,7 +361,6 @@ def progress_due(svc: Any, promoted: bool = False) -> bool:
     `progress_every_s`; else at a promotion, when missing, or that long after its last drawing (it
     plots every hypothesis, so drawing it at each of thousands of decisions an hour would cost the
     loop more than all their gates; a loop that stops draws what it left out: `redraw_stale_progress`)."""
-    from agent import pictures
 
     every, last = svc.progress_every_s, svc.progress_drawn_at
     if (every is None or promoted or last is None or not pictures.progress_path(svc.lab).exists()
@@ -377,7 +373,6 @@ def progress_due(svc: Any, promoted: bool = False) -> bool:
 
 def redraw_stale_progress(svc: Any) -> None:
     """The progress chart as of now, if a decision since its last drawing was left out of it."""
-    from agent import pictures
 
     if not svc.progress_stale:
         return
@@ -391,7 +386,6 @@ def redraw_stale_progress(svc: Any) -> None:
 def draw_pictures(svc: Any, h: Hypothesis, result: Any) -> None:
     """The forest plot of this hypothesis and the lab's progress chart (by the loop's painter, in a
     process of its own, if it has one: the files appear a moment later); a failure only logs."""
-    from agent import pictures
 
     painter = getattr(svc, "painter", None) or pictures
     try:
@@ -430,8 +424,6 @@ def digest_extras(lab: Any, store: Any, records: Any, since: float) -> dict[str,
 
     Redraws `runs/summaries/progress.png` so the digest links a current picture.
     """
-    from agent import pictures
-    from agent.progress import split_progress
 
     points = pictures.progress_points(store, records)
     splits = split_progress(lab, store, records)

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.lifecycle import Decision
+from agent.pictures import forest_path, progress_path
+from pipeline.api import load_lab
 
 
 def _secs(s: float) -> str:
@@ -155,8 +157,6 @@ def champion_line(p: dict[str, Any]) -> str:
 def report_markdown(repo: Path, h: Any, gate_md: str) -> str:
     """The gate's table with the pictures beside the summary embedded (absolute paths: the output
     may be saved anywhere)."""
-    from agent.pictures import forest_path, progress_path
-    from pipeline.api import load_lab
 
     lab = load_lab(repo)
     out = [f"# Hypothesis {h.id}: {h.title}", "", f"Status {h.status}; verdict {h.verdict}; decision {h.decision}.", "",

@@ -44,11 +44,18 @@ import stat
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode, urlsplit
 
+from agent import commands
+from agent.directions import direction_of, group_directions, label
 from agent.lifecycle import Decision, Review, ReviewAction
+from agent.pictures import forest_path, progress_path, summaries_dir
+from agent.progress import split_progress
+from agent.summary import summary_path
 from agent.verdicts import reverify_record, verdicts_by_look
 from agent.views import gpu_line
-from pipeline.api import RunStatus, StageOutcome
+from agent.workspace import Workspace
+from pipeline.api import RunStatus, StageOutcome, UserError, baseline_number, read_tail
 
 TEMPLATES = Path(__file__).resolve().parent / "web_templates"
 CSRF_COOKIE, TOKEN_COOKIE = "ar_csrf", "ar_token"
@@ -68,7 +75,6 @@ def lab_token(state: Path) -> tuple[str, bool]:
     there (32 random bytes, URL-safe) when absent. The file is opened relative to the state
     folder with O_NOFOLLOW: a symlink, a file that is not regular, not ours or readable by others,
     or that holds no token, is refused in one line (`UserError`), never followed or rewritten."""
-    from pipeline.api import UserError
 
     path = state / TOKEN_FILE
     state.mkdir(parents=True, exist_ok=True)
@@ -127,7 +133,6 @@ def is_loopback(host: str) -> bool:
 
 def origin_of(url: str) -> tuple[str, str, int] | None:
     """(scheme, host, port) of an absolute http(s) URL, the default port filled in; None otherwise."""
-    from urllib.parse import urlsplit
 
     try:
         parts = urlsplit(url)
@@ -155,8 +160,6 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
     from starlette.routing import Route
     from starlette.templating import Jinja2Templates
 
-    from agent import commands
-    from pipeline.api import UserError
 
     templates = Jinja2Templates(directory=str(TEMPLATES))
     md = MarkdownIt("commonmark", {"html": False}).enable("table")  # raw HTML in a summary is escaped
@@ -182,7 +185,6 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
     def overview(request: Request) -> Response:
         lab, store, rec = lab_store()
         st = commands.status_of(lab, store, rec)
-        from agent.workspace import Workspace
 
         ws = Workspace(lab)
         history = [{"tag": t, "commit": ws.repo.commit(t).hexsha[:10],
@@ -195,7 +197,6 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
             flying.append({"id": h.id, "title": h.title, "status": h.status, "look": h.look,
                            "done": sum(RunStatus(r.status).is_finished() for r in runs), "total": len(runs),
                            "running": sum(r.status == RunStatus.RUNNING for r in runs)})
-        from agent.pictures import progress_path
 
         return page(request, "overview.html", st=st, history=history[::-1], recent=recent, flying=flying,
                     chart=progress_path(lab).is_file(), refresh=10)
@@ -213,9 +214,6 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         return page(request, "hypotheses.html", rows=rows[::-1], q=dict(q))
 
     def hypothesis(request: Request) -> Response:
-        from agent.pictures import forest_path
-        from agent.summary import summary_path
-        from agent.workspace import Workspace
 
         hid = int(request.path_params["hid"])
         lab, store, rec = lab_store()
@@ -239,8 +237,6 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
                     seeds=bool(h.commit and h.base_commit), can_decide=Review(h.review).is_open(), refresh=30)
 
     def directions(request: Request) -> Response:
-        from agent.directions import group_directions
-        from agent.workspace import Workspace
 
         lab, store, rec = lab_store()
         groups = group_directions(Workspace(lab), store, rec)
@@ -249,8 +245,6 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         return page(request, "directions.html", groups=groups, verdicts=verdicts, decisions=decisions, refresh=60)
 
     def compare(request: Request) -> Response:
-        from agent.directions import direction_of, label
-        from agent.workspace import Workspace
 
         q = request.query_params
         if not q.get("a") and not q.get("b"):  # the nav's link: pick two
@@ -277,7 +271,6 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         return page(request, "compare.html", a=sides[0], b=sides[1], tasks=tasks)
 
     def timeline(request: Request) -> Response:
-        from agent.progress import split_progress
 
         lab, store, rec = lab_store()
         split = split_progress(lab, store, rec)
@@ -322,7 +315,6 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         return RedirectResponse(f"/hypotheses/{hid}", status_code=303)
 
     def picture(request: Request) -> Response:
-        from agent.pictures import summaries_dir
 
         name = request.path_params["name"]
         lab, store, rec = lab_store()
@@ -340,7 +332,6 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         return FileResponse(path, media_type="image/png", headers={"Cache-Control": "no-store"})
 
     def stage_log(request: Request) -> Response:
-        from pipeline.api import read_tail
 
         lab, store, _rec = lab_store()
         ex = store.stage_exec(int(request.path_params["eid"]))
@@ -374,7 +365,6 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         if given is None:
             return await call_next(request)
         rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
-        from urllib.parse import urlencode
 
         to = request.url.path + (f"?{urlencode(rest)}" if rest else "")
         resp = RedirectResponse(to, status_code=303) if request.method in ("GET", "HEAD") else await call_next(request)
@@ -398,7 +388,6 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
 
 
 def tag_number(tag: str) -> int:
-    from pipeline.api import baseline_number
 
     n = baseline_number(tag)
     return n if n is not None else 1 << 30
@@ -425,8 +414,6 @@ def serve(repo: Path, db: str | None, host: str, port: int, token: str | None, g
     off loopback one of `token` or `generate_token` must say so explicitly."""
     import uvicorn
 
-    from agent import commands
-    from pipeline.api import UserError
 
     lab, _store, _rec = commands.open_lab_store(repo, db)  # a wrong --repo or store: one line before binding
     loopback = is_loopback(host)
