@@ -19,7 +19,7 @@ from typing import Optional
 import typer
 
 from agent.errors import AgentError
-from pipeline.api import PipelineError, UserError
+from pipeline.api import PipelineError
 
 app = typer.Typer(
     add_completion=False,
@@ -402,13 +402,13 @@ def variance_cmd(
     """The variance study: N identical baseline runs per task, per-task σ, correlation, MDE table;
     with --pair REV, per task the seed-k pair correlation of REV with the baseline, the sd of the
     paired differences and the variance ratio (a noise model for benchmarks/loop_quality.py)."""
-    from pipeline.api import ExecutorOptions, Experiment, load_lab, open_store
+    from pipeline.api import ExecutorOptions, load_lab, open_store, pairing_study, variance_study
 
     lab = load_lab(Ctx.repo)
-    exp = Experiment(lab, open_store(lab, Ctx.db))
+    store = open_store(lab, Ctx.db)
     options = ExecutorOptions(executor, workers, ray_address)
     if pair is not None:
-        out = exp.pairing(pair, runs, options)
+        out = pairing_study(lab, store, pair, runs, options)
         if as_json:
             emit_json(out)
             return
@@ -422,7 +422,7 @@ def variance_cmd(
         typer.echo(f"median pair correlation {med:.2f}, median variance ratio {ratio:.2f} (paired / unpaired)"
                    if med is not None and ratio is not None else "pairing: n/a (fewer than 3 pairs)")
         return
-    out = exp.variance(runs, options)
+    out = variance_study(lab, store, runs, options)
     if as_json:
         emit_json(out)
         return

@@ -13,19 +13,28 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import git
+
 from agent.errors import UserError
+from agent.ledger import Ledger, utc_day_start
 from agent.lifecycle import Decision, Review, ReviewAction, Status
+from agent.llm_prices import model_price
+from agent.progress import split_progress
 from agent.records import ACTIVE, Hypothesis, Records
+from agent.summary import digest_extras
 from pipeline.api import (
     UNSANDBOXED,
     Experiment,
     Lab,
+    LabRepo,
     RunStatus,
     disk_usage,
     is_sandboxed,
+    lab_pairing,
     lease,
     load_lab,
     memory_plan,
+    mps_running,
     open_store,
 )
 
@@ -110,15 +119,12 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
 
 def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
     """`status` over a lab, store and records already open (the review page keeps them open)."""
-    from agent.ledger import Ledger
 
     hyps = rec.all()
     queue = store.queue_counts()
     running = [{"id": r.id, "commit": r.commit[:10], "task": r.task, "seed": r.seed}
                for r in store.runs(status=RunStatus.RUNNING)]
-    import git
 
-    from pipeline.api import LabRepo
 
     try:
         repo_ = LabRepo(lab.root)
@@ -128,7 +134,6 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
         base, tags = None, []
     ledger = Ledger(store.engine)
     driver = lease.holder(store)
-    from agent.progress import split_progress
 
     return {
         "lab": lab.config.lab.name,
@@ -152,7 +157,7 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
         "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == Decision.REJECT).items())),
         "compute": Experiment(lab, store).goodput().as_dict(),
         "gpu": gpu_facts(lab),
-        "pairing": Experiment(lab, store).lab_pairing(),  # what the shared seeds buy, from this lab's comparisons
+        "pairing": lab_pairing(lab, store),  # what the shared seeds buy, from this lab's comparisons
         "stream": Experiment(lab, store).stream(),  # [gate] online_fdr: the stream's tests and its next α
         "llm": {**llm_use(lab, ledger), "unreachable_since": llm_unreachable_since(rec)},
         "events": [{"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(5)],
@@ -163,7 +168,6 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
 def gpu_facts(lab: Any) -> dict[str, Any]:
     """The lab's GPU share per stage and whether CUDA MPS runs here (stages of a share then run as
     MPS clients: their kernels overlap instead of taking turns)."""
-    from pipeline.api import mps_running
 
     return {"lab_gpus": lab.config.run.gpus, "mps": mps_running()}
 
@@ -182,8 +186,6 @@ def llm_use(lab: Any, ledger: Any, since: float | None = None) -> dict[str, Any]
     """What the LLM cost since `since` (today's UTC midnight by default): dollars for a model with a
     price, under the dollar cap; tokens always, under the token cap if one is set; the server's
     learned rate and how many answers were cut at their bound."""
-    from agent.ledger import utc_day_start
-    from agent.llm_prices import model_price
 
     agent = lab.config.agent
     model, price = model_price(agent)
@@ -247,8 +249,6 @@ def review(repo: Path, db: str | None, hid: int | None, approve: bool, reject: b
 
 def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
     lab, store, rec = open_lab_store(repo, db)
-    from agent.ledger import Ledger
-    from agent.summary import digest_extras
 
     t0 = time.time() - parse_duration(since)
     hyps = [h for h in rec.all() if (h.finished_at or h.updated_at) >= t0]

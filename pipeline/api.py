@@ -14,7 +14,8 @@ What stands here, by the question it answers:
   `CONFIG_NAME`, `SEED_BLOCK`, `glob_match`), its git history (`LabRepo`, `baseline_number`,
   `generation`, `seed_block`), its memory plan, its harnesses' suites;
 - measuring: `Experiment` (the measurement protocol: looks, verdicts, champions, smoke runs, the
-  execution layer), `ExecutorOptions`, `check_executor`, `open_store`, `Store`;
+  execution layer), `ExecutorOptions`, `check_executor`, `open_store`, `Store`; the variance study
+  and what the seeds buy (`variance_study`, `pairing_study`, `lab_pairing`);
 - the gate's answers: `GateResult` and its renderers, `Verdict`, `implausible`, the planning tables
   (`power_plan`, `simulate`, `power_table`, `sim_table`);
 - the vocabularies: `RunStatus`, `StageOutcome`;
@@ -47,6 +48,9 @@ _WHERE: dict[str, tuple[str, str]] = {
                                                "harness_suites", "open_store", "seed_block")},
     "memory_plan": ("pipeline.memory", "memory_plan"),
     "ExecutorOptions": ("pipeline.executors", "ExecutorOptions"),
+    "variance_study": ("pipeline.variance", "study"),
+    "pairing_study": ("pipeline.variance", "pairing"),
+    "lab_pairing": ("pipeline.variance", "lab_pairing"),
     "check_executor": ("pipeline.executors", "check_executor"),
     "Store": ("pipeline.store", "Store"),
     "Goodput": ("pipeline.store.tables", "Goodput"),
@@ -154,4 +158,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from pipeline.registry import Registry  # noqa: F401
     from pipeline.store import GateRecord, Store, create_schema  # noqa: F401
     from pipeline.store.reads import rekey  # noqa: F401
+    from pipeline.variance import lab_pairing  # noqa: F401
+    from pipeline.variance import pairing as pairing_study  # noqa: F401
+    from pipeline.variance import study as variance_study  # noqa: F401
     from pipeline.store.tables import Goodput  # noqa: F401

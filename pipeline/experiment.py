@@ -15,7 +15,6 @@ picks a seed, builds a gate input or touches an executor. One object per lab and
 
     driver = exp.driver(ExecutorOptions(workers=8))   # the execution layer: works the queue
     driver.start(); driver.drive(until=...); driver.close()
-    exp.variance(runs), exp.pairing(rev, runs)        # the variance study, what the seeds buy
 
 Seeds. A baseline that has had g promotions owns the seed block g * SEED_BLOCK, g * SEED_BLOCK + 1,
 ...: its own runs and its challengers' use the first seeds of it. So a challenger and its baseline
@@ -167,24 +166,6 @@ class Experiment:
 
     def _executor(self, opts: ExecutorOptions | None) -> Executor:
         return runner.make_executor(opts or ExecutorOptions(), self.lab)
-
-    def variance(self, runs: int, executor: ExecutorOptions | None = None) -> dict[str, Any]:
-        """The variance study (`autoresearch variance`): `runs` identical baseline runs per task."""
-        from pipeline.variance import study
-
-        return study(self.lab, self.store, self._executor(executor), runs)
-
-    def pairing(self, rev: str, runs: int, executor: ExecutorOptions | None = None) -> dict[str, Any]:
-        """What the seeds buy (`variance --pair REV`): `rev` against the baseline, seed k with seed k."""
-        from pipeline.variance import pairing
-
-        return pairing(self.lab, self.store, self._executor(executor), rev, runs)
-
-    def lab_pairing(self) -> dict[str, Any] | None:
-        """The pairing this lab's comparisons measured so far (no runs queued), for `status`."""
-        from pipeline.variance import lab_pairing
-
-        return lab_pairing(self.lab, self.store)
 
     def results(self, commit: str, tasks: list[str] | None = None) -> dict[str, dict[int, float | None]]:
         """{task: {seed: metric, or None for a method failure}} of a commit's finished runs (a full sha)."""

@@ -11,15 +11,18 @@ from typing import Any
 import numpy as np
 
 from pipeline import runner
+from pipeline.executors import ExecutorOptions
 from pipeline.experiment import Experiment, ensure_runs, results
 from pipeline.labrepo import resolve_commit
 from pipeline.lab import BASELINE_BRANCH, Lab
 from pipeline.outcomes import ResultOutcome
 
 
-def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASELINE_BRANCH,
-          stop: Any = None) -> dict[str, Any]:
-    """Queue (idempotently) and drive `runs` seeds of `commit` on every task; summarise them."""
+def study(lab: Lab, store: Any, runs: int, executor: ExecutorOptions | None = None, *,
+          commit: str = BASELINE_BRANCH, stop: Any = None) -> dict[str, Any]:
+    """The variance study (`autoresearch variance`): `runs` identical runs of `commit` per task,
+    queued idempotently (the baseline's own seeds: its gate runs are reused) and driven on
+    `executor`; per task σ, the correlation across tasks and the MDE table."""
     from pipeline.gate import mde
 
     tasks = lab.tasks()
@@ -28,7 +31,7 @@ def study(lab: Lab, store: Any, executor: Any, runs: int, *, commit: str = BASEL
     seeds = exp.baseline_seeds(sha, runs)  # the baseline's own seeds: its gate runs are reused
     store.mark_baseline(sha)
     ids = ensure_runs(store, lab, sha, tasks, seeds, label="variance study")
-    with runner.Driver(lab, store, executor) as driver:
+    with runner.Driver(lab, store, runner.make_executor(executor or ExecutorOptions(), lab)) as driver:
         driver.drive(until=ids, stop=stop)
     values = results(store, lab, sha, tasks)
     gate = lab.config.gate
@@ -88,7 +91,8 @@ def _median(values: list[float | None]) -> float | None:
     return float(np.median(vals)) if vals else None
 
 
-def pairing(lab: Lab, store: Any, executor: Any, rev: str, runs: int, *, stop: Any = None) -> dict[str, Any]:
+def pairing(lab: Lab, store: Any, rev: str, runs: int, executor: ExecutorOptions | None = None, *,
+            stop: Any = None) -> dict[str, Any]:
     """What the seeds buy: `rev` and the baseline on the baseline's first `runs` seeds (queued
     idempotently, gate runs reused), per task the correlation of rev's seed-k run with the baseline's,
     the sd of the paired differences and the variance ratio. The JSON is a noise model for
@@ -102,7 +106,7 @@ def pairing(lab: Lab, store: Any, executor: Any, rev: str, runs: int, *, stop: A
     ids += ensure_runs(store, lab, sha, tasks, seeds, label=f"pairing {rev}")
     if sha != base_sha:
         store.mark_comparison(sha, base_sha)
-    with runner.Driver(lab, store, executor) as driver:
+    with runner.Driver(lab, store, runner.make_executor(executor or ExecutorOptions(), lab)) as driver:
         driver.drive(until=ids, stop=stop)
     base, chal = results(store, lab, base_sha, tasks), results(store, lab, sha, tasks)
     per_task = {}
