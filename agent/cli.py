@@ -19,7 +19,7 @@ from typing import Optional
 import typer
 
 from agent.errors import AgentError
-from pipeline.api import PipelineError
+from pipeline.api import PipelineError, UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -30,6 +30,17 @@ app = typer.Typer(
 
 export_app = typer.Typer(no_args_is_help=True, help="Export the lab's hypotheses and runs to other tools.")
 app.add_typer(export_app, name="export")
+
+
+def key_values(items: list[str] | None) -> dict[str, str]:
+    """`--executor-option KEY=VALUE`s as a dict; one without `=` is a one-line error."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--executor-option {item!r}: expected KEY=VALUE")
+        out[key.strip()] = value
+    return out
 
 
 class Ctx:
@@ -234,6 +245,8 @@ def run_cmd(
     executor: str = typer.Option("local", "--executor", help="local or ray."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Run slots (default: cores / run.cpus)."),
     ray_address: Optional[str] = typer.Option(os.environ.get("RAY_ADDRESS"), "--ray-address", help="Ray cluster (env RAY_ADDRESS)."),
+    executor_option: Optional[list[str]] = typer.Option(None, "--executor-option", metavar="KEY=VALUE",
+                                                        help="An option of the executor's own (repeatable; a plugin's)."),
     offline: bool = typer.Option(False, "--offline", help="Use the offline policy even if an LLM is configured."),
     policy: Optional[str] = typer.Option(None, "--policy",
                                          help="A policy by name (llm, offline); default: the LLM if configured."),
@@ -258,7 +271,8 @@ def run_cmd(
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     lab = load_lab(Ctx.repo)
     opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever,
-                       executor=ExecutorOptions(executor, workers, ray_address), offline=offline, policy=policy, supervised=supervised,
+                       executor=ExecutorOptions(executor, workers, ray_address, extra=key_values(executor_option)),
+                       offline=offline, policy=policy, supervised=supervised,
                        pause_on_plateau=pause_on_plateau, mlflow=mlflow, db=Ctx.db, notify=tuple(notify or ()))
     display = RunDisplay()
     loop = Loop(lab, opts, progress=display.say, looks=display.looks if display.tty else None)
@@ -395,6 +409,8 @@ def variance_cmd(
     executor: str = typer.Option("local", "--executor", help="local or ray."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1),
     ray_address: Optional[str] = typer.Option(os.environ.get("RAY_ADDRESS"), "--ray-address"),
+    executor_option: Optional[list[str]] = typer.Option(None, "--executor-option", metavar="KEY=VALUE",
+                                                        help="An option of the executor's own (repeatable)."),
     pair: Optional[str] = typer.Option(None, "--pair", metavar="REV",
                                        help="Measure what the seeds buy: REV against the baseline, seed k with seed k."),
     as_json: bool = typer.Option(False, "--json"),
@@ -406,7 +422,7 @@ def variance_cmd(
 
     lab = load_lab(Ctx.repo)
     store = open_store(lab, Ctx.db)
-    options = ExecutorOptions(executor, workers, ray_address)
+    options = ExecutorOptions(executor, workers, ray_address, extra=key_values(executor_option))
     if pair is not None:
         out = pairing_study(lab, store, pair, runs, options)
         if as_json:

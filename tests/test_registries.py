@@ -16,7 +16,7 @@ import pytest
 from agent.policy import POLICIES, Choice, Proposal
 
 from agent.policy_offline import OfflinePolicy
-from support.lab import REPO
+from support import serial_executor
 from support.tiny import TASKS, TinyHarness, make_lab
 from pipeline import runner
 from pipeline.executors import EXECUTORS, ExecutorOptions, JobResult, StageJob, make_executor
@@ -28,44 +28,9 @@ pytestmark = pytest.mark.integration
 BASE = "autoresearch/baseline"
 
 
-class SerialExecutor:
-    """A toy executor: one stage at a time, each in a fresh interpreter through child.py (so in the
-    same sandbox), run to the end inside `submit`."""
-
-    name = "serial"
-
-    def __init__(self) -> None:
-        self.done: list[JobResult] = []
-        self.submitted = 0
-
-    @property
-    def slots(self) -> int:
-        return 1
-
-    def submit(self, job: StageJob) -> None:
-        self.submitted += 1
-        spec = {"argv": job.argv, "cwd": str(job.cwd), "env": {"PATH": "/usr/bin:/bin"}, "log": str(job.log_path),
-                "cpus": job.cpus, "memory_mb": job.memory_mb, "sandbox": job.sandbox}
-        t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "pipeline.executors.child", json.dumps(spec)], cwd=REPO,
-                              timeout=job.timeout_s)
-        status = "ok" if proc.returncode == 0 else "exit"
-        self.done.append(JobResult(job.job_id, status, exit_code=proc.returncode, wall_s=time.monotonic() - t0))
-
-    def poll(self, timeout: float = 0.0) -> list[JobResult]:
-        done, self.done = self.done, []
-        return done
-
-    def cancel(self, job_id: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture
 def registered():
-    EXECUTORS.register("serial", lambda lab, opts: SerialExecutor())
+    EXECUTORS.register("serial", serial_executor.make)
     HARNESSES.register("tiny", TinyHarness)
     yield
     EXECUTORS.unregister("serial")
@@ -80,7 +45,8 @@ def test_a_registered_harness_and_executor_measure_like_the_local_executor(regis
     assert lab.tasks()[:3] == TASKS
     store = experiment.open_store(lab)
     ids = experiment.ensure_runs(store, lab, BASE, TASKS, [0, 1])
-    executor = make_executor("serial", lab)
+    executor = make_executor(ExecutorOptions("serial", extra={"interpreter": sys.executable}), lab)
+    assert executor.interpreter == sys.executable  # its own option reached it, through one options object
     with runner.Driver(lab, store, executor) as d:
         d.drive(until=ids, timeout_s=120)
     serial = experiment.results(store, lab, BASE, TASKS)
@@ -93,6 +59,16 @@ def test_a_registered_harness_and_executor_measure_like_the_local_executor(regis
         d.drive(until=ids, timeout_s=120)
     assert serial == experiment.results(ref_store, other, BASE, TASKS)
     assert all(isinstance(v, float) for seeds in serial.values() for v in seeds.values())
+
+
+def test_an_executor_option_it_does_not_know_is_one_line(registered, tmp_path: Path) -> None:
+    from pipeline.errors import UserError
+
+    lab = make_lab(tmp_path / "lab")
+    with pytest.raises(UserError, match=r"executor serial: unknown option 'partition'"):
+        make_executor(ExecutorOptions("serial", extra={"partition": "gpu"}), lab)
+    with pytest.raises(UserError, match=r"executor local: unknown option 'partition'; it takes none"):
+        make_executor(ExecutorOptions("local", extra={"partition": "gpu"}), lab)
 
 
 def test_an_unknown_executor_is_one_line(registered, tmp_path: Path) -> None:
@@ -227,3 +203,20 @@ def test_a_lazy_entry_is_imported_by_get_only() -> None:
         reg.get("later")
     with pytest.raises(ValueError, match="a lazy entry is 'module:attr'"):
         reg.register("bad", "no_colon")
+
+
+def test_executor_options_on_the_cli_reach_the_factory_or_are_one_line(tmp_path: Path) -> None:
+    """`--executor-option KEY=VALUE` travels in `ExecutorOptions.extra` to the executor's factory: the
+    built-in ones take none, so naming one is a mistake said in one line (exit 2), before any run."""
+    from agent.labinit import init_lab
+
+    root = init_lab(tmp_path / "lab", harness="command")
+    for extra, said in ((["--executor-option", "partition"], "--executor-option 'partition': expected KEY=VALUE"),
+                        (["--executor-option", "partition=gpu"], "executor local: unknown option 'partition'")):
+        out = subprocess.run([sys.executable, "-m", "agent.cli", "--repo", str(root), "run", "--offline",
+                              "--max-hypotheses", "1", *extra], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    from pipeline.api import open_store
+    from pipeline.lab import load_lab
+
+    assert open_store(load_lab(root)).queue_counts()["queued"] == 0  # nothing was queued

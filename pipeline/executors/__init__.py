@@ -56,9 +56,16 @@ def _preload(run: Any, asked: tuple[str, ...] | None, default: tuple[str, ...]) 
     return default if run.preload is None else tuple(run.preload)
 
 
+def _no_extra(opts: ExecutorOptions) -> None:
+    """The built-in executors take no option of their own: one named is a mistake, said in one line."""
+    if opts.extra:
+        raise UserError(f"executor {opts.kind}: unknown option {sorted(opts.extra)[0]!r}; it takes none")
+
+
 def _local(lab: "Lab", opts: ExecutorOptions) -> Executor:
     from pipeline.executors.local import DEFAULT_PRELOAD, LocalExecutor
 
+    _no_extra(opts)
     run = lab.config.run
     logs = lab.state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -75,6 +82,7 @@ def _ray(lab: "Lab", opts: ExecutorOptions) -> Executor:
     from pipeline.executors.ray_executor import RayExecutor
     from pipeline.worktrees import Worktrees
 
+    _no_extra(opts)
     run = lab.config.run
     from pipeline.executors.local import DEFAULT_PRELOAD
 
