@@ -58,7 +58,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "GateResult": ("pipeline.gate.report", "GateResult"),
     "render_markdown": ("pipeline.gate.report", "render_markdown"),
     "render_table": ("pipeline.gate.report", "render_table"),
-    "Verdict": ("pipeline.gate.verdict", "Verdict"),
+    "Verdict": ("pipeline.outcomes", "Verdict"),
     "implausible": ("pipeline.gate.plausibility", "implausible"),
     "power_plan": ("pipeline.gate.power", "plan"),
     "simulate": ("pipeline.gate.sim", "simulate"),
@@ -138,7 +138,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from pipeline.gate.power import plan as power_plan  # noqa: F401
     from pipeline.gate.report import GateResult, render_markdown, render_table  # noqa: F401
     from pipeline.gate.sim import simulate  # noqa: F401
-    from pipeline.gate.verdict import Verdict  # noqa: F401
+    from pipeline.outcomes import Verdict  # noqa: F401
     from pipeline.isolation import UNSANDBOXED, is_sandboxed  # noqa: F401
     from pipeline.lab import (  # noqa: F401
         BASELINE_BRANCH,

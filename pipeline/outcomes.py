@@ -8,6 +8,7 @@ Three grains, one module, each a `StrEnum` whose members are the strings the sto
   report of the process (`pipeline.executors.classify`) or the driver's own knowledge (served from
   the cache, shared with another run, never started because a stage it needs failed, lost when a
   driver died).
+- `Verdict`, what the gate said of a hypothesis at a look (`pipeline.gate.verdict` decides it).
 - `ResultOutcome`, what a run's result says (`Result.outcome`): a metric, the method's failure (a
   result the gate sees), or the machinery's (left out of every comparison, retried first).
 
@@ -81,3 +82,15 @@ METHOD_OUTCOMES = (StageOutcome.METHOD, StageOutcome.TIMEOUT)
 INFRA_OUTCOMES = (StageOutcome.INFRA, StageOutcome.LOST, StageOutcome.CANCELLED)
 SERVED_OUTCOMES = (StageOutcome.CACHE_HIT, StageOutcome.SHARED)
 EXECUTED_OUTCOMES = (StageOutcome.OK, *METHOD_OUTCOMES, *INFRA_OUTCOMES)
+
+
+class Verdict(StrEnum):
+    """The gate's verdict at a look (`pipeline.gate.verdict.decide`, whose module says the order of its
+    rules): the agent may promote on `improvement` only and run the next look on `escalate` only."""
+
+    improvement = "improvement"
+    single_task = "single_task"
+    harm = "harm"
+    escalate = "escalate"
+    futile = "futile"
+    inconclusive = "inconclusive"

@@ -346,7 +346,7 @@ def test_implement_and_promote_run_again_after_a_crash_repeat_nothing(lab: Path)
 
 def test_a_promote_killed_after_its_projection_is_not_done_again(lab: Path) -> None:
     """kill -9 inside promote after the row was written (the row a step ahead of the checkpoint):
-    the re-run takes the row's update (`agent.graph._replayed`): no second merge or tag, no second
+    the re-run takes the row's update (`agent.graph.spec._replayed`): no second merge or tag, no second
     summary, and the thread goes on to re-verify the champion."""
     seed_lr(lab)
     loop = make_loop(lab, offline=True)

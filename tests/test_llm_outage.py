@@ -62,7 +62,7 @@ def test_endpoint_refusing_connections_creates_nothing_and_run_says_so_in_one_li
 
 def test_an_outage_creates_no_hypothesis_seeds_go_on_and_proposals_resume(lab: Path, llm: RoutedOpenAI,
                                                                          monkeypatch) -> None:
-    from agent import loop as loop_mod
+    from agent.loop import guards as loop_mod
     from agent.commands import seed
 
     monkeypatch.setattr(loop_mod, "LLM_BACKOFF_S", (0.2, 1.0))

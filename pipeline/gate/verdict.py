@@ -15,18 +15,9 @@ Order matters and is the product's policy (README, "The gate"):
 
 from __future__ import annotations
 
-from enum import Enum
-
 import numpy as np
 
-
-class Verdict(str, Enum):
-    improvement = "improvement"
-    single_task = "single_task"
-    harm = "harm"
-    escalate = "escalate"
-    futile = "futile"
-    inconclusive = "inconclusive"
+from pipeline.outcomes import Verdict
 
 
 ORDER: tuple[Verdict, ...] = tuple(Verdict)

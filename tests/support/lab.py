@@ -110,14 +110,16 @@ def records(root: Path):
     return Records(experiment.open_store(open_lab(root)))
 
 
-def make_loop(root: Path, **opts: Any):
-    """The real `Loop` in this process (smoke runs off unless asked for); its messages in `.said`."""
+def make_loop(root: Path, graph: Any = None, **opts: Any):
+    """The real `Loop` in this process (smoke runs off unless asked for); its messages in `.said`;
+    `graph`: the graph's maker, if not the product's (`Loop(..., graph=)`)."""
     from agent.loop import Loop, LoopOptions
     from pipeline.api import ExecutorOptions
 
     said: list[str] = []
+    extra = {} if graph is None else {"graph": graph}
     loop = Loop(open_lab(root), LoopOptions(**{"smoke": False, "executor": ExecutorOptions(workers=2), **opts}),
-                progress=said.append)
+                progress=said.append, **extra)
     loop.said = said  # type: ignore[attr-defined]
     return loop
 
