@@ -156,10 +156,10 @@ def gate_sim_cmd(
     JSON: "false_positive_rate" (effect 0) or "power" (the rate of `improvement` verdicts) with its
     "_se", "mean_challenger_runs", horizontal and per-task crossing rates, "verdict_rates".
     """
-    from pipeline.api import UserError, simulate
+    from pipeline.api import UserError, gate_protocol, simulate
 
-    if looks is None:
-        looks = "1,2,5,10" if protocol == "paired" else "2,5,10"
+    if looks is None:  # the protocol's own (an unknown protocol: one line)
+        looks = ",".join(str(n) for n in gate_protocol(protocol).default_looks)
     try:
         planned = tuple(int(x) for x in looks.split(",") if x.strip())
     except ValueError:
@@ -186,12 +186,12 @@ def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
     """Validate the lab (research.toml, harness, tasks, editable files) and summarise it."""
     import subprocess
 
+    from agent.config import agent_config, config_warnings, open_lab
     from agent.notify_targets import check_urls
-    from pipeline.api import load_lab
 
-    lab = load_lab(Ctx.repo)
+    lab = open_lab(Ctx.repo)
     cfg = lab.config
-    check_urls(cfg.notify, dict(os.environ))  # a webhook URL with a password in it: refused in one line
+    check_urls(agent_config(lab).notify, dict(os.environ))  # a webhook URL with a password in it: refused in one line
     files = subprocess.run(["git", "ls-files"], cwd=lab.root, capture_output=True, text=True).stdout.split()
     undeclared = lab.undeclared_editable(files)
     summary = {
@@ -208,7 +208,7 @@ def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
         "protocol": cfg.gate.protocol,
         "looks": cfg.gate.looks,
     }
-    warnings = [*lab.config_warnings(), *(
+    warnings = [*config_warnings(lab), *(
         f"{path} is editable but no stage lists it in `inputs`: no stage can read it "
         "(stages see only the editable files they declare)" for path in undeclared)]
     if as_json:
@@ -265,11 +265,12 @@ def run_cmd(
 
     from agent.loop import Loop, LoopOptions
     from agent.terminal import RunDisplay
-    from pipeline.api import ExecutorOptions, check_executor, load_lab
+    from agent.config import open_lab
+    from pipeline.api import ExecutorOptions, check_executor
 
     check_executor(executor)  # an unknown name: one line before the lab is read
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    lab = load_lab(Ctx.repo)
+    lab = open_lab(Ctx.repo)
     opts = LoopOptions(max_hypotheses=max_hypotheses, hours=hours, forever=forever,
                        executor=ExecutorOptions(executor, workers, ray_address, extra=key_values(executor_option)),
                        offline=offline, policy=policy, supervised=supervised,
@@ -418,9 +419,10 @@ def variance_cmd(
     """The variance study: N identical baseline runs per task, per-task σ, correlation, MDE table;
     with --pair REV, per task the seed-k pair correlation of REV with the baseline, the sd of the
     paired differences and the variance ratio (a noise model for benchmarks/loop_quality.py)."""
-    from pipeline.api import ExecutorOptions, load_lab, open_store, pairing_study, variance_study
+    from agent.config import open_lab
+    from pipeline.api import ExecutorOptions, open_store, pairing_study, variance_study
 
-    lab = load_lab(Ctx.repo)
+    lab = open_lab(Ctx.repo)
     store = open_store(lab, Ctx.db)
     options = ExecutorOptions(executor, workers, ray_address, extra=key_values(executor_option))
     if pair is not None:
@@ -459,9 +461,10 @@ def trust(
     """Show or move the trusted commit the harness files come from (`harness = "command"`)."""
     import git
 
-    from pipeline.api import Experiment, load_lab, open_store
+    from agent.config import open_lab
+    from pipeline.api import Experiment, open_store
 
-    lab = load_lab(Ctx.repo)
+    lab = open_lab(Ctx.repo)
     TRUSTED_TAG, sha = Experiment(lab, open_store(lab, Ctx.db)).trust(rev)
     commit = git.Repo(lab.root).commit(sha)
     info = {"tag": TRUSTED_TAG, "commit": sha, "subject": commit.summary, "trusted": lab.config.benchmark.trusted,

@@ -15,6 +15,7 @@ from typing import Any
 
 import git
 
+from agent.config import agent_config, open_lab
 from agent.errors import UserError
 from agent.ledger import Ledger, utc_day_start
 from agent.lifecycle import Decision, Review, ReviewAction, Status
@@ -32,7 +33,6 @@ from pipeline.api import (
     is_sandboxed,
     lab_pairing,
     lease,
-    load_lab,
     memory_plan,
     mps_running,
     open_store,
@@ -40,7 +40,7 @@ from pipeline.api import (
 
 
 def open_lab_store(repo: Path, db: str | None) -> tuple[Lab, Any, Records]:
-    lab = load_lab(repo)
+    lab = open_lab(repo)
     store = open_store(lab, db)
     return lab, store, Records(store)
 
@@ -179,7 +179,7 @@ def _notify_status(store: Any) -> dict[str, Any]:
 
 
 def _plateau(lab: Any, rec: Records) -> dict[str, int]:
-    return {"since_promotion": rec.since_promotion(), "after": lab.config.agent.plateau_after}
+    return {"since_promotion": rec.since_promotion(), "after": agent_config(lab).agent.plateau_after}
 
 
 def llm_use(lab: Any, ledger: Any, since: float | None = None) -> dict[str, Any]:
@@ -187,7 +187,7 @@ def llm_use(lab: Any, ledger: Any, since: float | None = None) -> dict[str, Any]
     price, under the dollar cap; tokens always, under the token cap if one is set; the server's
     learned rate and how many answers were cut at their bound."""
 
-    agent = lab.config.agent
+    agent = agent_config(lab).agent
     model, price = model_price(agent)
     t0 = utc_day_start() if since is None else since
     prompt, completion = ledger.tokens_since(t0)

@@ -9,7 +9,8 @@ from typing import Any, Mapping
 
 import git
 
-from pipeline.api import BASELINE_BRANCH, CONFIG_NAME, UserError, load_lab, parse_config
+from agent.config import open_lab
+from pipeline.api import BASELINE_BRANCH, CONFIG_NAME, UserError, parse_config
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "pipeline" / "templates"
 AUTHOR = ("autoresearch", "autoresearch@localhost")
@@ -70,7 +71,7 @@ def init_lab(directory: str | Path, suite: str | None = None, force: bool = Fals
         target = root / (".gitignore" if item.name == "gitignore" else item.name)
         shutil.copy2(item, target)
     (root / CONFIG_NAME).write_text(config_text)
-    load_lab(root)  # the template must itself satisfy the contract
+    open_lab(root)  # the template must itself satisfy the contract
 
     repo = git.Repo.init(root, initial_branch="main") if not (root / ".git").exists() else git.Repo(root)
     with repo.config_writer() as cw:

@@ -48,6 +48,7 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import select
 
+from agent.config import agent_config
 from agent.lifecycle import Decision, Review, Status
 from agent.notify_delivery import Scrubber, deliver
 from agent.notify_targets import Target, targets
@@ -359,7 +360,7 @@ def attach(lab: Any, store: Any, records: Records, cli_urls: list[str] | None = 
            env: dict[str, str] | None = None) -> Sender | None:
     """The loop's notifications: the outbox on `records` and its sender started; None if no target."""
 
-    cfg = lab.config.notify
+    cfg = agent_config(lab).notify
     ts = targets(cfg, list(cli_urls or []), dict(os.environ) if env is None else env)
     if not ts:
         return None

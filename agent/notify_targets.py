@@ -12,7 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipeline.api import NotifyTarget, UserError
+from agent.config import NotifyTarget
+from pipeline.api import UserError
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def check_urls(config: Any, env: dict[str, str]) -> None:
 
 
 def resolve(spec: Any, defaults: list[str], env: dict[str, str]) -> Target:
-    """A `[notify]` target (pipeline.lab.NotifyTarget) with its secrets read from `env`."""
+    """A `[notify]` target (agent.config.NotifyTarget) with its secrets read from `env`."""
     events = frozenset(spec.events if spec.events is not None else defaults)
     if spec.kind == "email":
         password = None

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from agent import prompts
+from agent.config import agent_config
 from agent.errors import NotConfigured
 from agent.ledger import Ledger
 from agent.lifecycle import Decision
@@ -166,7 +167,7 @@ def make(lab: Any, store: Any) -> LLMPolicy:
 
     if not LLMClient.configured():
         raise NotConfigured("no LLM endpoint: set OPENAI_BASE_URL and/or OPENAI_API_KEY")
-    agent = lab.config.agent
+    agent = agent_config(lab).agent
     client = LLMClient.from_env(agent.model, Ledger(store.engine),
                                 max_usd_per_day=agent.max_usd_per_day, max_tokens_per_day=agent.max_tokens_per_day,
                                 price=lab_price(agent), max_output_tokens=agent.max_output_tokens,

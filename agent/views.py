@@ -9,7 +9,7 @@ from typing import Any
 
 from agent.lifecycle import Decision
 from agent.pictures import forest_path, progress_path
-from pipeline.api import load_lab
+from agent.config import open_lab
 
 
 def _secs(s: float) -> str:
@@ -158,7 +158,7 @@ def report_markdown(repo: Path, h: Any, gate_md: str) -> str:
     """The gate's table with the pictures beside the summary embedded (absolute paths: the output
     may be saved anywhere)."""
 
-    lab = load_lab(repo)
+    lab = open_lab(repo)
     out = [f"# Hypothesis {h.id}: {h.title}", "", f"Status {h.status}; verdict {h.verdict}; decision {h.decision}.", "",
            gate_md]
     if forest_path(lab, h.id).is_file():

@@ -384,7 +384,7 @@ def fast_paired_boundaries(looks: tuple[int, ...], planned_max: int, alpha: floa
 @contextlib.contextmanager
 def fast_boundaries(on: bool = True) -> Any:
     """While inside, the paired protocol calibrates with `fast_paired_boundaries` (`on`: else a no-op)."""
-    import pipeline.gate.protocol.paired as paired_protocol
+    import pipeline.gate.boundaries as paired_protocol  # the paired protocol reads it from there at each call
 
     if not on:
         yield

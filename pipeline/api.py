@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 _WHERE: dict[str, tuple[str, str]] = {
     # the lab
     **{n: ("pipeline.lab", n) for n in ("BASELINE_BRANCH", "CONFIG_NAME", "ENV_NAME", "SEED_BLOCK", "Lab",
-                                        "NotifyTarget", "glob_match", "load_lab", "parse_client_tables",
+                                        "glob_match", "load_lab", "parse_client_tables",
                                         "parse_config")},
     **{n: ("pipeline.labrepo", n) for n in ("LabRepo", "baseline_number")},
     # measuring
@@ -59,6 +59,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "render_markdown": ("pipeline.gate.report", "render_markdown"),
     "render_table": ("pipeline.gate.report", "render_table"),
     "Verdict": ("pipeline.outcomes", "Verdict"),
+    "gate_protocol": ("pipeline.gate.protocol", "get_protocol"),
     "implausible": ("pipeline.gate.plausibility", "implausible"),
     "power_plan": ("pipeline.gate.power", "plan"),
     "simulate": ("pipeline.gate.sim", "simulate"),
@@ -138,6 +139,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from pipeline.gate.power import plan as power_plan  # noqa: F401
     from pipeline.gate.report import GateResult, render_markdown, render_table  # noqa: F401
     from pipeline.gate.sim import simulate  # noqa: F401
+    from pipeline.gate.protocol import get_protocol as gate_protocol  # noqa: F401
     from pipeline.outcomes import Verdict  # noqa: F401
     from pipeline.isolation import UNSANDBOXED, is_sandboxed  # noqa: F401
     from pipeline.lab import (  # noqa: F401
@@ -146,7 +148,6 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         ENV_NAME,
         SEED_BLOCK,
         Lab,
-        NotifyTarget,
         glob_match,
         load_lab,
         parse_client_tables,

@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 
 LOOK_RANK = 100  # queue priority: a look's place in the schedule outranks the caller's rank (0-99)
 FROZEN_HISTORIES = 256  # frozen histories kept per Experiment (a few per hypothesis in flight)
-MIN_BASELINE_RUNS = 2  # a lazy baseline still runs 2 seeds at the first look: a task's σ needs a variance
 
 
 class TaskReverification(TypedDict):
@@ -201,19 +200,18 @@ class Experiment:
 
     # --- looks ---------------------------------------------------------------------------------
 
-    def paired(self) -> bool:
+    def protocol(self) -> Any:
+        """The lab's gate protocol (`pipeline.gate.protocol.base.GateProtocol`)."""
         from pipeline.gate.protocol import get_protocol
 
-        return get_protocol(self.lab.config.gate.protocol).paired
+        return get_protocol(self.lab.config.gate.protocol)
 
     def look_baseline_seeds(self, base_commit: str, look: int, *, gen: int | None = None) -> range:
-        """The baseline seeds a look needs. `paired` (the lazy baseline): seed k only once a challenger
-        reaches seed k, and at least 2 (a task's σ needs a variance), so the baseline grows with the
-        deepest look asked of it; the two-sample protocols: all `baseline_runs` up front."""
-        if not self.paired():
-            return self.baseline_seeds(base_commit, gen=gen)
-        return self.baseline_seeds(base_commit, min(max(look, MIN_BASELINE_RUNS), self.lab.config.gate.baseline_runs),
-                                   gen=gen)
+        """The baseline seeds a look needs, as the protocol says (`GateProtocol.baseline_runs_at`: the
+        paired protocol's lazy baseline grows with the deepest look asked of it; the two-sample ones
+        run all `baseline_runs` up front)."""
+        n = self.protocol().baseline_runs_at(look, self.lab.config.gate.baseline_runs)
+        return self.baseline_seeds(base_commit, n, gen=gen)
 
     def run_priority(self, look: int, rank: int = 0) -> int:
         """The queue priority of a look's runs (both arms): the look's place in `[gate] looks` first
@@ -287,7 +285,7 @@ class Experiment:
             ],
             **(dict(zip(("pair_history", "arm_history"), self.histories(tasks, exclude=(sha, base_sha), dataset=dataset,
                                                                           timed=timed)))
-               if self.paired() else {}),
+               if self.protocol().reads_lab_history() else {}),
             "looks_done": [n for n in cfg.gate.looks if n < look],
             "at_look": True,
         }

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS:UserWarning")]
 from support.lab import RunProcess, Server, cli, cli_env, free_port, git
 
+from agent.config import agent_config
 from agent.labinit import init_lab
 
 BASELINE = "autoresearch/baseline"
@@ -595,7 +596,7 @@ def test_a_title_with_line_breaks_reaches_e_mail_as_one_line(tmp_path: Path, mai
 
 def test_a_url_from_the_environment_is_shown_by_its_host_alone() -> None:
     from agent.notify_targets import resolve
-    from pipeline.lab import NotifyTarget
+    from agent.config import NotifyTarget
 
     t = resolve(NotifyTarget(kind="webhook", url_env="HOOK"), ["hold"], {"HOOK": "https://hooks.example:8443/x/T0K3N"})
     assert t.where == "$HOOK (hooks.example:8443)" and "T0K3N" not in t.where and "T0K3N" not in repr(t)
@@ -621,7 +622,7 @@ def test_a_url_with_user_info_is_refused_in_one_line(tmp_path: Path) -> None:
     assert out.stderr.startswith("error: [notify] slack target NOTIFY_HOOK: the url_env NOTIFY_HOOK holds user "
                                  "info (user:password@host), refused"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "S3cretPW" not in out.stderr and "Traceback" not in out.stderr
-    config = load_lab(root).config.notify
+    config = agent_config(load_lab(root)).notify
     with pytest.raises(UserError, match="holds user info") as e:
         check_urls(config, {"NOTIFY_HOOK": USER_INFO_URL})
     assert "S3cretPW" not in str(e.value)
@@ -656,9 +657,9 @@ def test_an_error_is_stored_and_shown_without_any_part_of_the_urls(tmp_path: Pat
     rec = Records(store)
     targets = [Target("userinfo", "webhook", "http://127.0.0.1", frozenset({"guard"}), url=USER_INFO_URL),
                Target("echoes", "slack", hook.url, frozenset({"guard"}), url=f"{hook.url}/echo/T0K3N-path")]
-    box = Outbox(lab, lab.config.notify, targets)
+    box = Outbox(lab, agent_config(lab).notify, targets)
     rec.outbox = box
-    sender = Sender(lab, store, rec, box, lab.config.notify).start()
+    sender = Sender(lab, store, rec, box, agent_config(lab).notify).start()
     rec.event("guard", "held back")
     deadline = time.monotonic() + 20
     while len([r for r in outbox(root) if r["state"] == "failed"]) < 2 and time.monotonic() < deadline:

@@ -37,12 +37,15 @@ def _keys(model, skip=()) -> str:
 
 
 def test_every_key_of_research_toml_is_in_the_readme_with_its_default() -> None:
+    from agent.config import AgentConfig
     from pipeline.lab import LabSection, ResearchConfig, StageSpec
 
     text = README.read_text()
     rows = [f"| `[lab]` | {_keys(LabSection)} |"]
     for name in ("benchmark", "run", "gate", "agent", "notify"):
-        model = ResearchConfig.model_fields[name].annotation
+        # the agent's tables are the agent's models (agent/config.py); the pipeline keeps them raw
+        owner = AgentConfig if name in AgentConfig.model_fields else ResearchConfig
+        model = owner.model_fields[name].annotation
         rows.append(f"| `[{name}]` | {_keys(model, ('higher_is_better',) if name == 'gate' else ())} |")
     rows.append(f"| `[[stage]]` (one or more) | {_keys(StageSpec)} |")
     missing = [r for r in rows if r not in text]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from agent.config import agent_config
 from agent.graph.state import Services
 from agent.lifecycle import Status
 from agent.policy import Context
@@ -89,7 +90,7 @@ def plateau_of(svc: Services) -> int | None:
     """How many measured hypotheses in a row went without a promotion, once that reaches
     `[agent] plateau_after`; else None."""
     n = svc.records.since_promotion()
-    return n if n >= svc.lab.config.agent.plateau_after else None
+    return n if n >= agent_config(svc.lab).agent.plateau_after else None
 
 
 def search_key_costs(lab: Lab) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from agent.config import agent_config
 from agent.errors import LLMError, LLMUnavailable
 from agent.graph.context import build_context
 from agent.graph.state import Services, State
@@ -46,7 +47,7 @@ class Implement(Step):
             return self._adopt_branch(h, base)
         branch = h.branch or f"hyp/{h.id}-{slugify(h.title)}"
         ctx = build_context(svc)
-        rounds = svc.lab.config.agent.repair_rounds
+        rounds = agent_config(svc.lab).agent.repair_rounds
         feedback: Feedback | None = None
         attempts: list[str] = []
         files: dict[str, str] | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from agent.config import agent_config
 from agent.errors import BudgetExceeded, LLMError
 from agent.graph import claim, open_proposal, plateau_of
 from agent.lifecycle import Decision, Status
@@ -68,7 +69,7 @@ class Guards:
         n = plateau_of(self.svc)
         if n is None:
             return False
-        after = self.lab.config.agent.plateau_after
+        after = agent_config(self.lab).agent.plateau_after
         base = self.svc.workspace.baseline_head()
         said = [e for e in self.records.events(50) if e.kind == "plateau"]
         if not any(base[:10] in e.message for e in said):

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from agent.config import agent_config
 from agent.graph import GraphSpec, Services, graph_spec, open_checkpointer
 from agent.lifecycle import Status
 from agent.loop.driver_thread import DriverThread
@@ -103,7 +104,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
     def room_for_another(self, in_flight: list[Hypothesis], slots: int) -> bool:
         """Whether one more hypothesis may start now. `[agent] max_in_flight`, if set, is the limit;
         unset, it is derived from the slots (`in_flight_room`), with the runs outstanding now."""
-        limit = self.lab.config.agent.max_in_flight
+        limit = agent_config(self.lab).agent.max_in_flight
         if limit is not None:
             return len(in_flight) < limit
         first = len(self.lab.tasks()) * self.lab.config.gate.looks[0]

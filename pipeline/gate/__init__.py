@@ -46,11 +46,11 @@ _WHERE = {
     "GateConfig": "inputs", "GateInput": "inputs", "TaskRuns": "inputs",
     "parse_input": "inputs",
     "mde": "power",  # power() itself: `from pipeline.gate.power import power`
-    "evaluate": "protocols",
+    "evaluate": "judge",
     "FailureReport": "report", "GateResult": "report", "HorizontalResult": "report", "TaskResult": "report",
     "WelchResult": "report", "render_markdown": "report", "render_table": "report", "render_text": "report",
     "SimResult": "sim", "simulate": "sim",
-    "Verdict": "verdict",
+    "Verdict": "verdict",  # (pipeline.outcomes.Verdict, re-exported)
 }
 
 
@@ -62,29 +62,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = [
-    "Boundaries",
-    "FailureReport",
-    "GateConfig",
-    "GateInput",
-    "UserError",
-    "GateResult",
-    "HorizontalResult",
-    "UserError",
-    "UserError",
-    "SimResult",
-    "TaskResult",
-    "TaskRuns",
-    "Verdict",
-    "WelchResult",
-    "evaluate",
-    "fixed_boundaries",
-    "mde",
-    "obf_spending",
-    "parse_input",
-    "render_markdown",
-    "render_table",
-    "render_text",
-    "sequential_boundaries",
-    "simulate",
-]
+__all__ = sorted(_WHERE)

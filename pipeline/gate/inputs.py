@@ -26,8 +26,8 @@ from pydantic import (
 )
 
 from pipeline.errors import UserError
+from pipeline.gate.protocol import PROTOCOLS, check_name, get_protocol
 
-TWO_SAMPLE_LOOKS = (2, 5, 10)
 
 
 class GateConfig(BaseModel):
@@ -65,15 +65,15 @@ class GateConfig(BaseModel):
     @field_validator("protocol")
     @classmethod
     def _known(cls, name: str) -> str:
-        from pipeline.gate.protocol import check_name
-
         return check_name(name)
 
     @model_validator(mode="before")
     @classmethod
     def _default_looks(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("looks") is None and data.get("protocol", "paired") != "paired":
-            return {**data, "looks": TWO_SAMPLE_LOOKS}
+        if isinstance(data, dict) and data.get("looks") is None:  # the protocol's own (an unknown one: said below)
+            name = data.get("protocol", "paired")
+            if isinstance(name, str) and name in PROTOCOLS:
+                return {**data, "looks": get_protocol(name).default_looks}
         return data
 
     @field_validator("looks")
@@ -85,13 +85,9 @@ class GateConfig(BaseModel):
 
     @model_validator(mode="after")
     def _fits_protocol(self) -> "GateConfig":
-        looks = self.looks
-        if looks[0] < 2 and self.protocol != "paired":  # a two-sample variance needs 2 challenger runs
-            raise ValueError(f"looks: expected the first look at 2 runs or more with protocol {self.protocol!r} "
-                             "(only \"paired\" looks at 1)")
-        if looks[-1] > self.baseline_runs and self.protocol == "paired":
-            raise ValueError(f"looks: the last look ({looks[-1]}) needs as many baseline runs: "
-                             f"baseline_runs is {self.baseline_runs}")
+        problem = get_protocol(self.protocol).looks_problem(self.looks, self.baseline_runs)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 

@@ -3,10 +3,14 @@ one-sided α, each task on its own (no multiplicity correction). Kept to measure
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
 
-from pipeline.gate.boundaries import Boundaries, fixed_boundaries
 from pipeline.gate.protocol.base import GateProtocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from pipeline.gate.boundaries import Boundaries
 
 
 class Fixed(GateProtocol):
@@ -15,6 +19,8 @@ class Fixed(GateProtocol):
 
     def boundaries(self, n_baseline: int, looks: tuple[int, ...], planned_max: int, alpha: float,
                    prior_df: int = 0, prior_weight: float = 0.0) -> Boundaries:
+        from pipeline.gate.boundaries import fixed_boundaries
+
         return fixed_boundaries(n_baseline, looks, alpha, prior_weight)
 
     def flags(self, p_up: np.ndarray, p_down: np.ndarray, q: np.ndarray, t: np.ndarray, alpha: float,

@@ -17,19 +17,42 @@ d_k = challenger_k - baseline_k.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
-
-from pipeline.gate.boundaries import Boundaries, calibration_df, paired_boundaries, paired_df
 from pipeline.gate.protocol.base import GateProtocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from pipeline.gate.boundaries import Boundaries
+    from pipeline.gate.looks import LookData, LookTests
+    from pipeline.gate.paths import LookPath
+
+
+MIN_BASELINE_RUNS = 2  # a lazy baseline still runs 2 seeds at the first look: a task's σ needs a variance
 
 
 class Paired(GateProtocol):
     name = "paired"
     moderated = True
-    paired = True
+    default_looks = (1, 2, 5, 10)  # a look at one pair can stop a futile hypothesis
+
+    def looks_problem(self, looks: tuple[int, ...], baseline_runs: int) -> str | None:
+        if looks[-1] > baseline_runs:  # seed k of the challenger pairs with seed k of the baseline
+            return f"looks: the last look ({looks[-1]}) needs as many baseline runs: baseline_runs is {baseline_runs}"
+        return None
+
+    def baseline_runs_at(self, look: int, baseline_runs: int) -> int:
+        """The lazy baseline: seed k only once a challenger reaches seed k, and at least 2 (a task's σ
+        needs a variance), so the baseline grows with the deepest look asked of it."""
+        return min(max(look, MIN_BASELINE_RUNS), baseline_runs)
+
+    def reads_lab_history(self) -> bool:
+        return True
 
     def df(self, n_baseline: int, n_challenger: int, prior_weight: float) -> float:
+        from pipeline.gate.boundaries import paired_df
+
         return paired_df(n_challenger, prior_weight)
 
     def se_factor(self, n_baseline: int, n_challenger: int) -> float:
@@ -37,6 +60,8 @@ class Paired(GateProtocol):
 
     def boundaries(self, n_baseline: int, looks: tuple[int, ...], planned_max: int, alpha: float,
                    prior_df: int = 0, prior_weight: float = 0.0) -> Boundaries:
+        from pipeline.gate.boundaries import calibration_df, paired_boundaries
+
         # the bound's weight at each look follows from its df (`stats.bound_weight`): `prior_weight` is
         # not a parameter of the calibration, and leaving it out of the cache key keeps one per schedule
         # a history past EXACT_PRIOR_DF is calibrated on a grid, rounded down (`calibration_df`)
@@ -48,3 +73,45 @@ class Paired(GateProtocol):
 
     def harm_rule(self, harm_q: float) -> str:
         return f"BH q ≤ {harm_q}"
+
+    def look_tests(self, d: LookData) -> LookTests:
+        from pipeline.gate.looks import paired_look_tests
+
+        return paired_look_tests(d)
+
+    def task_planned(self, planned_last: int, m: int, count: int, failed: int) -> int:
+        return planned_last - (m - count)  # a failed run or a dropped pair is a pair fewer
+
+    def next_baseline_runs(self, n: int, m_next: int) -> int:
+        return max(n, m_next)  # the lazy baseline runs the seeds the next look pairs with
+
+    def pairs(self, count: int) -> int | None:
+        return count
+
+    def futility_p(self, p_up: np.ndarray, h_values: np.ndarray) -> np.ndarray:
+        from pipeline.gate.looks import futility_p_value
+
+        return futility_p_value(p_up, h_values)
+
+    def no_variance(self, p_up: float, h_values: np.ndarray) -> bool:
+        return sum(1 for v in h_values.ravel() if math.isfinite(v)) >= 1 and not math.isfinite(p_up)
+
+    def path(self, base: np.ndarray, chal: np.ndarray, looks: tuple[int, ...], **kw: Any) -> LookPath:
+        from pipeline.gate.paths import paired_path
+
+        return paired_path(self, base, chal, looks, **kw)
+
+    def lab_history(self, draw: Callable[..., np.ndarray], b: int, comparisons: int,
+                    pair_rho: float) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Earlier comparisons' paired differences (var 2(1 − ρ_pair) per task, 2 pairs each) and
+        their arms (2 seeds each, both arms of each comparison): the prior and the unpaired bound."""
+        if not comparisons:
+            return None, None
+        import numpy as np
+
+        pairs = math.sqrt(2 * (1 - pair_rho)) * draw(b, comparisons, 2)
+        arms = np.moveaxis(draw(b, 2 * comparisons, 2), 1, 2)
+        return pairs, arms
+
+    def sim_fields(self, history_pair_rho: float, pair_history: int, lazy: bool) -> dict[str, Any]:
+        return {"history_pair_rho": history_pair_rho, "pair_history": pair_history, "lazy": lazy}
