@@ -19,7 +19,7 @@ from sqlmodel import Field, SQLModel, select
 from agent import verdicts
 from agent.lifecycle import Decision, Review, ReviewAction, Status  # noqa: F401 (re-exported: the column vocabularies)
 from agent.verdicts import DECISION, DecisionRecord
-from pipeline.api import Store, create_schema
+from pipeline.api import Store, Verdict, create_schema
 
 if TYPE_CHECKING:
     from agent.verdicts import DecisionRecord
@@ -34,7 +34,7 @@ def now() -> float:
 
 
 class EnumText(TypeDecorator):  # type: ignore[type-arg]
-    """A column of plain strings read back as members of a `StrEnum` (`Status`, `Decision`, `Review`):
+    """A column of plain strings read back as members of a `StrEnum` (`Status`, `Decision`, `Review`, `Verdict`):
     the database keeps the strings it always had (no schema change, no native enum type), and a row
     reads typed. A string this version does not know (a newer database's) is read as it is."""
 
@@ -78,7 +78,7 @@ class Hypothesis(SQLModel, table=True):
     base_commit: str | None = None
     commit: str | None = None
     look: int | None = None  # challenger runs wanted at the current look
-    verdict: str | None = None
+    verdict: Verdict | None = Field(default=None, sa_type=EnumText(Verdict))
     decision: Decision | None = Field(default=None, sa_type=EnumText(Decision))
     rationale_decision: str | None = Field(default=None, sa_column=Column(Text))
     follow_up: str | None = Field(default=None, sa_column=Column(Text))
@@ -109,7 +109,7 @@ class DecisionRow(SQLModel, table=True):
     rationale: str = Field(default="", sa_column=Column(Text))
     follow_up: str = Field(default="", sa_column=Column(Text))
     allowed: list[str] = Field(default_factory=list, sa_column=Column(JSON))
-    verdict: str | None = None
+    verdict: Verdict | None = Field(default=None, sa_type=EnumText(Verdict))
     policy: str | None = None
     created_at: float = Field(default_factory=now)
 
