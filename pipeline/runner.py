@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import math
 import threading
 import time
 import uuid
@@ -47,14 +46,14 @@ from typing import Any
 
 from pipeline import isolation
 from pipeline.dag import Cache, StageNode, check_not_sealed, input_digests, plan_run, render
-from pipeline.disk import DiskKeeper, open_regular
+from pipeline.disk import DiskKeeper
 from pipeline.executors import Executor, ExecutorOptions, StageJob, classify, make_executor
 from pipeline.executors.base import lab_env
-from pipeline.harness import Harness, Prepared, PredictionsError
-from pipeline.harness.base import HOLDOUT_SPLIT
+from pipeline.harness import Harness, Prepared
 from pipeline.lab import Lab, load_lab
 from pipeline.lease import Heartbeat
 from pipeline.outcomes import ResultOutcome, StageOutcome
+from pipeline.scoring import Scoring
 from pipeline.store import Claim, Owner, Result, Store
 from pipeline.safefs import UnsafeTree
 from pipeline.worktrees import WorktreeError, Worktrees
@@ -94,7 +93,7 @@ class _Flight:
     tmp: Path
 
 
-class Driver:
+class Driver(Scoring):
     """Drives the queue of one lab through one executor. See the module docstring."""
 
     def __init__(self, lab: Lab, store: Store, executor: Executor, *, harness: Harness | None = None,
@@ -538,58 +537,6 @@ class Driver:
                                       gpu_s=lost["gpu_s"], host=res.host,
                                       detail="CUDA out of memory on a GPU shared with other stages; run again alone")
 
-    def _score(self, run_id: int) -> None:
-        """The sealed scorer, in the driver: branch code never sees the test labels or the metric."""
-        a = self.active[run_id]
-        run = a.claim.run
-        predictions = a.done[a.final.name] / "predictions.csv"
-        try:
-            value = self.harness.score(self.prepared(), run.task, predictions, self.lab.config.benchmark.metric)
-        except PredictionsError as e:
-            kind = "nan" if _has_nonfinite(predictions) else "predictions"
-            self._finish(run_id, ResultOutcome.METHOD_FAILURE, None, kind, str(e))
-            return
-        except Exception as e:  # a scorer bug is not the method's failure; retrying would not help
-            log.exception("scorer failed for run %s", run_id)
-            self._finish(run_id, ResultOutcome.INFRA_FAILURE, None, "scorer", f"{type(e).__name__}: {e}")
-            return
-        if not math.isfinite(value):
-            self._finish(run_id, ResultOutcome.METHOD_FAILURE, None, "nan", f"metric is {value}")
-            return
-        if self._is_baseline(run):
-            self._score_holdout(run, predictions)
-        self._finish(run_id, ResultOutcome.OK, float(value), None, None)
-
-    def _is_baseline(self, run: Any) -> bool:
-        """Whether the run's commit is a baseline (its runs are also scored on the holdout). A commit
-        is marked a baseline before its baseline runs are queued (`Experiment.queue_champion`), so
-        an answer `no` holds for every run queued before it was asked."""
-        if run.commit in self._baselines:
-            return True
-        asked = self._not_baseline_at.get(run.commit)
-        if asked is not None and run.queued_at is not None and run.queued_at < asked:
-            return False
-        t = time.time()
-        if self.store.is_baseline(run.commit):
-            self._baselines.add(run.commit)
-            return True
-        self._not_baseline_at[run.commit] = t
-        return False
-
-    def _score_holdout(self, run: Any, predictions: Path) -> None:
-        """A baseline's run (the first baseline's, a champion's) is also scored on the sealed holdout
-        split, into a table nothing that decides reads; a challenger's never is (the holdout measures
-        test-set reuse, so nothing that chooses may see it)."""
-        try:
-            if not self.harness.has_holdout(self.prepared()):
-                return
-            value = self.harness.score(self.prepared(), run.task, predictions, self.lab.config.benchmark.metric,
-                                       split=HOLDOUT_SPLIT)
-            if math.isfinite(value):
-                self.store.holdout_put(run.id, run.commit, run.task, run.seed, float(value))
-        except Exception as e:  # the holdout is a report: its failure never fails the run
-            log.warning("holdout not scored for run %s: %s: %s", run.id, type(e).__name__, e)
-
     def _finish(self, run_id: int, outcome: ResultOutcome, value: float | None, kind: str | None, detail: str | None) -> None:
         a = self.active.pop(run_id, None)
         if a is None:
@@ -610,30 +557,6 @@ class Driver:
             self.finished.append(run.id)
         else:
             log.warning("run %s was taken back from this driver; its result is not recorded twice", run.id)
-
-
-NONFINITE_SCAN_BYTES = 16 << 20  # how much of a rejected predictions file is read to tell "nan" from "predictions"
-_NONFINITE = (b"nan", b"inf", b"-inf", b"+inf", b"infinity", b"-infinity")
-
-
-def _has_nonfinite(path: Path, limit: int = NONFINITE_SCAN_BYTES) -> bool:
-    """Whether a rejected predictions file (branch-written) holds a non-finite score in its first
-    `limit` bytes: opened without following a link, read line by line (a line at most 4 KB a read),
-    never whole, so a 4 GB file costs the driver no memory."""
-    fh = open_regular(path)
-    if fh is None:
-        return False
-    with fh:
-        fh.readline(4096)  # the header
-        seen = 0
-        while seen < limit:
-            line = fh.readline(4096)
-            if not line:
-                return False
-            seen += len(line)
-            if line.rsplit(b",", 1)[-1].strip().lower() in _NONFINITE:
-                return True
-    return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runner import _has_nonfinite
+from pipeline.scoring import _has_nonfinite
 
 pytestmark = pytest.mark.unit
 
