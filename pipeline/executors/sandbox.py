@@ -23,7 +23,7 @@ The outer process builds a new root on a tmpfs and the stage pivots into it (the
   of file sizes (never a symlink, hard link, device or fifo: each one skipped is said in the log).
   So `{out}` is bounded and the scorer only ever reads regular files the stage wrote;
 - a private `/tmp` (tmpfs of `tmp_max_mb`) and `/dev/shm` (`shm_max_mb`, 64 MB: tmpfs is RAM no
-  rlimit counts, see lab.MemoryPlan), a minimal `/dev` (with `gpus`: the NVIDIA control nodes
+  rlimit counts, see pipeline.memory.MemoryPlan), a minimal `/dev` (with `gpus`: the NVIDIA control nodes
   and only the stage's own `/dev/nvidia<N>`, see `gpu_plan`), a fresh `/proc`.
 
 Nothing else exists inside: not the lab's `runs/` (seal, store, cache, worktrees, logs), not
