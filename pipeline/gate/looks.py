@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -36,7 +36,22 @@ from pipeline.gate.stats import (
 )
 
 if TYPE_CHECKING:
-    from pipeline.gate.protocol.base import GateProtocol
+    from pipeline.gate.boundaries import Boundaries
+
+
+class GateProtocol(Protocol):
+    """What a look's statistics ask of their gate protocol (`pipeline.gate.protocol.base.GateProtocol`
+    has it; named here so that the statistics need not import the protocols that call them)."""
+
+    moderated: bool
+
+    def df(self, n_baseline: int, n_challenger: int, prior_weight: float) -> float: ...
+
+    def boundaries(self, n_baseline: int, looks: tuple[int, ...], planned_max: int, alpha: float,
+                   prior_df: int = 0, prior_weight: float = 0.0) -> Boundaries: ...
+
+    def flags(self, p_up: np.ndarray, p_down: np.ndarray, q: np.ndarray, t: np.ndarray, alpha: float,
+              harm_q: float) -> tuple[np.ndarray, np.ndarray]: ...
 
 SEED_SPREAD_P = 0.01  # lower-tail F level below which a challenger's seeds "do not vary"
 

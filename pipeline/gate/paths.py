@@ -7,12 +7,13 @@ benchmarks/loop_quality.py call `pipeline.gate.sim.look_path`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from pipeline.gate.looks import (
     SEED_SPREAD_P,
+    GateProtocol,
     futility_p_value,
     horizontal_look,
     most_improved,
@@ -36,8 +37,6 @@ from pipeline.gate.stats import (
 )
 from pipeline.gate.verdict import CODE, Verdict, decide
 
-if TYPE_CHECKING:
-    from pipeline.gate.protocol.base import GateProtocol
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,25 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from pipeline.errors import LabConfigError, PredictionsError, UserError
 
-if TYPE_CHECKING:
-    from pipeline.lab import Lab, ResearchConfig
+
+class ConfigView(Protocol):
+    """What a harness reads of a lab's `research.toml` (`pipeline.lab.ResearchConfig` has it): its
+    `[benchmark]`. Named here, so the harnesses, which the lab's loading calls, need not import it."""
+
+    benchmark: Any
+
+
+class LabView(Protocol):
+    """What a harness reads of a lab (`pipeline.lab.Lab` has it)."""
+
+    root: Path
+    config: Any
 
 
 @dataclass(frozen=True)
@@ -49,11 +60,11 @@ class Harness:
     suites: dict[str, list[str]] = {}
     metrics: set[str] = {"auc"}
 
-    def bind(self, lab: "Lab") -> "Harness":
+    def bind(self, lab: LabView) -> "Harness":
         """This harness for one lab (a harness that reads the lab's own files keeps it)."""
         return self
 
-    def validate(self, config: "ResearchConfig", path: Path) -> None:
+    def validate(self, config: ConfigView, path: Path) -> None:
         """Raise `LabConfigError` for a `[benchmark]` this harness cannot serve."""
         bench = config.benchmark
         for key in ("prepare", "score", "trusted"):
