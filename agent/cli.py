@@ -184,33 +184,9 @@ def gate_sim_cmd(
 @app.command()
 def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Validate the lab (research.toml, harness, tasks, editable files) and summarise it."""
-    import subprocess
+    from agent.commands import check_lab
 
-    from agent.config import agent_config, config_warnings, open_lab
-    from agent.notify_targets import check_urls
-
-    lab = open_lab(Ctx.repo)
-    cfg = lab.config
-    check_urls(agent_config(lab).notify, dict(os.environ))  # a webhook URL with a password in it: refused in one line
-    files = subprocess.run(["git", "ls-files"], cwd=lab.root, capture_output=True, text=True).stdout.split()
-    undeclared = lab.undeclared_editable(files)
-    summary = {
-        "lab": cfg.lab.name,
-        "root": str(lab.root),
-        "harness": cfg.benchmark.harness,
-        "suite": cfg.benchmark.suite,
-        "tasks": lab.tasks(),
-        "stages": [s.name for s in lab.stages_in_order()],
-        "editable": cfg.lab.editable,
-        "trusted": cfg.benchmark.trusted,
-        "undeclared": undeclared,
-        "sandbox": "on" if cfg.run.sandbox == "auto" else "UNSANDBOXED (opted out: [run] sandbox = \"off\")",
-        "protocol": cfg.gate.protocol,
-        "looks": cfg.gate.looks,
-    }
-    warnings = [*config_warnings(lab), *(
-        f"{path} is editable but no stage lists it in `inputs`: no stage can read it "
-        "(stages see only the editable files they declare)" for path in undeclared)]
+    summary, warnings = check_lab(Ctx.repo, dict(os.environ))
     if as_json:
         emit_json({**summary, "warnings": warnings})
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,11 +16,12 @@ from typing import Any
 
 import git
 
-from agent.config import agent_config, open_lab
+from agent.config import agent_config, config_warnings, open_lab
 from agent.errors import UserError
 from agent.ledger import Ledger, utc_day_start
 from agent.lifecycle import Decision, Review, ReviewAction, Status
 from agent.llm_prices import model_price
+from agent.notify_targets import check_urls
 from agent.progress import split_progress
 from agent.records import ACTIVE, Hypothesis, Records
 from agent.summary import digest_extras
@@ -268,3 +270,31 @@ def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
         "llm": llm_use(lab, Ledger(store.engine), t0),
         **digest_extras(lab, store, rec, t0),  # baseline progress, holds, the progress chart (agent.summary)
     }
+
+
+def check_lab(repo: Path, env: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """`autoresearch check`: the lab validated (research.toml, the agent's tables, harness, tasks; a
+    webhook URL with a password in it is refused in one line) and summarised, with its warnings."""
+    lab = open_lab(repo)
+    cfg = lab.config
+    check_urls(agent_config(lab).notify, env)
+    files = subprocess.run(["git", "ls-files"], cwd=lab.root, capture_output=True, text=True).stdout.split()
+    undeclared = lab.undeclared_editable(files)
+    summary = {
+        "lab": cfg.lab.name,
+        "root": str(lab.root),
+        "harness": cfg.benchmark.harness,
+        "suite": cfg.benchmark.suite,
+        "tasks": lab.tasks(),
+        "stages": [s.name for s in lab.stages_in_order()],
+        "editable": cfg.lab.editable,
+        "trusted": cfg.benchmark.trusted,
+        "undeclared": undeclared,
+        "sandbox": "on" if cfg.run.sandbox == "auto" else "UNSANDBOXED (opted out: [run] sandbox = \"off\")",
+        "protocol": cfg.gate.protocol,
+        "looks": cfg.gate.looks,
+    }
+    warnings = [*config_warnings(lab), *(
+        f"{path} is editable but no stage lists it in `inputs`: no stage can read it "
+        "(stages see only the editable files they declare)" for path in undeclared)]
+    return summary, warnings
