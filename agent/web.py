@@ -320,7 +320,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         lab, store, rec = lab_store()
         m = SEEDS_PICTURE.match(name)
         if m:  # drawn from the store on request, into memory: nothing is written beside the summaries
-            from agent.pictures import draw_seeds, seed_view
+            from agent.pictures_seeds import draw_seeds, seed_view
 
             view = seed_view(lab, store, rec.get(int(m.group(1))))
             if view is None:
