@@ -1,22 +1,21 @@
 """Every error of `agent/`, in one place (the pipeline's are in `pipeline.errors`, whose `UserError`
-is the agent's too: a review action or a notification target that does not fit is one).
+is the agent's too: a prompt template, a review action or a notification target that does not fit
+is one, exit code 2).
 
-    AgentError                       the root: every error the agent raises on purpose (exit code 1)
+    AgentError                       the root: every error the agent raises on purpose (exit code 1);
+    │                                raised as itself where nothing reacts by kind (a tracking server
+    │                                that refuses one hypothesis's run: said, the others exported)
     ├── EditRejected                 an implementation the loop refuses; `kind` is recorded
-    ├── NotConfigured                a policy that cannot work here (no LLM endpoint): exit code 2
-    ├── LLMError                     the LLM client's; `retryable`: asking again later may answer
-    │   ├── BudgetExceeded           today's spend reached the cap; nothing was sent
-    │   │   └── TokenBudgetExceeded  today's tokens reached `max_tokens_per_day` (a model without a price)
-    │   ├── LLMUnavailable           429/5xx/timeouts/connection errors through every attempt (retryable)
-    │   ├── LLMRequestRejected       the endpoint refused the request itself
-    │   └── LLMOutputError           no usable answer after every repair round
-    ├── PromptError                  a template missing, malformed, or filled with a value missing or
-    │                                unused: exit code 2
-    └── the client's own, never seen outside agent/llm.py:
-        ├── InvalidOutput            one answer failed parsing or validation (the repair prompt's text)
-        ├── RequestCut               a request given up on a timeout, with what arrived
-        ├── ModeRejected             the endpoint refused this way of asking for structure
-        └── MalformedAnswer          a 200 whose body is not a chat completion
+    ├── NotConfigured                a policy that cannot work here (no LLM endpoint): exit code 2;
+    │                                choosing a policy skips to the next one
+    └── LLMError                     the LLM client's: the endpoint refuses the request (no retry);
+        │                            `retryable`: asking again later may answer
+        ├── BudgetExceeded           today's spend or tokens reached the cap; nothing was sent
+        ├── LLMUnavailable           429/5xx/timeouts/connection errors through every attempt (retryable)
+        ├── LLMOutputError           no usable answer: one answer (the client repairs or retries it),
+        │                            or none after every repair round (the caller records it)
+        └── ModeRejected             the endpoint refused this way of asking for structure (the
+                                     client tries the next; never seen outside agent/llm.py)
 
 Each class says its exit code (`exit_code`): the CLI exits with the code of what it caught.
 
@@ -24,8 +23,6 @@ Each module re-exports the errors it raises, so `from agent.llm import LLMUnavai
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from pipeline.api import PromotionConflict, UserError  # noqa: F401 (re-exported: the agent's are the pipeline's)
 
@@ -51,28 +48,24 @@ class NotConfigured(AgentError):
 
 
 class LLMError(AgentError):
-    """Base of the client's errors. `retryable`: the same request may succeed later (the loop
-    backs off and asks again); otherwise the answer is recorded as it is."""
+    """The client's errors; raised as itself when the endpoint refuses the request (auth, unknown
+    model, bad request): retrying won't help. `retryable`: the same request may succeed later (the
+    loop backs off and asks again); otherwise the answer is recorded as it is."""
 
     retryable = False
 
 
 class BudgetExceeded(LLMError):
-    """Today's (UTC) LLM spend reached `max_usd_per_day`; no request was sent."""
+    """Today's (UTC) LLM spend reached `max_usd_per_day`, or its tokens `max_tokens_per_day` (a model
+    without a price); no request was sent."""
 
-    def __init__(self, spent_usd: float, cap_usd: float):
-        self.spent_usd, self.cap_usd = spent_usd, cap_usd
-        super().__init__(f"LLM budget reached: ${spent_usd:.4f} spent today (UTC), cap ${cap_usd:.2f}/day")
-
-
-class TokenBudgetExceeded(BudgetExceeded):
-    """Today's (UTC) LLM tokens reached `[agent] max_tokens_per_day`; no request was sent."""
-
-    def __init__(self, tokens: int, cap_tokens: int):
-        self.tokens, self.cap_tokens = tokens, cap_tokens
-        self.spent_usd, self.cap_usd = 0.0, 0.0
-        LLMError.__init__(self, f"LLM budget reached: {tokens} tokens used today (UTC), cap {cap_tokens}/day "
-                                "([agent] max_tokens_per_day)")
+    def __init__(self, used: float, cap: float, unit: str = "usd"):
+        self.used, self.cap, self.unit = used, cap, unit
+        if unit == "usd":
+            super().__init__(f"LLM budget reached: ${used:.4f} spent today (UTC), cap ${cap:.2f}/day")
+        else:
+            super().__init__(f"LLM budget reached: {int(used)} tokens used today (UTC), cap {int(cap)}/day "
+                             "([agent] max_tokens_per_day)")
 
 
 class LLMUnavailable(LLMError):
@@ -85,55 +78,26 @@ class LLMUnavailable(LLMError):
         super().__init__(f"{purpose}: LLM endpoint failed {attempts} attempt(s); last error: {last_error}")
 
 
-class LLMRequestRejected(LLMError):
-    """The endpoint refused the request itself (auth, unknown model, bad request): retrying won't help."""
-
-    def __init__(self, purpose: str, status: int | None, message: str):
-        self.purpose, self.status, self.message = purpose, status, message
-        super().__init__(f"{purpose}: LLM request rejected (HTTP {status}): {message}")
-
-
 class LLMOutputError(LLMError):
-    """No usable answer: not JSON, or not matching the schema, after every repair round.
+    """No usable answer. Inside the client, one answer: JSON that does not parse or fit the schema (the
+    message is what the repair prompt sends back) or a 200 whose body is no chat completion (a broken
+    proxy: retried). To the caller, none after every repair round (`after_repairs`): `errors` holds
+    what was wrong with each answer, `last_answer` the final raw text; the caller skips the
+    hypothesis and records `str(exc)` as the reason."""
 
-    `errors` holds what was wrong with each answer, `last_answer` the final raw text. The caller
-    skips the hypothesis and records `str(exc)` as the reason.
-    """
-
-    def __init__(self, purpose: str, name: str, errors: list[str], last_answer: str | None):
-        self.purpose, self.name, self.errors, self.last_answer = purpose, name, errors, last_answer
-        detail = errors[-1] if errors else "no answer"
-        super().__init__(f"{purpose}: no valid {name} after {len(errors)} answer(s): {detail}")
-
-
-class PromptError(AgentError):
-    """A prompt template is missing, malformed, or was filled with the wrong values."""
-
-    exit_code = 2
-
-
-class InvalidOutput(AgentError, ValueError):
-    """One answer failed parsing or validation; the message is what the repair prompt sends back."""
-
-
-class RequestCut(AgentError):
-    """A request given up on a timeout; `answer` (an `agent.llm_answers.Answer`) holds what arrived, `key` the
-    `[agent]` key that cut it."""
-
-    def __init__(self, answer: Any, key: str, message: str):
+    def __init__(self, message: str, errors: list[str] | None = None, last_answer: str | None = None):
+        self.errors, self.last_answer = list(errors or []), last_answer
         super().__init__(message)
-        self.answer, self.key = answer, key
+
+    @classmethod
+    def after_repairs(cls, purpose: str, name: str, errors: list[str], last_answer: str | None) -> LLMOutputError:
+        detail = errors[-1] if errors else "no answer"
+        return cls(f"{purpose}: no valid {name} after {len(errors)} answer(s): {detail}", errors, last_answer)
 
 
-class ModeRejected(AgentError):
+class ModeRejected(LLMError):
     """The endpoint refused this way of asking for structure; `explicit` when it named the parameter."""
 
     def __init__(self, message: str, explicit: bool):
         super().__init__(message)
         self.explicit = explicit
-
-
-class MalformedAnswer(AgentError, ValueError):
-    """A 200 whose body is not a chat completion (a broken proxy)."""
-
-

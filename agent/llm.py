@@ -45,16 +45,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from agent import prompts
 from agent.errors import (  # noqa: F401 (re-exported: the client raises them)
     BudgetExceeded,
-    InvalidOutput,
     LLMError,
     LLMOutputError,
-    LLMRequestRejected,
     LLMUnavailable,
-    MalformedAnswer,
     ModeRejected,
     NotConfigured,
-    RequestCut,
-    TokenBudgetExceeded,
 )
 from agent.ledger import Ledger, LLMCall, ServerRate, utc_day_start
 from agent.llm_answers import Answer, Assembly, extract_json_object, read_whole, validate, whole_answer  # noqa: F401
@@ -255,7 +250,7 @@ class LLMClient:
         `hypothesis_id` label the ledger rows.
 
         Raises `LLMOutputError` (no valid answer after repairs), `BudgetExceeded`, `LLMUnavailable`
-        (retries exhausted, or a timeout) or `LLMRequestRejected` (the endpoint refuses the request
+        (retries exhausted, or a timeout) or `LLMError` itself (the endpoint refuses the request
         in every mode).
         """
         rejections: list[str] = []
@@ -266,7 +261,7 @@ class LLMClient:
                 rejections.append(f"{MODES[index]}: {r}")
                 if r.explicit:  # the endpoint named the parameter it lacks: no need to ask again
                     self._mode_index = max(self._mode_index, index + 1)
-        raise LLMRequestRejected(purpose, None, " | ".join(rejections))
+        raise LLMError(f"{purpose}: LLM request rejected: " + " | ".join(rejections))
 
     # --- modes ----------------------------------------------------------------------------------
 
@@ -308,19 +303,19 @@ class LLMClient:
             answer = self._send(purpose, hypothesis_id, mode, self._body(mode, purpose, convo, schema, name))
             self._mode_index = max(self._mode_index, MODES.index(mode))  # this endpoint accepts this mode
             if answer.refusal:
-                raise LLMOutputError(purpose, name, errors + [f"the model refused: {answer.refusal}"], None)
+                raise LLMOutputError.after_repairs(purpose, name, errors + [f"the model refused: {answer.refusal}"], None)
             text = answer.text
             try:
                 obj = extract_json_object(text)
                 validate(obj, schema)
                 return obj
-            except InvalidOutput as e:
+            except LLMOutputError as e:  # this answer: repaired below
                 errors.append(str(e))
                 if round_ == self.repair_rounds:
                     break
                 repair = prompts.render("json_repair", error=str(e), schema=schema_text)
                 convo = [*convo, {"role": "assistant", "content": text}, {"role": "user", "content": repair}]
-        raise LLMOutputError(purpose, name, errors, text)
+        raise LLMOutputError.after_repairs(purpose, name, errors, text)
 
     # --- one request, with retries --------------------------------------------------------------
 
@@ -332,7 +327,7 @@ class LLMClient:
         if self.max_tokens_per_day is not None:
             used = self.tokens_today()
             if used >= self.max_tokens_per_day:
-                raise TokenBudgetExceeded(used, self.max_tokens_per_day)
+                raise BudgetExceeded(used, self.max_tokens_per_day, unit="tokens")
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None and retry_after >= 0:
@@ -356,11 +351,6 @@ class LLMClient:
             started = time.monotonic()
             try:
                 answer = self._request(body, call, started)
-            except RequestCut as cut:
-                if cut.answer.pieces:  # the server read the prompt and wrote this much: that is spent
-                    self._account(call, cut.answer, request_json)
-                self._record(call, started, error=str(cut))
-                raise LLMUnavailable(purpose, attempt, str(cut)) from None
             except openai.APIConnectionError as e:
                 last_error = f"connection error: {e.__cause__ or e}"
             except openai.APIStatusError as e:
@@ -383,13 +373,18 @@ class LLMClient:
                 if rejected is not None:
                     raise ModeRejected(last_error, explicit=rejected) from None
                 if status not in RETRYABLE_STATUS and status < 500:
-                    raise LLMRequestRejected(purpose, status, message) from None
+                    raise LLMError(f"{purpose}: LLM request rejected (HTTP {status}): {message}") from None
                 retry_after = _retry_after(e.response.headers)
             except openai.APIError as e:  # an error event inside the stream: the server failed mid-answer
                 last_error = f"error in the stream: {_error_message(e)}"
-            except MalformedAnswer as e:  # a 200 whose body is not a chat completion: a broken proxy
+            except LLMOutputError as e:  # a 200 whose body is not a chat completion: a broken proxy
                 last_error = f"malformed response: {e}"
             else:
+                if answer.cut is not None:  # a timeout: what the server wrote before it is spent
+                    if answer.pieces:
+                        self._account(call, answer, request_json)
+                    self._record(call, started, error=answer.cut)
+                    raise LLMUnavailable(purpose, attempt, answer.cut)
                 self._account(call, answer, request_json)
                 self._record(call, started, error=None)
                 if answer.first_token_s is not None:
@@ -408,7 +403,7 @@ class LLMClient:
     def _request(self, body: dict[str, Any], call: LLMCall, started: float) -> Answer:
         """One HTTP request: its answer, streamed (or whole, from a server that does not stream).
 
-        Raises `RequestCut` on a timeout, with what arrived; the SDK's errors otherwise."""
+        On a timeout, what arrived, with `cut` saying so; raises the SDK's errors otherwise."""
         import openai
 
         assembly = Assembly(started)
@@ -424,19 +419,22 @@ class LLMClient:
                 for chunk in stream:
                     assembly.add(chunk)
                     if assembly.finish_reason is None and time.monotonic() - started > self.timeout_s:
-                        answer = assembly.answer()
-                        raise RequestCut(answer, "request_timeout_s", self._cut_message("request_timeout_s", answer))
+                        return self._cut(assembly.answer(), "request_timeout_s")
             finally:
                 stream.close()
                 if assembly.head:
                     call.response_text = json.dumps(assembly.answer().completion, ensure_ascii=False)
         except openai.APITimeoutError:
             key = "request_timeout_s" if time.monotonic() - started >= self.timeout_s else "idle_timeout_s"
-            answer = assembly.answer()
-            raise RequestCut(answer, key, self._cut_message(key, answer)) from None
+            return self._cut(assembly.answer(), key)
         if not assembly.choices:
-            raise MalformedAnswer("a stream without choices")
+            raise LLMOutputError("a stream without choices")
         return assembly.answer()
+
+    def _cut(self, answer: Answer, key: str) -> Answer:
+        """`answer` given up on a timeout: `cut` is the one line it is (what happened, the key to raise)."""
+        answer.cut = self._cut_message(key, answer)
+        return answer
 
     def _cut_message(self, key: str, answer: Answer) -> str:
         """The one line a timeout is: what happened and the key to raise."""

@@ -1,7 +1,7 @@
 """An LLM's answer as the client reads it: streamed chunks put back together (`Assembly`), a whole
 chat completion read leniently, and the first JSON object in its text, checked against a schema.
-A body that is no chat completion is `MalformedAnswer`; JSON that does not parse or fit is
-`InvalidOutput`, whose message is what the repair prompt sends back."""
+A body that is no chat completion, or JSON that does not parse or fit, is `LLMOutputError`; for the
+JSON, its message is what the repair prompt sends back."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agent.errors import InvalidOutput, MalformedAnswer
+from agent.errors import LLMOutputError
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Answer:
     pieces: int = 0
     first_token_s: float | None = None
     completion: dict[str, Any] | None = None
+    cut: str | None = None  # a timeout: the one line it is (the rest is what arrived before it)
 
 
 _FENCE = re.compile(r"```[A-Za-z0-9_-]*[ \t]*\n?(.*?)```", re.DOTALL)
@@ -41,7 +42,7 @@ _MAX_DECODE_STARTS = 200
 def extract_json_object(text: str) -> dict[str, Any]:
     """The first JSON object in a model's answer: inside a code fence if there is one, else anywhere.
 
-    Raises `InvalidOutput` with the parser's message, which is what the model needs to fix it.
+    Raises `LLMOutputError` with the parser's message, which is what the model needs to fix it.
     """
     decoder = json.JSONDecoder()
     first_error: str | None = None
@@ -55,18 +56,18 @@ def extract_json_object(text: str) -> dict[str, Any]:
                 continue
             if isinstance(obj, dict):
                 return obj
-    raise InvalidOutput(first_error or "no JSON object found in the answer")
+    raise LLMOutputError(first_error or "no JSON object found in the answer")
 
 
 def validate(obj: Any, schema: Mapping[str, Any]) -> None:
-    """Raise `InvalidOutput` naming where `obj` breaks `schema` (JSON Schema 2020-12)."""
+    """Raise `LLMOutputError` naming where `obj` breaks `schema` (JSON Schema 2020-12)."""
     from jsonschema import Draft202012Validator
 
     errors = sorted(Draft202012Validator(schema).iter_errors(obj), key=lambda e: list(e.absolute_path))
     if errors:
         lines = [f"at {'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in errors[:5]]
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-        raise InvalidOutput("the JSON does not match the schema: " + "; ".join(lines) + more)
+        raise LLMOutputError("the JSON does not match the schema: " + "; ".join(lines) + more)
 
 
 def read_whole(response: Any) -> str:
@@ -93,7 +94,7 @@ def whole_answer(text: str) -> Answer:
                       finish_reason=choice.finish_reason, prompt_tokens=usage.prompt_tokens if usage else None,
                       completion_tokens=usage.completion_tokens if usage else None, completion=data)
     except Exception as e:
-        raise MalformedAnswer(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        raise LLMOutputError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
 
 class Assembly:
@@ -114,7 +115,7 @@ class Assembly:
 
     def add(self, chunk: Any) -> None:
         if not hasattr(chunk, "choices"):
-            raise MalformedAnswer(f"a stream event that is no chat completion chunk: {str(chunk)[:100]}")
+            raise LLMOutputError(f"a stream event that is no chat completion chunk: {str(chunk)[:100]}")
         self.head = self.head or {"id": chunk.id, "model": chunk.model, "created": chunk.created}
         if chunk.usage is not None:
             self.usage = chunk.usage

@@ -18,7 +18,7 @@ Names follow MLflow's rules (`mlflow.utils.validation`): a config key is the LLM
 TOML key may hold `@`, a line break, 300 characters), so a name MLflow would refuse is renamed
 (`mlflow_name`: its characters replaced, cut, a hash of the original appended) and the original kept
 in the tag `autoresearch.original.<name>`; values are cut to MLflow's limits. A hypothesis whose run
-the tracking server still refuses is reported (`failed`, and `Rejected` from `export`) and tried
+the tracking server still refuses is reported (`failed`, and an `AgentError` from `export`) and tried
 again at the next export; the others are exported. Only a server that does not answer stops it.
 """
 
@@ -41,12 +41,13 @@ from typing import Any
 import requests
 
 from agent.directions import changed_keys, direction_of, label
+from agent.errors import AgentError
 from agent.lifecycle import Status
 from agent.pictures import forest_path
 from agent.records import Hypothesis, Records
 from agent.summary import summary_path
 from agent.workspace import Workspace
-from pipeline.api import ServiceUnavailable
+from pipeline.api import InfrastructureFailure
 
 log = logging.getLogger("autoresearch.mlflow")
 
@@ -54,7 +55,7 @@ HYP_TAG = "autoresearch.hypothesis"
 RUN_TAG = "autoresearch.run"
 LAB_TAG = "autoresearch.lab"
 ORIGINAL_TAG = "autoresearch.original."  # + a renamed name: the name as the lab wrote it
-__all__ = ["Exporter", "Rejected", "changed_keys", "export", "mlflow_name"]  # changed_keys: agent.directions's
+__all__ = ["Exporter", "changed_keys", "export", "mlflow_name"]  # changed_keys: agent.directions's
 
 # MLflow's limits (mlflow/utils/validation.py): MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH,
 # MAX_TAG_VAL_LENGTH, and half of MAX_BATCH_LOG_REQUEST_SIZE (a server's cap on a request; the client
@@ -67,11 +68,6 @@ BATCH_BYTES = 500_000
 NAME_CHARS = re.compile(r"[A-Za-z0-9_.\- /]+")
 RENAMED_MAX = NAME_MAX - len(ORIGINAL_TAG)  # so that the original's tag name fits too
 REJECTED_HTTP = (400, 404, 409)  # MLflow's error codes for a request it refuses (not a server that is down)
-
-
-class Rejected(ServiceUnavailable):
-    """The tracking server refused one hypothesis's run (a name, a value, a state): that hypothesis is
-    reported and the others exported. A `ServiceUnavailable`, so `run --mlflow` says it and goes on."""
 
 
 def mlflow_name(name: str) -> str:
@@ -161,7 +157,7 @@ class Exporter:
         try:
             return fn(*args)
         except (MlflowException, requests.RequestException) as e:
-            raise ServiceUnavailable(f"cannot reach {what}: {_first_line(e)}") from None
+            raise InfrastructureFailure(f"cannot reach {what}: {_first_line(e)}") from None
 
     def _reachable(self) -> bool:
         try:
@@ -174,7 +170,7 @@ class Exporter:
 
     def export_all(self) -> dict[str, Any]:
         """Every hypothesis; one the server refuses is in `failed` (and tried again next time), the
-        rest are exported. A server that stops answering stops it (`ServiceUnavailable`)."""
+        rest are exported. A server that stops answering stops it (`InfrastructureFailure`)."""
         self._split = None
         failed: list[dict[str, Any]] = []
         for h in self.records.all():
@@ -182,8 +178,8 @@ class Exporter:
                 continue
             try:
                 self.export(h)
-            except (Rejected, OSError) as e:  # OSError: an artifact store refusing a file
-                failed.append({"hypothesis": h.id, "error": str(e) if isinstance(e, Rejected) else
+            except (AgentError, OSError) as e:  # the server refused this one's run; an artifact store a file
+                failed.append({"hypothesis": h.id, "error": str(e) if isinstance(e, AgentError) else
                                f"#{h.id}: {type(e).__name__}: {_first_line(e)}"})
                 log.warning("MLflow export: %s", failed[-1]["error"])
         return {"created": self.created, "updated": self.updated, "failed": failed}
@@ -196,7 +192,10 @@ class Exporter:
         return runs[0] if runs else None
 
     def export(self, h: Hypothesis) -> str:
-        """Create or update the hypothesis's run and its nested runs; returns the parent run's id."""
+        """Create or update the hypothesis's run and its nested runs; returns the parent run's id.
+
+        A server that refuses this hypothesis's run (a name, a value, a state) raises `AgentError`
+        (that one is reported, the others exported); one that does not answer, `InfrastructureFailure`."""
         from mlflow.exceptions import MlflowException
 
         if h.promoted_tag:  # a new champion's points: read afresh
@@ -206,8 +205,8 @@ class Exporter:
         except (MlflowException, requests.RequestException) as e:
             refused = isinstance(e, MlflowException) and e.get_http_status_code() in REJECTED_HTTP
             if refused or self._reachable():  # this hypothesis's run, not the server
-                raise Rejected(f"the MLflow tracking server refused #{h.id}: {_first_line(e)}") from None
-            raise ServiceUnavailable(f"cannot reach the MLflow tracking server: {_first_line(e)}") from None
+                raise AgentError(f"the MLflow tracking server refused #{h.id}: {_first_line(e)}") from None
+            raise InfrastructureFailure(f"cannot reach the MLflow tracking server: {_first_line(e)}") from None
 
     def _log(self, run_id: str, metrics: Sequence[Any] = (), params: Sequence[Any] = (),
              tags: Sequence[Any] = ()) -> None:

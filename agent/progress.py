@@ -47,14 +47,14 @@ def split_progress(lab: Any, store: Any, records: Any) -> dict[str, Any]:
     has none; a champion whose own runs are not all in yet has no point (the gains then run to the
     latest champion that has one).
     """
-    from pipeline.api import Experiment, WorktreeError
+    from pipeline.api import Experiment, InfrastructureFailure
 
     exp = Experiment(lab, store)
     points = []
     for label, rev, hid in champions(records):
         try:
             st = exp.standing(rev)
-        except WorktreeError as e:  # a tag deleted by hand, a commit not in this clone: no point for it
+        except InfrastructureFailure as e:  # a tag deleted by hand, a commit not in this clone: no point for it
             log.warning("progress: %s (%s) left out: %s", label, rev, e)
             st = None
         if st is None:

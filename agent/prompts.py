@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from agent.errors import PromptError
+from agent.errors import UserError
 
 # The top-level `prompts/` folder, shipped inside the package as `agent/prompt_files` (a link in the
 # source tree, real files in a wheel): found the same way from a checkout and from an installed wheel.
@@ -44,10 +44,10 @@ class Template:
         """The body with every placeholder replaced by `str(value)`; strict about missing/unused keys."""
         missing = sorted(self.placeholders - values.keys())
         if missing:
-            raise PromptError(self.name, missing)
+            raise UserError(f"prompt {self.name!r}: no value for {', '.join('{' + m + '}' for m in missing)}")
         unused = sorted(values.keys() - self.placeholders)
         if unused:
-            raise PromptError(self.name, unused)
+            raise UserError(f"prompt {self.name!r}: values it does not use: {', '.join(unused)}")
         return self.body.format_map(values)
 
 
@@ -59,12 +59,12 @@ def _parse(name: str, text: str) -> Template:
     try:
         parsed = list(string.Formatter().parse(body))
     except ValueError as e:  # a lone brace
-        raise PromptError(f"prompt {name!r}: {e} (write literal braces as {{{{ and }}}})") from None
+        raise UserError(f"prompt {name!r}: {e} (write literal braces as {{{{ and }}}})") from None
     for _literal, field, spec, conversion in parsed:
         if field is None:
             continue
         if not _IDENTIFIER.match(field) or spec or conversion:
-            raise PromptError(f"prompt {name!r}: placeholder {{{field}}} must be a plain name like {{program}}")
+            raise UserError(f"prompt {name!r}: placeholder {{{field}}} must be a plain name like {{program}}")
         fields.add(field)
     return Template(name, body.strip() + "\n", frozenset(fields), documented)
 
@@ -80,7 +80,7 @@ def load(name: str, directory: Path | None = None) -> Template:
     try:
         mtime = path.stat().st_mtime_ns
     except FileNotFoundError:
-        raise PromptError(f"no prompt template {path}") from None
+        raise UserError(f"no prompt template {path}") from None
     return _load_cached(path, mtime)
 
 
@@ -95,11 +95,11 @@ def _phrases_cached(path: Path, mtime_ns: int) -> dict[str, Template]:
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
-        raise PromptError(f"{path}: not valid TOML ({e})") from None
+        raise UserError(f"{path}: not valid TOML ({e})") from None
     out = {}
     for key, text in raw.items():
         if not isinstance(text, str):
-            raise PromptError(f"{path}: {key}: expected a string")
+            raise UserError(f"{path}: {key}: expected a string")
         t = _parse(f"phrases.{key}", text)
         out[key] = Template(t.name, t.body.rstrip("\n"), t.placeholders, t.documented)
     return out
@@ -112,10 +112,10 @@ def phrase(name: str, directory: Path | None = None, /, **values: Any) -> str:
     try:
         mtime = path.stat().st_mtime_ns
     except FileNotFoundError:
-        raise PromptError(f"no phrase file {path}") from None
+        raise UserError(f"no phrase file {path}") from None
     phrases = _phrases_cached(path, mtime)
     if name not in phrases:
-        raise PromptError(f"no phrase {name!r} in {path}")
+        raise UserError(f"no phrase {name!r} in {path}")
     return phrases[name].render(**values)
 
 

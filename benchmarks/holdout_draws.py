@@ -30,7 +30,6 @@ import sqlite3
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 

@@ -81,10 +81,8 @@ _WHERE: dict[str, tuple[str, str]] = {
     "rekey": ("pipeline.store.reads", "rekey"),
     "Registry": ("pipeline.registry", "Registry"),
     # errors
-    **{n: ("pipeline.errors", n) for n in ("PipelineError", "UserError", "LabConfigError", "KeyedConfigError",
-                                           "HarnessCommandError", "MixedDatasets", "MethodFailure", "SmokeFailed",
-                                           "InfrastructureFailure", "WorktreeError", "Interrupted", "PromotionConflict",
-                                           "ServiceUnavailable", "UnsafeTree")},
+    **{n: ("pipeline.errors", n) for n in ("PipelineError", "UserError", "LabConfigError", "MethodFailure",
+                                           "InfrastructureFailure", "Interrupted", "PromotionConflict", "UnsafeTree")},
 }
 
 
@@ -109,20 +107,14 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from pipeline.disk import read_tail  # noqa: F401
     from pipeline.disk import usage as disk_usage  # noqa: F401
     from pipeline.errors import (  # noqa: F401
-        HarnessCommandError,
         InfrastructureFailure,
         Interrupted,
-        KeyedConfigError,
         LabConfigError,
         MethodFailure,
-        MixedDatasets,
         PipelineError,
         PromotionConflict,
-        ServiceUnavailable,
-        SmokeFailed,
         UnsafeTree,
         UserError,
-        WorktreeError,
     )
     from pipeline.executors import ExecutorOptions, check_executor  # noqa: F401
     from pipeline.executors.gpus import mps_running  # noqa: F401
@@ -137,10 +129,9 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from pipeline.gate.cli_views import power_table, sim_table  # noqa: F401
     from pipeline.gate.plausibility import implausible  # noqa: F401
     from pipeline.gate.power import plan as power_plan  # noqa: F401
+    from pipeline.gate.protocol import get_protocol as gate_protocol  # noqa: F401
     from pipeline.gate.report import GateResult, render_markdown, render_table  # noqa: F401
     from pipeline.gate.sim import simulate  # noqa: F401
-    from pipeline.gate.protocol import get_protocol as gate_protocol  # noqa: F401
-    from pipeline.outcomes import Verdict  # noqa: F401
     from pipeline.isolation import UNSANDBOXED, is_sandboxed  # noqa: F401
     from pipeline.lab import (  # noqa: F401
         BASELINE_BRANCH,
@@ -155,11 +146,15 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     )
     from pipeline.labrepo import LabRepo, baseline_number  # noqa: F401
     from pipeline.memory import memory_plan  # noqa: F401
-    from pipeline.outcomes import RunStatus, StageOutcome  # noqa: F401
+    from pipeline.outcomes import (  # noqa: F401
+        RunStatus,
+        StageOutcome,
+        Verdict,  # noqa: F401
+    )
     from pipeline.registry import Registry  # noqa: F401
     from pipeline.store import GateRecord, Store, create_schema  # noqa: F401
     from pipeline.store.reads import rekey  # noqa: F401
+    from pipeline.store.tables import Goodput  # noqa: F401
     from pipeline.variance import lab_pairing  # noqa: F401
     from pipeline.variance import pairing as pairing_study  # noqa: F401
     from pipeline.variance import study as variance_study  # noqa: F401
-    from pipeline.store.tables import Goodput  # noqa: F401

@@ -101,14 +101,14 @@ class DiskKeeper:
 
     def needed_commits(self) -> set[str]:
         """The commits a run still needs: every one with runs queued or running, and the baseline's head."""
-        from pipeline.errors import WorktreeError
+        from pipeline.errors import InfrastructureFailure
         from pipeline.lab import BASELINE_BRANCH
         from pipeline.labrepo import resolve_commit
 
         commits = set(self.store.commits_in_flight())
         try:
             commits.add(resolve_commit(self.lab, BASELINE_BRANCH))
-        except WorktreeError:  # no baseline branch (a bare benchmark run): nothing more to keep
+        except InfrastructureFailure:  # no baseline branch (a bare benchmark run): nothing more to keep
             pass
         return commits
 

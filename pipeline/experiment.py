@@ -41,18 +41,19 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from pipeline import runner
 from pipeline.executors import Executor, ExecutorOptions
 from pipeline.lab import SEED_BLOCK, SEED_BLOCKS, Lab
-from pipeline.labrepo import generation  # noqa: F401 (re-exported: a baseline's generation)
-from pipeline.labrepo import resolve_commit
+from pipeline.labrepo import (
+    generation,  # noqa: F401 (re-exported: a baseline's generation)
+    resolve_commit,
+)
 from pipeline.outcomes import ResultOutcome, RunStatus
 from pipeline.store import Store
 from pipeline.store.reads import by_task
 
 if TYPE_CHECKING:
-    from pipeline.store.tables import FdrTest
     from pipeline.gate.report import GateResult
     from pipeline.lease import Heartbeat
     from pipeline.smoke import SmokeRunner
-    from pipeline.store.tables import Goodput
+    from pipeline.store.tables import FdrTest, Goodput
 
 LOOK_RANK = 100  # queue priority: a look's place in the schedule outranks the caller's rank (0-99)
 FROZEN_HISTORIES = 256  # frozen histories kept per Experiment (a few per hypothesis in flight)
@@ -97,12 +98,12 @@ def challenger_seeds(n_runs: int, generation: int = 0) -> range:
 
 def _one_dataset(rows: list[Any]) -> str | None:
     """The dataset the result rows of a comparison were all measured on (None: unrecorded), or
-    `MixedDatasets` (one line; the look waits at its checkpoint)."""
-    from pipeline.errors import MixedDatasets
+    `LabConfigError` (one line; the look waits at its checkpoint)."""
+    from pipeline.errors import LabConfigError
 
     seen = {r.dataset_id for r in rows if r.dataset_id and ResultOutcome(r.outcome).counts()}
     if len(seen) > 1:
-        raise MixedDatasets(
+        raise LabConfigError(None, None,
             f"the runs of this comparison were measured on different datasets ({', '.join(sorted(seen))}): the data "
             "changed under this store (a new generator version, data_seed, size or trusted commit); "
             "use a fresh store (--db, or move runs/autoresearch.db aside) to measure on the new data")
@@ -459,7 +460,7 @@ class Experiment:
 
     def smoke(self, base: str, files: dict[str, str], stop: threading.Event | None = None) -> float:
         """The candidate (`base` with `files` applied) through every stage on tiny data, in a warm
-        worker of its own; the metric, or `pipeline.smoke.SmokeFailed` with what went wrong."""
+        worker of its own; the metric, or `pipeline.smoke.MethodFailure` with what went wrong."""
         from pipeline.smoke import SmokeRunner, smoke_run
 
         self._smoke_runner = self._smoke_runner or SmokeRunner(self.lab)

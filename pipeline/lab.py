@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
-from pipeline.errors import KeyedConfigError, LabConfigError, UserError
+from pipeline.errors import LabConfigError, UserError
 from pipeline.gate.inputs import GateConfig
 from pipeline.tomlview import Seen
 
@@ -184,7 +184,7 @@ class ResearchConfig(_Strict):
             return raw
         gate = raw.get("gate", {})
         if "higher_is_better" in gate:
-            raise KeyedConfigError("gate.higher_is_better",
+            raise LabConfigError(None, "gate.higher_is_better",
                                    "not a [gate] key: the metric's direction is [benchmark] higher_is_better")
         bench = raw.get("benchmark", {})
         hib = bench.get("higher_is_better", True) if isinstance(bench, dict) else True
@@ -194,9 +194,9 @@ class ResearchConfig(_Strict):
     def _dag(self) -> "ResearchConfig":
         check_stage_graph(self.stage)
         if self.gate.looks[-1] > SEED_BLOCK:
-            raise KeyedConfigError("gate.looks", f"expected at most {SEED_BLOCK} runs at the last look")
+            raise LabConfigError(None, "gate.looks", f"expected at most {SEED_BLOCK} runs at the last look")
         if self.gate.baseline_runs > SEED_BLOCK:
-            raise KeyedConfigError("gate.baseline_runs", f"expected at most {SEED_BLOCK}")
+            raise LabConfigError(None, "gate.baseline_runs", f"expected at most {SEED_BLOCK}")
         return self
 
 
@@ -210,25 +210,25 @@ def check_stage_graph(stages: list[StageSpec]) -> list[StageSpec]:
     for i, s in enumerate(stages):
         key = f"stage[{i}]"
         if s.name in names[:i]:
-            raise KeyedConfigError(f"{key}.name", f"duplicate stage name {s.name!r}")
+            raise LabConfigError(None, f"{key}.name", f"duplicate stage name {s.name!r}")
         if s.name in BUILTIN_PLACEHOLDERS:
-            raise KeyedConfigError(f"{key}.name", f"{s.name!r} is reserved; expected another name")
+            raise LabConfigError(None, f"{key}.name", f"{s.name!r} is reserved; expected another name")
         for need in s.needs:
             if need not in by_name:
-                raise KeyedConfigError(f"{key}.needs", f"unknown stage {need!r}; expected one of {names}")
+                raise LabConfigError(None, f"{key}.needs", f"unknown stage {need!r}; expected one of {names}")
             if s.scope == "seed" and by_name[need].scope == "run":
-                raise KeyedConfigError(
+                raise LabConfigError(None, 
                     f"{key}.needs", f"seed-scoped stage {s.name!r} cannot need run-scoped {need!r}"
                 )
         for ph in PLACEHOLDER.findall(s.run):
             if ph in BUILTIN_PLACEHOLDERS:
                 if ph == "task" and s.scope == "seed":
-                    raise KeyedConfigError(
+                    raise LabConfigError(None, 
                         f"{key}.run", "{task} in a seed-scoped stage; expected scope = \"run\""
                     )
                 continue
             if ph not in s.needs:
-                raise KeyedConfigError(
+                raise LabConfigError(None, 
                     f"{key}.run",
                     f"placeholder {{{ph}}} is not a built-in ({', '.join(sorted(BUILTIN_PLACEHOLDERS))}) "
                     f"or a stage listed in needs",
@@ -241,7 +241,7 @@ def check_stage_graph(stages: list[StageSpec]) -> list[StageSpec]:
             return
         if state.get(name) == 1:
             cycle = " -> ".join(path[path.index(name):] + [name])
-            raise KeyedConfigError("stage.needs", f"stage cycle {cycle}; expected a DAG")
+            raise LabConfigError(None, "stage.needs", f"stage cycle {cycle}; expected a DAG")
         state[name] = 1
         for need in by_name[name].needs:
             visit(need, path + [name])
@@ -253,9 +253,9 @@ def check_stage_graph(stages: list[StageSpec]) -> list[StageSpec]:
     needed = {n for s in stages for n in s.needs}
     finals = [s.name for s in stages if s.name not in needed]
     if len(finals) != 1:
-        raise KeyedConfigError("stage", f"expected exactly one final stage (writing predictions.csv), found {finals}")
+        raise LabConfigError(None, "stage", f"expected exactly one final stage (writing predictions.csv), found {finals}")
     if by_name[finals[0]].scope != "run":
-        raise KeyedConfigError("stage", f"final stage {finals[0]!r} must have scope = \"run\"")
+        raise LabConfigError(None, "stage", f"final stage {finals[0]!r} must have scope = \"run\"")
     return order
 
 
@@ -322,7 +322,7 @@ def _validated(model: type[M], raw: Any, path: str | Path) -> M:
     except ValidationError as e:
         err = e.errors()[0]
         ctx = err.get("ctx", {}).get("error")
-        if isinstance(ctx, KeyedConfigError):
+        if isinstance(ctx, LabConfigError):
             raise LabConfigError(path, ctx.key, str(ctx)) from None
         raise LabConfigError(path, _loc(err["loc"]), _explain(err, model)) from None
 

@@ -53,10 +53,10 @@ from pipeline.harness import Harness, Prepared
 from pipeline.lab import Lab, load_lab
 from pipeline.lease import Heartbeat
 from pipeline.outcomes import ResultOutcome, StageOutcome
+from pipeline.safefs import UnsafeTree
 from pipeline.scoring import Scoring
 from pipeline.store import Claim, Owner, Result, Store
-from pipeline.safefs import UnsafeTree
-from pipeline.worktrees import WorktreeError, Worktrees
+from pipeline.worktrees import InfrastructureFailure, Worktrees
 
 log = logging.getLogger("autoresearch.runner")
 
@@ -352,7 +352,7 @@ class Driver(Scoring):
         except UnsafeTree as e:
             self._record(claim, ResultOutcome.METHOD_FAILURE, None, "unsafe_tree", str(e), cpu_s=0.0)
             return
-        except WorktreeError as e:
+        except InfrastructureFailure as e:
             self._record(claim, ResultOutcome.INFRA_FAILURE, None, "worktree", str(e), cpu_s=0.0)
             return
         nodes = plan_run(self.stages, run.commit, run.task, run.seed, prepared.dataset_id, self._digest,

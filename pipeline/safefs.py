@@ -17,7 +17,6 @@ import os
 import stat
 import tarfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import IO
 
 from pipeline.errors import UnsafeTree  # noqa: F401 (re-exported: raised here)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.disk import open_regular
-from pipeline.harness import PredictionsError
+from pipeline.harness import MethodFailure
 from pipeline.harness.base import HOLDOUT_SPLIT
 from pipeline.outcomes import ResultOutcome
 
@@ -28,7 +28,7 @@ class Scoring:
         predictions = a.done[a.final.name] / "predictions.csv"
         try:
             value = self.harness.score(self.prepared(), run.task, predictions, self.lab.config.benchmark.metric)
-        except PredictionsError as e:
+        except MethodFailure as e:
             kind = "nan" if _has_nonfinite(predictions) else "predictions"
             self._finish(run_id, ResultOutcome.METHOD_FAILURE, None, kind, str(e))
             return

@@ -38,8 +38,8 @@ import git
 from pipeline import isolation, safefs
 from pipeline.dag import render
 from pipeline.disk import read_tail
-from pipeline.errors import Interrupted, SmokeFailed
-from pipeline.harness import PredictionsError, Prepared
+from pipeline.errors import Interrupted, MethodFailure
+from pipeline.harness import Prepared
 from pipeline.lab import Lab
 
 SMOKE_CUSTOMERS = 300
@@ -117,15 +117,15 @@ class SmokeRunner:
 
     def run_stage(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float,
                   stop: threading.Event | None, inputs: list[Path] = ()) -> tuple[int, str]:
-        """(exit code, output tail) of one stage in its sandbox; raises SmokeFailed on timeout or
+        """(exit code, output tail) of one stage in its sandbox; raises MethodFailure on timeout or
         signal, Interrupted on stop."""
-        from pipeline.executors import ExecutorError
+        from pipeline.executors import InfrastructureFailure
 
         job = self.job(argv, cwd, out, log, timeout_s, inputs)
         try:
             ex = self.executor()
             ex.submit(job)
-        except ExecutorError as e:
+        except InfrastructureFailure as e:
             log.write_text(f"(smoke worker unavailable: {e}; running in a fresh interpreter)\n")
             return self._once(argv, cwd, out, log, timeout_s, inputs)
         while True:
@@ -134,9 +134,9 @@ class SmokeRunner:
                     continue
                 tail = read_tail(log, TAIL_BYTES)[0]
                 if res.status == "timeout":
-                    raise SmokeFailed(f"timed out after {timeout_s:.0f} s on tiny data:\n{tail}")
+                    raise MethodFailure(f"timed out after {timeout_s:.0f} s on tiny data:\n{tail}")
                 if res.status == "signal":
-                    raise SmokeFailed(f"killed by signal {res.signal}:\n{tail}")
+                    raise MethodFailure(f"killed by signal {res.signal}:\n{tail}")
                 if res.status == "cancelled":
                     raise Interrupted("stopping: smoke run abandoned")
                 if res.status == "infra":  # the worker died, not the candidate: run it on its own
@@ -154,9 +154,9 @@ class SmokeRunner:
                                   gpus=self.gpus)
         tail = read_tail(log, TAIL_BYTES)[0]
         if done.timed_out:
-            raise SmokeFailed(f"timed out after {timeout_s:.0f} s on tiny data:\n{tail}")
+            raise MethodFailure(f"timed out after {timeout_s:.0f} s on tiny data:\n{tail}")
         if done.returncode is None:
-            raise SmokeFailed(f"killed by signal {done.signal}:\n{tail}")
+            raise MethodFailure(f"killed by signal {done.signal}:\n{tail}")
         return done.returncode, tail
 
     def close(self) -> None:
@@ -167,7 +167,7 @@ class SmokeRunner:
 
 def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | None = None,
               stop: threading.Event | None = None, runner: SmokeRunner | None = None) -> float:
-    """Run every stage once (first task, seed 0) on tiny data; return the metric or raise SmokeFailed.
+    """Run every stage once (first task, seed 0) on tiny data; return the metric or raise MethodFailure.
 
     Each stage sees what it will see in a real run: the files of `base` with `files` applied, of
     the editable ones only those its `inputs` declare, in the same sandbox. Each stage may take
@@ -189,7 +189,7 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
             try:
                 materialize(git.Repo(lab.root).git, base, files, code)
             except (tarfile.TarError, OSError, ValueError) as e:  # e.g. a chain of symlinks out of the tree
-                raise SmokeFailed(f"the commit's files cannot be laid out: {e}") from None
+                raise MethodFailure(f"the commit's files cannot be laid out: {e}") from None
             logs.mkdir(parents=True)
             values = {"data": str(prepared.public), "task": task, "seed": "0"}
             done: dict[str, Path] = {}
@@ -203,19 +203,19 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
                 try:
                     exit_code, tail = runner.run_stage(argv, view, out, logs / f"{stage.name}.log", timeout_s, stop,
                                                        inputs)
-                except SmokeFailed as e:
-                    raise SmokeFailed(f"stage {stage.name} {e}") from None
+                except MethodFailure as e:
+                    raise MethodFailure(f"stage {stage.name} {e}") from None
                 if exit_code != 0:
-                    raise SmokeFailed(f"stage {stage.name} exited with {exit_code}:\n{tail}")
+                    raise MethodFailure(f"stage {stage.name} exited with {exit_code}:\n{tail}")
                 values[stage.name] = str(out)
                 done[stage.name] = out
             try:
                 return harness.score(prepared, task, outs / lab.stages_in_order()[-1].name / "predictions.csv",
                                      bench.metric)
-            except PredictionsError as e:
-                raise SmokeFailed(f"predictions.csv on tiny data: {e}; the last stage's output:\n{tail}") from None
-    except SmokeFailed as e:  # raised only inside the `with`: `tmp` is bound
-        raise SmokeFailed(for_llm(str(e), smoke_places(lab, prepared, Path(tmp)))) from None
+            except MethodFailure as e:
+                raise MethodFailure(f"predictions.csv on tiny data: {e}; the last stage's output:\n{tail}") from None
+    except MethodFailure as e:  # raised only inside the `with`: `tmp` is bound
+        raise MethodFailure(for_llm(str(e), smoke_places(lab, prepared, Path(tmp)))) from None
     finally:
         if own:
             runner.close()

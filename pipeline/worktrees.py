@@ -33,7 +33,7 @@ from pathlib import Path
 import git
 
 from pipeline import safefs
-from pipeline.errors import UserError, WorktreeError
+from pipeline.errors import InfrastructureFailure, UserError
 from pipeline.lab import glob_match
 from pipeline.labrepo import LabRepo
 from pipeline.tomlview import Seen
@@ -56,7 +56,7 @@ class Worktrees:
         try:
             self.lab_repo = LabRepo(self.repo_root)
         except UserError as e:
-            raise WorktreeError(str(e)) from None
+            raise InfrastructureFailure(str(e)) from None
         self.repo = self.lab_repo.repo
 
     @contextmanager
@@ -72,11 +72,11 @@ class Worktrees:
 
     def resolve(self, rev: str) -> str:
         """The full sha of a revision (sha, branch, tag), by the lab's `LabRepo`: a revision the
-        driver cannot find is a `WorktreeError` here (the machinery's), a user's unknown one there."""
+        driver cannot find is a `InfrastructureFailure` here (the machinery's), a user's unknown one there."""
         try:
             return self.lab_repo.resolve(rev)
         except UserError as e:
-            raise WorktreeError(str(e)) from None
+            raise InfrastructureFailure(str(e)) from None
 
     def files_at(self, commit: str) -> dict[str, git.Blob]:
         """Every file of the commit's tree, by POSIX path."""

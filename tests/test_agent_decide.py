@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-
+from support.fake_openai import content
 from support.lab import (
     BASELINE,
     LR_EDIT,
@@ -27,7 +27,6 @@ from support.lab import (
     one_pass,
     proposal,
 )
-from support.fake_openai import content
 
 pytestmark = pytest.mark.system
 
@@ -142,7 +141,7 @@ def test_status_and_digest_set_the_gate_split_beside_the_holdout_champion_by_cha
 
 
 def test_a_comparison_across_two_datasets_is_refused_in_one_line_and_loses_nothing(lab: Path) -> None:
-    from pipeline.errors import MixedDatasets
+    from pipeline.errors import LabConfigError
 
     seed_lr(lab)
     loop = make_loop(lab, offline=True)
@@ -150,7 +149,7 @@ def test_a_comparison_across_two_datasets_is_refused_in_one_line_and_loses_nothi
         h = one_pass(loop)
         plant(loop.store, h.base_commit, BASE_VALUES, dataset="transactions-v1-small-d0-n300")  # an older store
         plant(loop.store, h.commit, [0.700, 0.703], dataset="transactions-v2-small-d0-n300")
-        with pytest.raises(MixedDatasets, match="different datasets"):
+        with pytest.raises(LabConfigError, match="different datasets"):
             loop.advance(h)
         again = loop.records.get(h.id)
         assert (again.status, again.verdict, again.decision) == ("measuring", None, None)
@@ -314,7 +313,7 @@ def test_decide_follows_the_gate_when_the_llm_gives_no_answer(lab: Path, llm: Ro
         loop.close()
     assert llm.unscripted and set(llm.unscripted) == {"decision"}
     assert (h.verdict, h.decision, h.promoted_tag) == ("improvement", "promote", "baseline/v1")
-    assert h.rationale_decision.startswith("No decision from the policy (LLMRequestRejected")
+    assert h.rationale_decision.startswith("No decision from the policy (LLMError: decide: LLM request rejected")
 
 
 def test_implement_and_promote_run_again_after_a_crash_repeat_nothing(lab: Path) -> None:

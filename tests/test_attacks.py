@@ -23,7 +23,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from support.lab import REPO, cli, cli_env, git
 
 pytestmark = pytest.mark.system
@@ -486,17 +485,17 @@ def test_the_scorer_refuses_symlinks_and_hard_links(tmp_path: Path) -> None:
     """Defence in depth: even a link that reached a cache folder would not be scored."""
     import numpy as np
 
-    from pipeline.harness.base import PredictionsError, read_predictions
+    from pipeline.harness.base import MethodFailure, read_predictions
 
     real = tmp_path / "real.csv"
     real.write_text("id,score\n1,0.5\n")
     ids = np.array([1])
     assert read_predictions(real, ids).tolist() == [0.5]
     (tmp_path / "sym.csv").symlink_to(real)
-    with pytest.raises(PredictionsError, match="symlink"):
+    with pytest.raises(MethodFailure, match="symlink"):
         read_predictions(tmp_path / "sym.csv", ids)
     (tmp_path / "hard.csv").hardlink_to(real)
-    with pytest.raises(PredictionsError, match="hard link"):
+    with pytest.raises(MethodFailure, match="hard link"):
         read_predictions(tmp_path / "hard.csv", ids)
 
 

@@ -9,13 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from support.tiny import TASKS, TinyHarness, commit_change, git, make_lab, open_tiny_lab
 
-from pipeline import runner
+from pipeline import experiment, labrepo, runner
 from pipeline.dag import Cache
 from pipeline.disk import DiskKeeper
-from pipeline import experiment, labrepo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -117,7 +115,7 @@ def test_smoke_logs_rotate_with_the_stage_logs_but_never_a_fresh_one(lab: Path) 
     import pytest
 
     from pipeline.disk import SMOKE_FRESH_S
-    from pipeline.errors import SmokeFailed
+    from pipeline.errors import MethodFailure
     from pipeline.lab import load_lab
     from pipeline.smoke import SmokeRunner, smoke_run
 
@@ -126,7 +124,7 @@ def test_smoke_logs_rotate_with_the_stage_logs_but_never_a_fresh_one(lab: Path) 
     smoke = SmokeRunner(the_lab)
     try:
         for _ in range(3):
-            with pytest.raises(SmokeFailed, match="exited with 1"):
+            with pytest.raises(MethodFailure, match="exited with 1"):
                 smoke_run(the_lab, "autoresearch/baseline", {"train.py": flood}, runner=smoke)
     finally:
         smoke.close()

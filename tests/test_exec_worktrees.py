@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
-
 from support.tiny import commit_change, git, make_lab
+
 from pipeline.dag import Cache, UserError, check_not_sealed, input_digests, plan_run, render
-from pipeline.worktrees import WorktreeError, Worktrees
+from pipeline.worktrees import InfrastructureFailure, Worktrees
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ def test_one_worktree_per_commit_created_then_reused(lab) -> None:
     assert wt.gc(keep=[wt.resolve(branch)]) == ([p1.name], 0)
     assert not p1.exists() and p2.exists()
     assert "\n" not in git(lab.root, "worktree", "list")  # the lab's own checkout: trees are laid out, not checked out
-    with pytest.raises(WorktreeError):
+    with pytest.raises(InfrastructureFailure):
         wt.ensure("no-such-branch")
 
 

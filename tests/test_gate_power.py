@@ -8,7 +8,7 @@ import pytest
 from scipy import integrate, stats
 
 from pipeline.errors import UserError
-from pipeline.gate.power import UserError, mde, plan, power
+from pipeline.gate.power import mde, plan, power
 
 pytestmark = pytest.mark.unit
 

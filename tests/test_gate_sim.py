@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.errors import UserError
-from pipeline.gate.sim import UserError, simulate
+from pipeline.gate.sim import simulate
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,6 @@ import pytest
 
 from pipeline.errors import UserError
 from pipeline.gate import GateInput, TaskRuns, Verdict, evaluate
-from pipeline.gate.inputs import UserError
 from pipeline.gate.stats import bh_qvalues
 
 pytestmark = pytest.mark.unit

@@ -8,6 +8,7 @@ a stage whose GPU has no node here rather than bind anything else.
 
 from __future__ import annotations
 
+import errno
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from pipeline.executors import StageJob
 from pipeline.executors.gpus import GpuPool
 from pipeline.executors.local import LocalExecutor
-from pipeline.executors.sandbox import DEVICES, SETUP_FAILED, GpuError, device_nodes, gpu_devices, gpu_plan
+from pipeline.executors.sandbox import DEVICES, SETUP_FAILED, device_nodes, gpu_devices, gpu_plan
 
 pytestmark = pytest.mark.integration
 
@@ -79,10 +80,12 @@ def test_without_the_drivers_proc_the_index_is_the_minor_and_inside_is_renumbere
 ])
 def test_an_id_that_names_no_node_is_refused_never_all_gpus(tmp_path: Path, ids: list[str], why: str) -> None:
     dev, proc = fake_dev(tmp_path), fake_proc(tmp_path, [0, 1, 2, 3])
-    with pytest.raises(GpuError, match=why):
+    with pytest.raises(OSError, match=why) as e:
         device_nodes({"gpus": 1, "gpu_ids": ids}, str(dev), str(proc))
-    with pytest.raises(GpuError, match="no /dev/nvidia5"):  # a minor the driver has but /dev lacks
+    assert e.value.errno == errno.ENODEV
+    with pytest.raises(OSError, match="no /dev/nvidia5") as e:  # a minor the driver has but /dev lacks
         gpu_plan(["nvidiactl", "nvidia0"], ["0"], [{"bus": "x", "minor": 5, "uuid": None}])
+    assert e.value.errno == errno.ENODEV
 
 
 def test_the_local_executors_stage_with_gpu_1_binds_nvidia1_and_not_nvidia0(tmp_path: Path, monkeypatch) -> None:

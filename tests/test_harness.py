@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipeline.harness import get_harness
-from pipeline.harness.base import PredictionsError, auc, read_predictions
+from pipeline.harness.base import MethodFailure, auc, read_predictions
 from pipeline.harness.transactions import data as gen
 
 pytestmark = pytest.mark.unit
@@ -150,14 +150,14 @@ def test_malformed_predictions_are_rejected(harness, prepared, tmp_path, body, m
     path = tmp_path / "predictions.csv"
     if body is not None:
         path.write_text(body.format(first=int(harness.test_ids(prepared)[0])))
-    with pytest.raises(PredictionsError, match=message):
+    with pytest.raises(MethodFailure, match=message):
         read_predictions(path, harness.test_ids(prepared))
 
 
 def test_extra_ids_are_rejected(harness, prepared, tmp_path):
     ids = harness.test_ids(prepared)
     body = "id,score\n" + "".join(f"{i},0.5\n" for i in ids) + "1,0.5\n"
-    with pytest.raises(PredictionsError, match=f"more rows than the {len(ids)} test ids"):
+    with pytest.raises(MethodFailure, match=f"more rows than the {len(ids)} test ids"):
         read_predictions(write(tmp_path / "p.csv", body), ids)
 
 
@@ -168,5 +168,5 @@ def test_a_huge_predictions_file_is_refused_before_it_is_read(harness, prepared,
     with path.open("w") as fh:
         fh.write("id,score\n" + "".join(f"{i},0.5\n" for i in ids))
         fh.truncate((len(ids) + 1) * 256 + 1)  # sparse: its size counts, not its blocks
-    with pytest.raises(PredictionsError, match=f"more than {(len(ids) + 1) * 256} for {len(ids)} test ids"):
+    with pytest.raises(MethodFailure, match=f"more than {(len(ids) + 1) * 256} for {len(ids)} test ids"):
         read_predictions(path, ids)

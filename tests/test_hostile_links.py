@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from support.lab import BASELINE, cli, git, records
+
 from pipeline import experiment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -140,13 +141,13 @@ def test_an_edit_through_a_link_is_refused_even_inside_the_tree(tmp_path: Path) 
 
 
 def test_the_smoke_path_refuses_the_chain_in_one_line(lab: Path) -> None:
-    from pipeline.errors import SmokeFailed
+    from pipeline.errors import MethodFailure
     from pipeline.lab import load_lab
     from pipeline.smoke import smoke_run
 
     plant_chain(lab)
     the_lab = load_lab(lab)
-    with pytest.raises(SmokeFailed) as e:
+    with pytest.raises(MethodFailure) as e:
         smoke_run(the_lab, BASELINE, {"config.toml": "pwned = true\n"})
     assert str(e.value).startswith("the commit's files cannot be laid out: the tree of "), str(e.value)
     assert "config.toml -> model.py/../X: resolves above the tree's root" in str(e.value)
@@ -170,6 +171,7 @@ def test_the_driver_records_a_commit_with_the_chain_as_the_methods_failure(tmp_p
     """A run queued for a commit holding the chain: never laid out; the method's failure, in one line."""
     from support.tiny import TinyHarness, make_lab
     from support.tiny import git as xgit
+
     from pipeline import runner
     from pipeline.executors.local import LocalExecutor
 
@@ -254,7 +256,7 @@ def plant_nul_link(root: Path, run_git=git) -> str:
 
 
 def test_a_nul_byte_in_a_link_target_is_refused_in_one_line_before_anything_is_laid_out(lab: Path) -> None:
-    from pipeline.errors import SmokeFailed
+    from pipeline.errors import MethodFailure
     from pipeline.lab import load_lab
     from pipeline.safefs import UnsafeTree
     from pipeline.smoke import smoke_run
@@ -267,7 +269,7 @@ def test_a_nul_byte_in_a_link_target_is_refused_in_one_line_before_anything_is_l
             attempt(commit)
         assert "\n" not in str(e.value)
     assert not wt.path(commit).exists() and not list((lab / "runs" / "views").iterdir())
-    with pytest.raises(SmokeFailed) as e:  # git archive cuts the target to `..`: refused as a way out
+    with pytest.raises(MethodFailure) as e:  # git archive cuts the target to `..`: refused as a way out
         smoke_run(load_lab(lab), commit, {})
     assert str(e.value).startswith("the commit's files cannot be laid out: ") and "\n" not in str(e.value)
     assert "short -> ..: resolves above the tree's root" in str(e.value), str(e.value)
@@ -297,6 +299,7 @@ def test_the_driver_records_a_nul_link_target_as_the_methods_failure_and_keeps_g
     ValueError, re-raised after the claim's release: the driver crashed on every start."""
     from support.tiny import TinyHarness, make_lab
     from support.tiny import git as xgit
+
     from pipeline import runner
     from pipeline.executors.local import LocalExecutor
 
@@ -351,7 +354,7 @@ def test_a_path_1500_folders_deep_is_refused_before_it_is_written(tmp_path: Path
 
 
 def test_a_commit_1500_folders_deep_is_refused_by_view_worktree_and_smoke(lab: Path) -> None:
-    from pipeline.errors import SmokeFailed
+    from pipeline.errors import MethodFailure
     from pipeline.lab import load_lab
     from pipeline.safefs import UnsafeTree
     from pipeline.smoke import smoke_run
@@ -364,7 +367,7 @@ def test_a_commit_1500_folders_deep_is_refused_by_view_worktree_and_smoke(lab: P
             attempt(commit)
         assert "\n" not in str(e.value)
     assert not wt.path(commit).exists() and not list((lab / "runs" / "views").iterdir())
-    with pytest.raises(SmokeFailed) as e:
+    with pytest.raises(MethodFailure) as e:
         smoke_run(load_lab(lab), commit, {})
     assert "a path of over 256 components; refused" in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not [p for p in (lab / "runs").iterdir() if p.name.startswith("smoke-")]  # cleaned up

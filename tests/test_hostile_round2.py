@@ -158,7 +158,7 @@ def test_a_stage_sees_only_the_allow_list_and_the_labs_run_env(tmp_path: Path, m
 # ----------------------------------------------------------------------------- limits that hold: smoke timeout
 
 def test_a_smoke_stage_is_stopped_at_the_labs_timeout_not_at_300_s(lab: Path) -> None:
-    from pipeline.errors import SmokeFailed
+    from pipeline.errors import MethodFailure
     from pipeline.lab import load_lab
     from pipeline.smoke import SMOKE_TIMEOUT_S, smoke_run, smoke_timeout
 
@@ -167,7 +167,7 @@ def test_a_smoke_stage_is_stopped_at_the_labs_timeout_not_at_300_s(lab: Path) ->
     the_lab = load_lab(lab)
     assert smoke_timeout(the_lab) == 3 and SMOKE_TIMEOUT_S < 900  # a long lab limit is capped for smoke
     started = time.monotonic()
-    with pytest.raises(SmokeFailed, match=r"stage pretrain timed out after 3 s"):
+    with pytest.raises(MethodFailure, match=r"stage pretrain timed out after 3 s"):
         smoke_run(the_lab, "autoresearch/baseline", {"train.py": "import time\ntime.sleep(600)\n"})
     assert time.monotonic() - started < 150  # not the old hard-coded 300 s (a 3 s limit; slack for loaded cores)
 
@@ -199,12 +199,12 @@ def test_a_log_tail_is_read_with_a_seek_not_whole(tmp_path: Path) -> None:
 
 
 def test_a_smoke_stage_that_floods_its_log_gives_a_bounded_reason(lab: Path) -> None:
-    from pipeline.errors import SmokeFailed
+    from pipeline.errors import MethodFailure
     from pipeline.lab import load_lab
     from pipeline.smoke import TAIL_BYTES, smoke_run
 
     flood = "import sys\nfor _ in range(2 << 10):\n    sys.stderr.write('x' * 10239 + '\\n')\nsys.exit(3)\n"
-    with pytest.raises(SmokeFailed) as e:
+    with pytest.raises(MethodFailure) as e:
         smoke_run(load_lab(lab), "autoresearch/baseline", {"train.py": flood})
     assert "stage pretrain exited with 3" in str(e.value) and len(str(e.value)) < TAIL_BYTES + 200
     (log,) = (lab / "runs" / "logs" / "smoke").glob("*/pretrain.log")
@@ -236,8 +236,9 @@ def test_the_log_page_serves_only_the_last_2_mb_with_a_notice(lab: Path) -> None
 
 
 def test_a_huge_diff_is_shown_as_its_stat(lab: Path) -> None:
-    from agent.records import Hypothesis
     from support.lab import BASELINE, git, make_branch
+
+    from agent.records import Hypothesis
 
     padding = "".join(f"# committed data row {i:06d} " + "z" * 40 + "\n" for i in range(8000))  # ~500 KB
     commit = make_branch(lab, "exp/huge", [("config.toml", "max_events = 8", "max_events = 8\n" + padding)])

@@ -30,10 +30,10 @@ from agent.ledger import Ledger, LLMCall, utc_day_start
 from agent.llm import (
     BudgetExceeded,
     LLMClient,
-    NotConfigured,
+    LLMError,
     LLMOutputError,
-    LLMRequestRejected,
     LLMUnavailable,
+    NotConfigured,
     Price,
     extract_json_object,
     price_for,
@@ -141,7 +141,7 @@ def test_a_plain_400_in_every_mode_is_the_requests_fault_not_a_capability(ledger
     too_long = error(400, "This model's maximum context length is 8192 tokens.", code="context_length_exceeded")
     with FakeOpenAI([too_long, too_long, too_long]) as server:
         client = make_client(server, ledger)
-        with pytest.raises(LLMRequestRejected, match="maximum context length"):
+        with pytest.raises(LLMError, match="maximum context length"):
             ask(client)
     assert len(server.requests) == 3
     assert client.mode == "json_schema"  # nothing was learned from a request that was simply too long
@@ -260,7 +260,7 @@ def test_auth_error_is_not_retried(fake_openai: FakeOpenAI, ledger: Ledger) -> N
     fake_openai.script(error(401, "Incorrect API key provided.", code="invalid_api_key"), content(GOOD))
     client = make_client(fake_openai, ledger)
 
-    with pytest.raises(LLMRequestRejected, match="HTTP 401"):
+    with pytest.raises(LLMError, match="HTTP 401"):
         ask(client)
     assert len(fake_openai.requests) == 1
 
@@ -319,7 +319,7 @@ def test_daily_cap_stops_calls_before_they_are_sent(fake_openai: FakeOpenAI, led
     ask(client)  # $0.0012 < cap: allowed, and crosses it
     with pytest.raises(BudgetExceeded) as exc:
         ask(client)
-    assert exc.value.spent_usd == pytest.approx(0.0024) and exc.value.cap_usd == 0.002
+    assert exc.value.used == pytest.approx(0.0024) and exc.value.cap == 0.002 and exc.value.unit == "usd"
     assert len(fake_openai.requests) == 2 and fake_openai.remaining == 1  # the server saw nothing more
     assert len(ledger.calls(purpose="propose")) == 2
 
@@ -402,17 +402,17 @@ def test_templates_are_filled_strictly(tmp_path: Path) -> None:
     text = prompts.render("repair", **values)
     assert "<error>" in text and "{" not in text.replace("{{", "")
 
-    with pytest.raises(prompts.PromptError, match="error"):
+    with pytest.raises(prompts.UserError, match="error"):
         prompts.render("repair", **{k: v for k, v in values.items() if k != "error"})
-    with pytest.raises(prompts.PromptError, match="colour"):
+    with pytest.raises(prompts.UserError, match="colour"):
         prompts.render("repair", **values, colour="red")
-    with pytest.raises(prompts.PromptError):
+    with pytest.raises(prompts.UserError):
         prompts.load("no-such-prompt")
 
     (tmp_path / "t.md").write_text("<!-- {x} -->\nA literal {{brace}} and {x}.\n")
     assert prompts.render("t", tmp_path, x="value with {braces}") == "A literal {brace} and value with {braces}.\n"
     (tmp_path / "bad.md").write_text("attribute access {x.y}\n")
-    with pytest.raises(prompts.PromptError, match="plain name"):
+    with pytest.raises(prompts.UserError, match="plain name"):
         prompts.load("bad", tmp_path)
 
 
@@ -423,7 +423,7 @@ def test_every_phrase_is_used_and_every_placeholder_filled() -> None:
     import tomllib
 
     from agent import prompts
-    from agent.errors import PromptError
+    from agent.errors import UserError
 
     keys = tomllib.loads((prompts.PROMPTS_DIR / "phrases.toml").read_text())
     code = "\n".join(p.read_text() for p in (prompts.PROMPTS_DIR.parent).glob("*.py"))
@@ -431,7 +431,7 @@ def test_every_phrase_is_used_and_every_placeholder_filled() -> None:
                                                               ("promote", "hold", "escalate", "abandon", "refine")}
     used |= {k for k in keys if f'"{k}"' in code}  # chosen by a conditional expression
     assert set(keys) <= used, sorted(set(keys) - used)
-    with pytest.raises(PromptError, match="look"):
+    with pytest.raises(UserError, match="look"):
         prompts.phrase("look", index=1, count=3)
 
 

@@ -4,10 +4,8 @@ and runs through the real driver, the real gate and the real loop."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ from agent.policy_offline import OfflinePolicy
 from support import serial_executor
 from support.tiny import TASKS, TinyHarness, make_lab
 from pipeline import runner
-from pipeline.executors import EXECUTORS, ExecutorOptions, JobResult, StageJob, make_executor
+from pipeline.executors import EXECUTORS, ExecutorOptions, make_executor
 from pipeline.harness import HARNESSES
 from pipeline import experiment
 

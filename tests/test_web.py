@@ -16,7 +16,6 @@ import http.client
 import os
 import shutil
 import stat
-import time
 import urllib.error
 import urllib.parse
 import urllib.request

@@ -14,7 +14,7 @@ from agent.lifecycle import Decision, Status
 from agent.policy import Feedback
 from agent.records import Hypothesis
 from agent.workspace import EditRejected, FileEdit, PromotionConflict, slugify
-from pipeline.api import SmokeFailed, UserError
+from pipeline.api import MethodFailure, UserError
 
 log = logging.getLogger("autoresearch.agent")
 
@@ -93,7 +93,7 @@ class Implement(Step):
             return
         try:
             svc.experiment.smoke(base, files, stop=svc.stop)
-        except SmokeFailed as e:
+        except MethodFailure as e:
             raise EditRejected("smoke_failed", str(e)) from None
 
     def _resume_tagged(self, h: Hypothesis) -> State | None:

@@ -10,12 +10,12 @@ from typing import Any
 from langgraph.types import Command
 from sqlalchemy.exc import OperationalError
 
-from agent.errors import LLMError
+from agent.errors import AgentError, LLMError
 from agent.graph import HOLD, LOOK, give_up, reverification_message, thread_input
 from agent.lifecycle import Review, ReviewAction, Status
 from agent.records import Hypothesis
 from agent.verdicts import reverify_record
-from pipeline.api import HarnessCommandError, Interrupted, MixedDatasets, RunStatus, ServiceUnavailable
+from pipeline.api import InfrastructureFailure, Interrupted, LabConfigError, RunStatus
 
 log = logging.getLogger("autoresearch.loop")
 
@@ -63,8 +63,8 @@ class Threads:
                 break  # stopping: the next start resumes it
             except LLMError as e:
                 return self._llm_failed(h, e)
-            except (MixedDatasets, HarnessCommandError):  # the user's to fix (the trusted harness, the
-                raise  # datasets): the loop stops in one line, the thread waits at its checkpoint
+            except LabConfigError:  # the user's to fix (research.toml, the trusted harness, the datasets):
+                raise  # the loop stops in one line, the thread waits at its checkpoint
             except BrokenPipeError as e:  # a helper process killed under us (git's persistent cat-file)
                 self.svc.workspace.repo.git.clear_cache()  # gitpython starts fresh helpers on next use
                 self.say(f"#{h.id}: a helper process died ({e}); restarted, the thread waits at its checkpoint")
@@ -127,7 +127,8 @@ class Threads:
 
                 self._exporter = Exporter(self.lab, self.store, self.opts.mlflow or "")
             self._exporter.export(h)
-        except (ServiceUnavailable, OSError) as e:  # the server down, an artifact store refusing a file
+        except (InfrastructureFailure, AgentError, OSError) as e:  # the server down or refusing the run, an
+            # artifact store refusing a file
             self._exporter = None
             self.records.event("mlflow", f"#{h.id} not exported: {e}")
             self.say(f"#{h.id} not exported to MLflow: {e}")

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.executors.base import (
-    ExecutorError,
     Executor,
+    InfrastructureFailure,
     JobResult,
     StageJob,
     UserError,
@@ -108,5 +108,5 @@ def make_executor(opts: ExecutorOptions | str, lab: "Lab", **changes: object) ->
     return EXECUTORS.get(opts.kind)(lab, opts)
 
 
-__all__ = ["Executor", "ExecutorError", "UserError", "JobResult", "StageJob", "classify", "scrub_env",
+__all__ = ["Executor", "InfrastructureFailure", "UserError", "JobResult", "StageJob", "classify", "scrub_env",
            "make_executor", "check_executor", "EXECUTORS", "ExecutorOptions", "ExecutorFactory"]

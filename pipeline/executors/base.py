@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from pipeline.errors import ExecutorError, UserError  # noqa: F401 (re-exported: the executors raise them)
+from pipeline.errors import InfrastructureFailure, UserError  # noqa: F401 (re-exported: the executors raise them)
 from pipeline.executors.child import THREAD_VARS
 from pipeline.outcomes import StageOutcome
 

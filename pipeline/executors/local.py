@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pipeline
 from pipeline.disk import read_tail
-from pipeline.executors.base import ExecutorError, JobResult, StageJob, UserError, scrub_env, thread_env
+from pipeline.executors.base import InfrastructureFailure, JobResult, StageJob, UserError, scrub_env, thread_env
 from pipeline.executors.gpus import GpuPool, capacity, is_cuda_oom
 
 DEFAULT_PRELOAD = ("numpy", "torch", "peft")
@@ -49,11 +49,11 @@ def visible_gpus() -> list[str]:
 def inside_gpu_ids(gpu_ids: list[str], fallback: str) -> str:
     """CUDA_VISIBLE_DEVICES for a sandboxed stage assigned `gpu_ids` (see `sandbox.gpu_plan`);
     `fallback` where they cannot be mapped (the sandbox then refuses to start, in one line)."""
-    from pipeline.executors.sandbox import SandboxError, gpu_devices
+    from pipeline.executors.sandbox import gpu_devices
 
     try:
         return ",".join(gpu_devices(gpu_ids)[1])
-    except SandboxError:
+    except OSError:  # the sandbox refuses a GPU it cannot map (ENODEV)
         return fallback
 
 
@@ -77,7 +77,7 @@ class LocalExecutor:
         self.reserve, self.priority = (reserve if gpus else 0.0), priority
         if gpus:
             if capacity(gpus, len(self.gpu_ids)) < 1:
-                raise ExecutorError(f"run.gpus = {gpus:g} but {len(self.gpu_ids)} GPU(s) are visible")
+                raise InfrastructureFailure(f"run.gpus = {gpus:g} but {len(self.gpu_ids)} GPU(s) are visible")
             if capacity(gpus, len(self.gpu_ids), self.reserve) < 1:
                 raise UserError(f"[run] gpus = {gpus:g} on {len(self.gpu_ids)} GPU(s) leaves no room for "
                                 f"prepare_gpus/score_gpus = {self.reserve:g}, which the driver runs between its "
@@ -86,7 +86,7 @@ class LocalExecutor:
             self.pool = pool if pool is not None else GpuPool.shared(self.gpu_ids)
         self._slots = slots if slots is not None else by_cpu
         if self._slots < 1:
-            raise ExecutorError(f"slots must be at least 1, got {self._slots}")
+            raise InfrastructureFailure(f"slots must be at least 1, got {self._slots}")
         self.preload = list(preload)
         self.worker_log = worker_log
         self.host = socket.gethostname()
@@ -135,7 +135,7 @@ class LocalExecutor:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 self._proc = None
-                raise ExecutorError(
+                raise InfrastructureFailure(
                     f"warm worker did not start (exit {proc.returncode}); preload {self.preload}"
                     + (f", see {self.worker_log}" if self.worker_log else "")
                 )
@@ -198,7 +198,7 @@ class LocalExecutor:
 
     def submit(self, job: StageJob) -> None:
         if job.job_id in self._running:
-            raise ExecutorError(f"job {job.job_id} already submitted")
+            raise InfrastructureFailure(f"job {job.job_id} already submitted")
         self._start()
         self._running[job.job_id] = job
         self._waiting.append((job, False))
@@ -259,7 +259,7 @@ class LocalExecutor:
         if job.gpus:
             held = self.pool.holding(job.job_id) if self.pool is not None else None
             if held is None:
-                raise ExecutorError(f"no GPU taken for job {job.job_id}")
+                raise InfrastructureFailure(f"no GPU taken for job {job.job_id}")
             self._gpu_of[job.job_id] = held.ids
             env["CUDA_VISIBLE_DEVICES"] = ",".join(held.ids)
         elif self.gpu_ids or "CUDA_VISIBLE_DEVICES" in env:

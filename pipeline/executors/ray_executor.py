@@ -28,16 +28,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline import safefs
+from pipeline.errors import InfrastructureFailure
 from pipeline.executors import child, ray_task, sandbox, zygote
 from pipeline.executors.base import (
     STAGE_ENV,
     STAGE_ENV_PREFIXES,
-    ExecutorError,
     JobResult,
     StageJob,
     thread_env,
 )
-from pipeline.errors import ServiceUnavailable
 from pipeline.executors.gpus import capacity
 from pipeline.executors.local import DEFAULT_PRELOAD
 
@@ -67,12 +66,12 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     hostport = address.split("://", 1)[-1].rstrip("/")
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
-        raise ServiceUnavailable(f"Ray address {address!r}: expected host:port (or ray://host:port)")
+        raise InfrastructureFailure(f"Ray address {address!r}: expected host:port (or ray://host:port)")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
     except OSError as e:
-        raise ServiceUnavailable(f"cannot connect to Ray at {address}: {e.strerror or e} "
+        raise InfrastructureFailure(f"cannot connect to Ray at {address}: {e.strerror or e} "
                              "(is the cluster up? `ray start --head` prints its address)") from None
 
 
@@ -87,7 +86,7 @@ class RayExecutor:
         try:
             import ray
         except ImportError:
-            raise ExecutorError("the ray executor needs Ray: pip install 'ray[default]'") from None
+            raise InfrastructureFailure("the ray executor needs Ray: pip install 'ray[default]'") from None
         self.ray = ray
         self.worktrees = worktrees
         self.cpus, self.gpus, self.memory_mb = cpus, gpus, memory_mb
@@ -101,7 +100,7 @@ class RayExecutor:
                 ray.init(address=address, **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ServiceUnavailable(f"cannot connect to Ray at {address or 'a new local instance'}: {first}"
+                raise InfrastructureFailure(f"cannot connect to Ray at {address or 'a new local instance'}: {first}"
                                      + (f" ({AUTH_HINT})" if "auth" in str(e).lower() else "")) from None
             self._owns_ray = True
         ray.cloudpickle.register_pickle_by_value(ray_task)  # nodes need Ray, not our package
@@ -124,7 +123,7 @@ class RayExecutor:
             ray.get([w.warm.remote() for w in self._idle], timeout=WARM_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             self.close()
-            raise ServiceUnavailable(
+            raise InfrastructureFailure(
                 f"the cluster did not start {self._slots} warm worker(s) of {cpus} CPU / {gpus:g} GPU each in "
                 f"{WARM_TIMEOUT_S:.0f} s (resources: {dict(resources)}); lower --workers or [run] cpus/gpus") from None
 
@@ -161,7 +160,7 @@ class RayExecutor:
 
     def submit(self, job: StageJob) -> None:
         if job.job_id in self._refs or any(w[0].job_id == job.job_id for w in self._waiting):
-            raise ExecutorError(f"job {job.job_id} already submitted")
+            raise InfrastructureFailure(f"job {job.job_id} already submitted")
         mounts = []
         for folder in job.inputs:
             ident, ref = self._input(folder)

@@ -85,14 +85,10 @@ DEFAULTS: dict[str, Any] = {"ro": [], "rw": [], "out": None, "network": False, "
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-class SandboxError(OSError):
-    """The kernel refused part of the sandbox set-up."""
-
-
 def _check(ret: int, what: str) -> None:
     if ret != 0:
         e = ctypes.get_errno()
-        raise SandboxError(e, f"{what}: {os.strerror(e)}")
+        raise OSError(e, f"{what}: {os.strerror(e)}")
 
 
 def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
@@ -143,12 +139,12 @@ def _bind(src: str, dst: str, *, readonly: bool) -> None:
         return
     points = _submounts(dst)
     if dst not in points:
-        raise SandboxError(errno.ENOENT, f"bind of {src} not found in mountinfo")
+        raise OSError(errno.ENOENT, f"bind of {src} not found in mountinfo")
     for point in points:  # fail closed: every mount of the tree read-only, or no sandbox
         if not os.statvfs(point).f_flag & os.ST_RDONLY:
             _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(point))
         if not os.statvfs(point).f_flag & os.ST_RDONLY:
-            raise SandboxError(errno.EPERM, f"{point} stayed writable")
+            raise OSError(errno.EPERM, f"{point} stayed writable")
 
 
 def _makedirs_in(root: str, path: str, *, as_file: bool = False) -> str:
@@ -221,7 +217,7 @@ def _newroot_mountpoint(paths: list[str]) -> str:
         if os.path.isdir(cand) and not os.path.islink(cand) and not any(
                 p == cand or p.startswith(cand + "/") for p in paths):
             return cand
-    raise SandboxError(errno.ENOENT, f"no folder to build the sandbox root on (tried {NEWROOT_CANDIDATES})")
+    raise OSError(errno.ENOENT, f"no folder to build the sandbox root on (tried {NEWROOT_CANDIDATES})")
 
 
 def _user_procs(uid: int) -> int:
@@ -244,10 +240,6 @@ def _drop_capabilities() -> None:
     data = (ctypes.c_uint32 * 6)()
     _check(_libc.syscall(SYS_CAPSET, header, data), "capset")
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-
-
-class GpuError(SandboxError):
-    """The stage's GPUs cannot be told apart from the others' (an id we cannot map to a device node)."""
 
 
 def nvidia_gpus(proc_dir: str = NVIDIA_PROC) -> list[dict[str, Any]]:
@@ -283,7 +275,7 @@ def gpu_plan(present: list[str], gpu_ids: list[str], gpus: list[dict[str, Any]])
     or GPU-UUIDs); `gpus`: `nvidia_gpus()`. Returns (the control nodes present, the caps nodes and
     `nvidia<minor>` of each assigned GPU only; the ids to use inside: the UUIDs where the driver
     names them, which select the same GPU whether or not CUDA renumbers the GPUs it can open, else
-    0..k-1, the numbering of the only nodes it can open). Raises GpuError for an id that names no
+    0..k-1, the numbering of the only nodes it can open). Raises OSError (ENODEV) for an id that names no
     node here (a MIG id, an unknown UUID, an index past the GPUs): never all GPUs instead.
     """
     have = set(present)
@@ -298,25 +290,25 @@ def gpu_plan(present: list[str], gpu_ids: list[str], gpus: list[dict[str, Any]])
         if gid.isdigit():
             i = int(gid)
             if gpus and i >= len(gpus):
-                raise GpuError(errno.ENODEV, f"GPU {gid} of CUDA_VISIBLE_DEVICES: the driver lists {len(gpus)} GPU(s)")
+                raise OSError(errno.ENODEV, f"GPU {gid} of CUDA_VISIBLE_DEVICES: the driver lists {len(gpus)} GPU(s)")
             info = gpus[i] if gpus else {"minor": i, "uuid": None}
         elif gid.startswith("GPU-"):
             found = [g for g in gpus if g["uuid"] and g["uuid"].startswith(gid)]
             if len(found) != 1:
-                raise GpuError(errno.ENODEV, f"GPU {gid} of CUDA_VISIBLE_DEVICES: "
+                raise OSError(errno.ENODEV, f"GPU {gid} of CUDA_VISIBLE_DEVICES: "
                                              f"{'no' if not found else 'more than one'} GPU of the driver has that UUID")
             info = found[0]
         else:
-            raise GpuError(errno.ENODEV, f"GPU {gid!r} of CUDA_VISIBLE_DEVICES: the sandbox binds a whole GPU "
+            raise OSError(errno.ENODEV, f"GPU {gid!r} of CUDA_VISIBLE_DEVICES: the sandbox binds a whole GPU "
                                          "by index or GPU-UUID (MIG ids are not supported)")
         node = f"nvidia{info['minor']}"
         if node not in have:
-            raise GpuError(errno.ENODEV, f"GPU {gid} of CUDA_VISIBLE_DEVICES: no /dev/{node}")
+            raise OSError(errno.ENODEV, f"GPU {gid} of CUDA_VISIBLE_DEVICES: no /dev/{node}")
         if node not in own:
             own.append(node)
             inside.append(info["uuid"] or "")
     if not own:
-        raise GpuError(errno.ENODEV, "[run] gpus > 0 but the stage was assigned no GPU (CUDA_VISIBLE_DEVICES is empty)")
+        raise OSError(errno.ENODEV, "[run] gpus > 0 but the stage was assigned no GPU (CUDA_VISIBLE_DEVICES is empty)")
     if not all(inside):
         inside = [str(k) for k in range(len(own))]
     return nodes + own, inside
@@ -409,7 +401,7 @@ def _build_root(spec: dict[str, Any]) -> str:
             dst = _makedirs_in(root, path, as_file=not os.path.isdir(path))
             _bind(path, dst, readonly=mode == "ro")
         else:
-            raise SandboxError(errno.ENOENT, f"sandbox mount {path}: no such file or folder")
+            raise OSError(errno.ENOENT, f"sandbox mount {path}: no such file or folder")
     for inside in masks:
         _mount(None, inside, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     _makedirs_in(root, "/proc")
@@ -427,10 +419,6 @@ def _pivot(root: str) -> None:
     _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-class OutputTooLarge(OSError):
-    """What the stage left in {out} exceeds `out_max_mb` (sparse files count by size) or MAX_OUT_FILES."""
-
-
 def _copy_out(src: str, dst_fd: int, log: list[str], budget: list[int]) -> None:
     """Copy regular files and folders from the stage's tmpfs into the real output folder.
 
@@ -439,7 +427,7 @@ def _copy_out(src: str, dst_fd: int, log: list[str], budget: list[int]) -> None:
     for name in sorted(os.listdir(src)):
         budget[1] -= 1
         if budget[1] < 0:
-            raise OutputTooLarge(errno.EFBIG, f"more than {MAX_OUT_FILES} files and folders in the output")
+            raise OSError(errno.EFBIG, f"more than {MAX_OUT_FILES} files and folders in the output")
         path = os.path.join(src, name)
         st = os.lstat(path)
         if stat.S_ISDIR(st.st_mode):
@@ -452,7 +440,7 @@ def _copy_out(src: str, dst_fd: int, log: list[str], budget: list[int]) -> None:
         elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
             budget[0] -= st.st_size
             if budget[0] < 0:
-                raise OutputTooLarge(errno.EFBIG, "the output's files add up to more than [run] out_max_mb")
+                raise OSError(errno.EFBIG, "the output's files add up to more than [run] out_max_mb")
             fin = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             fout = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dst_fd)
             try:
@@ -648,12 +636,11 @@ def _wait_and_exit(pid: int, init: int | None, spec: dict[str, Any] | None, out_
             notes: list[str] = []
             try:
                 _copy_out(spec["out"], out_fd, notes, [int(spec["out_max_mb"]) << 20, MAX_OUT_FILES])
-            except OutputTooLarge as e:
-                notes.append(f"sandbox: output not kept: {e.strerror}")
-                code = 1  # the stage's doing: a method failure
-            except OSError as e:
-                notes.append(f"sandbox: copying the output failed: {e}")
-                code = SETUP_FAILED
+            except OSError as e:  # EFBIG: over out_max_mb or MAX_OUT_FILES, the stage's doing (a method failure)
+                too_large = e.errno == errno.EFBIG
+                notes.append(f"sandbox: output not kept: {e.strerror}" if too_large else
+                             f"sandbox: copying the output failed: {e}")
+                code = 1 if too_large else SETUP_FAILED
             for line in notes:
                 print(line, file=sys.stderr)
             sys.stderr.flush()

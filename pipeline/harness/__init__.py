@@ -8,7 +8,7 @@ with a `Harness` subclass and one line in `HARNESSES` below (a plugin or a test:
 
 from __future__ import annotations
 
-from pipeline.harness.base import Harness, Prepared, PredictionsError
+from pipeline.harness.base import Harness, MethodFailure, Prepared
 from pipeline.registry import Registry
 
 HARNESSES: Registry[type[Harness]] = Registry("harness", {
@@ -23,4 +23,4 @@ def get_harness(name: str) -> Harness:
     return HARNESSES.get(name)()
 
 
-__all__ = ["Harness", "Prepared", "PredictionsError", "HARNESSES", "get_harness"]
+__all__ = ["Harness", "Prepared", "MethodFailure", "HARNESSES", "get_harness"]

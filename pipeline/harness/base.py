@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pipeline.errors import LabConfigError, PredictionsError, UserError
+from pipeline.errors import LabConfigError, MethodFailure, UserError
 
 
 class ConfigView(Protocol):
@@ -135,7 +135,7 @@ MAX_ROW_BYTES = 256  # a predictions row "id,score\n" is far shorter: the file's
 
 
 def read_predictions(path: Path, ids: np.ndarray) -> np.ndarray:
-    """Return scores aligned with `ids`; raise PredictionsError for anything but one finite score per id.
+    """Return scores aligned with `ids`; raise MethodFailure for anything but one finite score per id.
 
     The file is branch output: opened without following a link, refused above MAX_ROW_BYTES per
     test id before anything is read, and parsed as a stream that stops at the first bad row or at a
@@ -144,7 +144,7 @@ def read_predictions(path: Path, ids: np.ndarray) -> np.ndarray:
     st = check_regular(path)
     limit = (len(ids) + 1) * MAX_ROW_BYTES
     if st.st_size > limit:
-        raise PredictionsError(f"{path.name}: {st.st_size} bytes, more than {limit} for {len(ids)} test ids")
+        raise MethodFailure(f"{path.name}: {st.st_size} bytes, more than {limit} for {len(ids)} test ids")
     got: dict[int, float] = {}
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -152,28 +152,28 @@ def read_predictions(path: Path, ids: np.ndarray) -> np.ndarray:
             rows = csv.reader(fh)
             header = next(rows, None)
             if header is None or [c.strip().lower() for c in header] != ["id", "score"]:
-                raise PredictionsError(f"{path.name}: expected header 'id,score'")
+                raise MethodFailure(f"{path.name}: expected header 'id,score'")
             for n, row in enumerate(rows, start=2):
                 if len(got) == len(ids):
-                    raise PredictionsError(f"{path.name}:{n}: more rows than the {len(ids)} test ids")
+                    raise MethodFailure(f"{path.name}:{n}: more rows than the {len(ids)} test ids")
                 got[_id_of(path, n, row, got)] = _score_of(path, n, row)
     except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise PredictionsError(f"{path.name} unreadable: {e}") from None
+        raise MethodFailure(f"{path.name} unreadable: {e}") from None
     missing = [int(i) for i in ids if int(i) not in got]
     if missing:
-        raise PredictionsError(f"{path.name}: {len(missing)} test ids missing (first {missing[0]})")
+        raise MethodFailure(f"{path.name}: {len(missing)} test ids missing (first {missing[0]})")
     return np.array([got[int(i)] for i in ids], dtype=np.float64)
 
 
 def _id_of(path: Path, n: int, row: list[str], got: dict[int, float]) -> int:
     if len(row) != 2:
-        raise PredictionsError(f"{path.name}:{n}: expected 2 columns, got {len(row)}")
+        raise MethodFailure(f"{path.name}:{n}: expected 2 columns, got {len(row)}")
     try:
         i = int(row[0])
     except ValueError:
-        raise PredictionsError(f"{path.name}:{n}: expected an integer id and a number") from None
+        raise MethodFailure(f"{path.name}:{n}: expected an integer id and a number") from None
     if i in got:
-        raise PredictionsError(f"{path.name}:{n}: duplicate id {i}")
+        raise MethodFailure(f"{path.name}:{n}: duplicate id {i}")
     return i
 
 
@@ -181,9 +181,9 @@ def _score_of(path: Path, n: int, row: list[str]) -> float:
     try:
         s = float(row[1])
     except ValueError:
-        raise PredictionsError(f"{path.name}:{n}: expected an integer id and a number") from None
+        raise MethodFailure(f"{path.name}:{n}: expected an integer id and a number") from None
     if not math.isfinite(s):
-        raise PredictionsError(f"{path.name}:{n}: score is not finite ({row[1]})")
+        raise MethodFailure(f"{path.name}:{n}: score is not finite ({row[1]})")
     return s
 
 
@@ -194,13 +194,13 @@ def check_regular(path: Path) -> os.stat_result:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise PredictionsError(f"{path.name} not found") from None
+        raise MethodFailure(f"{path.name} not found") from None
     if stat.S_ISLNK(st.st_mode):
-        raise PredictionsError(f"{path.name} is a symlink; expected a regular file the stage wrote")
+        raise MethodFailure(f"{path.name} is a symlink; expected a regular file the stage wrote")
     if not stat.S_ISREG(st.st_mode):
-        raise PredictionsError(f"{path.name} is not a regular file")
+        raise MethodFailure(f"{path.name} is not a regular file")
     if st.st_nlink != 1:
-        raise PredictionsError(f"{path.name} is a hard link ({st.st_nlink} names); expected a file the stage wrote")
+        raise MethodFailure(f"{path.name} is a hard link ({st.st_nlink} names); expected a file the stage wrote")
     return st
 
 

@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.disk import read_tail
 from pipeline.errors import (
-    ExecutorError,
-    HarnessCommandError,
+    InfrastructureFailure,
     LabConfigError,
     UserError,
 )
@@ -41,7 +40,7 @@ from pipeline.harness.base import (
     HOLDOUT_SPLIT,
     SMOKE_SEED_BASE,
     Harness,
-    PredictionsError,
+    MethodFailure,
     Prepared,
     check_regular,
     smoke_seed,
@@ -168,8 +167,8 @@ class CommandHarness(Harness):
                 last = _last_line(log)
                 msg = f"[benchmark] prepare {how}{f' ({last})' if last else ''}; see {log}"
                 if done.returncode is None and not done.timed_out:  # the OOM killer, a node going down:
-                    raise ExecutorError(msg)  # infrastructure, retried; an exit or a timeout is the lab's to fix
-                raise HarnessCommandError(msg)
+                    raise InfrastructureFailure(msg)  # infrastructure, retried; an exit or a timeout is the lab's to fix
+                raise LabConfigError(None, None, msg)
             for d, mode in ((pub, 0o755), (seal, 0o755)):  # the seal's parent (0700) keeps it private
                 _own(d, mode)
             (pub / ".prepared").write_text(json.dumps({"trusted": sha, "data_seed": data_seed}))
@@ -207,7 +206,7 @@ class CommandHarness(Harness):
             err = read_tail(log, 500)[0].strip()
         if done.returncode != 0:
             how = "timed out" if done.timed_out else f"exited with {done.returncode}"
-            raise PredictionsError(f"score {how}: {err or text[-300:]}")
+            raise MethodFailure(f"score {how}: {err or text[-300:]}")
         return parse_value(text)
 
 
@@ -221,14 +220,14 @@ def parse_value(stdout: str) -> float:
     """The metric from the scorer's last line of stdout, `{"value": x}`."""
     lines = [ln for ln in stdout.splitlines() if ln.strip()]
     if not lines:
-        raise PredictionsError('score printed nothing; expected {"value": x} as its last line')
+        raise MethodFailure('score printed nothing; expected {"value": x} as its last line')
     try:
         doc = json.loads(lines[-1])
         value = float(doc["value"])
     except (ValueError, TypeError, KeyError):
-        raise PredictionsError(f'score printed {lines[-1][:200]!r} last; expected {{"value": x}}') from None
+        raise MethodFailure(f'score printed {lines[-1][:200]!r} last; expected {{"value": x}}') from None
     if not math.isfinite(value):
-        raise PredictionsError(f"score value is {value}")
+        raise MethodFailure(f"score value is {value}")
     return value
 
 

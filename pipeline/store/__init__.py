@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DisconnectionError, OperationalError
 from sqlmodel import Session, SQLModel, create_engine
 
-from pipeline.errors import ServiceUnavailable, UserError
+from pipeline.errors import InfrastructureFailure, UserError
 from pipeline.store.cache import CacheRows
 from pipeline.store.queue import Queue
 from pipeline.store.reads import Reads
@@ -57,7 +57,7 @@ _SCHEMA_LOCK_KEY = 7_272_741  # PostgreSQL advisory lock: one process at a time 
 def create_schema(engine: Engine, tables: list[Any] | None = None) -> None:
     """Create the missing tables (all registered ones, or `tables`), safely when several processes
     start at the same instant: under an advisory lock on PostgreSQL, a file lock beside a SQLite
-    file. An unreachable database is `ServiceUnavailable`: one line, not a traceback."""
+    file. An unreachable database is `InfrastructureFailure`: one line, not a traceback."""
     try:
         if engine.dialect.name == "postgresql":
             with engine.begin() as conn:
@@ -74,7 +74,7 @@ def create_schema(engine: Engine, tables: list[Any] | None = None) -> None:
             fcntl.flock(lock, fcntl.LOCK_EX)
             SQLModel.metadata.create_all(engine, tables=tables)
     except OperationalError as e:
-        raise ServiceUnavailable(f"cannot reach the store at {engine.url.render_as_string(hide_password=True)}: "
+        raise InfrastructureFailure(f"cannot reach the store at {engine.url.render_as_string(hide_password=True)}: "
                                f"{str(e.orig).strip().splitlines()[0] if e.orig else e}") from None
 
 
