@@ -290,7 +290,7 @@ def export_mlflow(
     experiment: Optional[str] = typer.Option(None, "--experiment", help="Experiment name (default autoresearch/<lab>)."),
 ) -> None:
     """One MLflow run per hypothesis (changed config keys, verdict, decision, Δs, summary, forest plot)
-    and a nested run per (task, seed); idempotent."""
+    and a nested run per (task, seed); idempotent. Exit code 1 when the server refused one (`failed`)."""
     from agent.commands import open_lab_store
     from agent.mlflow_export import default_tracking_uri, export
 
@@ -298,6 +298,8 @@ def export_mlflow(
     uri = tracking_uri or default_tracking_uri(lab)
     out = export(lab, store, uri, experiment)
     emit_json({"tracking_uri": uri, **out})
+    if out["failed"]:  # the JSON says which and why; a script or cron job must see it too
+        raise typer.Exit(1)
 
 
 @app.command("status")

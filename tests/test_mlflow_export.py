@@ -37,8 +37,11 @@ def decided_lab(tmp_path_factory) -> Path:
 
 
 def export(root: Path, uri: str) -> dict:
-    out = cli(root, "export", "mlflow", "--tracking-uri", uri)
-    return json.loads(out.stdout)
+    """`export mlflow`'s JSON; its exit code is 1 exactly when a hypothesis was refused (`failed`)."""
+    out = cli(root, "export", "mlflow", "--tracking-uri", uri, check=False)
+    got = json.loads(out.stdout)
+    assert out.returncode == (1 if got["failed"] else 0), (out.returncode, out.stderr)
+    return got
 
 
 def check_matches_store(root: Path, uri: str) -> None:
