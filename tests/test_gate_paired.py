@@ -158,13 +158,35 @@ def test_a_challenger_noisier_than_the_lab_is_held():
 
 
 @pytest.mark.slow
-def test_a_noisier_challenger_costs_the_error_rate_little():
-    """The bound assumes a challenger no noisier than the lab; at 3× its variance (a branch that adds
-    seed-dependent noise) the challenger's own spread enters the bound and the hold catches some:
-    measured 0.034 at 10 000 trials (sequential's pooled t: 0.028). A regression guard."""
-    r = simulate(protocol="paired", looks=(1, 2, 5, 10), rho=0.02, pair_rho=0.0, challenger_sd=3**0.5,
+@pytest.mark.parametrize("rho", [0.02, 0.6])
+def test_the_error_rate_holds_for_a_challenger_twice_as_noisy(rho):
+    """The bound assumes a challenger no noisier than the lab unless its own runs say otherwise: its
+    spread over the lab's, pooled across tasks (one df per task at two pairs), scales its arm of the
+    bound, and the bound's df shrink to what that ratio is sure of (Satterthwaite, the tasks'
+    correlation from the lab's arms). Held results count as improvements here (the strict reading).
+    Measured at 20 000 trials: 0.018 (ρ 0.02) and 0.024 (ρ 0.6), were 0.039 and 0.043."""
+    r = simulate(protocol="paired", looks=(1, 2, 5, 10), rho=rho, pair_rho=0.0, challenger_sd=2.0,
                  trials=6000, seed=11)
-    assert r.improvement_rate - r.held_rate <= 0.045, r.improvement_rate
+    assert r.improvement_rate <= 0.025 + 3 * r.standard_error(0.025), (r.improvement_rate, r.held_rate)
+
+
+def test_a_noisier_challengers_bound_grows_and_is_calibrated_on_fewer_df():
+    """At two pairs, a challenger whose runs spread 3× the lab's on every task: the pooled ratio sees
+    it (8 df, where the horizontal spread alone has 1), the bound carries it, and its df shrink."""
+    from pipeline.gate.looks import paired_tests
+    from pipeline.gate.stats import horizontal_values
+
+    rng = np.random.default_rng(3)
+    arms = rng.standard_normal((30, 8, 2))  # the lab: σ 1 on every task
+    base = rng.standard_normal((8, 2))
+    scale = np.ones(8)
+    hb, _ = horizontal_values(base, base, base.mean(axis=-1), scale, 0.125)
+    calm = paired_tests(base, rng.standard_normal((8, 2)), scale, hb, 0.125, None, arms)
+    noisy = paired_tests(base, 3.0 * rng.standard_normal((8, 2)), scale, hb, 0.125, None, arms)
+    ratio, p = noisy.noisier
+    assert 3.0 < float(ratio) < 20.0 and float(p) < 0.05
+    assert float(noisy.bound.var) > 1.5 * float(calm.bound.var)
+    assert int(noisy.bound.df) < int(calm.bound.df) == 20
 
 
 def test_the_bound_is_twice_one_arms_spread_and_gives_way_to_the_pairs():

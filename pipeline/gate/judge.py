@@ -41,7 +41,7 @@ from pipeline.gate.report import (
     TaskResult,
     WelchResult,
 )
-from pipeline.gate.stats import Arm, Prior, TwoSample, noisier_p, spread_ratio_p, variance_ratio_p, welch_t
+from pipeline.gate.stats import Arm, TwoSample, spread_ratio_p, variance_ratio_p, welch_t
 from pipeline.gate.verdict import ORDER, Verdict, decide
 
 UNSTABLE_P = 0.05  # F-test level for "challenger variance ≫ baseline variance"
@@ -183,7 +183,7 @@ def _evaluate(inp: GateInput, with_sensitivity: bool) -> GateResult:
             sensitivity=sensitivity,
             sensitivity_verdict=sens_verdict,
         ),
-        seed_spread=_seed_spread(lt.hb, lt.hc, lt.lab, lt.hc_paired),
+        seed_spread=_seed_spread(lt.hb, lt.hc, lt.noisier),
         baseline_runs_used=int(lt.base_arm.count.sum()),
         challenger_runs_used=int(sum(len(t.challenger) for t in inp.tasks)),
         mde_power=DEFAULT_POWER,
@@ -286,13 +286,13 @@ def _sensitivity(inp: GateInput, total_failed: int) -> tuple[str | None, Verdict
             f"{_fmt(worst.horizontal.delta)}σ, t {_fmt(worst.horizontal.t)}"), worst.verdict
 
 
-def _seed_spread(hb: np.ndarray, hc: np.ndarray, lab: Prior | None = None,
-                 hc_paired: np.ndarray | None = None) -> SeedSpread | None:
+def _seed_spread(hb: np.ndarray, hc: np.ndarray,
+                 noisier: tuple[np.ndarray, np.ndarray] | None = None) -> SeedSpread | None:
     """Seeds must vary: the challenger's per-seed horizontal values against the baseline's spread;
-    where the protocol reads the lab's earlier arms (`lab`, their spread): and not far above the lab's either."""
+    where the protocol reads the lab's earlier arms (`noisier`: the challenger's spread over theirs,
+    pooled across tasks, and its F p): and not far above the lab's either."""
     ratio, p = spread_ratio_p(hb, hc)
-    up_ratio, p_up = (noisier_p(hc_paired, lab.var, lab.df) if lab is not None and hc_paired is not None
-                      else (np.nan, np.nan))
+    up_ratio, p_up = noisier if noisier is not None else (np.nan, np.nan)
     if not np.isfinite(p) and not np.isfinite(p_up):
         return None
     ratio, p, up_ratio, p_up = float(ratio), float(p), float(up_ratio), float(p_up)
@@ -306,7 +306,7 @@ def _seed_spread(hb: np.ndarray, hc: np.ndarray, lab: Prior | None = None,
                        "the seed repeats one draw, and replication over seeds is what the gate stands on")
     if high:
         reasons.append(f"noisier than the lab: its spread across seeds is {up_ratio:.3g}× that of the lab's earlier "
-                       f"arms (upper-tail F p {p_up:.2g} < {SEED_SPREAD_P}); the paired gate's bound assumes a "
+                       f"arms, pooled over tasks (upper-tail F p {p_up:.2g} < {SEED_SPREAD_P}); the paired gate's bound assumes a "
                        "challenger no noisier than them, and a noisier branch buys more chances at a lucky draw")
     return SeedSpread(ratio=ratio if np.isfinite(ratio) else None, p_lower=p if np.isfinite(p) else None,
                       held=low or high, reason="; ".join(reasons) or None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+from scipy.stats import f as f_dist
 
 from pipeline.gate.stats import (
     MAX_PAIR_RHO,
@@ -23,6 +24,7 @@ from pipeline.gate.stats import (
     arms_without_task,
     bh_qvalues,
     bound_priors,
+    bound_weight,
     history_prior,
     horizontal_values,
     one_sided_p,
@@ -183,8 +185,9 @@ class PairedTests:
     hd: np.ndarray  # (..., seeds) per-seed horizontal paired differences
     prior: Prior  # per task: the unpaired bound (its df feed the boundaries)
     bound: Prior  # (...): the unpaired bound on the horizontal variance (its df feed the boundaries)
-    lab: Prior  # (...): one earlier arm's spread of per-seed horizontal values (var) and its df
-    hc: np.ndarray  # (..., seeds) the challenger's per-seed horizontal values (paired seeds)
+    # (...): the challenger's per-seed spread over the lab's earlier arms', pooled across tasks
+    # (`noise_ratio`), and the upper-tail F p of it (NaN: fewer than 2 pairs, or no earlier arm)
+    noisier: tuple[np.ndarray, np.ndarray]
 
 
 def paired_tests(
@@ -207,9 +210,16 @@ def paired_tests(
     # too, unless its own runs spread more (a noisier branch, or one that makes itself noisier)
     paired_chal = np.where(np.isfinite(d), chal, np.nan)
     _, hc = horizontal_values(base, paired_chal, summarize(base).mean, scale, trim)
-    lab = Prior(var=bound.var / 2.0, df=bound.df, weight=bound.weight)
-    prior = _with_own_spread(prior, summarize(paired_chal).var)
-    bound = _with_own_spread(bound, summarize(hc).var)
+    chal_arm = summarize(paired_chal)
+    ratio, ratio_df = noise_ratio(chal_arm, prior.var / 2.0)  # its spread over the lab's, pooled across tasks
+    lab_df = np.where(prior.var > 0, prior.df, 0).sum(axis=-1)
+    with np.errstate(invalid="ignore"):
+        noisier_p = np.where(np.isfinite(ratio) & (lab_df > 0),
+                             f_dist.sf(ratio, np.maximum(ratio_df, 1), np.maximum(lab_df, 1)), np.nan)
+    h_df = _noisy_df(bound, ratio, ratio_df, prior.var / 2.0 / scale**2)
+    prior = _with_own_spread(prior, np.fmax(chal_arm.var, ratio[..., None] * prior.var / 2.0))
+    bound = _with_own_spread(bound, np.fmax(summarize(hc).var, ratio * bound.var / 2.0))
+    bound = Prior(var=bound.var, df=h_df, weight=bound_weight(h_df, np.isfinite(hd).sum(axis=-1)))
     test = paired_t(d, prior, floor)
     h_floor = 2.0 * (1.0 - MAX_PAIR_RHO) * np.nan_to_num(summarize(hb).var, nan=0.0)
     h = paired_t(hd, bound, h_floor)
@@ -217,7 +227,42 @@ def paired_tests(
     if history is not None:  # each earlier comparison's per-seed horizontal differences, on this σ_task
         h_hist = paired_horizontal(np.moveaxis(history, -3, -2), scale[..., None, :], trim)
         h_fut = paired_t(hd, pair_prior(h_hist, hd.shape[:-1]), h_floor)
-    return PairedTests(test=test, d=d, h=h, h_futility=h_fut, hd=hd, prior=prior, bound=bound, lab=lab, hc=hc)
+    return PairedTests(test=test, d=d, h=h, h_futility=h_fut, hd=hd, prior=prior, bound=bound,
+                       noisier=(ratio, noisier_p))
+
+
+def noise_ratio(chal: Arm, one: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The challenger's per-seed spread over one lab arm's (`one`, per task), pooled across tasks:
+    Σ_j (n_j − 1)·s²_j / one_j ÷ Σ_j (n_j − 1), over the tasks where both are known (NaN: none). With
+    2 pairs a task's own spread has 1 df, the pooled ratio one per task: a branch that makes itself
+    noisier on every task is seen at the look where the horizontal spread alone (1 df) hides it.
+    Returns (ratio, its df Σ_j (n_j − 1))."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        df = np.maximum(chal.count - 1, 0).astype(float)
+        ok = (df > 0) & np.isfinite(one) & (one > 0)
+        total = np.where(ok, df, 0.0).sum(axis=-1)
+        num = np.where(ok, chal.ss / np.where(ok, one, 1.0), 0.0).sum(axis=-1)
+        return np.where(total > 0, num / np.maximum(total, 1.0), np.nan), total
+
+
+def _noisy_df(bound: Prior, ratio: np.ndarray, ratio_df: np.ndarray, one_z: np.ndarray) -> np.ndarray:
+    """The df the horizontal bound is calibrated with when the challenger spreads more than the lab
+    (`ratio` > 1): the bound is then one lab arm's spread plus `ratio` times it, and the second term
+    is only as sure as the challenger's own runs. Satterthwaite's df for the sum, (1 + R)² ÷ (1/df_lab
+    + R²/df_R), with df_R the ratio's df shrunk by the tasks' correlation (their per-task spreads
+    move together: df_R ÷ (1 + (T − 1)·ρ²), ρ from the lab's arms: T·V_h / mean V_j = 1 + (T − 1)·ρ).
+    Where the challenger is no noisier, the lab's df (`bound.df`)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ok = np.isfinite(one_z) & (one_z > 0)
+        n = ok.sum(axis=-1)
+        mean_one = np.where(ok, one_z, 0.0).sum(axis=-1) / np.maximum(n, 1)
+        rho = np.clip((n * (bound.var / 2.0) / mean_one - 1.0) / np.maximum(n - 1, 1), 0.0, 1.0)
+        rho = np.where(np.isfinite(rho), rho, 1.0)
+        df_r = ratio_df / (1.0 + (n - 1) * rho**2)
+        r = np.where(np.isfinite(ratio), ratio, 0.0)
+        sat = (1.0 + r) ** 2 / (1.0 / np.maximum(bound.df, 1) + r**2 / np.maximum(df_r, 1e-9))
+        df = np.where((r > 1.0) & (bound.df > 0), np.minimum(bound.df, np.floor(sat)), bound.df)
+    return np.maximum(df, 0).astype(int)
 
 
 def _with_own_spread(bound: Prior, own: np.ndarray) -> Prior:
@@ -278,8 +323,7 @@ class LookTests:
     top: int  # the most-improved task
     stands_out: bool  # ... and whether it stands out (then the breadth check must hold)
     h_prior: Prior | None  # the horizontal boundaries' prior (the unpaired bound), or None
-    lab: Prior | None  # one earlier arm's spread of horizontal values (seed spread's upper tail), or None
-    hc_paired: np.ndarray | None  # the challenger's per-seed horizontal values on paired seeds, or None
+    noisier: tuple[np.ndarray, np.ndarray] | None  # the paired protocol's (ratio, F p): `PairedTests.noisier`
 
 
 def two_sample_tests(d: LookData, moderated: bool) -> LookTests:
@@ -301,7 +345,7 @@ def two_sample_tests(d: LookData, moderated: bool) -> LookTests:
     return LookTests(base_arm=base_arm, chal_arm=chal_arm, scale=scale, scale_df=scale_df, hb=hb, hc=hc, test=test,
                      prior=prior, h=h, h_futility=h, h_breadth=breadth, h_values=hc, task_values=d.chal,
                      counts=chal_arm.count, pairs_dropped=np.zeros(d.base.shape[0], dtype=int), top=top,
-                     stands_out=bool(stands_out), h_prior=None, lab=None, hc_paired=None)
+                     stands_out=bool(stands_out), h_prior=None, noisier=None)
 
 
 def paired_look_tests(d: LookData) -> LookTests:
@@ -323,4 +367,4 @@ def paired_look_tests(d: LookData) -> LookTests:
     return LookTests(base_arm=base_arm, chal_arm=chal_arm, scale=scale, scale_df=scale_df, hb=hb, hc=hc,
                      test=pt.test, prior=pt.prior, h=pt.h, h_futility=pt.h_futility, h_breadth=breadth,
                      h_values=pt.hd, task_values=pt.d, counts=counts, pairs_dropped=chal_arm.count - counts,
-                     top=top, stands_out=bool(stands_out), h_prior=pt.bound, lab=pt.lab, hc_paired=pt.hc)
+                     top=top, stands_out=bool(stands_out), h_prior=pt.bound, noisier=pt.noisier)

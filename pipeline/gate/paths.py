@@ -29,7 +29,6 @@ from pipeline.gate.stats import (
     bound_weight,
     history_prior,
     horizontal_values,
-    noisier_p,
     pooled_t,
     spread_ratio_p,
     summarize,
@@ -177,7 +176,7 @@ def paired_path(
                 h_upper = np.where(pt.bound.df == w, bnd.upper[-1], h_upper)
         hl = horizontal_look(pt.h, h_upper, breadth, required, pt.h_futility)
         low = spread_ratio_p(hb, hc)[1]
-        high = noisier_p(pt.hc, pt.lab.var, pt.lab.df)[1]
+        high = pt.noisier[1]
         with np.errstate(invalid="ignore"):
             held_p = np.fmin(low, high)  # held when either tail is below SEED_SPREAD_P (NaN: untested)
         out.record(k, tl, hl, futility_p_value(hl.p_up, pt.hd), pt.test, t_upper, k == K - 1, futility_p, held_p)
