@@ -143,6 +143,20 @@ def test_the_unpaired_bound_lets_two_pairs_promote_a_clear_gain_and_one_pair_nev
     assert fresh.verdict is not Verdict.improvement
 
 
+def test_a_variance_study_lets_the_labs_first_hypothesis_promote_a_large_gain_at_two_pairs():
+    """No earlier comparison, so no earlier arm: the baseline's runs off the pairs that finished
+    before the comparison began (`autoresearch variance`: seeds 2-9 here) are the bound's arm. The
+    paired seeds' own baseline runs never are (they make the pairs' variance too)."""
+    data = paired_data(3.0, m=2, n=2)
+    assert evaluate(data).verdict is not Verdict.improvement  # 1 df of its own: it runs on
+    studied = paired_data(3.0, m=2, n=10)
+    for task, full in zip(data["tasks"], studied["tasks"]):
+        task["history"] = full["history"]  # the baseline's 10 seeds, 2 of them this look's
+    r = evaluate(data)
+    assert r.verdict is Verdict.improvement and r.horizontal.pairs == 2, r.reasons
+    assert r.baseline_runs_used == 2 * len(TASKS)
+
+
 def test_a_challenger_noisier_than_the_lab_is_held():
     """Its per-seed spread far above the lab's earlier arms' (a branch that makes itself noisier buys
     lottery tickets): a gain it shows is held for review with the reason, never promoted automatically."""

@@ -154,7 +154,8 @@ def paired_path(
         scale, _ = task_scale(base_arm, hist_arm, arm_history)
         c = chal[..., :mk]
         hb, hc = horizontal_values(visible, c, base_arm.mean, scale, trim)
-        pt = paired_tests(visible, c, scale, hb, trim, pair_history, arm_history)
+        extra = history if hist_arm is not None else None
+        pt = paired_tests(visible, c, scale, hb, trim, pair_history, arm_history, extra)
         # boundaries: one calibration per bound df (trials, and tasks, differ in their history)
         t_upper, t_nominal = np.full((b, J), np.inf), np.full((b, J), np.nan)
         for w in np.unique(pt.prior.df):
@@ -167,7 +168,8 @@ def paired_path(
         if J > 1:
             top, required = most_improved(pt.test.delta, scale)
             breadth = paired_tests(without_task(visible, top), without_task(c, top), scale, hb, trim, None,
-                                   arms_without_task(arm_history, top)).h
+                                   arms_without_task(arm_history, top),
+                                   without_task(extra, top) if extra is not None else None).h
         # the horizontal boundaries: one calibration per bound df (trials differ in their history)
         h_upper = np.full(b, np.inf)
         for w in np.unique(pt.bound.df):

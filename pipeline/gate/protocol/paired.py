@@ -5,13 +5,15 @@ d_k = challenger_k - baseline_k.
 - per task, a t on the d_k, and across tasks the horizontal test on the per-seed trimmed means of
   d_k / σ_task; Benjamini-Hochberg on both tails for per-task wins and harms;
 - their variance is moderated by the unpaired bound (`stats.bound_priors`: twice the spread of the
-  lab's earlier arms, weight ⌈20 / m⌉ at m pairs) and the boundaries are calibrated as if the bound
-  were the truth (pair correlation 0), so the error rate holds for any pair correlation in [0, 1):
-  also when this hypothesis pairs worse than the history (it changes pretraining) or not at all;
+  lab's earlier arms and of this comparison's baseline commit, `looks.with_baseline_arm`, weight
+  ⌈20 / m⌉ at m pairs) and the boundaries are calibrated as if the bound were the truth (pair
+  correlation 0), so the error rate holds for any pair correlation in [0, 1): also when this
+  hypothesis pairs worse than the history (it changes pretraining) or not at all; a challenger
+  noisier than the lab widens the bound by its own noise ratio (`looks.noise_ratio`);
 - Lan-DeMets spending of Pocock shape (`boundaries.PAIRED_SPENDING`): a clear gain stops at 1-2 pairs;
 - the lab's history of paired differences feeds only the futility rule, where an early stop can
-  cost power but never a false promotion. With no earlier arm, a look with one pair can stop a
-  hypothesis (futile) but never promote it.
+  cost power but never a false promotion (without it, the earlier arms' bound). A look with one
+  pair can stop a hypothesis (futile) but never promote it.
 """
 
 from __future__ import annotations
