@@ -430,7 +430,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
         _push_arms(arm_hist, arm_next, runs, width, keep)
     measured = np.zeros(B)  # Σ of the Δ the rule saw at its promotions (mean over tasks)
     best_seen = run_values(np.zeros((B, J)), base_u[..., :1], sigma)[:, 0]  # keep/discard: the best's one run
-    counts: dict[str, list[int]] = {}  # key → [hypotheses, promoted]
+    counts: dict[str, list[int]] = {}  # key → [hypotheses, promoted, promoted by look 2]
     runs_by_class: dict[str, float] = {}
     improvement_code = CODE[Verdict.improvement]
     looks = np.asarray(rule.looks)
@@ -486,9 +486,10 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
         for i in range(B):
             name = prior[cls[i]][0]
             key = f"{name}@{size[i]:g}"
-            c = counts.setdefault(key, [0, 0])
+            c = counts.setdefault(key, [0, 0, 0])
             c[0] += 1
             c[1] += int(promote[i])
+            c[2] += int(promote[i] and spent[i] <= 2)
             runs_by_class[name] = runs_by_class.get(name, 0.0) + spent[i]
         measured += np.where(promote, seen, 0.0)
         mu = np.where(promote[:, None], mu + effect, mu)
@@ -867,6 +868,11 @@ def summary(rule: Rule, rho: float, campaigns: int, hypotheses: int, seeds: str,
             "harm": rate(lambda k: cls_of(k) in ("harm", "one_task_harm")),
             "null+harm": rate(lambda k: cls_of(k) in ("null", "harm", "one_task_harm")),
         },
+        # issue 34: horizontal gains of 2σ or more promoted by look 2 (2 challenger runs), of all of them
+        # (None: none in this prior, or a rule that does not record it: the peers, in flight > 1)
+        "horizontal>=2_by_look2": (lambda n, e: e / n if n else None)(
+            *(sum(v[i] for k, v in counts.items() if cls_of(k) == "horizontal" and size_of(k) >= 2 and len(v) > 2)
+              for i in (0, 2))),
         "promotions": promotions,  # over all campaigns
         "false_promotions": false,  # of them nulls, harms and one-task harms
         "fdp": false / promotions if promotions else None,  # pooled over campaigns; None: nothing promoted
@@ -1055,6 +1061,7 @@ def fdp_verdicts(rows: list[dict[str, Any]],
                                    "gain_per_1000_runs": default["true_gain_per_1000_runs"],
                                    "runs_per_hypothesis": default["runs_per_hypothesis"],
                                    "fdp_met": _fdp0(default) <= TARGET_FDP,
+                                   "h2_by_look2": default.get("horizontal>=2_by_look2"),
                                    "best_peer_by_family": {k: v and v["rule"] for k, v in best.items()},
                                    "best_peer": top and top["rule"],
                                    "best_peer_gain": top and top["true_gain_per_1000_runs"],
@@ -1155,6 +1162,9 @@ def fdp_table(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> str
 def verdict_line(v: dict[str, Any]) -> str:
     """The default rule against issue 34's targets in one (prior, ρ) cell."""
     cells = [f"FDP {_pct(v['fdp'])} (≤ {TARGET_FDP:.0%}) {'met' if v['fdp_met'] else 'MISSED'}"]
+    if v.get("h2_by_look2") is not None:
+        cells.append(f"horizontal gains ≥ 2σ promoted by look 2: {_pct(v['h2_by_look2'])} (≥ 90%) "
+                     f"{'met' if v['h2_by_look2'] >= 0.9 else 'MISSED'}")
     if v["best_peer"] and v["best_peer_promotions"]:
         cells.append(f"gain/1k {v['gain_per_1000_runs']:.2f} vs the best peer at FDP ≤ {TARGET_FDP:.0%}, "
                      f"{v['best_peer']} ({v['best_peer_gain']:.2f}, FDP {_pct(v['best_peer_fdp'])} on "
@@ -1430,12 +1440,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.in_flight != [1] and any(r.name == "keep-discard" for r in rules):
             print(f"\ntargets of {DEFAULT_RULE}, per row:\n" + target_lines(rows))
         if not args.fdp and any(r.online_fdr for r in rules):
-            print(f"\nfalse discoveries and gain per run of the gate rules, in flight 1 (online FDR: LOND, "
-                  f"onlineFDR's γ, each campaign one lab's stream; no peers: see --fdp)")
+            print("\nfalse discoveries and gain per run of the gate rules, in flight 1 (online FDR: LOND, "
+                  "onlineFDR's γ, each campaign one lab's stream; no peers: see --fdp)")
             print(fdp_table(rows, verdicts))
         if args.fdp:
-            print(f"\nissue 34: false discoveries and gain per run, in flight 1. Peers (fresh seeds, one number per "
-                  f"run: the mean over tasks in σ units; σ_floor, the sd of one such run, known exactly):")
+            print("\nissue 34: false discoveries and gain per run, in flight 1. Peers (fresh seeds, one number per "
+                  "run: the mean over tasks in σ units; σ_floor, the sd of one such run, known exactly):")
             for p in PEERS:
                 print(f"  {p.name}: {p.what}")
             looks = ", ".join(",".join(map(str, lk)) for lk in ORACLE_LOOKS)

@@ -155,6 +155,10 @@ def paired_path(
         c = chal[..., :mk]
         hb, hc = horizontal_values(visible, c, base_arm.mean, scale, trim)
         extra = history if hist_arm is not None else None
+        if base_depth is not None:  # seeds run before this hypothesis, off this look's pairs: the product's
+            off = (seeds[None, :] >= max(mk, 2)) & (seeds[None, :] < np.asarray(base_depth)[:, None])  # `hist`
+            ran = np.where(off[:, None, :], base, np.nan)
+            extra = ran if extra is None else np.concatenate([ran, extra], axis=-1)
         pt = paired_tests(visible, c, scale, hb, trim, pair_history, arm_history, extra)
         # boundaries: one calibration per bound df (trials, and tasks, differ in their history)
         t_upper, t_nominal = np.full((b, J), np.inf), np.full((b, J), np.nan)
