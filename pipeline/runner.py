@@ -54,6 +54,7 @@ from pipeline.lab import Lab, load_lab
 from pipeline.lease import Heartbeat
 from pipeline.outcomes import ResultOutcome, StageOutcome
 from pipeline.safefs import UnsafeTree
+from pipeline.gpu_accounting import GpuAccounting
 from pipeline.scoring import Scoring
 from pipeline.store import Claim, Owner, Result, Store
 from pipeline.worktrees import InfrastructureFailure, Worktrees
@@ -93,7 +94,7 @@ class _Flight:
     tmp: Path
 
 
-class Driver(Scoring):
+class Driver(Scoring, GpuAccounting):
     """Drives the queue of one lab through one executor. See the module docstring."""
 
     def __init__(self, lab: Lab, store: Store, executor: Executor, *, harness: Harness | None = None,
@@ -135,7 +136,7 @@ class Driver(Scoring):
         self._last_reconcile = 0.0
         self._gpu_usage_at = 0.0
         self._gpu_usage_totals: tuple[int, int, float] = (0, 0, 0.0)  # the sampler's, at the last row written
-        self._gpu_usage_since = time.time()
+        self._gpu_usage_since = time.time()  # (GpuAccounting)
         self.heartbeat = heartbeat  # the process's (the loop's, with its lease), else one of its own in start()
         self._own_heartbeat: Heartbeat | None = None
 
@@ -251,27 +252,12 @@ class Driver(Scoring):
             self._fill()
         elif timeout > 0 and not self.to_score:
             time.sleep(min(timeout, 0.2))
-        if time.monotonic() - self._gpu_usage_at > GPU_USAGE_EVERY_S:
-            self._gpu_usage_at = time.monotonic()
-            self._record_gpu_usage()
+        self._record_gpu_usage_every(GPU_USAGE_EVERY_S)
         # slots are full again before the driver scores and claims ahead: neither delays a stage
         self._score_pending()
         self._prefetch()
         done, self.finished = self.finished, []
         return done
-
-    def _record_gpu_usage(self) -> None:
-        """What the executor's GPU sampler saw since the last call, as one row of the store."""
-        sampled = getattr(self.executor, "gpu_usage", None)  # optional in the protocol: an executor may sample nothing
-        usage = sampled() if sampled is not None else None
-        if usage is None:
-            return
-        totals = (int(usage["samples"]), int(usage["busy"]), float(usage["util_sum"]))  # type: ignore[arg-type]
-        last = self._gpu_usage_totals
-        if totals[0] > last[0]:
-            self.store.gpu_usage_add(str(usage["holder"]), list(usage["gpus"]), self._gpu_usage_since,  # type: ignore[arg-type]
-                                     totals[0] - last[0], totals[1] - last[1], totals[2] - last[2])
-            self._gpu_usage_totals, self._gpu_usage_since = totals, time.time()
 
     def _score_pending(self) -> None:
         while self.to_score:
@@ -523,19 +509,6 @@ class Driver(Scoring):
         else:
             for rid in live:
                 self._finish(rid, ResultOutcome.INFRA_FAILURE, None, "infra", f"{name}: {detail}; {retries} retries exhausted")
-
-    def _record_gpu_extra(self, fl: "_Flight", res: Any) -> None:
-        """What the executor says of the stage's GPUs: NVML's mean utilisation while it ran, and an
-        attempt lost to a CUDA out-of-memory on a shared GPU (its own row, lost to infrastructure)."""
-        if res.extra.get("gpu_util") is not None:
-            self.store.stage_gpu_used(fl.exec_id, float(res.extra["gpu_util"]), int(res.extra.get("gpu_samples", 0)))
-        lost = res.extra.get("gpu_oom_retried_alone")
-        if lost:
-            eid = self.store.stage_started(fl.lead, fl.node.name, fl.node.key, executor=self.executor.name,
-                                           log_path=str(fl.job.log_path))
-            self.store.stage_finished(eid, StageOutcome.INFRA, cpu_s=lost["cpu_s"], wall_s=lost["wall_s"],
-                                      gpu_s=lost["gpu_s"], host=res.host,
-                                      detail="CUDA out of memory on a GPU shared with other stages; run again alone")
 
     def _finish(self, run_id: int, outcome: ResultOutcome, value: float | None, kind: str | None, detail: str | None) -> None:
         a = self.active.pop(run_id, None)
