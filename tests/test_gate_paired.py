@@ -187,18 +187,19 @@ def test_the_error_rate_holds_for_a_challenger_twice_as_noisy(rho):
 def test_a_noisier_challengers_bound_grows_and_is_calibrated_on_fewer_df():
     """At two pairs, a challenger whose runs spread 3× the lab's on every task: the pooled ratio sees
     it (8 df, where the horizontal spread alone has 1), the bound carries it, and its df shrink."""
-    from pipeline.gate.looks import paired_tests
-    from pipeline.gate.stats import horizontal_values
+    from pipeline.gate.looks import noise_ratio, paired_tests
+    from pipeline.gate.stats import horizontal_values, summarize
 
     rng = np.random.default_rng(3)
     arms = rng.standard_normal((30, 8, 2))  # the lab: σ 1 on every task
     base = rng.standard_normal((8, 2))
     scale = np.ones(8)
     hb, _ = horizontal_values(base, base, base.mean(axis=-1), scale, 0.125)
+    wide = 3.0 * rng.standard_normal((8, 2))
     calm = paired_tests(base, rng.standard_normal((8, 2)), scale, hb, 0.125, None, arms)
-    noisy = paired_tests(base, 3.0 * rng.standard_normal((8, 2)), scale, hb, 0.125, None, arms)
-    ratio, p = noisy.noisier
-    assert 3.0 < float(ratio) < 20.0 and float(p) < 0.05
+    noisy = paired_tests(base, wide, scale, hb, 0.125, None, arms)
+    ratio, df = noise_ratio(summarize(wide), np.ones(8))
+    assert 3.0 < float(ratio) < 20.0 and float(df) == 8
     assert float(noisy.bound.var) > 1.5 * float(calm.bound.var)
     assert int(noisy.bound.df) < int(calm.bound.df) == 20
 

@@ -289,8 +289,8 @@ def _sensitivity(inp: GateInput, total_failed: int) -> tuple[str | None, Verdict
 def _seed_spread(hb: np.ndarray, hc: np.ndarray,
                  noisier: tuple[np.ndarray, np.ndarray] | None = None) -> SeedSpread | None:
     """Seeds must vary: the challenger's per-seed horizontal values against the baseline's spread;
-    where the protocol reads the lab's earlier arms (`noisier`: the challenger's spread over theirs,
-    pooled across tasks, and its F p): and not far above the lab's either."""
+    where the protocol reads the lab's earlier arms (`noisier`: the challenger's horizontal spread over
+    one lab arm's, and its F p): and not far above the lab's either."""
     ratio, p = spread_ratio_p(hb, hc)
     up_ratio, p_up = noisier if noisier is not None else (np.nan, np.nan)
     if not np.isfinite(p) and not np.isfinite(p_up):
@@ -306,7 +306,7 @@ def _seed_spread(hb: np.ndarray, hc: np.ndarray,
                        "the seed repeats one draw, and replication over seeds is what the gate stands on")
     if high:
         reasons.append(f"noisier than the lab: its spread across seeds is {up_ratio:.3g}× that of the lab's earlier "
-                       f"arms, pooled over tasks (upper-tail F p {p_up:.2g} < {SEED_SPREAD_P}); the paired gate's bound assumes a "
+                       f"arms (upper-tail F p {p_up:.2g} < {SEED_SPREAD_P}); the paired gate's bound assumes a "
                        "challenger no noisier than them, and a noisier branch buys more chances at a lucky draw")
     return SeedSpread(ratio=ratio if np.isfinite(ratio) else None, p_lower=p if np.isfinite(p) else None,
                       held=low or high, reason="; ".join(reasons) or None,

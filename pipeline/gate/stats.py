@@ -331,3 +331,15 @@ def bound_priors(arms: np.ndarray | None, scale: np.ndarray, trim: float, task_p
         return Prior(var=var.astype(float), df=df.astype(int), weight=bound_weight(df, pairs))
 
     return pooled(np.moveaxis(centred, -3, -2), task_pairs), pooled(h, h_pairs)
+
+
+def noisier_p(chal: np.ndarray, lab_var: np.ndarray, lab_df: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A challenger noisier than the lab: its per-seed spread (last axis, NaN = no run) over the lab's
+    arms' spread `lab_var` (with `lab_df` df), and the upper-tail F-test p. NaN with fewer than 2
+    runs, no lab spread or no lab df."""
+    c = summarize(chal)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = c.var / lab_var
+        p = stats.f.sf(ratio, np.maximum(c.count - 1, 1), np.maximum(lab_df, 1))
+    ok = (c.count > 1) & (lab_var > 0) & (lab_df > 0)
+    return np.where(ok, ratio, np.nan), np.where(ok, p, np.nan)
