@@ -102,7 +102,7 @@ class DiskKeeper:
     def needed_commits(self) -> set[str]:
         """The commits a run still needs: every one with runs queued or running, and the baseline's head."""
         from pipeline.errors import InfrastructureFailure
-        from pipeline.lab import BASELINE_BRANCH
+        from pipeline.labnames import BASELINE_BRANCH
         from pipeline.labrepo import resolve_commit
 
         commits = set(self.store.commits_in_flight())

@@ -17,14 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from pipeline.errors import LabConfigError, UserError
 from pipeline.gate.inputs import GateConfig
+from pipeline.labnames import BASELINE_BRANCH, CONFIG_NAME, PLACEHOLDER  # noqa: F401 (re-exported)
 from pipeline.tomlview import Seen
 
 if TYPE_CHECKING:
     from pipeline.harness import Harness
 
-CONFIG_NAME = "research.toml"
-BASELINE_BRANCH = "autoresearch/baseline"
-PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_-]*)\}")
 BUILTIN_PLACEHOLDERS = {"data", "task", "seed", "out"}
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DRIVER_ONLY_ENV = {"DATABASE_URL", "RAY_ADDRESS", "MLFLOW_TRACKING_URI"}  # `[run] env` may not name these

@@ -45,6 +45,7 @@ from pipeline.harness.base import (
     check_regular,
     smoke_seed,
 )
+from pipeline.labnames import BASELINE_BRANCH, PLACEHOLDER
 
 if TYPE_CHECKING:
     from pipeline.lab import Lab, ResearchConfig
@@ -68,7 +69,6 @@ class CommandHarness(Harness):
     # --- the contract -------------------------------------------------------------------------
 
     def validate(self, config: "ResearchConfig", path: Path) -> None:
-        from pipeline.lab import PLACEHOLDER
 
         b = config.benchmark
         if not b.tasks:
@@ -179,7 +179,6 @@ class CommandHarness(Harness):
 
     def has_holdout(self, prepared: Prepared | None = None) -> bool:
         """The lab's scorer takes `{split}`: it can score the holdout."""
-        from pipeline.lab import PLACEHOLDER
 
         return "split" in PLACEHOLDER.findall(self._lab().config.benchmark.score or "")
 
@@ -235,7 +234,6 @@ def trusted_commit(lab: "Lab", *, create: bool = True) -> str:
     """The sha of the tag `autoresearch/trusted`; created at the baseline's head on first use."""
     import git
 
-    from pipeline.lab import BASELINE_BRANCH
 
     repo = git.Repo(lab.root)
     try:
