@@ -227,9 +227,13 @@ class Exporter:
     def _export(self, h: Hypothesis) -> str:
         from mlflow.entities import Metric, Param, RunTag
 
-        changed, renamed = _named(changed_keys(self.workspace, h.base_commit, h.commit))
-        metric_values, renamed_metrics = _named(self._metrics(h))
-        own = self._tags(h)
+        # what the repository and the store say of h, read first; then MLflow's names and the writes
+        keys = changed_keys(self.workspace, h.base_commit, h.commit)
+        direction = label(direction_of(self.workspace, h))
+        latest, champion = self.records.latest_verdict(h.id), self._champion(h)
+        changed, renamed = _named(keys)
+        metric_values, renamed_metrics = _named(self._metrics(latest, champion))
+        own = self._tags(h, direction)
         tags = own | renamed | renamed_metrics  # the originals through `_log`: there may be many
         run = self._find(HYP_TAG, str(h.id))
         fresh = run is None
@@ -253,20 +257,21 @@ class Exporter:
             self.client.update_run(run_id, status=status)
         return run_id
 
-    def _tags(self, h: Hypothesis) -> dict[str, str]:
+    def _tags(self, h: Hypothesis, direction: str) -> dict[str, str]:
         base_tags = [t for t in self.workspace.baseline_tags() if h.base_commit and
                      self.workspace.repo.commit(t).hexsha == h.base_commit]
         tags = {HYP_TAG: str(h.id), LAB_TAG: self.lab.config.lab.name, "status": h.status,
                 "verdict": h.verdict or "", "decision": h.decision or "", "commit": h.commit or "",
                 "branch": h.branch or "", "baseline": base_tags[-1] if base_tags else (h.base_commit or "")[:12],
                 "origin": h.origin or "", "promoted_tag": h.promoted_tag or "", "title": (h.title or "")[:500],
-                "direction": label(direction_of(self.workspace, h))[:500]}
+                "direction": direction[:500]}
         if h.reject_kind:
             tags["reject_kind"] = h.reject_kind
         return {k: _text(v, TAG_VALUE_MAX) for k, v in tags.items()}
 
-    def _metrics(self, h: Hypothesis) -> dict[str, float]:
-        latest = self.records.latest_verdict(h.id)
+    @staticmethod
+    def _metrics(latest: Any, champion: dict[str, Any] | None) -> dict[str, float]:
+        """The gate's latest look (`Records.latest_verdict`) and a champion's point, as MLflow metrics."""
         if latest is None:
             return {}
         g = latest.to_json()
@@ -279,7 +284,7 @@ class Exporter:
         for t in g.get("tasks", []):
             if t.get("delta") is not None and math.isfinite(t["delta"]):
                 out[f"delta.{t['task']}"] = float(t["delta"])
-        p = self._champion(h)
+        p = champion
         if p is not None:
             figures = {"champion.gate_split": p["gate"], "champion.holdout": p["holdout"],
                        "champion.gate_split_gain": p["gate_gain"], "champion.holdout_gain": p["holdout_gain"]}
