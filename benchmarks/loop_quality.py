@@ -669,9 +669,10 @@ def concurrent_campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int,
             runs_by_class[name] = runs_by_class.get(name, 0.0) + spent[i]
             if final[i]:
                 banked[i, h_idx[i]] = promote[i]
-                c = counts.setdefault(f"{name}@{hyp_size[h_idx[i], i]:g}", [0, 0])
+                c = counts.setdefault(f"{name}@{hyp_size[h_idx[i], i]:g}", [0, 0, 0])
                 c[0] += 1
                 c[1] += int(promote[i])
+                c[2] += int(promote[i] and spent[i] <= 2)
             if trace is not None:
                 trace.append({"campaign": int(i), "hypothesis": int(h_idx[i]), "slot": int(s[i]),
                               "ended": float(now[i]), "runs": int(spent[i]), "base_generation": int(g[i]),
