@@ -428,7 +428,9 @@ url = "{hook.url}/hang/T0K3N"
     closing = time.monotonic() - t_close
 
     def decisions(rows: list[dict[str, Any]]) -> list[tuple]:
-        return [(r["title"], r["look"], r["verdict"], r["decision"], r["promoted_tag"]) for r in rows]
+        # not the look a decision came at: the twin draws its own sealed holdout rows (secret entropy),
+        # so its t differs (86 against 122 for the same gain, measured) and a margin can move a look
+        return [(r["title"], r["verdict"], r["decision"], r["promoted_tag"]) for r in rows]
 
     assert decisions(noisy) == decisions(plain) and len(plain) == 2
     rows = outbox(root)
