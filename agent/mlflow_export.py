@@ -284,10 +284,10 @@ class Exporter:
         for t in g.get("tasks", []):
             if t.get("delta") is not None and math.isfinite(t["delta"]):
                 out[f"delta.{t['task']}"] = float(t["delta"])
-        p = champion
-        if p is not None:
-            figures = {"champion.gate_split": p["gate"], "champion.holdout": p["holdout"],
-                       "champion.gate_split_gain": p["gate_gain"], "champion.holdout_gain": p["holdout_gain"]}
+        if champion is not None:
+            figures = {"champion.gate_split": champion["gate"], "champion.holdout": champion["holdout"],
+                       "champion.gate_split_gain": champion["gate_gain"],
+                       "champion.holdout_gain": champion["holdout_gain"]}
             out |= {k: float(v) for k, v in figures.items() if v is not None and math.isfinite(v)}
         return out
 

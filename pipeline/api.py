@@ -149,7 +149,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from pipeline.outcomes import (  # noqa: F401
         RunStatus,
         StageOutcome,
-        Verdict,  # noqa: F401
+        Verdict,
     )
     from pipeline.registry import Registry  # noqa: F401
     from pipeline.store import GateRecord, Store, create_schema  # noqa: F401

@@ -460,7 +460,7 @@ class Experiment:
 
     def smoke(self, base: str, files: dict[str, str], stop: threading.Event | None = None) -> float:
         """The candidate (`base` with `files` applied) through every stage on tiny data, in a warm
-        worker of its own; the metric, or `pipeline.smoke.MethodFailure` with what went wrong."""
+        worker of its own; the metric, or `MethodFailure` with what went wrong."""
         from pipeline.smoke import SmokeRunner, smoke_run
 
         self._smoke_runner = self._smoke_runner or SmokeRunner(self.lab)

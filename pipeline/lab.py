@@ -215,19 +215,19 @@ def check_stage_graph(stages: list[StageSpec]) -> list[StageSpec]:
             if need not in by_name:
                 raise LabConfigError(None, f"{key}.needs", f"unknown stage {need!r}; expected one of {names}")
             if s.scope == "seed" and by_name[need].scope == "run":
-                raise LabConfigError(None, 
-                    f"{key}.needs", f"seed-scoped stage {s.name!r} cannot need run-scoped {need!r}"
+                raise LabConfigError(
+                    None, f"{key}.needs", f"seed-scoped stage {s.name!r} cannot need run-scoped {need!r}"
                 )
         for ph in PLACEHOLDER.findall(s.run):
             if ph in BUILTIN_PLACEHOLDERS:
                 if ph == "task" and s.scope == "seed":
-                    raise LabConfigError(None, 
-                        f"{key}.run", "{task} in a seed-scoped stage; expected scope = \"run\""
+                    raise LabConfigError(
+                        None, f"{key}.run", "{task} in a seed-scoped stage; expected scope = \"run\""
                     )
                 continue
             if ph not in s.needs:
-                raise LabConfigError(None, 
-                    f"{key}.run",
+                raise LabConfigError(
+                    None, f"{key}.run",
                     f"placeholder {{{ph}}} is not a built-in ({', '.join(sorted(BUILTIN_PLACEHOLDERS))}) "
                     f"or a stage listed in needs",
                 )

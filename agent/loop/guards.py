@@ -131,7 +131,7 @@ class Guards:
         return open_proposal(self.records, self.policy.name)  # an empty one: its thread proposes
 
     def _llm_failed(self, h: Hypothesis, e: LLMError) -> Hypothesis:
-        """The endpoint down or refusing requests (`LLMUnavailable`, `LLMError`), or the
+        """The endpoint down or refusing requests (`LLMUnavailable`, or `LLMError` itself: the request refused), or the
         budget spent, where a thread needs an answer (an answer that is garbage is the nodes' to
         record). A proposal that did not come is no hypothesis: the empty one is withdrawn (row and
         thread). Otherwise the thread waits at its node. The endpoint is asked again after a back-off."""

@@ -209,12 +209,13 @@ def paired_tests(
     floor = 2.0 * (1.0 - MAX_PAIR_RHO) * scale**2
     hd = paired_horizontal(d, scale, trim)
     pairs, h_pairs = np.isfinite(d).sum(axis=-1), np.isfinite(hd).sum(axis=-1)
-    prior, bound = bound_priors(with_baseline_arm(arms, hist), scale, trim, pairs, h_pairs)
+    lab_arms = with_baseline_arm(arms, hist)
+    prior, bound = bound_priors(lab_arms, scale, trim, pairs, h_pairs)
     # the bound is one arm's spread (the baseline's, from the lab) plus the challenger's: the lab's
     # too, unless its own runs spread more (a noisier branch, or one that makes itself noisier)
     paired_chal = np.where(np.isfinite(d), chal, np.nan)
     _, hc = horizontal_values(base, paired_chal, summarize(base).mean, scale, trim)
-    chal_arm = summarize(paired_chal)
+    chal_arm, own_h = summarize(paired_chal), summarize(hc).var
     ratio, ratio_df = noise_ratio(chal_arm, prior.var / 2.0)  # its spread over the lab's, pooled across tasks
     ratio_df = ratio_df / _spread_overlap(bound, prior.var / 2.0 / scale**2)  # what that many tasks are worth
     # the hold's test: its horizontal spread over the lab's (the pooled ratio's F-test held 2x as many
@@ -222,19 +223,23 @@ def paired_tests(
     # noise drew wide: the bound takes the ratio in, the hold stays for the blatant)
     noisier = noisier_p(hc, bound.var / 2.0, bound.df)
     h_df = _noisy_df(bound, ratio, ratio_df)
+
+    def widened(b: Prior) -> Prior:  # the challenger's half at the largest of the lab's, its own, ratio × lab's
+        return _with_own_spread(b, np.fmax(own_h, ratio * b.var / 2.0))
+
     prior = _with_own_spread(prior, np.fmax(chal_arm.var, ratio[..., None] * prior.var / 2.0))
-    bound = _with_own_spread(bound, np.fmax(summarize(hc).var, ratio * bound.var / 2.0))
-    bound = Prior(var=bound.var, df=h_df, weight=bound_weight(h_df, np.isfinite(hd).sum(axis=-1)))
+    wide = widened(bound)
+    bound = Prior(var=wide.var, df=h_df, weight=bound_weight(h_df, h_pairs))
     test = paired_t(d, prior, floor)
     h_floor = 2.0 * (1.0 - MAX_PAIR_RHO) * np.nan_to_num(summarize(hb).var, nan=0.0)
     h = paired_t(hd, bound, h_floor)
     if history is not None:  # each earlier comparison's per-seed horizontal differences, on this σ_task
         h_hist = paired_horizontal(np.moveaxis(history, -3, -2), scale[..., None, :], trim)
         h_fut = paired_t(hd, pair_prior(h_hist, hd.shape[:-1]), h_floor)
-    else:  # futility stands on the earlier arms alone: a baseline's few seeds would stop true gains
-        _, lab_bound = bound_priors(arms, scale, trim, pairs, h_pairs)  # at one pair on a bound of 1-2 df
-        h_fut = paired_t(hd, _with_own_spread(lab_bound, np.fmax(summarize(hc).var, ratio * lab_bound.var / 2.0)),
-                         h_floor)
+    else:  # futility stands on the earlier arms alone: a baseline's few seeds (a bound of 1-2 df) would
+        # stop true gains at one pair; without them the bound is that already
+        lab_only = wide if lab_arms is arms else widened(bound_priors(arms, scale, trim, pairs, h_pairs)[1])
+        h_fut = paired_t(hd, lab_only, h_floor)
     return PairedTests(test=test, d=d, h=h, h_futility=h_fut, hd=hd, prior=prior, bound=bound, noisier=noisier)
 
 
