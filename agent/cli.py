@@ -132,8 +132,11 @@ def gate_sim_cmd(
     looks: Optional[str] = typer.Option(None, "--looks",
                                         help="Planned challenger run counts, comma-separated (default 1,2,5,10 "
                                              "for paired, else 2,5,10)."),
-    alpha: float = typer.Option(0.025, "--alpha", help="One-sided level."),
-    futility_p: float = typer.Option(0.30, "--futility-p", help="Escalate only while the one-sided p is below this."),
+    alpha: Optional[float] = typer.Option(None, "--alpha",
+                                          help="One-sided level (default the protocol's: 0.01 paired, else 0.025)."),
+    futility_p: Optional[float] = typer.Option(None, "--futility-p",
+                                               help="Escalate only while the one-sided p is below this (default "
+                                                    "the protocol's: 0.20 paired, else 0.30)."),
     harm_q: float = typer.Option(0.10, "--harm-q", help="Benjamini-Hochberg q for per-task wins and harms."),
     history: int = typer.Option(0, "--history", help="Extra baseline-commit runs per task (variance prior)."),
     affected: Optional[int] = typer.Option(None, "--affected", help="Tasks carrying the effect (default: all)."),
@@ -160,6 +163,10 @@ def gate_sim_cmd(
 
     if looks is None:  # the protocol's own (an unknown protocol: one line)
         looks = ",".join(str(n) for n in gate_protocol(protocol).default_looks)
+    if alpha is None:
+        alpha = gate_protocol(protocol).default_alpha
+    if futility_p is None:
+        futility_p = gate_protocol(protocol).default_futility_p
     try:
         planned = tuple(int(x) for x in looks.split(",") if x.strip())
     except ValueError:

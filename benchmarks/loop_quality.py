@@ -31,10 +31,11 @@ another per rule for the noise).
 
 Rules:
 - `paired`      — this product's default gate: the paired tests on seed k, the lazy baseline, looks
-                  1/2/5/10, the unpaired bound from the campaign's earlier arms (its last `ARMS` arms of
+                  1/2/5/10, α 0.01, futility p 0.20 (issue 34), the unpaired bound from the campaign's earlier arms (its last `ARMS` arms of
                   2 seeds or more: challengers that reached look 2, baselines replaced by a promotion)
                   and its last `HISTORY` comparisons' paired differences (the futility prior);
-- `paired-f0.2` — the same with `[gate] futility_p = 0.2`: fewer runs on nulls, less power at 0.5σ;
+- `paired-0.025` — the same at the paired gate's earlier defaults, `[gate] alpha = 0.025` and `futility_p
+                  = 0.3`: more power at 0.5σ, more runs on nulls and more false discoveries;
 - `sequential`  — the previous default gate (10 baseline runs, looks 2/5/10, trim 0.125, `block` seeds);
 - `sequential-v1` — the gate as it was before issue 12 (5 baseline runs, interquartile mean, `separate` seeds);
 - `fixed-5v2`   — the seed's protocol: pooled t at nominal α, 5 baseline runs, 2 challenger runs,
@@ -42,10 +43,10 @@ Rules:
 - `fixed-10`    — pooled t at nominal α, one look at 10 runs against 10 baseline runs;
 - `keep-discard` — karpathy/autoresearch: one challenger run against the current best's one measured
                   run, kept if its mean over tasks is higher; a kept run *is* the new best's measurement;
-- `paired-lond`, `paired-f0.2-lond` — opt-in (`--rules`, in flight 1 only): `paired` and `paired-f0.2`
+- `paired-lond`, `paired-0.025-lond` — opt-in (`--rules`, in flight 1 only): `paired` and `paired-0.025`
                   under `[gate] online_fdr = "lond"` (pipeline/gate/online_fdr.py). Each campaign is one
                   lab's stream: its i-th hypothesis is its i-th comparison, run through the whole gate
-                  (every boundary, the p-values) at α_i = lond_alpha(i, D, `LOND_FDR`, 0.025), D its
+                  (every boundary, the p-values) at α_i = lond_alpha(i, D, `LOND_FDR`, α), D its
                   comparisons whose gate said `improvement` before (`judge`: one `look_path` per distinct
                   α). On their base rule's noise stream (common random numbers). Their boundaries are
                   calibrated by `fast_paired_boundaries`, the product's calibration on the same null
@@ -171,17 +172,18 @@ class Rule:
 
 
 RULES = (
-    Rule("paired", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True),
-    Rule("paired-f0.2", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20),
+    Rule("paired", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01),
+    Rule("paired-0.025", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True),
     Rule("sequential", "sequential", 10, (2, 5, 10), 0.125, "block"),
     Rule("sequential-v1", "sequential", 5, (2, 5, 10), 0.25, "separate"),
     Rule("fixed-5v2", "fixed", 5, (2, 5, 10), 0.25, "fresh"),
     Rule("fixed-10", "fixed", 10, (10,), 0.125, "fresh"),
     Rule("keep-discard", None, 1, (1,), 0.125, "fresh"),
     # opt-in (`--rules`): the same gates under online FDR control, on their noise streams
-    Rule("paired-lond", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, online_fdr="lond", stream="paired"),
-    Rule("paired-f0.2-lond", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20,
-         online_fdr="lond", stream="paired-f0.2"),
+    Rule("paired-lond", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01,
+         online_fdr="lond", stream="paired"),
+    Rule("paired-0.025-lond", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, online_fdr="lond",
+         stream="paired-0.025"),
 )
 LOND_FDR = 0.05  # `[gate] fdr`: the stream's false discovery rate under `online_fdr = "lond"`
 STREAMS = [r.name for r in RULES if r.stream is None]  # noise streams: a rule's index here (the peers' follow)
@@ -1233,10 +1235,10 @@ def pareto_picture(rows: list[dict[str, Any]], oracle: dict[tuple[str, float], l
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(rhos), len(priors), squeeze=False)
     colours = {"threshold": "tab:blue", "rerun": "tab:orange", "median3": "tab:green", "senpai7v1": "tab:purple"}
-    gate_marks = {"paired": ("*", "red", 260), "paired-f0.2": ("P", "darkred", 110), "sequential": ("s", "black", 60),
+    gate_marks = {"paired": ("*", "red", 260), "paired-0.025": ("P", "darkred", 110), "sequential": ("s", "black", 60),
                   "sequential-v1": ("D", "dimgray", 50), "fixed-5v2": ("^", "saddlebrown", 70),
                   "fixed-10": ("v", "olive", 70), "keep-discard": ("o", "tab:blue", 90),
-                  "paired-lond": ("X", "orangered", 110), "paired-f0.2-lond": ("X", "darkorange", 90)}
+                  "paired-lond": ("X", "orangered", 110), "paired-0.025-lond": ("X", "darkorange", 90)}
     ticks = [0, 2, 5, 10, 20, 50, 100]
     for ax in axes.flat:
         ax.set_visible(False)

@@ -60,6 +60,29 @@ def pair_sd(pair: np.ndarray, rho: float) -> float:
     return float(math.sqrt(cov.sum()) / J)
 
 
+def look2_ceiling(pair: np.ndarray, rho: float, alpha: float = ALPHA, effect: float = 2.0, pairs: int = 2,
+                  power: float = 0.90) -> dict[str, float]:
+    """Issue 34's "horizontal gains ≥ 2σ decided by look 2 in ≥ 90 %" against what a gate that holds
+    its error rate whatever *this* hypothesis pairs can do. Such a gate cannot take the pairing of the
+    lab's history for this hypothesis's (`gate-sim --pair-rho 0 --history-pair-rho 0.9` must stay
+    ≤ 0.027), so at `pairs` pairs the variance it may rely on is the unpaired one (pair ρ 0). Its best
+    case: that variance known exactly, one look, all of α spent there: a z-test with power
+    Φ(Δ/se − z_α), the most powerful test of that class (Neyman-Pearson). Beside it, the oracle that
+    also knows this hypothesis's pairing (loop_quality's: `pair`, or half of it when the hypothesis
+    changes pretraining), and the one-sided α look 2 would need for `power` under the unpaired bound."""
+    from scipy import stats as st
+
+    z_a = _isf(alpha)
+    se_unpaired = pair_sd(np.zeros_like(pair), rho) / math.sqrt(pairs)
+    mean_z = effect / se_unpaired
+    paired = [effect / (pair_sd(r, rho) / math.sqrt(pairs)) for r in (pair, lq.PRETRAIN_PAIR * pair)]
+    share = lq.PRETRAIN_SHARE
+    return {"rho": rho, "effect": effect, "pairs": pairs, "alpha": alpha, "z_unpaired": mean_z,
+            "power_unpaired": float(st.norm.cdf(mean_z - z_a)),
+            "power_known_pairing": float((1 - share) * st.norm.cdf(paired[0] - z_a) + share * st.norm.cdf(paired[1] - z_a)),
+            "alpha_needed": float(st.norm.sf(mean_z - st.norm.ppf(power)))}
+
+
 def futility_z(looks: tuple[int, ...], futility_p: float, first: float | None) -> np.ndarray:
     """Per look, the z at or below which a look stops for futility (one-sided p ≥ its level)."""
     levels = [first if (k == 0 and first is not None) else futility_p for k in range(len(looks))]
@@ -185,6 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     pair = np.array(noise["pair"], dtype=float)
     priors = {"bundled": lq.PRIOR, **{p.stem: lq.read_prior(p) for p in args.prior}}
     kd_rule = next(r for r in lq.RULES if r.name == "keep-discard")
+    print("issue 34's look-2 target (horizontal gains of 2σ decided by look 2 in ≥ 90 %) against its ceiling: a gate "
+          "that holds its error rate whatever this hypothesis pairs may rely at 2 pairs on the unpaired variance only; "
+          "best case, that variance known and all of α at look 2 (`look2_ceiling`)")
+    for rho in args.rho:
+        for a in args.alpha:
+            c = look2_ceiling(pair, rho, a)
+            print(f"  ρ {rho}: z {c['z_unpaired']:.2f} at 2 pairs under the unpaired variance; power at α {a}: "
+                  f"{c['power_unpaired']:.3f} (an oracle told this hypothesis's pairing: {c['power_known_pairing']:.3f}); "
+                  f"90 % at look 2 needs a one-sided α of {c['alpha_needed']:.3f} there")
     t0 = time.perf_counter()
     bounds = {(lk, sh, f1, f, a): z_boundaries(lk, sh, f, a, f1)
               for lk, sh, f1, f, a in itertools.product(SCHEDULES, SHAPES, FUTILITY_FIRST, FUTILITY, args.alpha)

@@ -43,8 +43,8 @@ CASES = [
     ("not toml", lambda t: t + "\n[[[", "", "not valid TOML"),
     ("unknown top-level key", lambda t: t + "\n[extra]\nx = 1\n", "extra", "unknown key"),
     ("unknown nested key", lambda t: edit(t, "cpus = 1", "cpus = 1\ncpu_count = 3"), "run.cpu_count", "unknown key"),
-    ("wrong type", lambda t: edit(t, "alpha = 0.025", 'alpha = "small"'), "gate.alpha", "number"),
-    ("out of range", lambda t: edit(t, "alpha = 0.025", "alpha = 0.9"), "gate.alpha", "less than 0.5"),
+    ("wrong type", lambda t: edit(t, "alpha = 0.01 ", 'alpha = "small"'), "gate.alpha", "number"),
+    ("out of range", lambda t: edit(t, "alpha = 0.01 ", "alpha = 0.9"), "gate.alpha", "less than 0.5"),
     ("bad looks", lambda t: edit(t, "looks = [1, 2, 5, 10]", "looks = [5, 2]"), "gate.looks", "increasing"),
     ("a two-sample look at 1 run", lambda t: edit(t, 'protocol = "paired"', 'protocol = "sequential"'), "gate",
      "first look at 2 runs or more"),
@@ -113,3 +113,19 @@ def test_cli_check_prints_the_lab_summary(lab):
     out = json.loads(proc.stdout)
     assert out["harness"] == "transactions" and out["suite"] == "small"
     assert len(out["tasks"]) == 8 and out["stages"] == ["pretrain", "finetune"]
+
+
+def test_alpha_and_futility_left_out_take_the_protocols_own() -> None:
+    """Issue 34: the paired gate defaults to α 0.01 and futility 0.2 (fewer false discoveries and more
+    gain per run, benchmarks/results/loop_quality_fdp.txt); the two-sample protocols keep 0.025 and
+    0.3; a value the lab sets is kept whatever the protocol."""
+    from pipeline.gate.inputs import GateConfig
+
+    paired = GateConfig.model_validate({"protocol": "paired"})
+    assert (paired.alpha, paired.futility_p, paired.looks) == (0.01, 0.2, (1, 2, 5, 10))
+    for name in ("sequential", "fixed"):
+        two = GateConfig.model_validate({"protocol": name})
+        assert (two.alpha, two.futility_p, two.looks) == (0.025, 0.3, (2, 5, 10))
+    own = GateConfig.model_validate({"protocol": "sequential", "alpha": 0.005, "futility_p": 0.5})
+    assert (own.alpha, own.futility_p) == (0.005, 0.5)
+    assert GateConfig.model_validate({}).alpha == 0.01  # the default protocol is paired

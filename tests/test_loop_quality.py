@@ -25,7 +25,7 @@ def test_loop_quality_small_population(tmp_path):
     assert done.returncode in (0, 1), done.stderr  # 1: a target missed, which a population this small may do
     doc = json.loads(out.read_text())
     rules = {r["rule"]: r for r in doc["rules"]}
-    assert set(rules) == {"paired", "paired-f0.2", "sequential", "sequential-v1", "fixed-5v2", "fixed-10", "keep-discard"}
+    assert set(rules) == {"paired", "paired-0.025", "sequential", "sequential-v1", "fixed-5v2", "fixed-10", "keep-discard"}
     assert {r["prior"] for r in doc["rules"]} == {"bundled"}
     seq, v1, kd, f10 = (rules[k] for k in ("sequential", "sequential-v1", "keep-discard", "fixed-10"))
     paired = rules["paired"]

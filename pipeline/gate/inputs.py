@@ -49,12 +49,15 @@ class GateConfig(BaseModel):
     # challenger runs per task at each look; default (1, 2, 5, 10) for `paired` (a look at one pair
     # can stop a hypothesis, never promote it), (2, 5, 10) for the two-sample protocols
     looks: tuple[int, ...] = (1, 2, 5, 10)
-    alpha: float = Field(default=0.025, gt=0, lt=0.5)  # one-sided, improvement side
+    # one-sided, improvement side; default the protocol's (paired 0.01, the two-sample ones 0.025)
+    alpha: float = Field(default=0.01, gt=0, lt=0.5)
     # "lond": each comparison is the next test of the lab's stream, at LOND's α_i (never above alpha),
     # so the stream's false discovery rate stays under `fdr` (pipeline.gate.online_fdr); "off": alpha each
     online_fdr: Literal["off", "lond"] = "off"
     fdr: float = Field(default=0.05, gt=0, lt=0.5)
-    futility_p: float = Field(default=0.30, gt=0, lt=1)
+    # a look escalates only while the horizontal one-sided p is below this; default the protocol's
+    # (paired 0.20, the two-sample ones 0.30)
+    futility_p: float = Field(default=0.20, gt=0, lt=1)
     harm_q: float = Field(default=0.10, gt=0, lt=1)
     # the horizontal statistic's trim at each end of the tasks (0.25: the interquartile mean)
     horizontal_trim: float = Field(default=0.125, ge=0, lt=0.5)
@@ -69,12 +72,16 @@ class GateConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_looks(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("looks") is None:  # the protocol's own (an unknown one: said below)
-            name = data.get("protocol", "paired")
-            if isinstance(name, str) and name in PROTOCOLS:
-                return {**data, "looks": get_protocol(name).default_looks}
-        return data
+    def _protocol_defaults(cls, data: Any) -> Any:
+        """looks, alpha and futility_p left unset take the protocol's own (an unknown one: said below)."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("protocol", "paired")
+        if not (isinstance(name, str) and name in PROTOCOLS):
+            return data
+        proto = get_protocol(name)
+        own = {"looks": proto.default_looks, "alpha": proto.default_alpha, "futility_p": proto.default_futility_p}
+        return {**data, **{k: v for k, v in own.items() if data.get(k) is None}}
 
     @field_validator("looks")
     @classmethod

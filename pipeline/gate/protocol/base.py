@@ -26,6 +26,8 @@ class GateProtocol:
     name: str = ""
     moderated: bool = False  # whether the per-task variance borrows a history (a prior)
     default_looks: tuple[int, ...] = (2, 5, 10)  # a two-sample variance needs 2 challenger runs
+    default_alpha: float = 0.025  # `[gate] alpha` when research.toml does not set it
+    default_futility_p: float = 0.30  # `[gate] futility_p` when research.toml does not set it
 
     # ------------------------------------------------------------ the design
     def looks_problem(self, looks: tuple[int, ...], baseline_runs: int) -> str | None:
