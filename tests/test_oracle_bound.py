@@ -56,3 +56,24 @@ def test_boundaries_spend_alpha_with_binding_futility():
     # the α that Pocock spending gives its information fraction
     first = ob.spending("pocock", np.array([looks[0] / looks[-1]]), alpha)[0]
     assert upper[0] == pytest.approx(stats.norm.isf(first), abs=0.02)
+
+
+@pytest.mark.parametrize("rho", [0.02, 0.6])
+def test_look2_ceiling_is_the_power_of_a_z_test_on_two_unpaired_pairs(rho):
+    """The look-2 ceiling of issue 34 against a Monte Carlo of loop_quality's noise: two challenger
+    runs 2σ up on every task, paired with no correlation (the case a gate must survive), judged by a
+    one-look z on the plain mean over tasks with the unpaired variance known."""
+    pair = np.array([0.52, 0.94, 0.76, 0.78, 0.79, 0.93, 0.59, 0.89])
+    alpha = 0.01
+    c = ob.look2_ceiling(pair, rho, alpha)
+    rng = np.random.default_rng(5)
+    n = 200_000
+    base = lq.draw_noise(rng, n, 8, 2, rho)
+    chal = 2.0 + lq.draw_noise(rng, n, 8, 2, rho)
+    h = (chal - base).mean(axis=1).mean(axis=1)  # per hypothesis: the mean over 2 seeds of the mean over tasks
+    z = h / (ob.pair_sd(np.zeros(8), rho) / math.sqrt(2))
+    drawn = (z >= stats.norm.isf(alpha)).mean()
+    assert c["power_unpaired"] == pytest.approx(drawn, abs=0.005)
+    assert c["power_known_pairing"] > c["power_unpaired"]  # pairing the oracle is told of helps
+    # the α look 2 needs for 90 % under the unpaired variance gives exactly that power
+    assert stats.norm.cdf(c["z_unpaired"] - stats.norm.isf(c["alpha_needed"])) == pytest.approx(0.90)
