@@ -216,3 +216,33 @@ def test_the_bound_is_twice_one_arms_spread_and_gives_way_to_the_pairs():
     assert int(h.df) == PAIRED_BOUND_WEIGHT and float(h.weight) == PAIRED_BOUND_WEIGHT
     _, h10 = bound_priors(arms, np.full(8, 2.0), 0.125, np.full(8, 10), np.array(10))
     assert float(h10.weight) == 2  # ⌈20 / 10⌉: at 10 pairs their own 9 df carry the variance
+
+
+def test_a_challenger_as_noisy_as_its_baseline_is_not_called_noisier_because_the_labs_few_arms_were_quiet():
+    """benchmarks/planted.py lost a 3.2σ gain this way: the lab's 2 earlier arms happened to spread
+    half as much as this comparison's baseline, the noise ratio against them alone read 2.1× for a
+    challenger no noisier than its baseline, and the widened bound hid the gain. The ratio's reference
+    pools the arms with the baseline's own runs, each by its df; a challenger truly noisier than both
+    is still seen."""
+    from pipeline.gate.looks import _reference_spread, noise_ratio, paired_tests
+    from pipeline.gate.stats import Prior, horizontal_values, summarize
+
+    rng = np.random.default_rng(8)
+    quiet = 0.5 * rng.standard_normal((2, 8, 2))  # the lab: 2 arms of 2 seeds, σ 0.5
+    base = rng.standard_normal((8, 10))  # this baseline: σ 1, 10 seeds
+    scale = np.ones(8)
+    hb, _ = horizontal_values(base, base, base.mean(axis=-1), scale, 0.125)
+    prior = Prior(var=np.full(8, 0.5), df=np.full(8, 2), weight=np.full(8, 2.0))
+    ref = _reference_spread(prior, summarize(base))
+    want = (2 * 0.25 + summarize(base).ss) / (2 + 9)
+    assert ref == pytest.approx(want)
+    assert _reference_spread(Prior(var=np.zeros(8), df=np.zeros(8, int), weight=np.zeros(8)),
+                             summarize(base)) == pytest.approx(summarize(base).var)  # no lab arm: the baseline's
+    like = rng.standard_normal((8, 10))  # as noisy as its baseline
+    loud = 3.0 * rng.standard_normal((8, 10))
+    calm = paired_tests(base, like, scale, hb, 0.125, None, quiet)
+    noisy = paired_tests(base, loud, scale, hb, 0.125, None, quiet)
+    assert float(noisy.bound.var) > 2.0 * float(calm.bound.var)
+    # against the quiet arms alone the same challenger reads ~4× as noisy; against the pooled reference, ~1×
+    assert float(noise_ratio(summarize(like), np.full(8, 0.25))[0]) > 3.0
+    assert float(noise_ratio(summarize(like), ref)[0]) < 1.5

@@ -216,7 +216,10 @@ def paired_tests(
     paired_chal = np.where(np.isfinite(d), chal, np.nan)
     _, hc = horizontal_values(base, paired_chal, summarize(base).mean, scale, trim)
     chal_arm, own_h = summarize(paired_chal), summarize(hc).var
-    ratio, ratio_df = noise_ratio(chal_arm, prior.var / 2.0)  # its spread over the lab's, pooled across tasks
+    # its spread over the lab's, pooled across tasks; the lab's per task pools the earlier arms with
+    # this comparison's baseline runs (df-weighted): a lab of few arms alone made a challenger as
+    # noisy as its baseline look twice as noisy (benchmarks/planted.py: a 3.2σ gain not promoted)
+    ratio, ratio_df = noise_ratio(chal_arm, _reference_spread(prior, summarize(base)))
     ratio_df = ratio_df / _spread_overlap(bound, prior.var / 2.0 / scale**2)  # what that many tasks are worth
     # the hold's test: its horizontal spread over the lab's (the pooled ratio's F-test held 2x as many
     # large true gains in loop_quality at cross-task ρ 0.6, where a hypothesis that runs on is one whose
@@ -280,6 +283,18 @@ def noise_ratio(chal: Arm, one: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         total = np.where(ok, df, 0.0).sum(axis=-1)
         num = np.where(ok, chal.ss / np.where(ok, one, 1.0), 0.0).sum(axis=-1)
         return np.where(total > 0, num / np.maximum(total, 1.0), np.nan), total
+
+
+def _reference_spread(prior: Prior, base: Arm) -> np.ndarray:
+    """One arm's seed spread per task that the noise ratio divides by: the lab arms' (`prior.var / 2`,
+    on `prior.df` df) pooled with the baseline commit's runs at this look (`base`, on count − 1 df),
+    each by its df; either alone where the other has none (NaN: neither)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lab_df = np.where(np.isfinite(prior.var) & (prior.df > 0), prior.df, 0).astype(float)
+        b_df = np.where(np.isfinite(base.var), np.maximum(base.count - 1, 0), 0).astype(float)
+        ss = lab_df * np.where(lab_df > 0, prior.var / 2.0, 0.0) + np.where(b_df > 0, base.ss, 0.0)
+        df = lab_df + b_df
+        return np.where(df > 0, ss / np.maximum(df, 1.0), np.nan)
 
 
 def _spread_overlap(bound: Prior, one_z: np.ndarray) -> np.ndarray:
