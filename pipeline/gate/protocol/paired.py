@@ -40,9 +40,10 @@ class Paired(GateProtocol):
     default_looks = (1, 2, 5, 10)  # a look at one pair can stop a futile hypothesis
     # issue 34, measured by benchmarks/loop_quality.py --fdp (100 campaigns × 200 hypotheses per prior
     # and ρ): against α 0.025 and futility 0.30, the stream's false-discovery proportion falls from
-    # 1.2-51 % to 0.2-44 % (≤ 5 % under every prior but the nearly-null one at cross-task ρ 0.6) and
-    # the true gain per 1000 runs rises 15-27 %, except under small effects at ρ 0.6 (−22 %) and the
-    # nearly-null prior (which banks almost nothing either way); 0.5σ-1σ gains are promoted less often
+    # 1.2-50 % to 0.2-46 % (≤ 5 % under the bundled prior and small effects; 8.6 % and 46 % under the
+    # nearly-null one, on 3 and 6 false promotions in 20 000 hypotheses) and the true gain per 1000
+    # runs rises 15-26 %, except under small effects at ρ 0.6 (−22 %) and the nearly-null prior
+    # (which banks almost nothing either way); 0.5σ-1σ gains are promoted less often
     default_alpha = 0.01
     default_futility_p = 0.20
 
