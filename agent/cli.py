@@ -161,12 +161,10 @@ def gate_sim_cmd(
     """
     from pipeline.api import UserError, gate_protocol, simulate
 
-    if looks is None:  # the protocol's own (an unknown protocol: one line)
-        looks = ",".join(str(n) for n in gate_protocol(protocol).default_looks)
-    if alpha is None:
-        alpha = gate_protocol(protocol).default_alpha
-    if futility_p is None:
-        futility_p = gate_protocol(protocol).default_futility_p
+    proto = gate_protocol(protocol)  # an unknown protocol: one line
+    looks = ",".join(str(n) for n in proto.default_looks) if looks is None else looks  # unset: the protocol's own
+    alpha = proto.default_alpha if alpha is None else alpha
+    futility_p = proto.default_futility_p if futility_p is None else futility_p
     try:
         planned = tuple(int(x) for x in looks.split(",") if x.strip())
     except ValueError:

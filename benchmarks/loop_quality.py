@@ -31,9 +31,10 @@ another per rule for the noise).
 
 Rules:
 - `paired`      — this product's default gate: the paired tests on seed k, the lazy baseline, looks
-                  1/2/5/10, α 0.01, futility p 0.20 (issue 34), the unpaired bound from the campaign's earlier arms (its last `ARMS` arms of
-                  2 seeds or more: challengers that reached look 2, baselines replaced by a promotion)
-                  and its last `HISTORY` comparisons' paired differences (the futility prior);
+                  1/2/5/10, α 0.01, futility p 0.20 (issue 34), the unpaired bound from the campaign's
+                  earlier arms (its last `ARMS` arms of 2 seeds or more: challengers that reached look 2,
+                  baselines replaced by a promotion) and its last `HISTORY` comparisons' paired
+                  differences (the futility prior);
 - `paired-0.025` — the same at the paired gate's earlier defaults, `[gate] alpha = 0.025` and `futility_p
                   = 0.3`: more power at 0.5σ, more runs on nulls and more false discoveries;
 - `sequential`  — the previous default gate (10 baseline runs, looks 2/5/10, trim 0.125, `block` seeds);

@@ -28,6 +28,8 @@ from pydantic import (
 from pipeline.errors import UserError
 from pipeline.gate.protocol import PROTOCOLS, check_name, get_protocol
 
+DEFAULT_PROTOCOL = "paired"  # `[gate] protocol` unset; looks, alpha and futility_p unset take its defaults
+
 
 
 class GateConfig(BaseModel):
@@ -41,23 +43,23 @@ class GateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # `paired`: the arms share seed k, so the test is on the paired differences
-    protocol: str = "paired"
+    protocol: str = DEFAULT_PROTOCOL
     # at most: the baseline is measured once and serves every challenger of it; with `paired` its
     # seed k is run only when a challenger first needs seed k (the lazy baseline). 10 instead of 5,
     # with the trimmed mean below, lifted `sequential`'s power at 0.5σ from 0.42 to 0.66 (gate-sim, ρ 0.02)
     baseline_runs: int = Field(default=10, ge=2)
     # challenger runs per task at each look; default (1, 2, 5, 10) for `paired` (a look at one pair
     # can stop a hypothesis, never promote it), (2, 5, 10) for the two-sample protocols
-    looks: tuple[int, ...] = (1, 2, 5, 10)
+    looks: tuple[int, ...] = get_protocol(DEFAULT_PROTOCOL).default_looks
     # one-sided, improvement side; default the protocol's (paired 0.01, the two-sample ones 0.025)
-    alpha: float = Field(default=0.01, gt=0, lt=0.5)
+    alpha: float = Field(default=get_protocol(DEFAULT_PROTOCOL).default_alpha, gt=0, lt=0.5)
     # "lond": each comparison is the next test of the lab's stream, at LOND's α_i (never above alpha),
     # so the stream's false discovery rate stays under `fdr` (pipeline.gate.online_fdr); "off": alpha each
     online_fdr: Literal["off", "lond"] = "off"
     fdr: float = Field(default=0.05, gt=0, lt=0.5)
     # a look escalates only while the horizontal one-sided p is below this; default the protocol's
     # (paired 0.20, the two-sample ones 0.30)
-    futility_p: float = Field(default=0.20, gt=0, lt=1)
+    futility_p: float = Field(default=get_protocol(DEFAULT_PROTOCOL).default_futility_p, gt=0, lt=1)
     harm_q: float = Field(default=0.10, gt=0, lt=1)
     # the horizontal statistic's trim at each end of the tasks (0.25: the interquartile mean)
     horizontal_trim: float = Field(default=0.125, ge=0, lt=0.5)
@@ -76,7 +78,7 @@ class GateConfig(BaseModel):
         """looks, alpha and futility_p left unset take the protocol's own (an unknown one: said below)."""
         if not isinstance(data, dict):
             return data
-        name = data.get("protocol", "paired")
+        name = data.get("protocol", DEFAULT_PROTOCOL)
         if not (isinstance(name, str) and name in PROTOCOLS):
             return data
         proto = get_protocol(name)

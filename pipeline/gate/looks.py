@@ -214,12 +214,13 @@ def paired_tests(
     # the bound is one arm's spread (the baseline's, from the lab) plus the challenger's: the lab's
     # too, unless its own runs spread more (a noisier branch, or one that makes itself noisier)
     paired_chal = np.where(np.isfinite(d), chal, np.nan)
-    _, hc = horizontal_values(base, paired_chal, summarize(base).mean, scale, trim)
+    base_arm = summarize(base)
+    _, hc = horizontal_values(base, paired_chal, base_arm.mean, scale, trim)
     chal_arm, own_h = summarize(paired_chal), summarize(hc).var
     # its spread over the lab's, pooled across tasks; the lab's per task pools the earlier arms with
     # this comparison's baseline runs (df-weighted): a lab of few arms alone made a challenger as
     # noisy as its baseline look twice as noisy (benchmarks/planted.py: a 3.2σ gain not promoted)
-    ratio, ratio_df = noise_ratio(chal_arm, _reference_spread(prior, summarize(base)))
+    ratio, ratio_df = noise_ratio(chal_arm, _reference_spread(prior, base_arm))
     ratio_df = ratio_df / _spread_overlap(bound, prior.var / 2.0 / scale**2)  # what that many tasks are worth
     # the hold's test: its horizontal spread over the lab's (the pooled ratio's F-test held 2x as many
     # large true gains in loop_quality at cross-task ρ 0.6, where a hypothesis that runs on is one whose
