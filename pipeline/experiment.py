@@ -241,6 +241,21 @@ class Experiment:
             self.store.mark_comparison(sha, base_sha)
         return ids
 
+    def noise_study(self, base_commit: str, *, rank: int = 0) -> list[int]:
+        """The baseline runs a lab's first comparison waits for before it is recorded (`[gate]
+        noise_runs` per task, the baseline's own seeds, queued idempotently at the first look's
+        priority): finished before the comparison begins, they are the measured noise its first looks
+        stand on (`looks.with_baseline_arm`), where one pair's variance has 1 df and a large gain
+        waited for look 5. Empty once the lab has any comparison (a resumed one never waits again),
+        with `noise_runs = 0`, or for a protocol that reads no lab history (the two-sample ones run
+        every baseline seed at their first look). Runs a variance study already made are reused."""
+        n = self.lab.config.gate.noise_runs
+        if not n or not self.protocol().reads_lab_history() or self.store.comparisons_timed():
+            return []
+        self.store.mark_baseline(resolve_commit(self.lab, base_commit))
+        return ensure_runs(self.store, self.lab, base_commit, self.lab.tasks(), self.baseline_seeds(base_commit, n),
+                           label="noise study", priority=self.run_priority(self.lab.config.gate.looks[0], rank))
+
     def finished(self, ids: list[int]) -> bool:
         return all(RunStatus(r.status).is_finished() for r in self.store.runs(ids))
 

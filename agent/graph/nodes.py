@@ -11,7 +11,8 @@ from typing import Any
 from agent.errors import LLMError, LLMOutputError
 from agent.graph.context import build_context, proposal_context
 from agent.graph.implement import Implement
-from agent.graph.promotion import base_moved, promote, queue_look, queue_refinement, rebase, rebased_note, reverification
+from agent.graph.promotion import (base_moved, promote, queue_look, queue_rank, queue_refinement, rebase, rebased_note,
+                                    reverification)
 from agent.graph.state import HOLD, LOOK, State
 from agent.graph.step import phase_of, verdict_of
 from agent.lifecycle import Decision, Review, ReviewAction, Status
@@ -65,13 +66,16 @@ class Nodes(Implement):
         svc = self.svc
         h = svc.records.get(state["hypothesis_id"])
         look = state.get("look") or h.look or svc.lab.config.gate.looks[0]
-        ids = queue_look(svc, h, look)
+        # a lab's first comparison waits for its noise study, then is recorded (none after that)
+        study = svc.experiment.noise_study(h.base_commit, rank=queue_rank(h))
+        noise = bool(study) and not svc.experiment.finished(study)
+        ids = study if noise else queue_look(svc, h, look)
         if not svc.experiment.finished(ids):
             from langgraph.types import interrupt
 
             # the thread pauses here, in its checkpoint, until the loop resumes it with the runs in;
             # resumed early, it waits again (a fresh pass of this node: the phase stays `measuring`)
-            interrupt({"kind": LOOK, "hypothesis_id": h.id, "look": look, "runs": ids})
+            interrupt({"kind": LOOK, "hypothesis_id": h.id, "look": look, "runs": ids, "noise_study": noise})
             return {}
         result = svc.experiment.judge_look(h.base_commit, h.commit, look, record_as=str(h.id))
         return self._to(h, Status.DECIDING, look=look, verdict=result.verdict or Verdict.inconclusive)

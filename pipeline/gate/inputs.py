@@ -29,6 +29,8 @@ from pipeline.errors import UserError
 from pipeline.gate.protocol import PROTOCOLS, check_name, get_protocol
 
 DEFAULT_PROTOCOL = "paired"  # `[gate] protocol` unset; looks, alpha and futility_p unset take its defaults
+NOISE_RUNS = 5  # `[gate] noise_runs` unset: the lab's first comparison waits for this many baseline runs per task
+MIN_NOISE_RUNS = 4  # the lazy baseline's 2 seeds at looks 1-2 plus 2 more: an arm's spread needs 2 runs off the pairs
 
 
 
@@ -51,6 +53,11 @@ class GateConfig(BaseModel):
     # challenger runs per task at each look; default (1, 2, 5, 10) for `paired` (a look at one pair
     # can stop a hypothesis, never promote it), (2, 5, 10) for the two-sample protocols
     looks: tuple[int, ...] = get_protocol(DEFAULT_PROTOCOL).default_looks
+    # baseline runs per task a lab's first comparison waits for when the lab has measured no noise yet
+    # (no comparison, no variance study), so its first looks stand on a measured σ instead of one pair's
+    # 1 df (`Experiment.noise_study`; paired only: the two-sample protocols run every baseline seed up
+    # front). Default min(5, baseline_runs); 0: no wait. Under 4 it adds nothing to a look of 1-2 pairs.
+    noise_runs: int = Field(default=NOISE_RUNS, ge=0)
     # one-sided, improvement side; default the protocol's (paired 0.01, the two-sample ones 0.025)
     alpha: float = Field(default=get_protocol(DEFAULT_PROTOCOL).default_alpha, gt=0, lt=0.5)
     # "lond": each comparison is the next test of the lab's stream, at LOND's α_i (never above alpha),
@@ -83,7 +90,11 @@ class GateConfig(BaseModel):
             return data
         proto = get_protocol(name)
         own = {"looks": proto.default_looks, "alpha": proto.default_alpha, "futility_p": proto.default_futility_p}
-        return {**data, **{k: v for k, v in own.items() if data.get(k) is None}}
+        data = {**data, **{k: v for k, v in own.items() if data.get(k) is None}}
+        if data.get("noise_runs") is None and isinstance(data.get("baseline_runs", 10), int):
+            n = min(NOISE_RUNS, data.get("baseline_runs", 10))
+            data["noise_runs"] = n if n >= MIN_NOISE_RUNS else 0
+        return data
 
     @field_validator("looks")
     @classmethod
@@ -97,6 +108,9 @@ class GateConfig(BaseModel):
         problem = get_protocol(self.protocol).looks_problem(self.looks, self.baseline_runs)
         if problem is not None:
             raise ValueError(problem)
+        if self.noise_runs and not MIN_NOISE_RUNS <= self.noise_runs <= self.baseline_runs:
+            raise ValueError(f"expected noise_runs 0 (no noise study) or {MIN_NOISE_RUNS} to baseline_runs "
+                             f"({self.baseline_runs}), got {self.noise_runs}")
         return self
 
 

@@ -1,0 +1,155 @@
+"""The noise study (issue 34, item 3): a lab's first comparison waits for `[gate] noise_runs`
+baseline runs per task, so its first looks stand on a measured noise instead of one pair's 1 df.
+
+Real parts: git, SQLite, the simulated lab's research.toml, the store's queue, the real gate
+(`Experiment.judge_look`); the values are planted through the real queue, as in test_online_fdr.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from support.lab import git
+from test_in_flight import sim_lab
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.unit
+def test_noise_runs_default_to_five_within_the_baseline_and_a_bad_value_is_one_clear_error() -> None:
+    from pipeline.gate.inputs import GateConfig
+
+    assert GateConfig().noise_runs == 5
+    assert GateConfig(baseline_runs=4, looks=(1, 2, 4)).noise_runs == 4
+    assert GateConfig(baseline_runs=3, looks=(1, 3)).noise_runs == 0  # too few to add anything: no wait
+    assert GateConfig(noise_runs=0).noise_runs == 0
+    for bad in ({"noise_runs": 3}, {"noise_runs": 6, "baseline_runs": 5, "looks": (1, 2, 5)}):
+        with pytest.raises(ValueError, match="noise_runs"):
+            GateConfig(**bad)
+
+
+def _lab(tmp_path: Path, old: str = "", new: str = "") -> Path:
+    root = sim_lab(tmp_path / "lab", tasks=3)
+    if old:
+        research = root / "research.toml"
+        assert old in research.read_text()
+        research.write_text(research.read_text().replace(old, new))
+        git(root, "commit", "-qam", "gate settings")
+        git(root, "branch", "-f", "autoresearch/baseline", "HEAD")
+    for name, effect in (("a", 1.0), ("b", 0.0)):
+        git(root, "checkout", "-qb", name, "autoresearch/baseline")
+        (root / f"effect_{name}.toml").write_text(f"effect = {effect}\n")
+        git(root, "add", "-A")
+        git(root, "commit", "-qm", name)
+    git(root, "checkout", "-q", "main")
+    return root
+
+
+def _finish(store, lab, commit: str, lift: float = 0.0) -> None:
+    """Every queued run of `commit` finished with 0.5 + task offset + lift + seed noise of sd 0.01,
+    drawn per (arm, task, seed) from a fixed generator: the arms do not pair (correlation 0)."""
+    import numpy as np
+
+    from pipeline import labrepo
+    from pipeline.store import Owner, Result
+
+    sha = labrepo.resolve_commit(lab, commit)
+    for claim in store.claim(Owner.current(), 100, commits=[sha]):
+        r = claim.run
+        noise = np.random.default_rng([int(lift > 0), int(r.task[1:]), r.seed]).normal(0.0, 0.01)
+        value = 0.5 + 0.01 * int(r.task[1:]) + lift + float(noise)
+        assert store.finish(claim, Result(run_id=r.id, commit=sha, task=r.task, seed=r.seed, value=value,
+                                          dataset_id="sim-s0"))
+    time.sleep(0.01)
+
+
+def test_the_first_comparison_waits_for_the_noise_study_and_no_later_one_does(tmp_path: Path) -> None:
+    from pipeline import experiment, labrepo
+    from pipeline.experiment import Experiment
+    from pipeline.lab import load_lab
+
+    lab = load_lab(_lab(tmp_path))
+    assert lab.config.gate.noise_runs == 5  # the sim lab's baseline_runs = 5
+    store = experiment.open_store(lab)
+    exp = Experiment(lab, store)
+    base = "autoresearch/baseline"
+    base_sha = labrepo.resolve_commit(lab, base)
+    study = exp.noise_study(base)
+    runs = store.runs(study)
+    assert len(runs) == 5 * 3 and {r.commit for r in runs} == {base_sha}
+    assert sorted({r.seed for r in runs}) == list(exp.baseline_seeds(base, 5))  # the baseline's own seeds
+    assert {r.priority for r in runs} == {exp.run_priority(lab.config.gate.looks[0])}  # what a look waits for
+    assert exp.noise_study(base) == study  # idempotent
+    assert not exp.finished(study)
+    _finish(store, lab, base)
+    assert exp.finished(study)
+    first = exp.queue_look(base, "a", 1)
+    assert set(study) & set(first)  # the first look's baseline seeds are the study's own runs
+    assert exp.noise_study(base) == []  # a comparison is recorded: nobody waits again
+    store.dispose()
+
+
+def test_the_study_lets_a_steady_gain_be_promoted_at_two_pairs_where_one_pairs_variance_could_not(tmp_path):
+    """The same planted runs judged at look 2 in two labs: without the study the paired test has 1 df
+    (a boundary of ~60 with 3 tasks at α 0.01) and a 5σ gain escalates; with it, the baseline's 3 runs
+    per task off the pairs measure the noise and the same gain is promoted."""
+    from pipeline import experiment
+    from pipeline.experiment import Experiment
+    from pipeline.lab import load_lab
+
+    verdicts = {}
+    for label, extra in (("study", ""), ("none", "noise_runs = 0\n")):
+        lab = load_lab(_lab(tmp_path / label, "[gate]\n" if extra else "", "[gate]\n" + extra))
+        store = experiment.open_store(lab)
+        exp = Experiment(lab, store)
+        base = "autoresearch/baseline"
+        study = exp.noise_study(base)
+        assert (len(study) == 15) if label == "study" else study == []
+        _finish(store, lab, base)  # the study's runs in before the comparison begins (none: nothing queued)
+        exp.queue_look(base, "a", 2)
+        _finish(store, lab, base)
+        _finish(store, lab, "a", lift=0.05)  # 5σ of a run's noise, on every task
+        result = exp.judge_look(base, "a", 2)
+        verdicts[label] = result.verdict.value if result.verdict else None, result.horizontal.boundary
+        store.dispose()
+    assert verdicts["study"][0] == "improvement" and verdicts["study"][1] < 10, verdicts
+    assert verdicts["none"][0] == "escalate" and verdicts["none"][1] > 50, verdicts  # 1 df
+
+
+def test_the_two_sample_protocols_run_no_study(tmp_path: Path) -> None:
+    from pipeline import experiment
+    from pipeline.experiment import Experiment
+    from pipeline.lab import load_lab
+
+    lab = load_lab(_lab(tmp_path, 'protocol = "paired"\nbaseline_runs = 5\nlooks = [1, 2, 5]',
+                         'protocol = "sequential"\nbaseline_runs = 5\nlooks = [2, 5]'))
+    store = experiment.open_store(lab)
+    assert Experiment(lab, store).noise_study("autoresearch/baseline") == []
+    store.dispose()
+
+
+def test_through_the_loop_the_first_hypothesis_waits_for_the_study_and_decides_earlier(tmp_path: Path) -> None:
+    """The real loop (CLI, sandboxed local executor, the simulated lab): a +4σ hypothesis, the lab's
+    first, waits for the 5 baseline runs per task of the study, which all finish before its comparison
+    is recorded, and is promoted at look 2 (with `noise_runs = 0` the same lab and seed: look 5)."""
+    from support import cli
+    from support.lab import records
+    from test_in_flight import seed_effects
+
+    from pipeline import experiment
+    from pipeline.lab import load_lab
+
+    root = sim_lab(tmp_path / "lab", tasks=4, sleep=0.05)
+    (hid,) = seed_effects(root, [4.0])
+    out = cli(root, "run", "--offline", "--max-hypotheses", "1", "--workers", "2", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    h = records(root).get(hid)
+    assert h.decision == "promote" and h.look <= 2, (h.decision, h.look)
+    store = experiment.open_store(load_lab(root))
+    (when,) = [t for c, b, t in store.comparisons_timed() if (c, b) == (h.commit, h.base_commit)]
+    study = [r for r in store.runs(commit=h.base_commit) if r.seed in range(5)]
+    store.dispose()
+    assert len(study) == 5 * 4 and all(r.finished_at < when for r in study), (when, study)
