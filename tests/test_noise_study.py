@@ -148,6 +148,7 @@ def test_through_the_loop_the_first_hypothesis_waits_for_the_study_and_decides_e
     assert out.returncode == 0, out.stderr[-3000:]
     h = records(root).get(hid)
     assert h.decision == "promote" and h.look <= 2, (h.decision, h.look)
+    assert f"#{hid}: the lab's first comparison waits for its noise study, 5 baseline runs per task" in out.stderr
     store = experiment.open_store(load_lab(root))
     (when,) = [t for c, b, t in store.comparisons_timed() if (c, b) == (h.commit, h.base_commit)]
     study = [r for r in store.runs(commit=h.base_commit) if r.seed in range(5)]

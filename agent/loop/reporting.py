@@ -19,6 +19,9 @@ class Reporting:
                 why = f"{h.rationale_decision.removesuffix('.')}; "
             self.say(f"#{h.id} {h.title!r}: {why}measuring, look of {h.look} challenger runs on "
                      f"{len(self.lab.tasks())} tasks")
+            if (self.waits_for(h) or {}).get("noise_study"):
+                self.say(f"#{h.id}: the lab's first comparison waits for its noise study, "
+                         f"{self.lab.config.gate.noise_runs} baseline runs per task ([gate] noise_runs)")
         elif h.status == Status.DONE and h.decision == Decision.REJECT:
             self.say(f"#{h.id} {h.title!r}: rejected ({h.reject_kind}): {h.reject_reason}")
         elif h.status in (Status.DONE, Status.HELD):
