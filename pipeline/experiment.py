@@ -249,12 +249,19 @@ class Experiment:
         waited for look 5. Empty once the lab has any comparison (a resumed one never waits again),
         with `noise_runs = 0`, or for a protocol that reads no lab history (the two-sample ones run
         every baseline seed at their first look). Runs a variance study already made are reused."""
-        n = self.lab.config.gate.noise_runs
-        if not n or not self.protocol().reads_lab_history() or self.store.comparisons_timed():
+        if not self.wants_noise_study():
             return []
+        n = self.lab.config.gate.noise_runs
         self.store.mark_baseline(resolve_commit(self.lab, base_commit))
         return ensure_runs(self.store, self.lab, base_commit, self.lab.tasks(), self.baseline_seeds(base_commit, n),
                            label="noise study", priority=self.run_priority(self.lab.config.gate.looks[0], rank))
+
+    def wants_noise_study(self) -> bool:
+        """Whether the lab's next comparison waits for a noise study (`noise_study`), without queueing
+        one: a thread that waits on one the lab no longer asks for (`noise_runs = 0` since, or a
+        comparison recorded by another driver) goes on."""
+        return bool(self.lab.config.gate.noise_runs and self.protocol().reads_lab_history()
+                    and not self.store.comparisons_timed())
 
     def finished(self, ids: list[int]) -> bool:
         return all(RunStatus(r.status).is_finished() for r in self.store.runs(ids))
@@ -283,7 +290,15 @@ class Experiment:
         timed = self.store.comparisons_timed()
         cutoff = next((t for c, b, t in timed if (c, b) == (sha, base_sha)), None)
         prior = {(r.task, r.seed) for r in base_rows
-                 if r.seed in block and cutoff is not None and r.created_at < cutoff}
+                 if r.seed in block and cutoff is not None and r.created_at < cutoff and r.seed not in own
+                 and (dataset is None or r.dataset_id in (None, dataset))}
+        # a seed joins the history on every task or on none: a horizontal value lines the tasks up by
+        # seed, and one failed run (a noise study's) would otherwise leave the counts unequal, and the
+        # whole history out (`looks.with_baseline_arm`)
+        measured = {t for t, _ in prior}  # a task added to the lab since has none, and stays out
+        full = {sd for sd in {sd for _, sd in prior}
+                if all((t, sd) in prior and base.get(t, {}).get(sd) is not None for t in measured)}
+        prior = {(t, sd) for t, sd in prior if sd in full}
         gate = cfg.gate.model_dump()
         if cfg.gate.online_fdr == "lond":  # this comparison's level in the lab's stream, given once
             gate["alpha"] = self.stream_test(sha, base_sha).alpha

@@ -29,6 +29,15 @@ def test_noise_runs_default_to_five_within_the_baseline_and_a_bad_value_is_one_c
     for bad in ({"noise_runs": 3}, {"noise_runs": 6, "baseline_runs": 5, "looks": (1, 2, 5)}):
         with pytest.raises(ValueError, match="noise_runs"):
             GateConfig(**bad)
+    # TOML's 10.0 is 10 runs, and its default study 5 (not a complaint about a key the user never set)
+    assert GateConfig(baseline_runs=10.0).noise_runs == 5
+    assert GateConfig(baseline_runs=3.0, looks=(1, 3)).noise_runs == 0
+    # a study asked of a baseline too small for one says so, not "4 to 3"
+    with pytest.raises(ValueError, match=r"baseline_runs 3 is under 4, too few for a noise study\), got 4"):
+        GateConfig(baseline_runs=3, looks=(1, 3), noise_runs=4)
+    # the two-sample protocols run every baseline seed up front: no study, and a set key is not checked
+    assert GateConfig(protocol="sequential", looks=(2, 5), baseline_runs=5).noise_runs == 0
+    assert GateConfig(protocol="sequential", looks=(2, 3), baseline_runs=3, noise_runs=4).noise_runs == 4
 
 
 def _lab(tmp_path: Path, old: str = "", new: str = "") -> Path:
@@ -48,9 +57,10 @@ def _lab(tmp_path: Path, old: str = "", new: str = "") -> Path:
     return root
 
 
-def _finish(store, lab, commit: str, lift: float = 0.0) -> None:
+def _finish(store, lab, commit: str, lift: float = 0.0, fail: tuple[tuple[str, int], ...] = ()) -> None:
     """Every queued run of `commit` finished with 0.5 + task offset + lift + seed noise of sd 0.01,
-    drawn per (arm, task, seed) from a fixed generator: the arms do not pair (correlation 0)."""
+    drawn per (arm, task, seed) from a fixed generator: the arms do not pair (correlation 0). The
+    (task, seed)s in `fail` end in a method failure instead."""
     import numpy as np
 
     from pipeline import labrepo
@@ -61,8 +71,9 @@ def _finish(store, lab, commit: str, lift: float = 0.0) -> None:
         r = claim.run
         noise = np.random.default_rng([int(lift > 0), int(r.task[1:]), r.seed]).normal(0.0, 0.01)
         value = 0.5 + 0.01 * int(r.task[1:]) + lift + float(noise)
-        assert store.finish(claim, Result(run_id=r.id, commit=sha, task=r.task, seed=r.seed, value=value,
-                                          dataset_id="sim-s0"))
+        failed = dict(value=None, outcome="method_failure", detail="diverged") if (r.task, r.seed) in fail else {}
+        assert store.finish(claim, Result(run_id=r.id, commit=sha, task=r.task, seed=r.seed,
+                                          **{"value": value, **failed}, dataset_id="sim-s0"))
     time.sleep(0.01)
 
 
@@ -119,6 +130,31 @@ def test_the_study_lets_a_steady_gain_be_promoted_at_two_pairs_where_one_pairs_v
     assert verdicts["none"][0] == "escalate" and verdicts["none"][1] > 50, verdicts  # 1 df
 
 
+def test_a_failed_study_run_costs_its_seed_not_the_whole_study(tmp_path: Path) -> None:
+    """One study run fails (a method failure on one task): that seed leaves the history on every
+    task (a horizontal value lines the tasks up by seed), the other two off-pair seeds stay, and a
+    steady 10σ gain is promoted at two pairs on a measured noise (boundary 9.7). Before, the unequal
+    counts dropped the whole study: the bound stood on one pair's 1 df (60.1) and the gain escalated."""
+    from pipeline import experiment
+    from pipeline.experiment import Experiment
+    from pipeline.lab import load_lab
+
+    lab = load_lab(_lab(tmp_path))
+    store = experiment.open_store(lab)
+    exp = Experiment(lab, store)
+    base = "autoresearch/baseline"
+    study = exp.noise_study(base)
+    off_pair = sorted({r.seed for r in store.runs(study)})[-1]  # looks 1-2 pair on the first two seeds
+    _finish(store, lab, base, fail=(("t2", off_pair),))
+    exp.queue_look(base, "a", 2)
+    _finish(store, lab, base)
+    _finish(store, lab, "a", lift=0.1)
+    result = exp.judge_look(base, "a", 2)
+    store.dispose()
+    assert result.verdict is not None and result.verdict.value == "improvement", result
+    assert result.horizontal.boundary < 15, result.horizontal  # 2 seeds off the pairs, not 1 df
+
+
 def test_the_two_sample_protocols_run_no_study(tmp_path: Path) -> None:
     from pipeline import experiment
     from pipeline.experiment import Experiment
@@ -170,3 +206,38 @@ def test_the_benchmark_shows_the_study_halving_a_large_first_gains_runs_without_
     assert len(big) == 3 and all(r["study"]["challenger_runs"] < 0.6 * r["none"]["challenger_runs"] for r in big), big
     assert all(r["study"]["improvement"] == 1.0 for r in big)
     assert all(r[k]["improvement"] <= 0.02 for r in rows if r["effect"] == 0 for k in ("none", "study")), rows
+
+
+@pytest.mark.system
+def test_a_thread_waiting_on_a_study_the_lab_no_longer_asks_for_goes_on_after_a_restart(tmp_path: Path) -> None:
+    """The loop stops (`--hours`) while the lab's first hypothesis waits in its checkpoint for the
+    noise study; the user sets `noise_runs = 0` and runs again: the thread goes on to its looks at
+    once instead of waiting for the study's runs it was checkpointed with."""
+    from support import cli
+    from support.lab import records
+    from test_in_flight import seed_effects
+
+    from pipeline import experiment
+    from pipeline.lab import load_lab
+
+    root = sim_lab(tmp_path / "lab", tasks=2, sleep=2.0)
+    (hid,) = seed_effects(root, [4.0])
+    out = cli(root, "run", "--offline", "--max-hypotheses", "1", "--workers", "1", "--hours", "0.004", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "waits for its noise study" in out.stderr, out.stderr[-3000:]
+    store = experiment.open_store(load_lab(root))
+    assert not store.comparisons_timed()  # stopped while it waited
+    store.dispose()
+    research = root / "research.toml"
+    research.write_text(research.read_text().replace("[gate]\n", "[gate]\nnoise_runs = 0\n"))
+    started = time.time()
+    out = cli(root, "run", "--offline", "--max-hypotheses", "1", "--workers", "1", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    h = records(root).get(hid)
+    assert h.decision is not None, out.stderr[-3000:]
+    store = experiment.open_store(load_lab(root))
+    (when,) = [t for c, b, t in store.comparisons_timed() if (c, b) == (h.commit, h.base_commit)]
+    study = [r for r in store.runs(commit=h.base_commit) if r.seed in range(5)]
+    store.dispose()
+    # recorded within the restarted loop's first seconds, before the study's runs (2 s each, one slot) were done
+    assert when - started < 10 and any(r.finished_at is None or r.finished_at > when for r in study), (when - started)

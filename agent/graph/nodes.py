@@ -43,6 +43,9 @@ class Nodes(Implement):
     def propose(self, state: State) -> State:
         rec = self.svc.records
         h = rec.get(state["hypothesis_id"])
+        # the lab's first comparison will wait for its noise study (evaluate): queued now (idempotently),
+        # its runs go while the hypothesis is proposed, implemented and smoke-run
+        self.svc.experiment.noise_study(self.svc.workspace.baseline_head(), rank=queue_rank(h))
         if h.title:  # a seed, or a proposal recorded by a pass that died before its checkpoint
             return self._to(h, Status.IMPLEMENTING)
         try:

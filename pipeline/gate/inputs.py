@@ -91,9 +91,13 @@ class GateConfig(BaseModel):
         proto = get_protocol(name)
         own = {"looks": proto.default_looks, "alpha": proto.default_alpha, "futility_p": proto.default_futility_p}
         data = {**data, **{k: v for k, v in own.items() if data.get(k) is None}}
-        if data.get("noise_runs") is None and isinstance(data.get("baseline_runs", 10), int):
-            n = min(NOISE_RUNS, data.get("baseline_runs", 10))
-            data["noise_runs"] = n if n >= MIN_NOISE_RUNS else 0
+        if data.get("noise_runs") is None:
+            b = data.get("baseline_runs", 10)  # TOML may say 10.0: coerced to 10 below, and so here
+            if not proto.reads_lab_history():
+                data["noise_runs"] = 0  # the two-sample protocols run every baseline seed at their first look
+            elif isinstance(b, int | float) and not isinstance(b, bool) and float(b).is_integer():
+                n = min(NOISE_RUNS, int(b))
+                data["noise_runs"] = n if n >= MIN_NOISE_RUNS else 0
         return data
 
     @field_validator("looks")
@@ -108,9 +112,13 @@ class GateConfig(BaseModel):
         problem = get_protocol(self.protocol).looks_problem(self.looks, self.baseline_runs)
         if problem is not None:
             raise ValueError(problem)
-        if self.noise_runs and not MIN_NOISE_RUNS <= self.noise_runs <= self.baseline_runs:
-            raise ValueError(f"expected noise_runs 0 (no noise study) or {MIN_NOISE_RUNS} to baseline_runs "
-                             f"({self.baseline_runs}), got {self.noise_runs}")
+        if self.noise_runs and get_protocol(self.protocol).reads_lab_history():
+            if self.baseline_runs < MIN_NOISE_RUNS:
+                raise ValueError(f"expected noise_runs 0 (baseline_runs {self.baseline_runs} is under "
+                                 f"{MIN_NOISE_RUNS}, too few for a noise study), got {self.noise_runs}")
+            if not MIN_NOISE_RUNS <= self.noise_runs <= self.baseline_runs:
+                raise ValueError(f"expected noise_runs 0 (no noise study) or {MIN_NOISE_RUNS} to baseline_runs "
+                                 f"({self.baseline_runs}), got {self.noise_runs}")
         return self
 
 
