@@ -292,13 +292,15 @@ class Experiment:
         prior = {(r.task, r.seed) for r in base_rows
                  if r.seed in block and cutoff is not None and r.created_at < cutoff and r.seed not in own
                  and (dataset is None or r.dataset_id in (None, dataset))}
-        # a seed joins the history on every task or on none: a horizontal value lines the tasks up by
-        # seed, and one failed run (a noise study's) would otherwise leave the counts unequal, and the
-        # whole history out (`looks.with_baseline_arm`)
-        measured = {t for t, _ in prior}  # a task added to the lab since has none, and stays out
-        full = {sd for sd in {sd for _, sd in prior}
-                if all((t, sd) in prior and base.get(t, {}).get(sd) is not None for t in measured)}
-        prior = {(t, sd) for t, sd in prior if sd in full}
+        if self.protocol().reads_lab_history():
+            # a seed joins the history on every task or on none: the paired bound's horizontal value
+            # lines the tasks up by seed, and one failed run (a noise study's) would otherwise leave the
+            # counts unequal, and the whole history out (`looks.with_baseline_arm`); a task added to
+            # the lab since has none, and stays out
+            measured = {t for t, _ in prior}
+            full = {sd for sd in {sd for _, sd in prior}
+                    if all((t, sd) in prior and base.get(t, {}).get(sd) is not None for t in measured)}
+            prior = {(t, sd) for t, sd in prior if sd in full}
         gate = cfg.gate.model_dump()
         if cfg.gate.online_fdr == "lond":  # this comparison's level in the lab's stream, given once
             gate["alpha"] = self.stream_test(sha, base_sha).alpha
