@@ -170,6 +170,7 @@ class Rule:
     alpha: float = 0.025  # `[gate] alpha`: the one-sided level (with `online_fdr`, the cap on α_i)
     online_fdr: str | None = None  # "lond": each comparison at α_i = lond_alpha(i, D, LOND_FDR, alpha)
     stream: str | None = None  # the rule whose noise stream (and hypotheses) it shares: common random numbers
+    confirm: int = 0  # a promotion first confirmed on this many fresh pairs per task (horizontal mean Δ > 0)
 
 
 RULES = (
@@ -185,6 +186,9 @@ RULES = (
          online_fdr="lond", stream="paired"),
     Rule("paired-0.025-lond", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, online_fdr="lond",
          stream="paired-0.025"),
+    # opt-in: the default gate, its promotions confirmed on 2 fresh pairs per task (a replication step)
+    Rule("paired-confirm2", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01,
+         stream="paired", confirm=2),
 )
 LOND_FDR = 0.05  # `[gate] fdr`: the stream's false discovery rate under `online_fdr = "lond"`
 STREAMS = [r.name for r in RULES if r.stream is None]  # noise streams: a rule's index here (the peers' follow)
@@ -198,7 +202,7 @@ def stream_index(rule: Rule) -> int:
 def default_rules() -> list[Rule]:
     """The rules scored without `--rules`: all but the online-FDR ones (opt-in: LOND's boundaries
     differ at every comparison and cost a calibration each)."""
-    return [r for r in RULES if r.online_fdr is None]
+    return [r for r in RULES if r.online_fdr is None and not r.confirm]
 
 
 def read_noise(path: Path) -> dict[str, Any]:
@@ -451,6 +455,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
             chal_u = draw_noise(rng, B, J, rule.looks[-1], rho)
         chal = mu[..., None] + effect[..., None] + sigma[None, :, None] * chal_u
         base = mu[..., None] + sigma[None, :, None] * base_u
+        confirm_u = None  # `rule.confirm`: the confirming pairs' challenger noise
         if rule.protocol is None:  # keep/discard: one run, one number, no test
             value = (chal[..., 0] / sigma).mean(axis=1)
             promote = value > best_seen
@@ -476,6 +481,21 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
             assert np.array_equal(promote, (code == improvement_code) & ~held)
             found += code == improvement_code
             spent = looks[k_stop].astype(float)
+            if rule.confirm and promote.any():
+                # the replication: the old baseline and the challenger on the first `confirm` seeds of the
+                # block a promoted challenger would start, paired; promoted only if their horizontal mean
+                # Δ > 0. The old baseline's runs there are the step's cost; the challenger's are the new
+                # champion's re-verification and its challengers' first baseline runs (counted below),
+                # lost only where it is not confirmed
+                c = rule.confirm
+                fb = draw_noise(rng, B, J, c, rho)
+                r = np.where(own_pretraining[:, None], PRETRAIN_PAIR * pair[None, :], pair[None, :])
+                confirm_u = paired_noise(rng, fb, r, rho)
+                fresh = effect[..., None] / sigma[None, :, None] + (confirm_u - fb)
+                candidate = promote.copy()
+                promote &= fresh.mean(axis=(1, 2)) > 0
+                runs_base += c * candidate
+                spent = spent + c * (candidate & ~promote)
             seen = (path.task_delta[np.arange(B), k_stop] / sigma).mean(axis=1)
             if rule.lazy:
                 grown = np.maximum(depth, np.maximum(looks[k_stop], 2))
@@ -501,7 +521,10 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
         elif promote.any():  # the new baseline's runs on a new seed block
             if rule.lazy:  # the old baseline's runs join the bound's history
                 push_arms(base, depth, promote)
-            base_u = np.where(promote[:, None, None], draw_noise(rng, B, J, block, rho), base_u)
+            new_u = draw_noise(rng, B, J, block, rho)
+            if confirm_u is not None:  # its first seeds are those it was confirmed on
+                new_u[..., : rule.confirm] = confirm_u
+            base_u = np.where(promote[:, None, None], new_u, base_u)
             if rule.lazy:  # its re-verification is its first look's seeds, its challengers' first baseline runs
                 first = max(rule.looks[0], 2)
                 runs_base += promote * first

@@ -247,3 +247,38 @@ def test_fast_paired_boundaries_are_the_gates():
     with lq.fast_boundaries():
         assert paired_protocol.paired_boundaries is lq.fast_paired_boundaries
     assert paired_protocol.paired_boundaries is before
+
+
+def test_confirm_rule_replicates_each_promotion_on_fresh_pairs(monkeypatch):
+    """`paired-confirm2` (opt-in): every promotion the gate grants is first replicated on 2 fresh
+    pairs per task and kept only where their horizontal mean Δ > 0. With a gate stubbed to grant
+    every hypothesis at look 1, a null passes about half the time and a 3σ gain nearly always; the
+    old baseline's 2 runs per task on those seeds are paid for each candidate, the challenger's only
+    where it is not confirmed (otherwise they are the new champion's first runs)."""
+    lq = _loop_quality()
+    rule = next(r for r in lq.RULES if r.name == "paired-confirm2")
+    plain = next(r for r in lq.RULES if r.name == "paired")
+    assert rule.confirm == 2 and rule not in lq.default_rules() and lq.stream_index(rule) == lq.stream_index(plain)
+
+    def grant_all(rule, base, chal, depth, pair_hist, arm_hist, alpha=None):
+        b, k, j = base.shape[0], len(rule.looks), base.shape[1]
+        return lq.LookPath(looks=tuple(rule.looks), codes=np.full((b, k), lq.CODE[lq.Verdict.improvement]),
+                           horizontal_up=np.ones((b, k), bool), task_up=np.ones((b, k, j), bool),
+                           horizontal_delta=np.zeros((b, k)), task_delta=np.zeros((b, k, j)),
+                           held=np.zeros((b, k), bool))
+
+    monkeypatch.setattr(lq, "judge", grant_all)
+    sigma, pair = np.full(lq.TASKS, 0.01), np.full(lq.TASKS, 0.8)
+    campaigns, hypotheses = 200, 5
+    rows = {}
+    for name, prior in (("null", (("null", 1.0, (0.0,)),)), ("gain", (("horizontal", 1.0, (3.0,)),))):
+        for r in (plain, rule):
+            rows[name, r.name] = lq.campaign(r, 0.02, campaigns, hypotheses, 0, sigma, lq.stream_index(r), False,
+                                             pair, prior)
+    total = campaigns * hypotheses
+    assert rows["null", "paired"]["promotions"] == rows["gain", "paired"]["promotions"] == total
+    assert 0.4 < rows["null", "paired-confirm2"]["promotions"] / total < 0.6
+    assert rows["gain", "paired-confirm2"]["promotions"] / total > 0.97
+    # every candidate cost 2 old-baseline runs per task; a 3σ gain's candidates were nearly all kept
+    extra = rows["gain", "paired-confirm2"]["runs_per_hypothesis"] - rows["gain", "paired"]["runs_per_hypothesis"]
+    assert 1.9 < extra < 2.2, extra
