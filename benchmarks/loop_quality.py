@@ -418,6 +418,8 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
 
     population = np.random.default_rng([seed, 1])  # the same hypotheses for every rule
     rng = np.random.default_rng([seed, 2, rule_index])  # this rule's noise
+    confirm_rng = np.random.default_rng([seed, 4, rule_index])  # `rule.confirm`'s fresh pairs: drawn at every
+    # hypothesis, so a rule with the step and one without see the same noise hypothesis by hypothesis
     B, J = campaigns, TASKS
     sigma = np.asarray(sigma, dtype=float)[:J]
     pair = np.zeros(J) if pair is None else np.asarray(pair, dtype=float)[:J]
@@ -456,6 +458,11 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
         chal = mu[..., None] + effect[..., None] + sigma[None, :, None] * chal_u
         base = mu[..., None] + sigma[None, :, None] * base_u
         confirm_u = None  # `rule.confirm`: the confirming pairs' challenger noise
+        candidate = np.zeros(B, bool)  # the gate granted a promotion (before the replication step)
+        if rule.confirm:
+            confirm_b = draw_noise(confirm_rng, B, J, rule.confirm, rho)
+            r = np.where(own_pretraining[:, None], PRETRAIN_PAIR * pair[None, :], pair[None, :])
+            confirm_u = paired_noise(confirm_rng, confirm_b, r, rho)
         if rule.protocol is None:  # keep/discard: one run, one number, no test
             value = (chal[..., 0] / sigma).mean(axis=1)
             promote = value > best_seen
@@ -481,18 +488,15 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
             assert np.array_equal(promote, (code == improvement_code) & ~held)
             found += code == improvement_code
             spent = looks[k_stop].astype(float)
-            if rule.confirm and promote.any():
+            candidate = promote.copy()
+            if rule.confirm:
                 # the replication: the old baseline and the challenger on the first `confirm` seeds of the
                 # block a promoted challenger would start, paired; promoted only if their horizontal mean
-                # Δ > 0. The old baseline's runs there are the step's cost; the challenger's are the new
-                # champion's re-verification and its challengers' first baseline runs (counted below),
-                # lost only where it is not confirmed
+                # Δ > 0. The old baseline's runs there are the step's cost; the challenger's become the new
+                # champion's first baseline runs (counted below as its first look's), lost only where it
+                # is not confirmed
                 c = rule.confirm
-                fb = draw_noise(rng, B, J, c, rho)
-                r = np.where(own_pretraining[:, None], PRETRAIN_PAIR * pair[None, :], pair[None, :])
-                confirm_u = paired_noise(rng, fb, r, rho)
-                fresh = effect[..., None] / sigma[None, :, None] + (confirm_u - fb)
-                candidate = promote.copy()
+                fresh = effect[..., None] / sigma[None, :, None] + (confirm_u - confirm_b)
                 promote &= fresh.mean(axis=(1, 2)) > 0
                 runs_base += c * candidate
                 spent = spent + c * (candidate & ~promote)
@@ -518,7 +522,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
         mu = np.where(promote[:, None], mu + effect, mu)
         if rule.protocol is None:
             best_seen = np.where(promote, value, best_seen)
-        elif promote.any():  # the new baseline's runs on a new seed block
+        elif candidate.any():  # the new baseline's runs on a new seed block (drawn as without the step)
             if rule.lazy:  # the old baseline's runs join the bound's history
                 push_arms(base, depth, promote)
             new_u = draw_noise(rng, B, J, block, rho)
@@ -568,8 +572,8 @@ def concurrent_campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int,
     """
     from agent.graph import allowed_decisions
 
-    if rule.online_fdr:
-        raise ValueError(f"{rule.name}: online FDR is simulated in flight 1 only (`campaign`)")
+    if rule.online_fdr or rule.confirm:
+        raise ValueError(f"{rule.name}: online FDR and the replication step are simulated in flight 1 only (`campaign`)")
     population = np.random.default_rng([seed, 1])
     rng = np.random.default_rng([seed, 2, rule_index])
     coin = np.random.default_rng([seed, 3, rule_index])  # overlapping re-bases (drawn only if overlap > 0)

@@ -282,3 +282,5 @@ def test_confirm_rule_replicates_each_promotion_on_fresh_pairs(monkeypatch):
     # every candidate cost 2 old-baseline runs per task; a 3σ gain's candidates were nearly all kept
     extra = rows["gain", "paired-confirm2"]["runs_per_hypothesis"] - rows["gain", "paired"]["runs_per_hypothesis"]
     assert 1.9 < extra < 2.2, extra
+    with pytest.raises(ValueError, match="in flight 1 only"):  # not silently the plain rule's numbers
+        lq.concurrent_campaign(rule, 0.02, 2, 2, 0, sigma, lq.stream_index(rule), False, pair, in_flight=2)
