@@ -171,6 +171,7 @@ class Rule:
     online_fdr: str | None = None  # "lond": each comparison at α_i = lond_alpha(i, D, LOND_FDR, alpha)
     stream: str | None = None  # the rule whose noise stream (and hypotheses) it shares: common random numbers
     confirm: int = 0  # a promotion first confirmed on this many fresh pairs per task (horizontal mean Δ > 0)
+    confirm_p: float | None = None  # ... by a one-sided t test at this level instead (pooled over tasks)
 
 
 RULES = (
@@ -189,6 +190,8 @@ RULES = (
     # opt-in: the default gate, its promotions confirmed on 2 fresh pairs per task (a replication step)
     Rule("paired-confirm2", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01,
          stream="paired", confirm=2),
+    Rule("paired-confirm2-t10", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01,
+         stream="paired", confirm=2, confirm_p=0.10),
 )
 LOND_FDR = 0.05  # `[gate] fdr`: the stream's false discovery rate under `online_fdr = "lond"`
 STREAMS = [r.name for r in RULES if r.stream is None]  # noise streams: a rule's index here (the peers' follow)
@@ -404,6 +407,22 @@ def fast_boundaries(on: bool = True) -> Any:
         paired_protocol.paired_boundaries = before
 
 
+def replicated(fresh: np.ndarray, p: float | None) -> np.ndarray:
+    """The replication step's verdict on fresh paired differences (B, tasks, pairs) in σ_task units:
+    their horizontal mean above 0 (p None), or a one-sided t test of it at level p on the spread of
+    the pairs within each task, pooled over tasks (tasks × (pairs − 1) df; needs 2 pairs or more)."""
+    mean = fresh.mean(axis=(1, 2))
+    if p is None:
+        return mean > 0
+    from scipy import stats
+
+    j, c = fresh.shape[1], fresh.shape[2]
+    df = j * (c - 1)
+    s2 = ((fresh - fresh.mean(axis=2, keepdims=True)) ** 2).sum(axis=(1, 2)) / df
+    t = mean / np.sqrt(s2 / (j * c))
+    return t > stats.t.ppf(1 - p, df)
+
+
 def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int, sigma: np.ndarray,
              rule_index: int = 0, fresh_seeds: bool = False, pair: np.ndarray | None = None,
              prior: Prior = PRIOR, alphas: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
@@ -496,8 +515,8 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
                 # champion's first baseline runs (counted below as its first look's), lost only where it
                 # is not confirmed
                 c = rule.confirm
-                fresh = effect[..., None] / sigma[None, :, None] + (confirm_u - confirm_b)
-                promote &= fresh.mean(axis=(1, 2)) > 0
+                fresh = effect[..., None] / sigma[None, :, None] + (confirm_u - confirm_b)  # (B, J, c), σ units
+                promote &= replicated(fresh, rule.confirm_p)
                 runs_base += c * candidate
                 spent = spent + c * (candidate & ~promote)
             seen = (path.task_delta[np.arange(B), k_stop] / sigma).mean(axis=1)

@@ -282,5 +282,12 @@ def test_confirm_rule_replicates_each_promotion_on_fresh_pairs(monkeypatch):
     # every candidate cost 2 old-baseline runs per task; a 3σ gain's candidates were nearly all kept
     extra = rows["gain", "paired-confirm2"]["runs_per_hypothesis"] - rows["gain", "paired"]["runs_per_hypothesis"]
     assert 1.9 < extra < 2.2, extra
+    # the stricter variant: a one-sided t test at 0.10 on the fresh pairs passes about a tenth of the nulls
+    strict = next(r for r in lq.RULES if r.name == "paired-confirm2-t10")
+    null = lq.campaign(strict, 0.02, campaigns, hypotheses, 0, sigma, lq.stream_index(strict), False, pair,
+                       (("null", 1.0, (0.0,)),))
+    gain = lq.campaign(strict, 0.02, campaigns, hypotheses, 0, sigma, lq.stream_index(strict), False, pair,
+                       (("horizontal", 1.0, (3.0,)),))
+    assert 0.05 < null["promotions"] / total < 0.16 and gain["promotions"] / total > 0.97
     with pytest.raises(ValueError, match="in flight 1 only"):  # not silently the plain rule's numbers
         lq.concurrent_campaign(rule, 0.02, 2, 2, 0, sigma, lq.stream_index(rule), False, pair, in_flight=2)
