@@ -1381,7 +1381,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="prior files (benchmarks/priors/*.json), scored beside the bundled prior")
     ap.add_argument("--rules", nargs="+", default=None, help=f"rules to score (default: "
                     f"{', '.join(r.name for r in default_rules())}; opt-in: "
-                    f"{', '.join(r.name for r in RULES if r.online_fdr)}, in flight 1 only)")
+                    f"{', '.join(r.name for r in RULES if r not in default_rules())}, in flight 1 only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fresh-seeds", action="store_true", help="challengers draw fresh seed shocks (no shared seeds)")
     ap.add_argument("--in-flight", type=int, nargs="+", default=[1, 4, 16], metavar="K",
@@ -1409,8 +1409,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--rules: unknown {', '.join(unknown)}; expected among {', '.join(r.name for r in RULES)}")
     rules = default_rules() if args.rules is None else [r for r in RULES if r.name in args.rules]
-    if any(r.online_fdr for r in rules) and args.in_flight != [1]:
-        raise SystemExit("--rules: the online-FDR rules are simulated in flight 1 only (--in-flight 1)")
+    if any(r.online_fdr or r.confirm for r in rules) and args.in_flight != [1]:
+        raise SystemExit("--rules: the online-FDR and replication rules are simulated in flight 1 only (--in-flight 1)")
     t0 = time.perf_counter()
     rows = []
     for pname, prior in priors.items():
