@@ -274,3 +274,33 @@ def test_a_thread_waiting_on_a_study_the_lab_no_longer_asks_for_goes_on_after_a_
     store.dispose()
     # recorded before the study's runs were all done: the thread did not wait for them
     assert any(r.finished_at is None or r.finished_at > when for r in study), (when, study)
+
+
+@pytest.mark.system
+def test_the_study_is_queued_when_the_first_hypothesis_is_proposed_not_when_it_is_measured(tmp_path: Path) -> None:
+    """The lab's first hypothesis breaks at smoke (its effect is not a number) and never reaches a
+    look; the study's runs were queued all the same, when it was proposed, so they ran while it was
+    implemented and smoke-run (queued at its first look, as before, there would be none)."""
+    import json
+
+    from support import cli
+    from support.lab import records
+
+    from pipeline import experiment, labrepo
+    from pipeline.lab import load_lab
+
+    root = sim_lab(tmp_path / "lab", tasks=2, sleep=0.05)
+    spec = tmp_path / "broken.json"
+    spec.write_text(json.dumps({"title": "broken", "edits": [{"path": "effect_h1.toml", "content": 'effect = "big"\n'}]}))
+    seeded = cli(root, "seed", "--file", str(spec))
+    assert seeded.returncode == 0, seeded.stderr
+    out = cli(root, "run", "--offline", "--max-hypotheses", "1", "--workers", "1", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    h = records(root).get(int(seeded.stdout.strip()))
+    assert h.decision == "reject" and h.look is None and "stage sim exited" in (h.reject_reason or ""), (h.look, h.reject_reason)
+    lab = load_lab(root)
+    store = experiment.open_store(lab)
+    base = labrepo.resolve_commit(lab, "autoresearch/baseline")
+    study = store.runs(commit=base)
+    store.dispose()
+    assert len(study) == 5 * 2 and {r.seed for r in study} == set(range(5)), study

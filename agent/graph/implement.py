@@ -8,6 +8,7 @@ import logging
 from agent.config import agent_config
 from agent.errors import LLMError, LLMUnavailable
 from agent.graph.context import build_context
+from agent.graph.promotion import queue_rank
 from agent.graph.state import Services, State
 from agent.graph.step import Step
 from agent.lifecycle import Decision, Status
@@ -43,6 +44,8 @@ class Implement(Step):
         if resumed is not None:
             return resumed
         base = ws.baseline_head()
+        # a seed starts here, not at propose: the lab's noise study (idempotent) runs while it is implemented
+        svc.experiment.noise_study(base, rank=queue_rank(h))
         if h.seed_branch:
             return self._adopt_branch(h, base)
         branch = h.branch or f"hyp/{h.id}-{slugify(h.title)}"
