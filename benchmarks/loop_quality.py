@@ -469,8 +469,9 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
         cls, size, effect = draw_hypotheses(population, B, J, prior)
         own_pretraining = population.random(B) < PRETRAIN_SHARE
         effect = effect * sigma[None, :]
-        if seeds == "block":  # seed k shared with the baseline: pretraining (unless changed) and fine-tuning
-            r = np.where(own_pretraining[:, None], PRETRAIN_PAIR * pair[None, :], pair[None, :])
+        # seed k's correlation with the baseline's: pretraining (unless this hypothesis changes it) and fine-tuning
+        r = np.where(own_pretraining[:, None], PRETRAIN_PAIR * pair[None, :], pair[None, :])
+        if seeds == "block":  # seed k shared with the baseline
             chal_u = paired_noise(rng, base_u[..., : rule.looks[-1]], r, rho)
         else:
             chal_u = draw_noise(rng, B, J, rule.looks[-1], rho)
@@ -480,7 +481,6 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
         candidate = np.zeros(B, bool)  # the gate granted a promotion (before the replication step)
         if rule.confirm:
             confirm_b = draw_noise(confirm_rng, B, J, rule.confirm, rho)
-            r = np.where(own_pretraining[:, None], PRETRAIN_PAIR * pair[None, :], pair[None, :])
             confirm_u = paired_noise(confirm_rng, confirm_b, r, rho)
         if rule.protocol is None:  # keep/discard: one run, one number, no test
             value = (chal[..., 0] / sigma).mean(axis=1)
