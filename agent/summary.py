@@ -38,6 +38,7 @@ from agent.pictures import forest_path, progress_path
 from agent.policy import llm_client
 from agent.progress import split_progress
 from agent.records import Hypothesis
+from agent.verdicts import replicate_record
 from pipeline.api import SEED_BLOCK, UNSANDBOXED, RunStatus, StageOutcome, is_sandboxed
 
 log = logging.getLogger("autoresearch.summary")
@@ -315,6 +316,11 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
     from pipeline.api import render_markdown
 
     evidence = render_markdown(result) if result is not None else "No runs were measured."
+    replication = replicate_record(svc.store, h.id)
+    if replication is not None:  # the promotion's replication on fresh seeds (`[gate] replicate_runs`)
+        from pipeline.api import render_replication
+
+        evidence += "\n\n" + render_replication(replication, svc.lab.config.benchmark.metric)
     diff_stat, diff, files = _diff_parts(svc, h)
     compute = compute_line(svc, h)
     prose = template_prose(h, result, files, svc.lab.config.benchmark.metric)

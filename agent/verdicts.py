@@ -9,7 +9,8 @@ agent reads them, and the typed form of the agent's own decisions.
   string (`Decision.parse`), never raised, so it matches no allowed decision and the policy is asked
   again. `DECISION` is the gate-record kind older stores kept them under (moved on open).
 
-`rebase` and `reverify` records stay plain dicts (`rebases`, `reverify_record`). `Records`
+`rebase`, `reverify` and `replicate` records stay plain dicts (`rebases`, `reverify_record`,
+`replicate_record`). `Records`
 (agent/records.py) has the verdict reads as methods; the functions here take a `Store` for readers
 that hold no `Records`. The gate's models import numpy, so they are imported inside the functions.
 """
@@ -24,7 +25,7 @@ from agent.lifecycle import Decision
 if TYPE_CHECKING:
     from pipeline.api import GateResult, Store
 
-VERDICT, DECISION, REBASE, REVERIFY = "verdict", "decision", "rebase", "reverify"
+VERDICT, DECISION, REBASE, REVERIFY, REPLICATE = "verdict", "decision", "rebase", "reverify", "replicate"
 
 
 @dataclass(frozen=True)
@@ -115,4 +116,11 @@ def rebases(store: Store, hid: int | str) -> list[dict[str, Any]]:
 def reverify_record(store: Store, hid: int | str) -> dict[str, Any] | None:
     """How a promoted champion held up on fresh seeds (`agent.graph.reverification`), once recorded."""
     recs = store.gate_records(_key(hid), kind=REVERIFY)
+    return recs[-1].payload if recs else None
+
+
+def replicate_record(store: Store, hid: int | str) -> dict[str, Any] | None:
+    """The replication of the hypothesis's promotion (`pipeline.gate.replication`), once recorded
+    against its current base (a re-based hypothesis's earlier one is moved aside with its verdicts)."""
+    recs = store.gate_records(_key(hid), kind=REPLICATE)
     return recs[-1].payload if recs else None

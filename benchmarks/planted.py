@@ -71,7 +71,7 @@ def cli(lab: Path, *args: str, timeout: float | None = None) -> subprocess.Compl
     return sh(str(ROOT / ".venv" / "bin" / "autoresearch"), "--repo", str(lab), *args, cwd=lab, timeout=timeout)
 
 
-def make_lab(lab: Path, tasks: list[str] | None, in_flight: int | None = None) -> None:
+def make_lab(lab: Path, tasks: list[str] | None, in_flight: int | None = None, gate: list[str] | None = None) -> None:
     if lab.exists():
         shutil.rmtree(lab)
     sh(str(ROOT / ".venv" / "bin" / "autoresearch"), "init", str(lab), "--suite", "small", cwd=ROOT)
@@ -88,6 +88,12 @@ def make_lab(lab: Path, tasks: list[str] | None, in_flight: int | None = None) -
         lines[i] = f"max_in_flight = {in_flight}   # planted campaign: --in-flight {in_flight}\n"
         research.write_text("".join(lines))
         sh("git", "commit", "-qam", f"planted campaign: max_in_flight = {in_flight}", cwd=lab)
+    if gate:  # `--gate KEY=VALUE`: in the first baseline A0 too
+        research = lab / "research.toml"
+        text = research.read_text()
+        assert "\n[gate]\n" in text
+        research.write_text(text.replace("\n[gate]\n", "\n[gate]\n" + "".join(f"{g.strip()}\n" for g in gate), 1))
+        sh("git", "commit", "-qam", f"planted campaign: [gate] {', '.join(gate)}", cwd=lab)
     sh("git", "branch", "-f", BASELINE, "HEAD", cwd=lab)
 
 
@@ -193,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-flight", type=int, default=None, metavar="K",
                     help="all hypotheses branched off the first baseline and seeded, one loop with "
                          "[agent] max_in_flight = K (default: one at a time, each off the current baseline)")
+    ap.add_argument("--gate", action="append", default=[], metavar="KEY=VALUE",
+                    help="a [gate] key of the campaign's lab, e.g. replicate_runs=2 (repeatable)")
     args = ap.parse_args(argv)
     lab = args.lab.resolve()
     tasks = [t for t in args.tasks.split(",") if t] or TASKS
     t0 = time.time()
-    make_lab(lab, tasks, args.in_flight)
+    make_lab(lab, tasks, args.in_flight, args.gate)
     tasks = json.loads(cli(lab, "check", "--json").stdout).get("tasks") if tasks is None else tasks
     rows: list[dict[str, Any]] = concurrent(lab, args.workers, args.in_flight) if args.in_flight else []
     for kind, variant in CAMPAIGN if not args.in_flight else []:
@@ -216,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"#{hid} {kind:<4} {variant:<22} {h.get('verdict')!s:<13} {h.get('decision')!s:<8} look {gate.get('look')} "
               f"Δh {hz.get('delta') if hz.get('delta') is None else round(hz['delta'], 3)}σ  ({rows[-1]['seconds']:.0f} s)",
               flush=True)
+    queue = json.loads(cli(lab, "status", "--json").stdout).get("queue") or {}  # the campaign's runs
     cli(lab, "variance", "--runs", "10", "--json", timeout=7200)  # the last champion's own runs, holdout included
     st = json.loads(cli(lab, "status", "--json").stdout)
     wall = time.time() - t0
@@ -237,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if pr.get("reuse_gap") is not None:
         print(f"test-reuse gap of the final champion: gate-split gain {pr['gate_gain']:+.4f} − holdout gain "
               f"{pr['holdout_gain']:+.4f} = {pr['reuse_gap']:+.4f} AUC")
+    print(f"runs of the campaign (before the final variance study): {queue}")
     print(f"wall time {wall / 60:.1f} min on {os.cpu_count()} cores, {args.workers} workers"
           + (f", max_in_flight = {args.in_flight}" if args.in_flight else ""))
     if args.in_flight:
@@ -246,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
               f"infra retries {c.get('infra_retries')}")
     if args.json:
         args.json.write_text(json.dumps({"tasks": tasks, "campaign": rows, "confusion": table, "progress": pr,
+                                         "queue": queue, "gate": args.gate,
                                          "compute": st.get("compute"), "wall_s": round(wall, 1),
                                          "cores": os.cpu_count(), "workers": args.workers,
                                          **({"in_flight": args.in_flight} if args.in_flight else {}),

@@ -16,7 +16,7 @@ What stands here, by the question it answers:
 - measuring: `Experiment` (the measurement protocol: looks, verdicts, champions, smoke runs, the
   execution layer), `ExecutorOptions`, `check_executor`, `open_store`, `Store`; the variance study
   and what the seeds buy (`variance_study`, `pairing_study`, `lab_pairing`);
-- the gate's answers: `GateResult` and its renderers, `Verdict`, `implausible`, the planning tables
+- the gate's answers: `GateResult` and its renderers, `Replication` (`render_replication`), `Verdict`, `implausible`, the planning tables
   (`power_plan`, `simulate`, `power_table`, `sim_table`);
 - the vocabularies: `RunStatus`, `StageOutcome`;
 - the machine: `lease` (one driver per lab), `disk_usage`, `read_tail`, `is_sandboxed`,
@@ -58,6 +58,8 @@ _WHERE: dict[str, tuple[str, str]] = {
     "GateResult": ("pipeline.gate.report", "GateResult"),
     "render_markdown": ("pipeline.gate.report", "render_markdown"),
     "render_table": ("pipeline.gate.report", "render_table"),
+    "Replication": ("pipeline.gate.replication", "Replication"),
+    "render_replication": ("pipeline.gate.replication", "render_markdown"),
     "Verdict": ("pipeline.outcomes", "Verdict"),
     "gate_protocol": ("pipeline.gate.protocol", "get_protocol"),
     "implausible": ("pipeline.gate.plausibility", "implausible"),
@@ -130,6 +132,8 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from pipeline.gate.plausibility import implausible  # noqa: F401
     from pipeline.gate.power import plan as power_plan  # noqa: F401
     from pipeline.gate.protocol import get_protocol as gate_protocol  # noqa: F401
+    from pipeline.gate.replication import Replication  # noqa: F401
+    from pipeline.gate.replication import render_markdown as render_replication  # noqa: F401
     from pipeline.gate.report import GateResult, render_markdown, render_table  # noqa: F401
     from pipeline.gate.sim import simulate  # noqa: F401
     from pipeline.isolation import UNSANDBOXED, is_sandboxed  # noqa: F401

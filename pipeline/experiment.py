@@ -50,6 +50,7 @@ from pipeline.store import Store
 from pipeline.store.reads import by_task
 
 if TYPE_CHECKING:
+    from pipeline.gate.replication import Replication
     from pipeline.gate.report import GateResult
     from pipeline.lease import Heartbeat
     from pipeline.smoke import SmokeRunner
@@ -263,6 +264,66 @@ class Experiment:
         return bool(self.lab.config.gate.noise_runs and self.protocol().reads_lab_history()
                     and not self.store.comparisons_timed())
 
+    # --- the replication step ------------------------------------------------------------------
+
+    def wants_replication(self) -> bool:
+        """Whether a promotion waits for its replication (`[gate] replicate_runs`, paired only)."""
+        return bool(self.lab.config.gate.replicate_runs and self.protocol().reads_lab_history())
+
+    def replication_seeds(self, base_commit: str, *, gen: int | None = None) -> range:
+        """The fresh seeds a promotion of a challenger of `base_commit` is replicated on: the first of
+        the block the challenger would own as champion (never a seed either arm was selected on; the
+        challenger's runs there are the new champion's first baseline runs when it passes)."""
+        g = self.generation(base_commit) if gen is None else gen
+        return seed_block(g + 1)[: self.lab.config.gate.replicate_runs if self.wants_replication() else 0]
+
+    def queue_replication(self, base_commit: str, commit: str, label: str | None = None, *,
+                          rank: int = 0) -> list[int]:
+        """Queue (idempotently) the replication's runs of both arms, at a priority above every look
+        (a promotion waits on them, and the old baseline's serve every challenger of it that gets
+        this far). Empty when the lab asks for no replication."""
+        seeds = self.replication_seeds(base_commit)
+        if not seeds:
+            return []
+        tasks = self.lab.tasks()
+        priority = 1 + (len(self.lab.config.gate.looks) + 1) * LOOK_RANK + min(max(int(rank), 0), LOOK_RANK - 1)
+        ids = ensure_runs(self.store, self.lab, base_commit, tasks, seeds, label="baseline", priority=priority)
+        return ids + ensure_runs(self.store, self.lab, commit, tasks, seeds, label=label, priority=priority)
+
+    def replication(self, base_commit: str, commit: str, *, record_as: str | None = None,
+                    look: int = 0) -> Replication | None:
+        """The replication's verdict (`pipeline.gate.replication.replicate`) once both arms' fresh
+        runs are finished (None before, and None when the lab asks for none). σ_task is the
+        baseline's spread on its own block, which no challenger's run touches. With `record_as`, it is
+        recorded as that key's gate record of kind `replicate` at `look` (replaced if judged again)."""
+        from pipeline.gate.replication import replicate
+
+        g = self.generation(base_commit)
+        seeds = list(self.replication_seeds(base_commit, gen=g))
+        if not seeds:
+            return None
+        tasks = self.lab.tasks()
+        base_sha, sha = resolve_commit(self.lab, base_commit), resolve_commit(self.lab, commit)
+        base, chal = results(self.store, None, base_sha, tasks), results(self.store, None, sha, tasks)
+        if any(s not in arm.get(t, {}) for arm in (base, chal) for t in tasks for s in seeds):
+            return None
+        block = seed_block(g)
+        sigma: dict[str, float | None] = {}
+        for t in tasks:
+            own = [v for s, v in base.get(t, {}).items() if s in block and v is not None]
+            if len(own) < 2:
+                sigma[t] = None
+                continue
+            m = sum(own) / len(own)
+            sigma[t] = (sum((v - m) ** 2 for v in own) / (len(own) - 1)) ** 0.5
+        cfg = self.lab.config
+        out = replicate({t: {s: base[t][s] for s in seeds} for t in tasks},
+                        {t: {s: chal[t][s] for s in seeds} for t in tasks}, sigma, seeds,
+                        cfg.gate.replicate_alpha, cfg.benchmark.higher_is_better)
+        if record_as is not None:
+            self.store.put_gate_record(record_as, look, out, kind="replicate")
+        return out
+
     def finished(self, ids: list[int]) -> bool:
         return all(RunStatus(r.status).is_finished() for r in self.store.runs(ids))
 
@@ -426,8 +487,16 @@ class Experiment:
         selected on (a fast-forward keeps the commit, so its challenger runs stay in the store, on
         the block before)."""
         self.store.mark_baseline(resolve_commit(self.lab, commit))
-        seeds = self.look_baseline_seeds(commit, self.lab.config.gate.looks[0])  # lazy: the first look's
+        g = self.generation(commit)
+        seeds = range(seed_block(g).start, self.fresh_seeds(g).stop)  # its replication's (run), then its fresh ones
         return ensure_runs(self.store, self.lab, commit, self.lab.tasks(), seeds, label=label)
+
+    def fresh_seeds(self, gen: int) -> range:
+        """The seeds a champion of generation `gen` re-verifies on: its first look's lazy baseline
+        seeds, after those its promotion was replicated on (it was selected on those too)."""
+        c = self.lab.config.gate.replicate_runs if self.wants_replication() else 0
+        n = self.protocol().baseline_runs_at(self.lab.config.gate.looks[0], self.lab.config.gate.baseline_runs)
+        return seed_block(gen)[c: c + n]
 
     def reverification(self, champion: str, commit: str, base_commit: str, look: int) -> Reverification | None:
         """How a champion (`champion`, e.g. its tag) did on its fresh baseline seeds, against the
@@ -438,8 +507,9 @@ class Experiment:
         fresh = results(self.store, lab, resolve_commit(lab, champion), tasks)
         chosen = results(self.store, lab, commit, tasks)
         g = self.generation(base_commit)  # the champion's generation is one more than its baseline's
-        seeds = list(self.look_baseline_seeds(base_commit, self.lab.config.gate.looks[0], gen=g + 1))
-        picked = list(challenger_seeds(look, g))
+        seeds = list(self.fresh_seeds(g + 1))
+        # selected on: the look's runs, and the replication's (the first seeds of the champion's block)
+        picked = [*challenger_seeds(look, g), *seed_block(g + 1)[: seeds[0] - seed_block(g + 1)[0]]]
         if any(s not in fresh.get(t, {}) for t in tasks for s in seeds):
             return None
         rows: list[TaskReverification] = []

@@ -11,8 +11,8 @@ from typing import Any
 from agent.errors import LLMError, LLMOutputError
 from agent.graph.context import build_context, proposal_context
 from agent.graph.implement import Implement
-from agent.graph.promotion import (base_moved, promote, queue_look, queue_rank, queue_refinement, rebase, rebased_note,
-                                    reverification)
+from agent.graph.promotion import (base_moved, promote, queue_look, queue_rank, queue_refinement, queue_replication,
+                                    rebase, rebased_note, reverification)
 from agent.graph.state import HOLD, LOOK, State
 from agent.graph.step import phase_of, verdict_of
 from agent.lifecycle import Decision, Review, ReviewAction, Status
@@ -105,6 +105,8 @@ class Nodes(Implement):
                             rationale_decision=rationale)
         fields: dict[str, Any] = {"decision": choice.decision, "rationale_decision": rationale,
                                   "follow_up": choice.follow_up or None}
+        if choice.decision in (Decision.PROMOTE, Decision.HOLD):  # its replication runs while it waits
+            queue_replication(svc, h)  # (the promote node judges it; none unless the lab asks for one)
         if choice.decision == Decision.PROMOTE:
             return self._to(h, Status.PROMOTING, **fields)
         if choice.decision == Decision.HOLD:  # summarized first, then the hold node waits for a human
@@ -147,6 +149,21 @@ class Nodes(Implement):
         if base_moved(self.svc, h):
             update, fields = rebase(self.svc, h)
             return self._to(h, Status(update.pop("phase")), **update, **fields)
+        ids = queue_replication(self.svc, h)  # idempotent (queued at the decision); none unless asked for
+        if ids:
+            if not self.svc.experiment.finished(ids):
+                from langgraph.types import interrupt
+
+                interrupt({"kind": LOOK, "hypothesis_id": h.id, "look": h.look, "runs": ids, "replication": True})
+                return {}
+            r = self.svc.experiment.replication(h.base_commit, h.commit, record_as=str(h.id), look=h.look or 0)
+            if r is not None and not r["passed"]:
+                self.svc.records.event("replication", f"#{h.id} not promoted: {r['reason']}")
+                return self._to(h, Status.SUMMARIZING, decision=Decision.ABANDON,
+                                rationale_decision=f"Not promoted: the gate's improvement was {r['reason']}. "
+                                                   f"{h.rationale_decision or ''}".strip())
+            if r is not None:
+                self.svc.records.event("replication", f"#{h.id}: {r['reason']}")
         fields = promote(self.svc, h)
         return {**self._to(h, Status.SUMMARIZING, **fields), "champion": fields.get("promoted_tag")}
 

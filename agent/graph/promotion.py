@@ -99,7 +99,7 @@ def rebase(svc: Services, h: Hypothesis) -> tuple[State, dict[str, Any]]:
     if branch == h.seed_branch:
         branch = f"hyp/{h.id}-rebased"
     ws.point_branch(branch, new)
-    store.move_gate_records(str(h.id), payload["archived_as"], ("verdict",))
+    store.move_gate_records(str(h.id), payload["archived_as"], ("verdict", "replicate"))
     rec.archive_decisions(h.id, payload["archived_as"])
     if old_commit != new:
         svc.experiment.release(old_commit)
@@ -134,3 +134,9 @@ def queue_rank(h: Hypothesis) -> int:
 def queue_look(svc: Services, h: Hypothesis, look: int) -> list[int]:
     """Queue (idempotently) the runs of the hypothesis's look: the baseline's and its own."""
     return svc.experiment.queue_look(h.base_commit, h.commit, look, label=h.branch, rank=queue_rank(h))
+
+
+def queue_replication(svc: Services, h: Hypothesis) -> list[int]:
+    """Queue (idempotently) the runs of the replication a promotion of the hypothesis waits for
+    (`[gate] replicate_runs`): both arms on fresh seeds; empty when the lab asks for none."""
+    return svc.experiment.queue_replication(h.base_commit, h.commit, label=h.branch, rank=queue_rank(h))

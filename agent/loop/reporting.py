@@ -6,6 +6,7 @@ from typing import Any
 
 from agent.lifecycle import Decision, Status
 from agent.records import Hypothesis
+from agent.verdicts import replicate_record
 from pipeline.api import RunStatus, Verdict
 
 
@@ -24,8 +25,14 @@ class Reporting:
                          f"{self.lab.config.gate.noise_runs} baseline runs per task ([gate] noise_runs)")
         elif h.status == Status.DONE and h.decision == Decision.REJECT:
             self.say(f"#{h.id} {h.title!r}: rejected ({h.reject_kind}): {h.reject_reason}")
+        elif h.status == Status.PROMOTING and (self.waits_for(h) or {}).get("replication"):
+            self.say(f"#{h.id} {h.title!r}: verdict {h.verdict}{self._evidence(h)}; its promotion waits for its "
+                     f"replication, {self.lab.config.gate.replicate_runs} fresh seeds per task of both arms "
+                     "([gate] replicate_runs)")
         elif h.status in (Status.DONE, Status.HELD):
             extra = f" → {h.promoted_tag}" if h.promoted_tag else ""
+            rep = replicate_record(self.store, h.id) if h.status == Status.DONE else None
+            extra += f"; {rep['reason']}" if rep else ""
             self.say(f"#{h.id} {h.title!r}: verdict {h.verdict}{self._evidence(h)}, decision {h.decision}{extra}")
 
     def _evidence(self, h: Hypothesis) -> str:

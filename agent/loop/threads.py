@@ -104,7 +104,9 @@ class Threads:
             waits = self.waits_for(h, snap) or {}
             if waits.get("kind") == LOOK:
                 # a noise study the lab no longer asks for (`noise_runs = 0` since the checkpoint) is not waited on
+                # nor a replication (`replicate_runs = 0` since)
                 done = ((waits.get("noise_study") and not self.svc.experiment.wants_noise_study())
+                        or (waits.get("replication") and not self.svc.experiment.wants_replication())
                         or self.svc.experiment.finished(list(waits.get("runs", []))))
                 return Command(resume="finished") if done else NOTHING
             answer = {Review.APPROVED: ReviewAction.APPROVE, Review.REJECTED: ReviewAction.REJECT}.get(self.records.get(h.id).review)

@@ -30,6 +30,8 @@ from pipeline.gate.protocol import PROTOCOLS, check_name, get_protocol
 
 DEFAULT_PROTOCOL = "paired"  # `[gate] protocol` unset; looks, alpha and futility_p unset take its defaults
 NOISE_RUNS = 5  # `[gate] noise_runs` unset: the lab's first comparison waits for this many baseline runs per task
+REPLICATE_RUNS = 0  # `[gate] replicate_runs` unset (paired): no replication step
+MIN_REPLICATE_RUNS = 2  # the replication's t test needs a spread within each task
 MIN_NOISE_RUNS = 4  # the lazy baseline's 2 seeds at looks 1-2 plus 2 more: an arm's spread needs 2 runs off the pairs
 
 
@@ -58,6 +60,11 @@ class GateConfig(BaseModel):
     # 1 df (`Experiment.noise_study`; paired only: the two-sample protocols run every baseline seed up
     # front). Default min(5, baseline_runs); 0: no wait. Under 4 it adds nothing to a look of 1-2 pairs.
     noise_runs: int = Field(default=NOISE_RUNS, ge=0)
+    # a promotion the gate granted is first repeated on this many fresh seeds per task (old baseline and
+    # challenger, paired), and carried out only if a one-sided t test of their horizontal mean Δ passes
+    # at `replicate_alpha` (`pipeline.gate.replication`); paired only; 0: promote on the gate's verdict
+    replicate_runs: int = Field(default=REPLICATE_RUNS, ge=0)
+    replicate_alpha: float = Field(default=0.10, gt=0, lt=0.5)
     # one-sided, improvement side; default the protocol's (paired 0.01, the two-sample ones 0.025)
     alpha: float = Field(default=get_protocol(DEFAULT_PROTOCOL).default_alpha, gt=0, lt=0.5)
     # "lond": each comparison is the next test of the lab's stream, at LOND's α_i (never above alpha),
@@ -98,6 +105,8 @@ class GateConfig(BaseModel):
             elif isinstance(b, int | float) and not isinstance(b, bool) and float(b).is_integer():
                 n = min(NOISE_RUNS, int(b))
                 data["noise_runs"] = n if n >= MIN_NOISE_RUNS else 0
+        if data.get("replicate_runs") is None:
+            data["replicate_runs"] = REPLICATE_RUNS if proto.reads_lab_history() else 0
         return data
 
     @field_validator("looks")
@@ -119,6 +128,13 @@ class GateConfig(BaseModel):
             if not MIN_NOISE_RUNS <= self.noise_runs <= self.baseline_runs:
                 raise ValueError(f"expected noise_runs 0 (no noise study) or {MIN_NOISE_RUNS} to baseline_runs "
                                  f"({self.baseline_runs}), got {self.noise_runs}")
+        if self.replicate_runs:
+            if not get_protocol(self.protocol).reads_lab_history():
+                raise ValueError(f"expected replicate_runs 0: protocol {self.protocol!r} does not pair the arms "
+                                 f"(the replication step is the paired protocol's), got {self.replicate_runs}")
+            if not MIN_REPLICATE_RUNS <= self.replicate_runs <= self.baseline_runs:
+                raise ValueError(f"expected replicate_runs 0 (no replication) or {MIN_REPLICATE_RUNS} to "
+                                 f"baseline_runs ({self.baseline_runs}), got {self.replicate_runs}")
         return self
 
 

@@ -3,7 +3,8 @@
 value = 0.7 + 0.01 * task_index + sigma * (effect + sqrt(pair_rho) * shared + sqrt(1 - pair_rho) * own)
 
 - effect: the sum of `effect` over every effect_*.toml in this directory (plus its `[task]` entry
-  for this task, if any), in σ units;
+  for this task and its `[seed]` entry for this seed, if any: a gain that shows on some seeds only,
+  as a lucky selection does), in σ units;
 - shared: seed k's draw for this task, the same for every commit (so both arms of a comparison at
   seed k share it), itself sqrt(task_rho) * a draw for seed k common to every task + the rest;
 - own: a draw for (task, seed, the effect files' contents): a no-op commit reproduces its parent.
@@ -39,7 +40,8 @@ def main() -> None:
         text = f.read_text()
         texts.append((f.name, text))
         doc = tomllib.loads(text)
-        effect += float(doc.get("effect", 0.0)) + float(doc.get("task", {}).get(a.task, 0.0))
+        effect += (float(doc.get("effect", 0.0)) + float(doc.get("task", {}).get(a.task, 0.0))
+                   + float(doc.get("seed", {}).get(str(a.seed), 0.0)))
     index = int(a.task[1:]) if a.task[1:].isdigit() else 0
     shared = math.sqrt(a.task_rho) * draw("seed", a.seed) + math.sqrt(1 - a.task_rho) * draw("task", a.task, a.seed)
     own = draw("own", a.task, a.seed, tuple(texts))
