@@ -330,24 +330,28 @@ def report_cmd(
     """The gate's table for one hypothesis (latest look)."""
     from agent.commands import report
 
-    h, result = report(Ctx.repo, Ctx.db, hypothesis)
+    h, result, replication = report(Ctx.repo, Ctx.db, hypothesis)
     if as_json:
         emit_json({"hypothesis": {"id": h.id, "title": h.title, "status": h.status, "verdict": h.verdict,
-                                  "decision": h.decision}, "gate": result.to_json() if result else None})
+                                  "decision": h.decision}, "gate": result.to_json() if result else None,
+                   "replication": replication})
         return
     if result is None:
         typer.echo(f"hypothesis {h.id} ({h.status}) has no gate result yet")
         return
-    from pipeline.api import render_markdown, render_table
+    from pipeline.api import render_markdown, render_replication, render_table
 
     if as_md:
         from agent.views import report_markdown
 
-        typer.echo(report_markdown(Ctx.repo, h, render_markdown(result)))
+        md = render_markdown(result) + (f"\n\n{render_replication(replication)}" if replication else "")
+        typer.echo(report_markdown(Ctx.repo, h, md))
     else:
         from rich.console import Console
 
         Console().print(render_table(result))
+        if replication:
+            typer.echo(f"replication: {replication['reason']}")
 
 
 @app.command("review")

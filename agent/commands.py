@@ -215,10 +215,13 @@ def llm_unreachable_since(rec: Records) -> float | None:
 
 # ----------------------------------------------------------------------------- report
 
-def report(repo: Path, db: str | None, hid: int) -> tuple[Hypothesis, Any]:
+def report(repo: Path, db: str | None, hid: int) -> tuple[Hypothesis, Any, dict[str, Any] | None]:
+    """The hypothesis, the gate's record at its latest look, and its promotion's replication (if any)."""
+    from agent.verdicts import replicate_record
+
     lab, store, rec = open_lab_store(repo, db)
     h = rec.get(hid)
-    return h, rec.latest_verdict(hid)
+    return h, rec.latest_verdict(hid), replicate_record(store, hid)
 
 
 # ----------------------------------------------------------------------------- review

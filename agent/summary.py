@@ -320,7 +320,7 @@ def render_summary(svc: Any, h: Hypothesis, result: Any = None) -> tuple[str, Pr
     if replication is not None:  # the promotion's replication on fresh seeds (`[gate] replicate_runs`)
         from pipeline.api import render_replication
 
-        evidence += "\n\n" + render_replication(replication, svc.lab.config.benchmark.metric)
+        evidence += "\n\n" + render_replication(replication)
     diff_stat, diff, files = _diff_parts(svc, h)
     compute = compute_line(svc, h)
     prose = template_prose(h, result, files, svc.lab.config.benchmark.metric)

@@ -52,7 +52,7 @@ from agent.lifecycle import Decision, Review, ReviewAction
 from agent.pictures import forest_path, progress_path, summaries_dir
 from agent.progress import split_progress
 from agent.summary import summary_path
-from agent.verdicts import reverify_record, verdicts_by_look
+from agent.verdicts import replicate_record, reverify_record, verdicts_by_look
 from agent.views import gpu_line
 from agent.workspace import Workspace
 from pipeline.api import RunStatus, StageOutcome, UserError, baseline_number, read_tail
@@ -289,7 +289,8 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
                 step = sign * (p["holdout"] - prev["holdout"])
             promotions.append({"h": h, "gate": last.get("horizontal") or {}, "look": last.get("look"),
                                "alpha": last.get("alpha"), "mean_delta": sum(deltas) / len(deltas) if deltas else None,
-                               "own": p, "holdout_step": step, "reverify": reverify_record(store, h.id)})
+                               "own": p, "holdout_step": step, "reverify": reverify_record(store, h.id),
+                               "replicate": replicate_record(store, h.id)})
             prev = p or prev
         return page(request, "timeline.html", promotions=promotions[::-1], split=split, start=start,
                     metric=lab.config.benchmark.metric, higher=lab.config.benchmark.higher_is_better, refresh=60)

@@ -319,7 +319,7 @@ class Experiment:
         cfg = self.lab.config
         out = replicate({t: {s: base[t][s] for s in seeds} for t in tasks},
                         {t: {s: chal[t][s] for s in seeds} for t in tasks}, sigma, seeds,
-                        cfg.gate.replicate_alpha, cfg.benchmark.higher_is_better)
+                        cfg.gate.replicate_alpha, cfg.benchmark.higher_is_better, cfg.benchmark.metric)
         if record_as is not None:
             self.store.put_gate_record(record_as, look, out, kind="replicate")
         return out

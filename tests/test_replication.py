@@ -216,6 +216,12 @@ def test_through_the_loop_a_lucky_gain_is_not_promoted_and_a_real_one_is(tmp_pat
     assert said.count("its promotion waits for its replication, 2 fresh seeds per task") == 2, said[-3000:]
     for h in (h1, h2):
         assert "**Replication** (1000, 1001)" in (h.summary_md or ""), h.summary_md
+    rep = json.loads(cli(root, "report", str(h1.id), "--json").stdout)["replication"]
+    assert rep["seeds"] == [1000, 1001] and not rep["passed"] and len(rep["tasks"]) == 3, rep
+    md = cli(root, "report", str(h2.id), "--md").stdout
+    assert "**Replication** (1000, 1001): replicated on 2 fresh seeds" in md and "| t1 | 2 |" in md, md[-2000:]
+    table = cli(root, "report", str(h2.id)).stdout
+    assert "replication: replicated on 2 fresh seeds" in table
     lab = load_lab(root)
     store = experiment.open_store(lab)
     champion = {r.seed for r in store.runs(commit=h2.commit) if r.seed >= 1000}

@@ -37,6 +37,7 @@ class Replication(TypedDict):
     """The replication step's record (stored as a gate record of kind `replicate`)."""
 
     seeds: list[int]
+    metric: str
     tasks: list[TaskReplication]
     mean: float | None  # horizontal mean Δ in σ units, oriented
     t: float | None
@@ -49,7 +50,8 @@ class Replication(TypedDict):
 
 
 def replicate(base: dict[str, dict[int, float | None]], chal: dict[str, dict[int, float | None]],
-              sigma: dict[str, float | None], seeds: list[int], alpha: float, higher_is_better: bool) -> Replication:
+              sigma: dict[str, float | None], seeds: list[int], alpha: float, higher_is_better: bool,
+              metric: str = "the metric") -> Replication:
     """The replication's verdict from the fresh runs of both arms ({task: {seed: metric or None}}),
     each task's σ_task and the level. A task without a usable σ_task (a baseline that does not vary,
     or fewer than 2 own runs) is left out; with none left the replication cannot test anything and
@@ -70,7 +72,7 @@ def replicate(base: dict[str, dict[int, float | None]], chal: dict[str, dict[int
                      "sigma": sd})
         if d and usable:
             z.append([sign * v / sd for v in d])  # type: ignore[operator]
-    out: Replication = {"seeds": list(seeds), "tasks": rows, "mean": None, "t": None, "df": 0, "critical": None,
+    out: Replication = {"seeds": list(seeds), "metric": metric, "tasks": rows, "mean": None, "t": None, "df": 0, "critical": None,
                         "alpha": alpha, "p": None, "passed": False, "reason": ""}
     if failed:
         out["reason"] = f"a challenger run failed on a fresh seed ({', '.join(failed[:3])})"
@@ -104,8 +106,9 @@ def replicate(base: dict[str, dict[int, float | None]], chal: dict[str, dict[int
     return out
 
 
-def render_markdown(r: dict[str, Any], metric: str) -> str:
-    """The record as the summary's and the web page's paragraph."""
+def render_markdown(r: dict[str, Any]) -> str:
+    """The record as the summary's and `report --md`'s paragraph."""
+    metric = r.get("metric") or "the metric"
     head = f"**Replication** ({', '.join(str(s) for s in r['seeds'])}): {r['reason']}."
     lines = [head, "", f"| task | fresh pairs | Δ {metric} | Δ/σ_task |", "|---|---|---|---|"]
     for t in r["tasks"]:
