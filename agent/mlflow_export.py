@@ -46,6 +46,7 @@ from agent.lifecycle import Status
 from agent.pictures import forest_path
 from agent.records import Hypothesis, Records
 from agent.summary import summary_path
+from agent.verdicts import replicate_record
 from agent.workspace import Workspace
 from pipeline.api import InfrastructureFailure
 
@@ -232,7 +233,7 @@ class Exporter:
         direction = label(direction_of(self.workspace, h))
         latest, champion = self.records.latest_verdict(h.id), self._champion(h)
         changed, renamed = _named(keys)
-        metric_values, renamed_metrics = _named(self._metrics(latest, champion))
+        metric_values, renamed_metrics = _named(self._metrics(latest, champion, replicate_record(self.store, h.id)))
         own = self._tags(h, direction)
         tags = own | renamed | renamed_metrics  # the originals through `_log`: there may be many
         run = self._find(HYP_TAG, str(h.id))
@@ -270,8 +271,10 @@ class Exporter:
         return {k: _text(v, TAG_VALUE_MAX) for k, v in tags.items()}
 
     @staticmethod
-    def _metrics(latest: Any, champion: dict[str, Any] | None) -> dict[str, float]:
-        """The gate's latest look (`Records.latest_verdict`) and a champion's point, as MLflow metrics."""
+    def _metrics(latest: Any, champion: dict[str, Any] | None, replication: dict[str, Any] | None = None
+                 ) -> dict[str, float]:
+        """The gate's latest look (`Records.latest_verdict`), a champion's point and the promotion's
+        replication (`[gate] replicate_runs`), as MLflow metrics."""
         if latest is None:
             return {}
         g = latest.to_json()
@@ -288,6 +291,10 @@ class Exporter:
             figures = {"champion.gate_split": champion["gate"], "champion.holdout": champion["holdout"],
                        "champion.gate_split_gain": champion["gate_gain"],
                        "champion.holdout_gain": champion["holdout_gain"]}
+            out |= {k: float(v) for k, v in figures.items() if v is not None and math.isfinite(v)}
+        if replication is not None:
+            figures = {"replication.delta_sigma": replication.get("mean"), "replication.t": replication.get("t"),
+                       "replication.passed": 1.0 if replication.get("passed") else 0.0}
             out |= {k: float(v) for k, v in figures.items() if v is not None and math.isfinite(v)}
         return out
 

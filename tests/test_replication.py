@@ -229,3 +229,100 @@ def test_through_the_loop_a_lucky_gain_is_not_promoted_and_a_real_one_is(tmp_pat
     store.dispose()
     assert old == {(t, s) for t in ("t1", "t2", "t3") for s in (1000, 1001)}  # the step's cost, once for both
     assert champion == {1000, 1001, 1002, 1003}  # replicated on the first two, re-verified on the next two
+
+
+BASE5 = [0.600, 0.604, 0.598, 0.602, 0.601]
+GAIN5 = [v + 0.02 + j for v, j in zip(BASE5, (0.001, -0.001, 0.0005, 0.0, -0.0005))]
+GAIN5_2 = [v + 0.02 + j for v, j in zip(GAIN5, (-0.0005, 0.001, 0.0, -0.001, 0.0005))]  # +0.02 over GAIN5
+
+
+def _seed(lab: Path, name: str, search: str, replace: str) -> None:
+    import json
+
+    from agent.commands import seed as seed_cmd
+
+    spec = lab.parent / f"{name}.json"
+    spec.write_text(json.dumps({"title": name, "rationale": "planted",
+                                "edits": [{"path": "config.toml", "search": search, "replace": replace}]}))
+    seed_cmd(lab, None, None, None, 10, None, spec)
+
+
+def _to_promotion(loop, base: list[float] = BASE5, chal: list[float] = GAIN5):
+    """The next hypothesis through the real graph, its looks' runs planted (+0.02 on every seed) until
+    the gate grants it and the graph waits for its replication in the promote node."""
+    from test_agent_decide import plant
+
+    from support.lab import one_pass
+
+    h = one_pass(loop)
+    for _ in range(4):
+        assert h.status == "measuring", (h.status, h.reject_reason)
+        plant(loop.store, h.base_commit, base)
+        plant(loop.store, h.commit, chal)
+        h = loop.advance(h)
+        if h.status != "measuring":
+            break
+    assert (h.status, h.verdict, h.decision) == ("promoting", "improvement", "promote"), h
+    assert loop.waits_for(h)["replication"] is True
+    return h
+
+
+@pytest.mark.system
+def test_in_the_graph_a_lucky_gain_waits_and_is_abandoned_a_real_one_is_promoted_and_turning_it_off_lets_one_go(
+        lab: Path, tmp_path: Path) -> None:
+    """The tiny lab made paired (baseline_runs 5, looks 1/2/5, replicate_runs 2), runs planted through
+    the store: #1's replication finds the baseline's values again (a lucky selection) and it is
+    abandoned with the reason; #2's finds its +0.02 and it is promoted, its summary, report and MLflow
+    run carry the replication; #3 waits for its replication when the user sets `replicate_runs = 0`:
+    the next loop promotes it without the runs it waited for."""
+    from mlflow.tracking import MlflowClient
+    from test_agent_decide import plant
+
+    from agent.mlflow_export import HYP_TAG
+    from support.lab import make_loop, set_research
+
+    set_research(lab, 'protocol = "sequential"', 'protocol = "paired"\nnoise_runs = 0\nreplicate_runs = 2')
+    set_research(lab, "baseline_runs = 3", "baseline_runs = 5")
+    set_research(lab, "looks = [2, 3]", "looks = [1, 2, 5]")
+    _seed(lab, "lr", "lr = 3e-4", "lr = 3e-3")
+    _seed(lab, "rank", "lora_rank = 4 ", "lora_rank = 16 ")
+    _seed(lab, "tabular", 'tabular = "basic"', 'tabular = "all"')
+    loop = make_loop(lab, offline=True)
+    try:
+        h1 = _to_promotion(loop)
+        assert any("its promotion waits for its replication, 2 fresh seeds per task" in s for s in loop.said)
+        assert {r.seed for r in loop.store.runs(loop.pending_runs(h1))} == {1000, 1001}
+        plant(loop.store, h1.base_commit, BASE5)
+        plant(loop.store, h1.commit, BASE5)  # no gain on fresh seeds
+        h1 = loop.advance(h1)
+        assert (h1.status, h1.decision, h1.promoted_tag) == ("done", "abandon", None), h1
+        assert h1.rationale_decision.startswith("Not promoted: the gate's improvement was not replicated")
+        h2 = _to_promotion(loop)
+        waiting = [r for r in loop.store.runs(loop.pending_runs(h2)) if r.status == "queued"]
+        assert waiting and {r.commit for r in waiting} == {h2.commit}  # the old baseline's are #1's, done
+        plant(loop.store, h2.commit, GAIN5)
+        h2 = loop.advance(h2)
+        assert (h2.status, h2.decision, h2.promoted_tag) == ("done", "promote", "baseline/v1"), h2
+        assert "**Replication** (1000, 1001): replicated on 2 fresh seeds" in h2.summary_md
+        h3 = _to_promotion(loop, GAIN5, GAIN5_2)  # against #2's champion, whose first runs are its replication's
+        assert {r.seed for r in loop.store.runs(loop.pending_runs(h3))} == {2000, 2001}
+    finally:
+        loop.close()
+    research = lab / "research.toml"  # the user turns the step off (the loop reads the lab's checkout)
+    research.write_text(research.read_text().replace("replicate_runs = 2", "replicate_runs = 0"))
+    loop = make_loop(lab, offline=True)
+    try:
+        h3 = loop.advance(loop.records.get(h3.id))
+    finally:
+        loop.close()
+    assert (h3.status, h3.decision, h3.promoted_tag) == ("done", "promote", "baseline/v2"), h3
+    assert loop.store.gate_records(str(h3.id), kind="replicate") == []
+    from agent.mlflow_export import export
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    export(loop.lab, loop.store, uri)
+    client = MlflowClient(tracking_uri=uri)
+    runs = {r.data.tags[HYP_TAG]: r.data.metrics for r in client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], max_results=100) if HYP_TAG in r.data.tags}
+    assert runs[str(h1.id)]["replication.passed"] == 0.0 and runs[str(h2.id)]["replication.passed"] == 1.0
+    assert runs[str(h2.id)]["replication.t"] > 1.6 and "replication.t" not in runs[str(h3.id)]
