@@ -13,13 +13,16 @@ records, the summary) live in the store and git, keyed, and come before the proj
 died half-way is simply run again, and one that died after its projection (the row a step ahead of
 the checkpoint) takes the row's update without doing its step twice (`_replayed`).
 
-A thread waits in three places, each a LangGraph `interrupt()` kept in its checkpoint:
+A thread waits in four places, each a LangGraph `interrupt()` kept in its checkpoint:
 - `evaluate`, for the runs of a look (`{"kind": "look", "runs": [...]}`): the driver loop
   (`agent.loop`) executes runs for every hypothesis in flight and resumes the thread with
   `Command(resume="finished")` once they are all in;
 - `hold`, for a human (`{"kind": "hold"}`): a held promotion (`--supervised`, or a result too
   good to be true); `review --approve/--reject` records the answer and the loop resumes the thread
   with `Command(resume="approve"|"reject")`;
+- `promote`, for the runs of a promotion's replication (`[gate] replicate_runs`; `{"kind": "look",
+  "replication": true, "runs": [...]}`): queued at the decision (so they run while a held one waits
+  for its reviewer), judged here; a promotion whose gain is not there again is abandoned;
 - `reverify`, after a promotion's summary, for the new champion's runs on fresh seeds
   (`{"kind": "look", "champion": tag, "runs": [...]}`); the thread ends when how it held up is
   recorded. The hypothesis is `done` (decided) while its thread waits there.
