@@ -304,9 +304,13 @@ class Experiment:
             return None
         tasks = self.lab.tasks()
         base_sha, sha = resolve_commit(self.lab, base_commit), resolve_commit(self.lab, commit)
-        base, chal = results(self.store, None, base_sha, tasks), results(self.store, None, sha, tasks)
-        if any(s not in arm.get(t, {}) for arm in (base, chal) for t in tasks for s in seeds):
+        wanted = {(c, t, s) for c in (base_sha, sha) for t in tasks for s in seeds}
+        runs = [r for c in (base_sha, sha) for r in self.store.runs(commit=c) if (r.commit, r.task, r.seed) in wanted]
+        if len(runs) < len(wanted) or not all(RunStatus(r.status).is_finished() for r in runs):
             return None
+        # a run finished without a result (an infrastructure failure that exhausted its retries) counts
+        # as failed, as at a look: a challenger's fails the replication, never skips it
+        base, chal = results(self.store, None, base_sha, tasks), results(self.store, None, sha, tasks)
         block = seed_block(g)
         sigma: dict[str, float | None] = {}
         for t in tasks:
@@ -317,8 +321,8 @@ class Experiment:
             m = sum(own) / len(own)
             sigma[t] = (sum((v - m) ** 2 for v in own) / (len(own) - 1)) ** 0.5
         cfg = self.lab.config
-        out = replicate({t: {s: base[t][s] for s in seeds} for t in tasks},
-                        {t: {s: chal[t][s] for s in seeds} for t in tasks}, sigma, seeds,
+        out = replicate({t: {s: base.get(t, {}).get(s) for s in seeds} for t in tasks},
+                        {t: {s: chal.get(t, {}).get(s) for s in seeds} for t in tasks}, sigma, seeds,
                         cfg.gate.replicate_alpha, cfg.benchmark.higher_is_better, cfg.benchmark.metric)
         if record_as is not None:
             self.store.put_gate_record(record_as, look, out, kind="replicate")

@@ -161,6 +161,40 @@ def test_a_gain_on_the_selected_seeds_only_is_not_replicated_and_a_steady_one_is
     store.dispose()
 
 
+def test_a_challenger_run_lost_to_the_machine_fails_the_replication_never_skips_it(tmp_path: Path) -> None:
+    """One of the challenger's replication runs ends as an infrastructure failure past its retries (run
+    `failed`, no metric): the replication is judged once every run is finished, and that run counts
+    as failed, as at a look; before, the missing metric read as "not in yet" and the promote node went
+    on to promote without a replication."""
+    from pipeline import experiment, labrepo
+    from pipeline.experiment import Experiment
+    from pipeline.lab import load_lab
+    from pipeline.outcomes import RunStatus
+    from pipeline.store import Owner, Result
+
+    lab = load_lab(_lab(tmp_path))
+    store = experiment.open_store(lab)
+    exp = Experiment(lab, store)
+    base = "autoresearch/baseline"
+    exp.noise_study(base)
+    _finish(store, lab, base)
+    exp.queue_replication(base, "b")
+    _finish(store, lab, base)
+    sha = labrepo.resolve_commit(lab, "b")
+    for claim in store.claim(Owner.current(), 100, commits=[sha]):
+        r = claim.run
+        if (r.task, r.seed) == ("t2", 1001):
+            assert store.finish(claim, Result(run_id=r.id, commit=sha, task=r.task, seed=r.seed, value=None,
+                                              outcome="infra_failure", detail="node lost"), RunStatus.FAILED)
+        else:
+            assert store.finish(claim, Result(run_id=r.id, commit=sha, task=r.task, seed=r.seed,
+                                              value=0.6 + 0.01 * int(r.task[1:]), dataset_id="sim-s0"))
+    out = exp.replication(base, "b")
+    store.dispose()
+    assert out is not None and not out["passed"], out
+    assert "a challenger run failed on a fresh seed (t2 seed 1001)" in out["reason"]
+
+
 def test_a_lab_without_the_step_queues_nothing_and_its_champion_re_verifies_on_its_first_seeds(tmp_path: Path):
     from pipeline import experiment
     from pipeline.experiment import Experiment
