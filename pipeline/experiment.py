@@ -7,6 +7,8 @@ picks a seed, builds a gate input or touches an executor. One object per lab and
     ids = exp.queue_look(base, commit, look, rank=r)  # the runs a look needs of both arms, idempotent
     if exp.finished(ids):                             # the gate's answer, recorded under the key
         result = exp.judge_look(base, commit, look, record_as="12")  # pipeline.gate.GateResult
+    exp.queue_replication(base, commit)               # a granted promotion's replication on fresh seeds
+    exp.replication(base, commit, record_as="12")     # its verdict (None until its runs are in)
     exp.queue_champion(commit, tag)                   # a promoted champion's fresh baseline runs
     exp.reverification(tag, commit, base, look)       # how it held up on them (None until all are in)
     exp.smoke(base, files)                            # the whole pipeline on tiny data, sandboxed
@@ -26,7 +28,10 @@ seeds, for a task's σ), and serves every challenger of its generation. A promot
 re-verifies on the next block, seeds it was not selected on: the first seeds of that block are
 its re-verification and its own challengers' first baseline runs at once; they never replay the
 lucky seeds it was selected on (with deterministic training a no-op of the champion reproduces the
-champion's runs exactly: Δ = 0, never promoted). Every (challenger, baseline) pair is recorded
+champion's runs exactly: Δ = 0, never promoted). With `[gate] replicate_runs` a promotion is first
+replicated on the first seeds of the next block (both arms): the champion's runs there are its
+replication's, which it passed, so its first challengers pair with seeds it was selected on (a bias
+against them: conservative), and it re-verifies on the seeds after those. Every (challenger, baseline) pair is recorded
 (`Comparison`): their paired differences are the lab's history, the prior of the paired test's
 variance. The two-sample protocols (`sequential`, `fixed`) run every baseline seed up front and
 ignore the pairing (conservative where the arms share a shock).
@@ -292,38 +297,63 @@ class Experiment:
 
     def replication(self, base_commit: str, commit: str, *, record_as: str | None = None,
                     look: int = 0) -> Replication | None:
-        """The replication's verdict (`pipeline.gate.replication.replicate`) once both arms' fresh
-        runs are finished (None before, and None when the lab asks for none). σ_task is the
-        baseline's spread on its own block, which no challenger's run touches. With `record_as`, it is
-        recorded as that key's gate record of kind `replicate` at `look` (replaced if judged again)."""
-        from pipeline.gate.replication import replicate
+        """The replication's verdict (`pipeline.gate.replication`) once both arms' fresh runs are
+        finished (None before, and None when the lab asks for none): the gate's horizontal test at one
+        fixed-sample look of the fresh pairs, at `replicate_alpha`. Its prior is frozen: the earlier
+        comparisons' arms as at this comparison's first look, and the baseline's runs on its own block
+        finished before the replication was queued (σ_task). With `record_as`, it is recorded as that
+        key's gate record of kind `replicate` at `look` (replaced if judged again)."""
+        from pipeline.gate import evaluate
+        from pipeline.gate.replication import from_gate, untested
 
         g = self.generation(base_commit)
         seeds = list(self.replication_seeds(base_commit, gen=g))
         if not seeds:
             return None
+        cfg = self.lab.config
         tasks = self.lab.tasks()
         base_sha, sha = resolve_commit(self.lab, base_commit), resolve_commit(self.lab, commit)
         wanted = {(c, t, s) for c in (base_sha, sha) for t in tasks for s in seeds}
         runs = [r for c in (base_sha, sha) for r in self.store.runs(commit=c) if (r.commit, r.task, r.seed) in wanted]
         if len(runs) < len(wanted) or not all(RunStatus(r.status).is_finished() for r in runs):
             return None
-        # a run finished without a result (an infrastructure failure that exhausted its retries) counts
-        # as failed, as at a look: a challenger's fails the replication, never skips it
-        base, chal = results(self.store, None, base_sha, tasks), results(self.store, None, sha, tasks)
+        queued = min(r.queued_at or 0.0 for r in runs)
         block = seed_block(g)
-        sigma: dict[str, float | None] = {}
-        for t in tasks:
-            own = [v for s, v in base.get(t, {}).items() if s in block and v is not None]
-            if len(own) < 2:
-                sigma[t] = None
-                continue
-            m = sum(own) / len(own)
-            sigma[t] = (sum((v - m) ** 2 for v in own) / (len(own) - 1)) ** 0.5
-        cfg = self.lab.config
-        out = replicate({t: {s: base.get(t, {}).get(s) for s in seeds} for t in tasks},
-                        {t: {s: chal.get(t, {}).get(s) for s in seeds} for t in tasks}, sigma, seeds,
-                        cfg.gate.replicate_alpha, cfg.benchmark.higher_is_better, cfg.benchmark.metric)
+        base_rows = self.store.results_for(base_sha, tasks)
+        chal_rows = self.store.results_for(sha, tasks)
+        own = [r for r in base_rows if r.seed in block and r.created_at < queued]
+        dataset = _one_dataset([r for r in base_rows if r.seed in seeds] + [r for r in chal_rows if r.seed in seeds])
+        base, chal = by_task(base_rows, tasks), by_task(chal_rows, tasks)
+        prior = {(r.task, r.seed) for r in own if dataset is None or r.dataset_id in (None, dataset)}
+        # a seed joins σ_task's runs on every task or on none (as at a look: `judge_look`)
+        full = {sd for sd in {sd for _, sd in prior} if all((t, sd) in prior and base.get(t, {}).get(sd) is not None
+                                                             for t in tasks)}
+        # a run finished without a result (an infrastructure failure past its retries) counts as failed,
+        # as at a look: a challenger's fails the replication, never skips it
+        failed = [f"{t} seed {s}" for t in tasks for s in seeds if chal.get(t, {}).get(s) is None]
+        short = [t for t in tasks if sum(base.get(t, {}).get(s) is not None for s in seeds) < 2]
+        alpha, metric = cfg.gate.replicate_alpha, cfg.benchmark.metric
+        if failed or short:  # never a pass; the gate needs 2 baseline results a task besides
+            why = (f"a challenger run failed on a fresh seed ({', '.join(failed[:3])})" if failed else
+                   f"the baseline's fresh runs failed on {', '.join(short[:3])}: fewer than 2 pairs a task to test")
+            out = untested(seeds, tasks, why, alpha, metric)
+            if record_as is not None:
+                self.store.put_gate_record(record_as, look, out, kind="replicate")
+            return out
+        gate = cfg.gate.model_dump()
+        gate.update(alpha=cfg.gate.replicate_alpha, looks=[len(seeds)])
+        timed = self.store.comparisons_timed()
+        pair_history, arm_history = self.histories(tasks, exclude=(sha, base_sha), dataset=dataset, timed=timed)
+        inp = {
+            "config": gate,
+            "tasks": [{"task": t,
+                       "baseline": [base.get(t, {}).get(s) for s in seeds],
+                       "challenger": [chal.get(t, {}).get(s) for s in seeds],
+                       "history": [v for s, v in sorted(base.get(t, {}).items()) if s in seeds or s in full]}
+                      for t in tasks],
+            "pair_history": pair_history, "arm_history": arm_history, "looks_done": [], "at_look": True,
+        }
+        out = from_gate(evaluate(inp), seeds, alpha, metric)
         if record_as is not None:
             self.store.put_gate_record(record_as, look, out, kind="replicate")
         return out
@@ -486,23 +516,25 @@ class Experiment:
 
     # --- champions -----------------------------------------------------------------------------
 
-    def queue_champion(self, commit: str, label: str) -> list[int]:
+    def queue_champion(self, commit: str, label: str, *, replicated: int | None = None) -> list[int]:
         """A new champion's own runs, on its generation's block: it re-verifies on seeds it was not
         selected on (a fast-forward keeps the commit, so its challenger runs stay in the store, on
         the block before)."""
         self.store.mark_baseline(resolve_commit(self.lab, commit))
         g = self.generation(commit)
-        seeds = range(seed_block(g).start, self.fresh_seeds(g).stop)  # its replication's (run), then its fresh ones
+        seeds = range(seed_block(g).start, self.fresh_seeds(g, replicated).stop)  # its replication's, then fresh ones
         return ensure_runs(self.store, self.lab, commit, self.lab.tasks(), seeds, label=label)
 
-    def fresh_seeds(self, gen: int) -> range:
+    def fresh_seeds(self, gen: int, replicated: int | None = None) -> range:
         """The seeds a champion of generation `gen` re-verifies on: its first look's lazy baseline
-        seeds, after those its promotion was replicated on (it was selected on those too)."""
-        c = self.lab.config.gate.replicate_runs if self.wants_replication() else 0
+        seeds, after the `replicated` ones its promotion was replicated on (it was selected on those
+        too; None: as many as the lab asks for now)."""
+        c = (self.lab.config.gate.replicate_runs if self.wants_replication() else 0) if replicated is None else replicated
         n = self.protocol().baseline_runs_at(self.lab.config.gate.looks[0], self.lab.config.gate.baseline_runs)
         return seed_block(gen)[c: c + n]
 
-    def reverification(self, champion: str, commit: str, base_commit: str, look: int) -> Reverification | None:
+    def reverification(self, champion: str, commit: str, base_commit: str, look: int, *,
+                       replicated: int | None = None) -> Reverification | None:
         """How a champion (`champion`, e.g. its tag) did on its fresh baseline seeds, against the
         runs its challenger `commit` was selected on at `look` (the winner's curse, measured).
         None until every fresh run has finished."""
@@ -511,7 +543,7 @@ class Experiment:
         fresh = results(self.store, lab, resolve_commit(lab, champion), tasks)
         chosen = results(self.store, lab, commit, tasks)
         g = self.generation(base_commit)  # the champion's generation is one more than its baseline's
-        seeds = list(self.fresh_seeds(g + 1))
+        seeds = list(self.fresh_seeds(g + 1, replicated))
         # selected on: the look's runs, and the replication's (the first seeds of the champion's block)
         picked = [*challenger_seeds(look, g), *seed_block(g + 1)[: seeds[0] - seed_block(g + 1)[0]]]
         if any(s not in fresh.get(t, {}) for t in tasks for s in seeds):

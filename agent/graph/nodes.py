@@ -12,14 +12,14 @@ from agent.errors import LLMError, LLMOutputError
 from agent.graph.context import build_context, proposal_context
 from agent.graph.implement import Implement
 from agent.graph.promotion import (base_moved, promote, queue_look, queue_rank, queue_refinement, queue_replication,
-                                    rebase, rebased_note, reverification)
+                                    rebase, rebased_note, replicated, reverification)
 from agent.graph.state import HOLD, LOOK, State
 from agent.graph.step import phase_of, verdict_of
 from agent.lifecycle import Decision, Review, ReviewAction, Status
 from agent.policy import Choice
 from agent.records import Hypothesis
 from agent import prompts
-from agent.verdicts import DecisionRecord, reverify_record
+from agent.verdicts import DecisionRecord, replicate_record, reverify_record
 from pipeline.api import Verdict, implausible, render_markdown
 
 def allowed_decisions(verdict: Verdict | None, look: int, looks: list[int], supervised: bool) -> list[Decision]:
@@ -105,8 +105,8 @@ class Nodes(Implement):
                             rationale_decision=rationale)
         fields: dict[str, Any] = {"decision": choice.decision, "rationale_decision": rationale,
                                   "follow_up": choice.follow_up or None}
-        if choice.decision in (Decision.PROMOTE, Decision.HOLD):  # its replication runs while it waits
-            queue_replication(svc, h)  # (the promote node judges it; none unless the lab asks for one)
+        if choice.decision in (Decision.PROMOTE, Decision.HOLD) and not base_moved(svc, h):
+            queue_replication(svc, h)  # its replication runs while it waits (the promote node judges it)
         if choice.decision == Decision.PROMOTE:
             return self._to(h, Status.PROMOTING, **fields)
         if choice.decision == Decision.HOLD:  # summarized first, then the hold node waits for a human
@@ -151,22 +151,24 @@ class Nodes(Implement):
         if base_moved(self.svc, h):
             update, fields = rebase(self.svc, h)
             return self._to(h, Status(update.pop("phase")), **update, **fields)
-        ids = queue_replication(self.svc, h)  # idempotent (queued at the decision); none unless asked for
+        # the replication (`[gate] replicate_runs`): judged once, against this base (a re-base moves the
+        # record aside), so a pass re-run after a crash carries out the same answer
+        svc = self.svc
+        r = replicate_record(svc.store, h.id)
+        ids = [] if r is not None else queue_replication(svc, h)  # idempotent: queued at the decision
         if ids:
-            if not self.svc.experiment.finished(ids):
+            r = svc.experiment.replication(h.base_commit, h.commit, record_as=str(h.id), look=h.look or 0)
+            if r is None:  # its runs are not all in (or the lab asks for more since): it waits for them
                 from langgraph.types import interrupt
 
                 interrupt({"kind": LOOK, "hypothesis_id": h.id, "look": h.look, "runs": ids, "replication": True})
                 return {}
-            r = self.svc.experiment.replication(h.base_commit, h.commit, record_as=str(h.id), look=h.look or 0)
-            if r is not None and not r["passed"]:
-                self.svc.records.event("replication", f"#{h.id} not promoted: {r['reason']}")
-                return self._to(h, Status.SUMMARIZING, decision=Decision.ABANDON,
-                                rationale_decision=f"Not promoted: the gate's improvement was {r['reason']}. "
-                                                   f"{h.rationale_decision or ''}".strip())
-            if r is not None:
-                self.svc.records.event("replication", f"#{h.id}: {r['reason']}")
-        fields = promote(self.svc, h)
+            svc.records.event("replication", f"#{h.id}: {r['reason']}")
+        if r is not None and not r["passed"]:
+            return self._to(h, Status.SUMMARIZING, decision=Decision.ABANDON,
+                            rationale_decision=f"Not promoted: the gate's improvement was {r['reason']}. "
+                                               f"{h.rationale_decision or ''}".strip())
+        fields = promote(svc, h)
         return {**self._to(h, Status.SUMMARIZING, **fields), "champion": fields.get("promoted_tag")}
 
     def _too_good(self, h: Hypothesis, verdict: Verdict | None) -> str | None:
@@ -226,7 +228,7 @@ class Nodes(Implement):
         tag = state.get("champion") or h.promoted_tag
         if not tag or reverify_record(svc.store, h.id) is not None:
             return {"champion": None}
-        ids = svc.experiment.queue_champion(tag, tag)  # idempotent: the runs `promote` queued
+        ids = svc.experiment.queue_champion(tag, tag, replicated=replicated(svc, h))  # idempotent: `promote`'s
         if not svc.experiment.finished(ids):
             from langgraph.types import interrupt
 

@@ -8,7 +8,7 @@ from typing import Any
 from agent.graph.state import Services, State
 from agent.lifecycle import Decision, Review, Status
 from agent.records import Hypothesis
-from agent.verdicts import rebases
+from agent.verdicts import rebases, replicate_record
 from agent.workspace import EditRejected, PromotionConflict, slugify
 
 def queue_refinement(svc: Services, h: Hypothesis, follow_up: str) -> Hypothesis:
@@ -36,8 +36,15 @@ def promote(svc: Services, h: Hypothesis) -> dict[str, Any]:
         new, tag = ws.promote(h.commit, f"promote hyp {h.id}: {h.title}", base=h.base_commit or "")
     except (PromotionConflict, EditRejected) as e:
         return {"decision": Decision.ABANDON, "rationale_decision": f"promotion refused: {e}"}
-    svc.experiment.queue_champion(new, tag)
+    svc.experiment.queue_champion(new, tag, replicated=replicated(svc, h))
     return {"promoted_tag": tag}
+
+
+def replicated(svc: Services, h: Hypothesis) -> int:
+    """On how many fresh seeds per task the hypothesis's promotion was replicated (0: it was not):
+    its champion re-verifies on the seeds after those, whatever `replicate_runs` says since."""
+    r = replicate_record(svc.store, h.id)
+    return len(r["seeds"]) if r else 0
 
 
 def base_moved(svc: Services, h: Hypothesis) -> bool:
@@ -122,7 +129,8 @@ def rebased_note(svc: Services, h: Hypothesis) -> str:
 
 def reverification(svc: Services, h: Hypothesis) -> dict[str, Any] | None:
     """How the champion of a promotion held up on its fresh baseline seeds (None until they are in)."""
-    return svc.experiment.reverification(h.promoted_tag, h.commit, h.base_commit, h.look or 0)
+    return svc.experiment.reverification(h.promoted_tag, h.commit, h.base_commit, h.look or 0,
+                                         replicated=replicated(svc, h))
 
 
 def queue_rank(h: Hypothesis) -> int:

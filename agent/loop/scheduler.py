@@ -163,7 +163,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
                     after = self.advance(h)
                     moved |= (after.status, after.look, after.verdict, after.title) != (h.status, h.look, h.verdict,
                                                                                          h.title)
-                    if after.status == Status.MEASURING:
+                    if after.status in (Status.MEASURING, Status.PROMOTING):  # a look's runs, a replication's
                         waiting[after.id] = self.pending_runs(after)
                 waiting = {hid: ids for hid, ids in waiting.items() if ids}
                 if not waiting:

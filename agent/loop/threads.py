@@ -11,7 +11,7 @@ from langgraph.types import Command
 from sqlalchemy.exc import OperationalError
 
 from agent.errors import AgentError, LLMError
-from agent.graph import HOLD, LOOK, give_up, reverification_message, thread_input
+from agent.graph import HOLD, LOOK, base_moved, give_up, reverification_message, thread_input
 from agent.lifecycle import Review, ReviewAction, Status
 from agent.records import Hypothesis
 from agent.verdicts import reverify_record
@@ -104,9 +104,11 @@ class Threads:
             waits = self.waits_for(h, snap) or {}
             if waits.get("kind") == LOOK:
                 # a noise study the lab no longer asks for (`noise_runs = 0` since the checkpoint) is not waited on
-                # nor a replication (`replicate_runs = 0` since)
+                # nor a replication the lab no longer asks for (`replicate_runs = 0` since) or one against a
+                # base that moved meanwhile (its promote node re-bases it)
                 done = ((waits.get("noise_study") and not self.svc.experiment.wants_noise_study())
-                        or (waits.get("replication") and not self.svc.experiment.wants_replication())
+                        or (waits.get("replication") and (not self.svc.experiment.wants_replication()
+                                                          or base_moved(self.svc, self.records.get(h.id))))
                         or self.svc.experiment.finished(list(waits.get("runs", []))))
                 return Command(resume="finished") if done else NOTHING
             answer = {Review.APPROVED: ReviewAction.APPROVE, Review.REJECTED: ReviewAction.REJECT}.get(self.records.get(h.id).review)
