@@ -172,6 +172,7 @@ class Rule:
     stream: str | None = None  # the rule whose noise stream (and hypotheses) it shares: common random numbers
     confirm: int = 0  # a promotion first confirmed on this many fresh pairs per task (horizontal mean Δ > 0)
     confirm_p: float | None = None  # ... by a one-sided t test at this level instead (pooled over tasks)
+    confirm_gate: bool = False  # ... by the product's test (`[gate] replicate_runs`): the gate at one look, level confirm_p
 
 
 RULES = (
@@ -192,6 +193,11 @@ RULES = (
          stream="paired", confirm=2),
     Rule("paired-confirm2-t10", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01,
          stream="paired", confirm=2, confirm_p=0.10),
+    # opt-in: the product's replication step, `[gate] replicate_runs = 2` (the gate's horizontal test at
+    # one look of the fresh pairs, at `replicate_alpha` 0.10; its bound from the baseline's and the
+    # earlier arms' runs, as `Experiment.replication` builds it)
+    Rule("paired-replicate2", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01,
+         stream="paired", confirm=2, confirm_p=0.10, confirm_gate=True),
 )
 LOND_FDR = 0.05  # `[gate] fdr`: the stream's false discovery rate under `online_fdr = "lond"`
 STREAMS = [r.name for r in RULES if r.stream is None]  # noise streams: a rule's index here (the peers' follow)
@@ -423,6 +429,38 @@ def replicated(fresh: np.ndarray, p: float | None) -> np.ndarray:
     return t > stats.t.ppf(1 - p, df)
 
 
+def replicated_by_gate(rule: Rule, candidate: np.ndarray, mu: np.ndarray, effect: np.ndarray, sigma: np.ndarray,
+                       confirm_b: np.ndarray, confirm_u: np.ndarray, base: np.ndarray, depth: np.ndarray,
+                       arm_hist: np.ndarray) -> np.ndarray:
+    """The product's replication test (`Experiment.replication`) for each campaign whose gate granted a
+    promotion: `pipeline.gate.evaluate` at one look of the `rule.confirm` fresh pairs, level
+    `rule.confirm_p`, σ_task from the baseline's own runs (its first `depth` seeds) and the bound from
+    the earlier arms (`arm_hist`), metric units."""
+    from pipeline.gate import evaluate
+    from pipeline.gate.inputs import GateConfig
+    from pipeline.gate.replication import from_gate
+
+    cfg = GateConfig(protocol="paired", baseline_runs=rule.baseline_runs, looks=rule.looks, alpha=rule.alpha,
+                     horizontal_trim=rule.trim).model_dump()
+    cfg.update(alpha=rule.confirm_p, looks=[rule.confirm])
+    out = np.zeros(candidate.shape[0], bool)
+    s = sigma[None, :, None]
+    fresh_b = mu[..., None] + s * confirm_b
+    fresh_c = mu[..., None] + effect[..., None] + s * confirm_u
+    for i in np.flatnonzero(candidate):
+        J = base.shape[1]
+        arms = [{f"t{j}": [float(v) for v in arm_hist[i, a, j] if np.isfinite(v)] for j in range(J)}
+                for a in range(arm_hist.shape[1]) if np.isfinite(arm_hist[i, a]).sum() >= 2 * J]
+        tasks = [{"task": f"t{j}", "baseline": [float(v) for v in fresh_b[i, j]],
+                  "challenger": [float(v) for v in fresh_c[i, j]],
+                  "history": [float(v) for v in base[i, j, : depth[i]]] + [float(v) for v in fresh_b[i, j]]}
+                 for j in range(J)]
+        inp = {"config": cfg, "tasks": tasks, "pair_history": [], "arm_history": arms, "looks_done": [],
+               "at_look": True}
+        out[i] = from_gate(evaluate(inp), list(range(rule.confirm)), float(rule.confirm_p or 0.1), "x")["passed"]
+    return out
+
+
 def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int, sigma: np.ndarray,
              rule_index: int = 0, fresh_seeds: bool = False, pair: np.ndarray | None = None,
              prior: Prior = PRIOR, alphas: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
@@ -515,8 +553,12 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
                 # champion's first baseline runs (counted below as its first look's), lost only where it
                 # is not confirmed
                 c = rule.confirm
-                fresh = effect[..., None] / sigma[None, :, None] + (confirm_u - confirm_b)  # (B, J, c), σ units
-                promote &= replicated(fresh, rule.confirm_p)
+                if rule.confirm_gate:
+                    promote &= replicated_by_gate(rule, promote, mu, effect, sigma, confirm_b, confirm_u, base,
+                                                  np.maximum(depth, np.maximum(looks[k_stop], 2)), arm_hist)
+                else:
+                    fresh = effect[..., None] / sigma[None, :, None] + (confirm_u - confirm_b)  # (B, J, c), σ units
+                    promote &= replicated(fresh, rule.confirm_p)
                 runs_base += c * candidate
                 spent = spent + c * (candidate & ~promote)
             seen = (path.task_delta[np.arange(B), k_stop] / sigma).mean(axis=1)
