@@ -82,7 +82,13 @@ def compute_line(svc: Any, h: Hypothesis) -> str:
     cpu = sum((e.cpu_s or 0.0) for e in execs if not StageOutcome(e.outcome).is_served())
     done = sum(r.status == RunStatus.DONE for r in runs)
     failed = sum(r.status == RunStatus.FAILED for r in runs)
-    return f"{len(runs)} challenger runs ({done} done, {failed} failed), {cpu:.0f} CPU s"
+    line = f"{len(runs)} challenger runs ({done} done, {failed} failed), {cpu:.0f} CPU s"
+    rep = replicate_record(svc.store, h.id)
+    if rep is not None:  # its promotion's replication: both arms on the next block's first seeds
+        fresh = set(rep["seeds"])
+        both = [r for c in (h.commit, h.base_commit) if c for r in svc.store.runs(commit=c) if r.seed in fresh]
+        line += f"; its replication {len(both)} runs of both arms on {len(fresh)} fresh seeds"
+    return line
 
 
 # ----------------------------------------------------------------------------- number integrity

@@ -354,6 +354,7 @@ def test_in_the_graph_a_lucky_gain_waits_and_is_abandoned_a_real_one_is_promoted
         h2 = loop.advance(h2)
         assert (h2.status, h2.decision, h2.promoted_tag) == ("done", "promote", "baseline/v1"), h2
         assert "**Replication** (1000, 1001): replicated on 2 fresh seeds" in h2.summary_md
+        assert "its replication 8 runs of both arms on 2 fresh seeds" in h2.summary_md  # 2 tasks × 2 seeds × 2
         h3 = _to_promotion(loop, GAIN5, GAIN5_2)  # against #2's champion, whose first runs are its replication's
         assert {r.seed for r in loop.store.runs(loop.pending_runs(h3))} == {2000, 2001}
     finally:
