@@ -173,6 +173,7 @@ class Rule:
     confirm: int = 0  # a promotion first confirmed on this many fresh pairs per task (horizontal mean Δ > 0)
     confirm_p: float | None = None  # ... by a one-sided t test at this level instead (pooled over tasks)
     confirm_gate: bool = False  # ... by the product's test (`[gate] replicate_runs`): the gate at one look, level confirm_p
+    confirm_own: bool = False  # ... by a t of the fresh per-seed horizontal values on this hypothesis's own spread
 
 
 RULES = (
@@ -198,6 +199,10 @@ RULES = (
     # earlier arms' runs, as `Experiment.replication` builds it)
     Rule("paired-replicate2", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01,
          stream="paired", confirm=2, confirm_p=0.10, confirm_gate=True),
+    # opt-in: the same step, its variance the per-seed horizontal spread of this hypothesis's own pairs
+    # (the decisive look's and the fresh ones: `replication.own_spread_test`)
+    Rule("paired-replicate2-own", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20,
+         alpha=0.01, stream="paired", confirm=2, confirm_p=0.10, confirm_own=True),
 )
 LOND_FDR = 0.05  # `[gate] fdr`: the stream's false discovery rate under `online_fdr = "lond"`
 STREAMS = [r.name for r in RULES if r.stream is None]  # noise streams: a rule's index here (the peers' follow)
@@ -553,7 +558,17 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
                 # champion's first baseline runs (counted below as its first look's), lost only where it
                 # is not confirmed
                 c = rule.confirm
-                if rule.confirm_gate:
+                if rule.confirm_own:
+                    from pipeline.gate.replication import own_spread_test
+                    from pipeline.gate.stats import paired_horizontal
+
+                    fresh_h = paired_horizontal(effect[..., None] + sigma[None, :, None] * (confirm_u - confirm_b),
+                                                np.broadcast_to(sigma, (B, J)), rule.trim)
+                    for i in np.flatnonzero(promote):
+                        m = int(looks[k_stop[i]])
+                        look_h = paired_horizontal(chal[i, :, :m] - base[i, :, :m], sigma, rule.trim)
+                        promote[i] = own_spread_test(look_h, fresh_h[i], float(rule.confirm_p or 0.1))[4]
+                elif rule.confirm_gate:
                     promote &= replicated_by_gate(rule, promote, mu, effect, sigma, confirm_b, confirm_u, base,
                                                   np.maximum(depth, np.maximum(looks[k_stop], 2)), arm_hist)
                 else:

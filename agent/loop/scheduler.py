@@ -111,7 +111,8 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
         if not in_flight or slots <= first:
             return not in_flight
         counts = self.store.queue_counts()
-        coming = sum(1 for h in in_flight if h.status != Status.MEASURING)  # not queued yet: a first look each
+        # not queued yet: a first look each (a promotion waiting for its replication has its runs queued)
+        coming = sum(1 for h in in_flight if h.status not in (Status.MEASURING, Status.PROMOTING))
         return in_flight_room(slots, first, len(in_flight), counts["queued"] + counts["running"] + coming * first)
 
     def run(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ a baseline run that fails leaves its pair out, and with no pair left there is no
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
@@ -66,6 +67,33 @@ def from_gate(result: GateResult, seeds: list[int], alpha: float, metric: str) -
         out["reason"] = (f"{'replicated' if out['passed'] else 'not replicated'} on {n} fresh seeds: horizontal "
                          f"Δ {hz.delta:+.3f}σ, t {hz.t:.2f} against {hz.boundary:.2f} (one-sided at {alpha:g})")
     return out
+
+
+def own_spread_test(look_h: Any, fresh_h: Any, alpha: float) -> tuple[float, float | None, int, float | None, bool]:
+    """The replication's test on this hypothesis's own paired spread: the fresh seeds' per-seed
+    horizontal paired values (`fresh_h`, oriented) against 0, their variance pooled with that of the
+    decisive look's per-seed values (`look_h`: the same hypothesis, the same pairing and the same
+    shock shared across tasks at a seed), (m − 1) + (c − 1) df. (mean, t, df, critical, passed)."""
+    import numpy as np
+    from scipy import stats
+
+    look_h = np.asarray(look_h, dtype=float)
+    fresh_h = np.asarray(fresh_h, dtype=float)
+    look_h, fresh_h = look_h[np.isfinite(look_h)], fresh_h[np.isfinite(fresh_h)]
+    if fresh_h.size == 0:
+        return math.nan, None, 0, None, False
+    mean = float(fresh_h.mean())
+    df = max(look_h.size - 1, 0) + fresh_h.size - 1
+    if df < 1:
+        return mean, None, 0, None, False
+    ss = float(((look_h - look_h.mean()) ** 2).sum()) if look_h.size else 0.0
+    ss += float(((fresh_h - mean) ** 2).sum())
+    se = math.sqrt(ss / df / fresh_h.size)
+    crit = float(stats.t.ppf(1 - alpha, df))
+    if se == 0:
+        return mean, None, df, crit, mean > 0
+    t = mean / se
+    return mean, t, df, crit, t >= crit
 
 
 def untested(seeds: list[int], tasks: list[str], reason: str, alpha: float, metric: str) -> Replication:
