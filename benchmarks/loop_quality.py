@@ -172,8 +172,9 @@ class Rule:
     stream: str | None = None  # the rule whose noise stream (and hypotheses) it shares: common random numbers
     confirm: int = 0  # a promotion first confirmed on this many fresh pairs per task (horizontal mean Δ > 0)
     confirm_p: float | None = None  # ... by a one-sided t test at this level instead (pooled over tasks)
-    confirm_gate: bool = False  # ... by the product's test (`[gate] replicate_runs`): the gate at one look, level confirm_p
-    confirm_own: bool = False  # ... by a t of the fresh per-seed horizontal values on this hypothesis's own spread
+    confirm_gate: bool = False  # ... by the gate's horizontal test at one look of the fresh pairs, level confirm_p
+    confirm_own: bool = False  # ... by the product's (`[gate] replicate_runs`): the fresh per-seed horizontal
+    # values on this hypothesis's own paired spread
 
 
 RULES = (
@@ -194,15 +195,16 @@ RULES = (
          stream="paired", confirm=2),
     Rule("paired-confirm2-t10", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01,
          stream="paired", confirm=2, confirm_p=0.10),
-    # opt-in: the product's replication step, `[gate] replicate_runs = 2` (the gate's horizontal test at
-    # one look of the fresh pairs, at `replicate_alpha` 0.10; its bound from the baseline's and the
-    # earlier arms' runs, as `Experiment.replication` builds it)
-    Rule("paired-replicate2", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01,
-         stream="paired", confirm=2, confirm_p=0.10, confirm_gate=True),
-    # opt-in: the same step, its variance the per-seed horizontal spread of this hypothesis's own pairs
-    # (the decisive look's and the fresh ones: `replication.own_spread_test`)
-    Rule("paired-replicate2-own", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20,
+    # opt-in: the product's replication step, `[gate] replicate_runs = 2`: the fresh per-seed horizontal
+    # values tested on this hypothesis's own paired spread (the decisive look's and the fresh pairs':
+    # `replication.own_spread_test`), level 0.10
+    Rule("paired-replicate2", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20,
          alpha=0.01, stream="paired", confirm=2, confirm_p=0.10, confirm_own=True),
+    # opt-in: the same step on the gate's unpaired bound (its horizontal test at one look of the fresh
+    # pairs, the bound from the baseline's and the earlier arms' runs): its level holds for any pairing,
+    # at most of its power
+    Rule("paired-replicate2-bound", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20,
+         alpha=0.01, stream="paired", confirm=2, confirm_p=0.10, confirm_gate=True),
 )
 LOND_FDR = 0.05  # `[gate] fdr`: the stream's false discovery rate under `online_fdr = "lond"`
 STREAMS = [r.name for r in RULES if r.stream is None]  # noise streams: a rule's index here (the peers' follow)
@@ -437,13 +439,12 @@ def replicated(fresh: np.ndarray, p: float | None) -> np.ndarray:
 def replicated_by_gate(rule: Rule, candidate: np.ndarray, mu: np.ndarray, effect: np.ndarray, sigma: np.ndarray,
                        confirm_b: np.ndarray, confirm_u: np.ndarray, base: np.ndarray, depth: np.ndarray,
                        arm_hist: np.ndarray) -> np.ndarray:
-    """The product's replication test (`Experiment.replication`) for each campaign whose gate granted a
-    promotion: `pipeline.gate.evaluate` at one look of the `rule.confirm` fresh pairs, level
-    `rule.confirm_p`, σ_task from the baseline's own runs (its first `depth` seeds) and the bound from
-    the earlier arms (`arm_hist`), metric units."""
+    """The replication on the gate's unpaired bound for each campaign whose gate granted a promotion:
+    `pipeline.gate.evaluate` at one look of the `rule.confirm` fresh pairs, level `rule.confirm_p`,
+    σ_task from the baseline's own runs (its first `depth` seeds) and the bound from the earlier arms
+    (`arm_hist`), metric units; passed where the horizontal t reaches the look's boundary."""
     from pipeline.gate import evaluate
     from pipeline.gate.inputs import GateConfig
-    from pipeline.gate.replication import from_gate
 
     cfg = GateConfig(protocol="paired", baseline_runs=rule.baseline_runs, looks=rule.looks, alpha=rule.alpha,
                      horizontal_trim=rule.trim).model_dump()
@@ -462,7 +463,8 @@ def replicated_by_gate(rule: Rule, candidate: np.ndarray, mu: np.ndarray, effect
                  for j in range(J)]
         inp = {"config": cfg, "tasks": tasks, "pair_history": [], "arm_history": arms, "looks_done": [],
                "at_look": True}
-        out[i] = from_gate(evaluate(inp), list(range(rule.confirm)), float(rule.confirm_p or 0.1), "x")["passed"]
+        hz = evaluate(inp).horizontal
+        out[i] = hz.t is not None and hz.boundary is not None and hz.t >= hz.boundary
     return out
 
 

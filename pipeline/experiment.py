@@ -298,13 +298,17 @@ class Experiment:
     def replication(self, base_commit: str, commit: str, *, record_as: str | None = None,
                     look: int = 0) -> Replication | None:
         """The replication's verdict (`pipeline.gate.replication`) once both arms' fresh runs are
-        finished (None before, and None when the lab asks for none): the gate's horizontal test at one
-        fixed-sample look of the fresh pairs, at `replicate_alpha`. Its prior is frozen: the earlier
-        comparisons' arms as at this comparison's first look, and the baseline's runs on its own block
-        finished before the replication was queued (σ_task). With `record_as`, it is recorded as that
-        key's gate record of kind `replicate` at `look` (replaced if judged again)."""
-        from pipeline.gate import evaluate
-        from pipeline.gate.replication import from_gate, untested
+        finished (None before, and None when the lab asks for none): the fresh seeds' per-seed
+        horizontal paired values (trimmed mean over tasks of Δ / σ_task) tested against 0 at
+        `replicate_alpha`, on the spread of this hypothesis's own per-seed values, those of its
+        decisive `look` (the gate's) pooled with the fresh ones. σ_task is the baseline's spread on
+        its own block, from runs finished before the replication was queued (no challenger's). With
+        `record_as`, it is recorded as that key's gate record of kind `replicate` at `look` (replaced
+        if judged again)."""
+        import numpy as np
+
+        from pipeline.gate.replication import own_spread_test, record, untested
+        from pipeline.gate.stats import paired_horizontal
 
         g = self.generation(base_commit)
         seeds = list(self.replication_seeds(base_commit, gen=g))
@@ -320,43 +324,41 @@ class Experiment:
         queued = min(r.queued_at or 0.0 for r in runs)
         block = seed_block(g)
         base_rows = self.store.results_for(base_sha, tasks)
-        chal_rows = self.store.results_for(sha, tasks)
-        own = [r for r in base_rows if r.seed in block and r.created_at < queued]
-        dataset = _one_dataset([r for r in base_rows if r.seed in seeds] + [r for r in chal_rows if r.seed in seeds])
-        base, chal = by_task(base_rows, tasks), by_task(chal_rows, tasks)
-        prior = {(r.task, r.seed) for r in own if dataset is None or r.dataset_id in (None, dataset)}
-        # a seed joins σ_task's runs on every task or on none (as at a look: `judge_look`)
-        full = {sd for sd in {sd for _, sd in prior} if all((t, sd) in prior and base.get(t, {}).get(sd) is not None
-                                                             for t in tasks)}
-        # a run finished without a result (an infrastructure failure past its retries) counts as failed,
-        # as at a look: a challenger's fails the replication, never skips it
-        failed = [f"{t} seed {s}" for t in tasks for s in seeds if chal.get(t, {}).get(s) is None]
-        short = [t for t in tasks if sum(base.get(t, {}).get(s) is not None for s in seeds) < 2]
+        dataset = _one_dataset([r for r in base_rows if r.seed in seeds])
+        base, chal = by_task(base_rows, tasks), by_task(self.store.results_for(sha, tasks), tasks)
         alpha, metric = cfg.gate.replicate_alpha, cfg.benchmark.metric
-        if failed or short:  # never a pass; the gate needs 2 baseline results a task besides
-            why = (f"a challenger run failed on a fresh seed ({', '.join(failed[:3])})" if failed else
-                   f"the baseline's fresh runs failed on {', '.join(short[:3])}: fewer than 2 pairs a task to test")
-            out = untested(seeds, tasks, why, alpha, metric)
+
+        def done(out: Replication) -> Replication:
             if record_as is not None:
                 self.store.put_gate_record(record_as, look, out, kind="replicate")
             return out
-        gate = cfg.gate.model_dump()
-        gate.update(alpha=cfg.gate.replicate_alpha, looks=[len(seeds)])
-        timed = self.store.comparisons_timed()
-        pair_history, arm_history = self.histories(tasks, exclude=(sha, base_sha), dataset=dataset, timed=timed)
-        inp = {
-            "config": gate,
-            "tasks": [{"task": t,
-                       "baseline": [base.get(t, {}).get(s) for s in seeds],
-                       "challenger": [chal.get(t, {}).get(s) for s in seeds],
-                       "history": [v for s, v in sorted(base.get(t, {}).items()) if s in seeds or s in full]}
-                      for t in tasks],
-            "pair_history": pair_history, "arm_history": arm_history, "looks_done": [], "at_look": True,
-        }
-        out = from_gate(evaluate(inp), seeds, alpha, metric)
-        if record_as is not None:
-            self.store.put_gate_record(record_as, look, out, kind="replicate")
-        return out
+
+        # a run finished without a result (an infrastructure failure past its retries) counts as failed,
+        # as at a look: a challenger's fails the replication, never skips it
+        failed = [f"{t} seed {s}" for t in tasks for s in seeds if chal.get(t, {}).get(s) is None]
+        if failed:
+            return done(untested(seeds, tasks, f"a challenger run failed on a fresh seed ({', '.join(failed[:3])})",
+                                 alpha, metric))
+        sigma = []
+        for t in tasks:  # σ_task: the baseline's own block, before the replication (no challenger's run)
+            v = [r.value for r in base_rows if r.task == t and r.seed in block and r.value is not None
+                 and r.created_at < queued and (dataset is None or r.dataset_id in (None, dataset))]
+            sigma.append(float(np.std(v, ddof=1)) if len(v) >= 2 else np.nan)
+        scale = np.array(sigma)
+        sign = 1.0 if cfg.benchmark.higher_is_better else -1.0
+
+        def diffs(on: list[int]) -> np.ndarray:
+            return sign * np.array([[np.nan if (c := chal.get(t, {}).get(s)) is None or (b := base.get(t, {}).get(s))
+                                     is None else c - b for s in on] for t in tasks], dtype=float).reshape(len(tasks), -1)
+
+        fresh, at_look = diffs(seeds), diffs(list(challenger_seeds(look, g)))
+        trim = cfg.gate.horizontal_trim
+        fresh_h, look_h = paired_horizontal(fresh, scale, trim), paired_horizontal(at_look, scale, trim)
+        if not np.isfinite(fresh_h).any():
+            return done(untested(seeds, tasks, "no fresh pair to test (the baseline's fresh runs failed, or no task "
+                                 "has a measured σ)", alpha, metric))
+        test = own_spread_test(look_h, fresh_h, alpha)
+        return done(record(seeds, tasks, sign * fresh, scale, test, alpha, metric))
 
     def finished(self, ids: list[int]) -> bool:
         return all(RunStatus(r.status).is_finished() for r in self.store.runs(ids))

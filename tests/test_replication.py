@@ -22,50 +22,51 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.unit
-def test_the_gate_test_holds_its_level_when_every_tasks_delta_moves_together_where_a_pooled_t_does_not() -> None:
+def test_the_test_holds_its_level_when_every_tasks_delta_moves_together_where_a_pooled_t_does_not() -> None:
     """benchmarks/replication.py, small: 2 fresh pairs on 8 tasks whose Δ share a seed-level shock
-    (ρ_task 0.8, a challenger that changes pretraining): the product's test (the gate's horizontal
-    test at one look) passes nulls near its nominal 0.10, a t that pools the spread within each task
-    as if tasks were independent (the simulator's rule) about three times as often; a 2σ gain passes
-    both most of the time."""
+    (ρ_task 0.8, a challenger that changes pretraining): the product's test (per-seed horizontal
+    values on the hypothesis's own spread) passes nulls near its nominal 0.10, a t that pools the
+    spread within each task as if tasks were independent (the simulator's first rule) about three
+    times as often; a 2σ gain passes most of the time."""
     import importlib.util
+
+    import numpy as np
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "replication.py"
     spec = importlib.util.spec_from_file_location("replication_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    import numpy as np
-
     rng = np.random.default_rng(7)
-    nulls = [bench.draw(rng, 8, 2, 0.8, 0.0, 0.0) for _ in range(300)]
-    gate = sum(bench.gate_test(*x) for x in nulls) / len(nulls)
-    pooled = sum(bench.pooled_test(*x) for x in nulls) / len(nulls)
-    assert gate <= 0.15 and pooled >= 0.2 and pooled > 2 * gate, (gate, pooled)
-    gains = [bench.draw(rng, 8, 2, 0.0, 0.5, 2.0) for _ in range(50)]
-    assert sum(bench.gate_test(*x) for x in gains) >= 45
+
+    def case(rho_task: float, rho_pair: float, effect: float):
+        own, base, chal = bench.draw(rng, 8, 2, rho_task, rho_pair, effect)
+        _, lb, lc = bench.draw(rng, 8, 5, rho_task, rho_pair, effect)
+        return own, base, chal, lc - lb
+
+    nulls = [case(0.8, 0.0, 0.0) for _ in range(400)]
+    own = sum(bench.own_test(*x) for x in nulls) / len(nulls)
+    pooled = sum(bench.pooled_test(*x[:3]) for x in nulls) / len(nulls)
+    assert own <= 0.15 and pooled >= 0.2 and pooled > 2 * own, (own, pooled)
+    gains = [case(0.0, 0.5, 2.0) for _ in range(50)]
+    assert sum(bench.own_test(*x) for x in gains) >= 45
 
 
 @pytest.mark.unit
-def test_the_record_passes_only_where_the_horizontal_t_reaches_the_boundary() -> None:
-    from pipeline.gate import evaluate
-    from pipeline.gate.inputs import GateConfig
-    from pipeline.gate.replication import from_gate, untested
+def test_the_record_passes_only_where_the_fresh_values_clear_the_hypothesis_own_spread() -> None:
+    import numpy as np
 
-    cfg = GateConfig(replicate_runs=2).model_dump()
-    cfg.update(alpha=0.10, looks=[2])
+    from pipeline.gate.replication import own_spread_test, record, untested
 
-    def judged(base: list[float], chal: list[float]):
-        tasks = [{"task": f"t{i}", "baseline": base, "challenger": [c + 0.001 * i for c in chal],
-                  "history": [0.5, 0.51, 0.49, 0.5, 0.52, *base]} for i in range(3)]
-        return from_gate(evaluate({"config": cfg, "tasks": tasks, "looks_done": [], "at_look": True}),
-                         [1000, 1001], 0.10, "auc")
-
-    gain = judged([0.5, 0.51], [0.6, 0.61])
-    assert gain["passed"] and gain["t"] >= gain["critical"] and gain["metric"] == "auc", gain
-    assert gain["reason"].startswith("replicated on 2 fresh seeds: horizontal Δ +")
-    assert [t["pairs"] for t in gain["tasks"]] == [2, 2, 2]
-    null = judged([0.5, 0.51], [0.51, 0.50])
-    assert not null["passed"] and null["reason"].startswith("not replicated on 2 fresh seeds"), null
+    look = np.array([1.0, 1.2, 0.8, 1.1, 0.9])  # the decisive look's per-seed horizontal values (σ units)
+    gain = own_spread_test(look, np.array([1.05, 0.95]), 0.10)
+    assert gain[4] and gain[2] == 5 and gain[0] == pytest.approx(1.0), gain  # (5 - 1) + (2 - 1) df
+    null = own_spread_test(look, np.array([0.1, -0.1]), 0.10)
+    assert not null[4] and null[0] == pytest.approx(0.0), null
+    assert not own_spread_test(np.array([]), np.array([3.0]), 0.10)[4]  # one value, no spread: never a pass
+    raw = np.array([[0.01, 0.012], [np.nan, 0.02]])
+    rec = record([1000, 1001], ["t1", "t2"], raw, np.array([0.01, 0.02]), gain, 0.10, "auc")
+    assert rec["passed"] and rec["reason"].startswith("replicated on 2 fresh seeds: horizontal Δ +1.000σ, t ")
+    assert [r["pairs"] for r in rec["tasks"]] == [2, 1] and rec["tasks"][0]["delta_sigma"] == pytest.approx(1.1)
     never = untested([1000, 1001], ["t1"], "the baseline's fresh runs failed on t1", 0.10, "auc")
     assert not never["passed"] and never["reason"] == "not replicated: the baseline's fresh runs failed on t1"
 
