@@ -323,9 +323,9 @@ class Experiment:
             return None
         queued = min(r.queued_at or 0.0 for r in runs)
         block = seed_block(g)
-        base_rows = self.store.results_for(base_sha, tasks)
-        dataset = _one_dataset([r for r in base_rows if r.seed in seeds])
-        base, chal = by_task(base_rows, tasks), by_task(self.store.results_for(sha, tasks), tasks)
+        base_rows, chal_rows = self.store.results_for(base_sha, tasks), self.store.results_for(sha, tasks)
+        dataset = _one_dataset([r for r in base_rows + chal_rows if r.seed in seeds])  # one line if the data moved
+        base, chal = by_task(base_rows, tasks), by_task(chal_rows, tasks)
         alpha, metric = cfg.gate.replicate_alpha, cfg.benchmark.metric
 
         def done(out: Replication) -> Replication:

@@ -63,6 +63,12 @@ def test_the_record_passes_only_where_the_fresh_values_clear_the_hypothesis_own_
     null = own_spread_test(look, np.array([0.1, -0.1]), 0.10)
     assert not null[4] and null[0] == pytest.approx(0.0), null
     assert not own_spread_test(np.array([]), np.array([3.0]), 0.10)[4]  # one value, no spread: never a pass
+    assert not own_spread_test(look, np.array([3.0, np.nan]), 0.10)[4]  # one fresh seed is no replication
+    assert not own_spread_test(np.array([0.5, 0.5]), np.array([0.5, 0.5]), 0.10)[4]  # seeds that do not vary
+    # fresh values alone (1 df: t 3.08 needed) do not clear their spread; with the look's 4 df more they do
+    alone = own_spread_test(np.array([]), np.array([0.3, 1.5]), 0.10)
+    pooled = own_spread_test(look, np.array([0.3, 1.5]), 0.10)
+    assert not alone[4] and alone[2] == 1 and pooled[4] and pooled[2] == 5, (alone, pooled)
     raw = np.array([[0.01, 0.012], [np.nan, 0.02]])
     rec = record([1000, 1001], ["t1", "t2"], raw, np.array([0.01, 0.02]), gain, 0.10, "auc")
     assert rec["passed"] and rec["reason"].startswith("replicated on 2 fresh seeds: horizontal Δ +1.000σ, t ")
@@ -356,6 +362,9 @@ def test_in_the_graph_a_lucky_gain_waits_and_is_abandoned_a_real_one_is_promoted
         assert (h2.status, h2.decision, h2.promoted_tag) == ("done", "promote", "baseline/v1"), h2
         assert "**Replication** (1000, 1001): replicated on 2 fresh seeds" in h2.summary_md
         assert "its replication 8 runs of both arms on 2 fresh seeds" in h2.summary_md  # 2 tasks × 2 seeds × 2
+        # its spread pools the decisive look's pairs with the fresh ones: (look − 1) + (2 − 1) df
+        (rec,) = loop.store.gate_records(str(h2.id), kind="replicate")
+        assert rec.look == h2.look == 5 and rec.payload["df"] == h2.look, rec.payload
         h3 = _to_promotion(loop, GAIN5, GAIN5_2)  # against #2's champion, whose first runs are its replication's
         assert {r.seed for r in loop.store.runs(loop.pending_runs(h3))} == {2000, 2001}
     finally:

@@ -14,16 +14,16 @@ the gate's horizontal test has it), their mean against 0, one-sided at `replicat
 spread of this hypothesis's own per-seed values: those of its decisive look (the gate's pairs) pooled
 with the fresh ones, (m − 1) + (c − 1) df. Per-seed values carry whatever shock the tasks share at a
 seed (a challenger that changes pretraining moves every task together at seed k: a t that pooled the
-spread within each task as if tasks were independent passes 18-29 % of nulls at a nominal 10 %), and
+spread within each task as if tasks were independent passes 26-30 % of nulls at a nominal 10 %), and
 this hypothesis's own pairs carry its own pairing (the gate's unpaired bound, which holds for any
 pairing, costs most of the power at 2 pairs: `benchmarks/replication.py`, `loop_quality.py --rules
-paired-replicate2 paired-replicate2-own`). The look's spread was selected on (a look crosses its
+paired-replicate2 paired-replicate2-bound`). The look's spread was selected on (a look crosses its
 boundary more easily where its pairs happen to agree), which loosens the level somewhat for exactly
 the nulls the step is for: the simulator measures it with the selection in.
 
 A challenger run that fails on a fresh seed fails the replication (a method that breaks on new seeds
-is not replicated); a baseline run that fails leaves its pair out, and with no pair left there is
-nothing replicated: never a pass.
+is not replicated); a baseline run that fails leaves its pair out, and with fewer than 2 fresh seeds
+left there is nothing replicated; per-seed values that do not vary measure no noise: never a pass.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def record(seeds: list[int], tasks: list[str], raw: Any, scale: Any, test: tuple
     n = len(seeds)
     if t is None and crit is None:
         reason = f"not replicated: too few pairs on the {n} fresh seeds for a spread"
+    elif t is None:
+        reason = f"not replicated: the per-seed values do not vary (no spread to test on, {n} fresh seeds)"
     else:
         what = "replicated" if passed else "not replicated"
         stat = f"t {t:.2f} against {crit:.2f}" if t is not None else "no spread"
@@ -91,8 +93,8 @@ def own_spread_test(look_h: Any, fresh_h: Any, alpha: float) -> tuple[float, flo
     look_h = np.asarray(look_h, dtype=float)
     fresh_h = np.asarray(fresh_h, dtype=float)
     look_h, fresh_h = look_h[np.isfinite(look_h)], fresh_h[np.isfinite(fresh_h)]
-    if fresh_h.size == 0:
-        return math.nan, None, 0, None, False
+    if fresh_h.size < 2:  # one fresh seed is no replication, whatever the look's df
+        return (float(fresh_h.mean()) if fresh_h.size else math.nan), None, 0, None, False
     mean = float(fresh_h.mean())
     df = max(look_h.size - 1, 0) + fresh_h.size - 1
     if df < 1:
@@ -101,8 +103,8 @@ def own_spread_test(look_h: Any, fresh_h: Any, alpha: float) -> tuple[float, flo
     ss += float(((fresh_h - mean) ** 2).sum())
     se = math.sqrt(ss / df / fresh_h.size)
     crit = float(stats.t.ppf(1 - alpha, df))
-    if se == 0:
-        return mean, None, df, crit, mean > 0
+    if se == 0:  # seeds that do not vary: nothing measured the noise (the plausibility hold's case)
+        return mean, None, df, crit, False
     t = mean / se
     return mean, t, df, crit, t >= crit
 
