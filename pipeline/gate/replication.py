@@ -14,7 +14,7 @@ the gate's horizontal test has it), their mean against 0, one-sided at `replicat
 spread of this hypothesis's own per-seed values: those of its decisive look (the gate's pairs) pooled
 with the fresh ones, (m − 1) + (c − 1) df. Per-seed values carry whatever shock the tasks share at a
 seed (a challenger that changes pretraining moves every task together at seed k: a t that pooled the
-spread within each task as if tasks were independent passes 26-30 % of nulls at a nominal 10 %), and
+spread within each task as if tasks were independent passes 25-31 % of nulls at a nominal 10 %), and
 this hypothesis's own pairs carry its own pairing (the gate's unpaired bound, which holds for any
 pairing, costs most of the power at 2 pairs: `benchmarks/replication.py`, `loop_quality.py --rules
 paired-replicate2 paired-replicate2-bound`). The look's spread was selected on (a look crosses its
