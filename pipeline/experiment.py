@@ -31,7 +31,8 @@ lucky seeds it was selected on (with deterministic training a no-op of the champ
 champion's runs exactly: Δ = 0, never promoted). With `[gate] replicate_runs` a promotion is first
 replicated on the first seeds of the next block (both arms): the champion's runs there are its
 replication's, which it passed, so its first challengers pair with seeds it was selected on (a bias
-against them: conservative), and it re-verifies on the seeds after those. Every (challenger, baseline) pair is recorded
+against them: conservative), and it re-verifies on the seeds after those. Every (challenger,
+baseline) pair is recorded
 (`Comparison`): their paired differences are the lab's history, the prior of the paired test's
 variance. The two-sample protocols (`sequential`, `fixed`) run every baseline seed up front and
 ignore the pairing (conservative where the arms share a shock).
@@ -348,8 +349,14 @@ class Experiment:
         sign = 1.0 if cfg.benchmark.higher_is_better else -1.0
 
         def diffs(on: list[int]) -> np.ndarray:
-            return sign * np.array([[np.nan if (c := chal.get(t, {}).get(s)) is None or (b := base.get(t, {}).get(s))
-                                     is None else c - b for s in on] for t in tasks], dtype=float).reshape(len(tasks), -1)
+            """Oriented Δ (tasks, seeds), NaN where either arm has no result."""
+            out = np.full((len(tasks), len(on)), np.nan)
+            for i, t in enumerate(tasks):
+                for j, s in enumerate(on):
+                    c, b = chal.get(t, {}).get(s), base.get(t, {}).get(s)
+                    if c is not None and b is not None:
+                        out[i, j] = sign * (c - b)
+            return out
 
         fresh, at_look = diffs(seeds), diffs(list(challenger_seeds(look, g)))
         trim = cfg.gate.horizontal_trim
@@ -524,14 +531,16 @@ class Experiment:
         the block before)."""
         self.store.mark_baseline(resolve_commit(self.lab, commit))
         g = self.generation(commit)
-        seeds = range(seed_block(g).start, self.fresh_seeds(g, replicated).stop)  # its replication's, then fresh ones
+        seeds = range(seed_block(g).start, self.fresh_seeds(g, replicated).stop)  # its replication's, its fresh
         return ensure_runs(self.store, self.lab, commit, self.lab.tasks(), seeds, label=label)
 
     def fresh_seeds(self, gen: int, replicated: int | None = None) -> range:
         """The seeds a champion of generation `gen` re-verifies on: its first look's lazy baseline
         seeds, after the `replicated` ones its promotion was replicated on (it was selected on those
         too; None: as many as the lab asks for now)."""
-        c = (self.lab.config.gate.replicate_runs if self.wants_replication() else 0) if replicated is None else replicated
+        if replicated is None:
+            replicated = self.lab.config.gate.replicate_runs if self.wants_replication() else 0
+        c = replicated
         n = self.protocol().baseline_runs_at(self.lab.config.gate.looks[0], self.lab.config.gate.baseline_runs)
         return seed_block(gen)[c: c + n]
 

@@ -141,10 +141,11 @@ class Nodes(Implement):
         from its first look; only a hypothesis compared with the current head is promoted, and that
         is a fast-forward. With `[gate] replicate_runs` it is first replicated on fresh seeds: the
         thread waits here (an interrupt) for the runs the decision queued, and a gain that is not
-        there again is an abandon with the reason (`Experiment.replication`). Promotions are one at a time: one driver per lab (its lease), and the
-        driver advances its threads one after another in its own thread (`graph.invoke` returns only
-        when a thread stops), so no two promote nodes run at once; `Workspace.promote` moves the
-        baseline branch only from the head it read (`git update-ref NEW OLD`) besides."""
+        there again is an abandon with the reason (`Experiment.replication`). Promotions are one at
+        a time: one driver per lab (its lease), and the driver advances its threads one after
+        another in its own thread (`graph.invoke` returns only when a thread stops), so no two
+        promote nodes run at once; `Workspace.promote` moves the baseline branch only from the head
+        it read (`git update-ref NEW OLD`) besides."""
         h = self.svc.records.get(state["hypothesis_id"])
         if h.promoted_tag:  # promoted by a pass that died before its checkpoint
             return {**self._to(h, Status.SUMMARIZING), "champion": h.promoted_tag}

@@ -112,7 +112,8 @@ def own_spread_test(look_h: Any, fresh_h: Any, alpha: float) -> tuple[float, flo
 def untested(seeds: list[int], tasks: list[str], reason: str, alpha: float, metric: str) -> Replication:
     """A replication with nothing to test (the baseline's fresh runs failed): never a pass."""
     return {"seeds": list(seeds), "metric": metric,
-            "tasks": [{"task": t, "pairs": 0, "delta": None, "delta_sigma": None} for t in tasks], "mean": None, "t": None,
+            "tasks": [{"task": t, "pairs": 0, "delta": None, "delta_sigma": None} for t in tasks],
+            "mean": None, "t": None,
             "df": None, "critical": None, "alpha": alpha, "passed": False, "reason": f"not replicated: {reason}"}
 
 
