@@ -55,18 +55,23 @@ def sim_lab(root: Path, *, tasks: int = 2, sleep: float = 0.3, extra: str = "") 
     return root
 
 
+def effect_branches(root: Path, effects: dict[str, float]) -> Path:
+    """A branch per name off the baseline, each adding `effect_<name>.toml` with its effect (σ units)."""
+    for name, effect in effects.items():
+        git(root, "checkout", "-qb", name, "autoresearch/baseline")
+        (root / f"effect_{name}.toml").write_text(f"effect = {effect}\n")
+        git(root, "add", "-A")
+        git(root, "commit", "-qm", name)
+    git(root, "checkout", "-q", "main")
+    return root
+
+
 def test_a_look_queues_both_arms_at_its_priority_and_raises_a_queued_baseline_run(tmp_path: Path) -> None:
     from pipeline import experiment, labrepo
     from pipeline.experiment import Experiment
     from pipeline.lab import load_lab
 
-    root = sim_lab(tmp_path / "lab")
-    for name in ("a", "b"):
-        git(root, "checkout", "-qb", name, "autoresearch/baseline")
-        (root / f"effect_{name}.toml").write_text("effect = 1.0\n")
-        git(root, "add", "-A")
-        git(root, "commit", "-qm", name)
-    git(root, "checkout", "-q", "main")
+    root = effect_branches(sim_lab(tmp_path / "lab"), {"a": 1.0, "b": 1.0})
     lab = load_lab(root)
     store = experiment.open_store(lab)
     exp = Experiment(lab, store)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from support.lab import git
-from test_in_flight import sim_lab
+from support.lab import set_research
+from test_in_flight import effect_branches, sim_lab
 
 pytestmark = pytest.mark.integration
 
@@ -44,18 +44,8 @@ def test_noise_runs_default_to_five_within_the_baseline_and_a_bad_value_is_one_c
 def _lab(tmp_path: Path, old: str = "", new: str = "") -> Path:
     root = sim_lab(tmp_path / "lab", tasks=3)
     if old:
-        research = root / "research.toml"
-        assert old in research.read_text()
-        research.write_text(research.read_text().replace(old, new))
-        git(root, "commit", "-qam", "gate settings")
-        git(root, "branch", "-f", "autoresearch/baseline", "HEAD")
-    for name, effect in (("a", 1.0), ("b", 0.0)):
-        git(root, "checkout", "-qb", name, "autoresearch/baseline")
-        (root / f"effect_{name}.toml").write_text(f"effect = {effect}\n")
-        git(root, "add", "-A")
-        git(root, "commit", "-qm", name)
-    git(root, "checkout", "-q", "main")
-    return root
+        set_research(root, old, new)
+    return effect_branches(root, {"a": 1.0, "b": 0.0})
 
 
 def _finish(store, lab, commit: str, lift: float = 0.0, fail: tuple[tuple[str, int], ...] = (),

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.gate.online_fdr import gamma, lond_alpha
-from support.lab import git
-from test_in_flight import sim_lab
+from support.lab import set_research
+from test_in_flight import effect_branches, sim_lab
 
 pytestmark = pytest.mark.integration
 
@@ -36,16 +36,8 @@ def test_each_comparison_gets_its_level_once_and_the_stream_survives_a_restart(t
     from pipeline.store import Owner, Result
 
     root = sim_lab(tmp_path / "lab")
-    research = root / "research.toml"
-    research.write_text(research.read_text().replace("baseline_runs = 5", 'baseline_runs = 5\nonline_fdr = "lond"'))
-    git(root, "commit", "-qam", "the stream's FDR")
-    git(root, "branch", "-f", "autoresearch/baseline", "HEAD")
-    for name in ("a", "b"):
-        git(root, "checkout", "-qb", name, "autoresearch/baseline")
-        (root / f"effect_{name}.toml").write_text("effect = 1.0\n")
-        git(root, "add", "-A")
-        git(root, "commit", "-qm", name)
-    git(root, "checkout", "-q", "main")
+    set_research(root, "baseline_runs = 5", 'baseline_runs = 5\nonline_fdr = "lond"')
+    effect_branches(root, {"a": 1.0, "b": 1.0})
     lab = load_lab(root)
     assert lab.config.gate.online_fdr == "lond" and lab.config.gate.fdr == 0.05
     store = experiment.open_store(lab)

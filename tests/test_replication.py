@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from support.lab import git
-from test_in_flight import sim_lab
+from support.lab import set_research
+from test_in_flight import effect_branches, sim_lab
 
 pytestmark = pytest.mark.integration
 
@@ -95,17 +95,8 @@ def test_replicate_runs_is_off_by_default_paired_only_and_a_bad_value_is_one_cle
 def _lab(tmp_path: Path, extra: str = "replicate_runs = 2\n") -> Path:
     root = sim_lab(tmp_path / "lab", tasks=3)
     if extra:
-        research = root / "research.toml"
-        research.write_text(research.read_text().replace("[gate]\n", "[gate]\n" + extra))
-        git(root, "commit", "-qam", "gate settings")
-        git(root, "branch", "-f", "autoresearch/baseline", "HEAD")
-    for name in ("a", "b"):
-        git(root, "checkout", "-qb", name, "autoresearch/baseline")
-        (root / f"effect_{name}.toml").write_text("effect = 1.0\n")
-        git(root, "add", "-A")
-        git(root, "commit", "-qm", name)
-    git(root, "checkout", "-q", "main")
-    return root
+        set_research(root, "[gate]\n", "[gate]\n" + extra)
+    return effect_branches(root, {"a": 1.0, "b": 1.0})
 
 
 def _finish(store, lab, commit: str, lift: Callable[[int], float] = lambda seed: 0.0, same: int = 0) -> None:
@@ -248,10 +239,7 @@ def test_through_the_loop_a_lucky_gain_is_not_promoted_and_a_real_one_is(tmp_pat
     from pipeline.lab import load_lab
 
     root = sim_lab(tmp_path / "lab", tasks=3, sleep=0.05)
-    research = root / "research.toml"
-    research.write_text(research.read_text().replace("[gate]\n", "[gate]\nreplicate_runs = 2\n"))
-    git(root, "commit", "-qam", "replicate")
-    git(root, "branch", "-f", "autoresearch/baseline", "HEAD")
+    set_research(root, "[gate]\n", "[gate]\nreplicate_runs = 2\n")
     lucky = "\n".join(["effect = -1.0", "[seed]", *(f'"{s}" = 7.0' for s in range(5))]) + "\n"
     ids = []
     for i, (title, content) in enumerate((("lucky", lucky), ("real", "effect = 12.0\n")), start=1):
@@ -336,7 +324,7 @@ def test_in_the_graph_a_lucky_gain_waits_and_is_abandoned_a_real_one_is_promoted
     from test_agent_decide import plant
 
     from agent.mlflow_export import HYP_TAG
-    from support.lab import make_loop, set_research
+    from support.lab import make_loop
 
     set_research(lab, 'protocol = "sequential"', 'protocol = "paired"\nnoise_runs = 0\nreplicate_runs = 2')
     set_research(lab, "baseline_runs = 3", "baseline_runs = 5")
