@@ -365,7 +365,10 @@ class Experiment:
             return done(untested(seeds, tasks, "no fresh pair to test (the baseline's fresh runs failed, or no task "
                                  "has a measured σ)", alpha, metric))
         test = own_spread_test(look_h, fresh_h, alpha)
-        return done(record(seeds, tasks, sign * fresh, scale, test, alpha, metric))
+        out = record(seeds, tasks, sign * fresh, scale, test, alpha, metric)
+        if out["passed"] and cfg.gate.online_fdr == "lond":  # the stream's discovery: the gate's, replicated
+            self.store.fdr_discovered(sha, base_sha)
+        return done(out)
 
     def finished(self, ids: list[int]) -> bool:
         return all(RunStatus(r.status).is_finished() for r in self.store.runs(ids))
@@ -427,7 +430,8 @@ class Experiment:
             "at_look": True,
         }
         result = evaluate(inp)
-        if cfg.gate.online_fdr == "lond" and result.verdict is not None and result.verdict.value == "improvement":
+        if (cfg.gate.online_fdr == "lond" and result.verdict is not None and result.verdict.value == "improvement"
+                and not self.wants_replication()):  # with a replication step, a discovery is a replicated one
             self.store.fdr_discovered(sha, base_sha)
         if record_as is not None:
             self.store.put_gate_record(record_as, look, result)

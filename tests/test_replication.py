@@ -174,6 +174,42 @@ def test_a_gain_on_the_selected_seeds_only_is_not_replicated_and_a_steady_one_is
     store.dispose()
 
 
+def test_with_lond_a_discovery_of_the_stream_is_a_replicated_improvement(tmp_path: Path) -> None:
+    """`online_fdr = "lond"` beside `replicate_runs = 2`: the gate's `improvement` of a challenger whose
+    gain does not replicate is no discovery of the stream (it was not promoted, and must not raise the
+    next comparison's α); one that replicates is, once."""
+    from pipeline import experiment
+    from pipeline.experiment import Experiment
+    from pipeline.gate.online_fdr import lond_alpha
+    from pipeline.lab import load_lab
+
+    lab = load_lab(_lab(tmp_path, extra='replicate_runs = 2\nonline_fdr = "lond"\nalpha = 0.025\n'))
+    store = experiment.open_store(lab)
+    exp = Experiment(lab, store)
+    base = "autoresearch/baseline"
+    exp.noise_study(base)
+    _finish(store, lab, base)
+    for name in ("a", "b"):
+        exp.queue_look(base, name, 5)
+    _finish(store, lab, base)
+    _finish(store, lab, "a", lambda seed: 0.1 if seed < 1000 else 0.0)
+    _finish(store, lab, "b", lambda seed: 0.1)
+    for name in ("a", "b"):
+        assert exp.judge_look(base, name, 5).verdict.value == "improvement"
+    assert exp.stream()["tests"] == 2 and exp.stream()["discoveries"] == 0  # granted, not yet replicated
+    for name in ("a", "b"):
+        exp.queue_replication(base, name)
+    _finish(store, lab, base)
+    _finish(store, lab, "a", lambda seed: 0.1 if seed < 1000 else 0.0, same=1000)
+    _finish(store, lab, "b", lambda seed: 0.1)
+    assert not exp.replication(base, "a")["passed"]
+    assert exp.stream()["discoveries"] == 0
+    assert exp.replication(base, "b")["passed"] and exp.replication(base, "b")["passed"]  # judged twice: once
+    assert exp.stream() == {"procedure": "lond", "fdr": 0.05, "tests": 2, "discoveries": 1,
+                            "next_alpha": lond_alpha(3, 1, 0.05, 0.025)}
+    store.dispose()
+
+
 def test_a_challenger_run_lost_to_the_machine_fails_the_replication_never_skips_it(tmp_path: Path) -> None:
     """One of the challenger's replication runs ends as an infrastructure failure past its retries (run
     `failed`, no metric): the replication is judged once every run is finished, and that run counts

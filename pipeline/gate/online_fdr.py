@@ -14,7 +14,9 @@ tests and under positive dependence (PRDS: challengers share a baseline's runs),
 SAFFRON and ADDIS do not promise in general. A comparison keeps its α_i once given (a look's verdict
 is a function of the look), every look of it spends that α_i through the protocol's boundaries, a
 re-based hypothesis is a new comparison, and only the gate's verdict counts as a discovery: a
-human's approval of a held hypothesis adds nothing to D, and nothing is refunded.
+human's approval of a held hypothesis adds nothing to D, and nothing is refunded. With a replication
+step (`[gate] replicate_runs`) the test is the gate and the replication together: a discovery is an
+`improvement` that replicated (one that did not was not promoted, and does not raise the next α).
 
 The bookkeeping lives in the store (`FdrTest` rows: index, α_i, D before it, when it was found), so it
 survives restarts; `status` shows the tests, the discoveries and the α the next one would get.
