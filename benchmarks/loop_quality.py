@@ -114,7 +114,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.gate.online_fdr import lond_alpha  # noqa: E402
+from pipeline.gate.online_fdr import lond_alpha, lord_alpha  # noqa: E402
 from pipeline.gate.sim import LookPath, look_path  # noqa: E402
 from pipeline.gate.verdict import CODE, ORDER, Verdict  # noqa: E402
 
@@ -188,6 +188,8 @@ RULES = (
     # opt-in (`--rules`): the same gates under online FDR control, on their noise streams
     Rule("paired-lond", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01,
          online_fdr="lond", stream="paired"),
+    Rule("paired-lord", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, futility_p=0.20, alpha=0.01,
+         online_fdr="lord", stream="paired"),
     Rule("paired-0.025-lond", "paired", 10, (1, 2, 5, 10), 0.125, "block", lazy=True, online_fdr="lond",
          stream="paired-0.025"),
     # opt-in: the default gate, its promotions confirmed on 2 fresh pairs per task (a replication step)
@@ -508,6 +510,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
     improvement_code = CODE[Verdict.improvement]
     looks = np.asarray(rule.looks)
     found = np.zeros(B, int)  # online FDR: each campaign's discoveries so far
+    found_at: list[list[int]] = [[] for _ in range(B)]  # ... and the indices of the comparisons that made them
     alpha_sum = np.zeros(B)
 
     for h in range(hypotheses):
@@ -539,8 +542,13 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
                 alpha_sum += alpha
                 if alphas is not None:
                     alphas.append({"i": np.full(B, h + 1), "alpha": alpha, "discoveries": found.copy()})
+            elif rule.online_fdr == "lord":  # LORD++: each discovery earns wealth back (independence only)
+                alpha = np.array([lord_alpha(h + 1, taus, LOND_FDR, rule.alpha) for taus in found_at])
+                alpha_sum += alpha
+                if alphas is not None:
+                    alphas.append({"i": np.full(B, h + 1), "alpha": alpha, "discoveries": found.copy()})
             elif rule.online_fdr is not None:
-                raise ValueError(f"online_fdr {rule.online_fdr!r}: expected 'lond' or None")
+                raise ValueError(f"online_fdr {rule.online_fdr!r}: expected 'lond', 'lord' or None")
             with fast_boundaries(alpha is not None):
                 path = judge(rule, base, chal, depth, pair_hist, arm_hist, alpha)
             code, k_stop = path.first_stop()
@@ -551,6 +559,8 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
             ]) & ~held
             assert np.array_equal(promote, (code == improvement_code) & ~held)
             found += code == improvement_code
+            for i in np.flatnonzero(code == improvement_code):
+                found_at[i].append(h + 1)
             spent = looks[k_stop].astype(float)
             candidate = promote.copy()
             if rule.confirm:
@@ -621,7 +631,9 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
                                "alpha_mean": float(alpha_sum.mean() / hypotheses),
                                "discoveries_mean": float(found.mean()),
                                "next_alpha_mean": float(np.mean([
-                                   lond_alpha(hypotheses + 1, int(d), LOND_FDR, rule.alpha) for d in found]))}
+                                   lond_alpha(hypotheses + 1, int(d), LOND_FDR, rule.alpha) for d in found]
+                                   if rule.online_fdr == "lond" else
+                                   [lord_alpha(hypotheses + 1, t, LOND_FDR, rule.alpha) for t in found_at]))}
     return summary(rule, rho, campaigns, hypotheses, seeds, unit, prior, counts, runs_by_class, sigma, mu,
                    runs_chal, runs_base, measured, extra)
 

@@ -411,3 +411,55 @@ def test_in_the_graph_a_lucky_gain_waits_and_is_abandoned_a_real_one_is_promoted
         [e.experiment_id for e in client.search_experiments()], max_results=100) if HYP_TAG in r.data.tags}
     assert runs[str(h1.id)]["replication.passed"] == 0.0 and runs[str(h2.id)]["replication.passed"] == 1.0
     assert runs[str(h2.id)]["replication.t"] > 1.6 and "replication.t" not in runs[str(h3.id)]
+
+
+@pytest.mark.system
+def test_kill_9_while_a_promotion_waits_for_its_replication_then_restart_promotes_once(tmp_path: Path) -> None:
+    """`autoresearch run` SIGKILLed while a granted promotion waits for its replication runs (the
+    hypothesis `promoting`, runs on the fresh seeds 1000-1001 queued or running): the restart resumes
+    the thread, re-queues the orphaned runs, judges the replication once and promotes once; every run
+    of both arms on the fresh seeds exists once, with one result."""
+    import json
+
+    from support import cli
+    from support.lab import RunProcess, assert_runs_exactly_once, git, records
+
+    from pipeline import experiment
+    from pipeline.lab import load_lab
+
+    root = sim_lab(tmp_path / "lab", tasks=3, sleep=0.4)
+    set_research(root, "[gate]\n", "[gate]\nreplicate_runs = 2\n")
+    spec = tmp_path / "h.json"
+    spec.write_text(json.dumps({"title": "real", "edits": [{"path": "effect_h.toml", "content": "effect = 12.0\n"}]}))
+    out = cli(root, "seed", "--file", str(spec))
+    assert out.returncode == 0, out.stderr
+    hid = int(out.stdout.strip())
+    store = experiment.open_store(load_lab(root))
+    args = ("--offline", "--max-hypotheses", "1", "--workers", "2")
+
+    def waiting() -> bool:
+        fresh = [r for r in store.runs() if r.seed >= 1000]
+        return bool(fresh) and any(r.status in ("queued", "running") for r in fresh)
+
+    run = RunProcess(root, *args, tag="rep1")
+    try:
+        run.wait_until("the replication's runs", waiting, timeout=600, poll=0.02)
+        run.kill9()
+        h = records(root).get(hid)
+        assert h.status == "promoting" and h.verdict == "improvement" and not h.promoted_tag, (h.status, h.verdict)
+        assert not store.gate_records(str(hid), kind="replicate")
+        run = RunProcess(root, *args, tag="rep2")
+        assert run.wait(600) == 0, run.stderr()[-4000:]
+        assert f"#{hid} 'real': resuming (promoting)" in run.stderr(), run.stderr()[-3000:]
+    finally:
+        run.cleanup()
+    h = records(root).get(hid)
+    assert (h.status, h.decision, h.promoted_tag) == ("done", "promote", "baseline/v1"), h
+    assert len(store.gate_records(str(hid), kind="replicate")) == 1
+    assert store.gate_records(str(hid), kind="replicate")[0].payload["passed"]
+    assert git(root, "tag", "--list", "baseline/v*").split() == ["baseline/v1"]
+    counts = assert_runs_exactly_once(root)
+    fresh = sorted((r.commit, r.task, r.seed) for r in store.runs() if r.seed in (1000, 1001))
+    assert len(fresh) == 2 * 3 * 2 and len(set(fresh)) == len(fresh)
+    assert counts["running"] == 0
+    store.dispose()

@@ -39,3 +39,22 @@ def gamma(i: int) -> float:
 def lond_alpha(i: int, discoveries: int, fdr: float, cap: float) -> float:
     """The one-sided level of the i-th test given `discoveries` before it: never above `cap`."""
     return min(cap, fdr * gamma(i) * (discoveries + 1))
+
+
+def lord_alpha(i: int, discovered_at: list[int], fdr: float, cap: float, w0: float | None = None) -> float:
+    """LORD++ (Ramdas et al. 2017): the level of the i-th test given the indices τ_1 < τ_2 < ... (< i) of
+    the tests that were discoveries before it, with initial wealth `w0` (default fdr / 10, onlineFDR's):
+
+        α_i = γ_i·w0 + (fdr − w0)·γ_{i−τ_1} + fdr·Σ_{j≥2} γ_{i−τ_j},  never above `cap`.
+
+    Each discovery earns wealth back, so the level does not decay with i while discoveries keep coming
+    (LOND's does). Its FDR bound is proved for independent tests only, not for the positive dependence
+    that shared baselines create: measured, not assumed (benchmarks/loop_quality.py's `paired-lord`)."""
+    w0 = fdr / 10.0 if w0 is None else w0
+    if not 0 <= w0 <= fdr:
+        raise ValueError(f"LORD++'s initial wealth must be in [0, fdr], got {w0}")
+    earlier = [t for t in discovered_at if t < i]
+    level = gamma(i) * w0
+    for j, t in enumerate(sorted(earlier)):
+        level += (fdr - w0 if j == 0 else fdr) * gamma(i - t)
+    return min(cap, level)
