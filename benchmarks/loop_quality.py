@@ -212,6 +212,14 @@ LOND_FDR = 0.05  # `[gate] fdr`: the stream's false discovery rate under `online
 STREAMS = [r.name for r in RULES if r.stream is None]  # noise streams: a rule's index here (the peers' follow)
 
 
+def _floor2(x: float) -> float:
+    """x floored to 2 significant digits (0.002675 → 0.0026)."""
+    if x <= 0:
+        return x
+    e = math.floor(math.log10(x)) - 1
+    return round(math.floor(x / 10.0**e) * 10.0**e, 15)
+
+
 def stream_index(rule: Rule) -> int:
     """The index of `rule`'s noise stream: its own, or that of the rule it shares one with."""
     return STREAMS.index(rule.stream or rule.name)
@@ -543,7 +551,9 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
                 if alphas is not None:
                     alphas.append({"i": np.full(B, h + 1), "alpha": alpha, "discoveries": found.copy()})
             elif rule.online_fdr == "lord":  # LORD++: each discovery earns wealth back (independence only)
-                alpha = np.array([lord_alpha(h + 1, taus, LOND_FDR, rule.alpha) for taus in found_at])
+                # floored to 2 significant digits (a lower level keeps the guarantee): boundaries are
+                # calibrated once per level, and LORD's levels are as many as the discovery histories
+                alpha = np.array([_floor2(lord_alpha(h + 1, taus, LOND_FDR, rule.alpha)) for taus in found_at])
                 alpha_sum += alpha
                 if alphas is not None:
                     alphas.append({"i": np.full(B, h + 1), "alpha": alpha, "discoveries": found.copy()})

@@ -463,3 +463,56 @@ def test_kill_9_while_a_promotion_waits_for_its_replication_then_restart_promote
     assert len(fresh) == 2 * 3 * 2 and len(set(fresh)) == len(fresh)
     assert counts["running"] == 0
     store.dispose()
+
+
+@pytest.mark.system
+def test_supervised_a_held_promotion_reaches_the_reviewer_only_once_it_replicates(tmp_path: Path) -> None:
+    """`run --supervised` with `replicate_runs = 2`: every promotion is held for a human, and the hold
+    waits for the replication first. h1's gain was on its selection seeds only: abandoned with the
+    reason, no reviewer asked; h2's replicates: held, its summary carrying the replication; approved,
+    the next run promotes it without judging the replication again."""
+    import json
+
+    from support import cli
+    from support.lab import RunProcess, records
+
+    from pipeline import experiment
+    from pipeline.lab import load_lab
+
+    root = sim_lab(tmp_path / "lab", tasks=3, sleep=0.05)
+    set_research(root, "[gate]\n", "[gate]\nreplicate_runs = 2\n")
+    lucky = "\n".join(["effect = -1.0", "[seed]", *(f'"{s}" = 7.0' for s in range(5))]) + "\n"
+    ids = []
+    for i, (title, content) in enumerate((("lucky", lucky), ("real", "effect = 12.0\n")), start=1):
+        spec = tmp_path / f"h{i}.json"
+        spec.write_text(json.dumps({"title": title, "edits": [{"path": f"effect_h{i}.toml", "content": content}]}))
+        out = cli(root, "seed", "--file", str(spec))
+        assert out.returncode == 0, out.stderr
+        ids.append(int(out.stdout.strip()))
+    first = RunProcess(root, "--offline", "--supervised", "--max-hypotheses", "2", "--workers", "2", tag="sup1")
+    try:
+        assert first.wait(900) == 0, first.stderr()[-4000:]
+    finally:
+        first.cleanup()
+    rec = records(root)
+    h1, h2 = rec.get(ids[0]), rec.get(ids[1])
+    assert h1.status == "done" and h1.decision == "abandon" and not h1.promoted_tag, (h1.status, h1.decision)
+    assert h1.rationale_decision.startswith("Not promoted: the gate's improvement was not replicated"), h1.rationale_decision
+    assert (h2.status, h2.decision, h2.review) == ("held", "hold", "pending"), (h2.status, h2.decision, h2.review)
+    store = experiment.open_store(load_lab(root))
+    (r2,) = store.gate_records(str(ids[1]), kind="replicate")
+    assert r2.payload["passed"]
+    assert "replicated on 2 fresh seeds" in (root / "runs" / "summaries" / f"{ids[1]}.md").read_text()
+    said = first.stderr()
+    assert f"#{ids[1]} 'real'" in said and "held for review: the reviewer is asked once it replicates" in said, said[-3000:]
+    out = cli(root, "review", str(ids[1]), "--approve", "--comment", "replicated, go")
+    assert out.returncode == 0, out.stderr
+    second = RunProcess(root, "--offline", "--supervised", "--max-hypotheses", "1", "--workers", "2", tag="sup2")
+    try:
+        assert second.wait(600) == 0, second.stderr()[-4000:]
+    finally:
+        second.cleanup()
+    h2 = records(root).get(ids[1])
+    assert (h2.status, h2.decision, h2.promoted_tag) == ("done", "promote", "baseline/v1"), (h2.status, h2.decision)
+    assert [g.payload for g in store.gate_records(str(ids[1]), kind="replicate")] == [r2.payload]
+    store.dispose()

@@ -22,6 +22,8 @@ from agent import prompts
 from agent.verdicts import DecisionRecord, replicate_record, reverify_record
 from pipeline.api import Verdict, implausible, render_markdown
 
+WAITING = object()  # `Nodes._replication`: the thread waited for the replication's runs
+
 def allowed_decisions(verdict: Verdict | None, look: int, looks: list[int], supervised: bool) -> list[Decision]:
     """The gate bounds the agent: no promotion without `improvement`, escalation only to a planned look."""
     later = [n for n in looks if n > look]
@@ -118,13 +120,27 @@ class Nodes(Implement):
     # hold -------------------------------------------------------------------
     def hold(self, state: State) -> State:
         """A held promotion (`--supervised`, or too good to be true) waits here, as a LangGraph
-        interrupt in the thread's checkpoint, until `review --approve/--reject` resumes it."""
+        interrupt in the thread's checkpoint, until `review --approve/--reject` resumes it. With
+        `[gate] replicate_runs` it first waits for its replication (queued at the decision): a gain
+        that is not there again is abandoned without asking anyone, one that is reaches the reviewer
+        with the replication in its summary (an approval given meanwhile is kept)."""
         from langgraph.types import interrupt
 
-        h = self.svc.records.get(state["hypothesis_id"])
-        if not h.summary_md:  # the reviewer reads a summary, whatever path led here (summarize writes it)
-            from agent.summary import write_summary
+        from agent.summary import write_summary
 
+        h = self.svc.records.get(state["hypothesis_id"])
+        if not base_moved(self.svc, h):  # one whose base moved is re-based at `promote`, after the review
+            judged = replicate_record(self.svc.store, h.id) is not None
+            r = self._replication(h)
+            if r is WAITING:
+                return {}
+            if r is not None and not r["passed"]:
+                return self._not_replicated(h, r)
+            if r is not None and not judged:  # judged in this pass, perhaps one resumed from the runs' wait,
+                # whose answer the hold's own interrupt must not take for the reviewer's: asked in a pass of its own
+                write_summary(self.svc, h)
+                return {}
+        if not h.summary_md:  # the reviewer reads a summary, whatever path led here (summarize writes it)
             write_summary(self.svc, h)
         answer = interrupt({"kind": HOLD, "hypothesis_id": h.id, "reason": h.rationale_decision or ""})
         if answer == ReviewAction.APPROVE:
@@ -152,8 +168,19 @@ class Nodes(Implement):
         if base_moved(self.svc, h):
             update, fields = rebase(self.svc, h)
             return self._to(h, Status(update.pop("phase")), **update, **fields)
-        # the replication (`[gate] replicate_runs`): judged once, against this base (a re-base moves the
-        # record aside), so a pass re-run after a crash carries out the same answer
+        r = self._replication(h)
+        if r is WAITING:
+            return {}
+        if r is not None and not r["passed"]:
+            return self._not_replicated(h, r)
+        fields = promote(self.svc, h)
+        return {**self._to(h, Status.SUMMARIZING, **fields), "champion": fields.get("promoted_tag")}
+
+    def _replication(self, h: Hypothesis) -> Any:
+        """The promotion's replication (`[gate] replicate_runs`): its record, None when the lab asks
+        for none, or WAITING after the thread waited for its runs (an interrupt; the node returns and
+        its router brings it back). Judged once, against this base (a re-base moves the record
+        aside), so a pass re-run after a crash carries out the same answer."""
         svc = self.svc
         r = replicate_record(svc.store, h.id)
         ids = [] if r is not None else queue_replication(svc, h)  # idempotent: queued at the decision
@@ -163,14 +190,14 @@ class Nodes(Implement):
                 from langgraph.types import interrupt
 
                 interrupt({"kind": LOOK, "hypothesis_id": h.id, "look": h.look, "runs": ids, "replication": True})
-                return {}
+                return WAITING
             svc.records.event("replication", f"#{h.id}: {r['reason']}")
-        if r is not None and not r["passed"]:
-            return self._to(h, Status.SUMMARIZING, decision=Decision.ABANDON,
-                            rationale_decision=f"Not promoted: the gate's improvement was {r['reason']}. "
-                                               f"{h.rationale_decision or ''}".strip())
-        fields = promote(svc, h)
-        return {**self._to(h, Status.SUMMARIZING, **fields), "champion": fields.get("promoted_tag")}
+        return r
+
+    def _not_replicated(self, h: Hypothesis, r: dict[str, Any]) -> State:
+        return self._to(h, Status.SUMMARIZING, decision=Decision.ABANDON,
+                        rationale_decision=f"Not promoted: the gate's improvement was {r['reason']}. "
+                                           f"{h.rationale_decision or ''}".strip())
 
     def _too_good(self, h: Hypothesis, verdict: Verdict | None) -> str | None:
         if verdict != Verdict.improvement:

@@ -25,8 +25,9 @@ class Reporting:
                          f"{self.lab.config.gate.noise_runs} baseline runs per task ([gate] noise_runs)")
         elif h.status == Status.DONE and h.decision == Decision.REJECT:
             self.say(f"#{h.id} {h.title!r}: rejected ({h.reject_kind}): {h.reject_reason}")
-        elif h.status == Status.PROMOTING and (self.waits_for(h) or {}).get("replication"):
-            self.say(f"#{h.id} {h.title!r}: verdict {h.verdict}{self._evidence(h)}; its promotion waits for its "
+        elif h.status in (Status.PROMOTING, Status.HELD) and (self.waits_for(h) or {}).get("replication"):
+            held = " (held for review: the reviewer is asked once it replicates)" if h.status == Status.HELD else ""
+            self.say(f"#{h.id} {h.title!r}: verdict {h.verdict}{self._evidence(h)}; its promotion{held} waits for its "
                      f"replication, {self.lab.config.gate.replicate_runs} fresh seeds per task of both arms "
                      "([gate] replicate_runs)")
         elif h.status in (Status.DONE, Status.HELD):

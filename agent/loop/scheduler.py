@@ -112,7 +112,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
             return not in_flight
         counts = self.store.queue_counts()
         # not queued yet: a first look each (a promotion waiting for its replication has its runs queued)
-        coming = sum(1 for h in in_flight if h.status not in (Status.MEASURING, Status.PROMOTING))
+        coming = sum(1 for h in in_flight if h.status not in (Status.MEASURING, Status.PROMOTING, Status.HELD))
         return in_flight_room(slots, first, len(in_flight), counts["queued"] + counts["running"] + coming * first)
 
     def run(self) -> dict[str, Any]:
@@ -136,7 +136,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
                 self.guard()
                 if self.plateau() and self.stop.is_set():
                     break
-                in_flight = self.records.all(ACTIVE)
+                in_flight = self.records.all(ACTIVE) + self.replicating_holds()
                 while self.room_for_another(in_flight, driver.slots) and self.may_start():
                     h = self.next_hypothesis()
                     if h is None:
@@ -164,7 +164,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
                     after = self.advance(h)
                     moved |= (after.status, after.look, after.verdict, after.title) != (h.status, h.look, h.verdict,
                                                                                          h.title)
-                    if after.status in (Status.MEASURING, Status.PROMOTING):  # a look's runs, a replication's
+                    if after.status in (Status.MEASURING, Status.PROMOTING, Status.HELD):  # a look's, a replication's
                         waiting[after.id] = self.pending_runs(after)
                 waiting = {hid: ids for hid, ids in waiting.items() if ids}
                 if not waiting:

@@ -145,6 +145,11 @@ class Threads:
         for h in self.records.all((Status.HELD,)):
             self.advance(h)
 
+    def replicating_holds(self) -> list[Hypothesis]:
+        """Held hypotheses whose thread waits for its promotion's replication runs, before the
+        reviewer is asked (`Nodes.hold`): in flight for the loop, which runs their runs."""
+        return [h for h in self.records.all((Status.HELD,)) if (self.waits_for(h) or {}).get("replication")]
+
     def note_reverifications(self) -> None:
         """Resume the threads that wait, in their `reverify` node, for a new champion's fresh runs,
         once the runs are in; say how it held up. A thread an earlier version ended at the promotion
