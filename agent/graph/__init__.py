@@ -19,10 +19,12 @@ A thread waits in four places, each a LangGraph `interrupt()` kept in its checkp
   `Command(resume="finished")` once they are all in;
 - `hold`, for a human (`{"kind": "hold"}`): a held promotion (`--supervised`, or a result too
   good to be true); `review --approve/--reject` records the answer and the loop resumes the thread
-  with `Command(resume="approve"|"reject")`;
+  with `Command(resume="approve"|"reject")`. With a replication step it first waits there for the
+  replication's runs, as `promote` does (a pass that judges it ends; the human is asked in the next,
+  so the runs' "finished" is never read as the reviewer's answer);
 - `promote`, for the runs of a promotion's replication (`[gate] replicate_runs`; `{"kind": "look",
-  "replication": true, "runs": [...]}`): queued at the decision (so they run while a held one waits
-  for its reviewer), judged here; a promotion whose gain is not there again is abandoned;
+  "replication": true, "runs": [...]}`): queued at the decision, judged here (or at `hold`); a
+  promotion whose gain is not there again is abandoned;
 - `reverify`, after a promotion's summary, for the new champion's runs on fresh seeds
   (`{"kind": "look", "champion": tag, "runs": [...]}`); the thread ends when how it held up is
   recorded. The hypothesis is `done` (decided) while its thread waits there.
