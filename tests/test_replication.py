@@ -516,3 +516,48 @@ def test_supervised_a_held_promotion_reaches_the_reviewer_only_once_it_replicate
     assert (h2.status, h2.decision, h2.promoted_tag) == ("done", "promote", "baseline/v1"), (h2.status, h2.decision)
     assert [g.payload for g in store.gate_records(str(ids[1]), kind="replicate")] == [r2.payload]
     store.dispose()
+
+
+@pytest.mark.system
+def test_a_reviewer_who_rejects_a_held_promotion_before_it_replicates_ends_it_without_the_replication(
+        tmp_path: Path) -> None:
+    """`--supervised`: the loop killed while a held promotion waits for its replication runs; the
+    reviewer rejects it meanwhile (`review` lists it as soon as it is held); the restart abandons it at
+    its hold without judging the replication (no record), and promotes nothing."""
+    import json
+
+    from support import cli
+    from support.lab import RunProcess, git, records
+
+    from pipeline import experiment
+    from pipeline.lab import load_lab
+
+    root = sim_lab(tmp_path / "lab", tasks=3, sleep=0.4)
+    set_research(root, "[gate]\n", "[gate]\nreplicate_runs = 2\n")
+    spec = tmp_path / "h.json"
+    spec.write_text(json.dumps({"title": "real", "edits": [{"path": "effect_h.toml", "content": "effect = 12.0\n"}]}))
+    out = cli(root, "seed", "--file", str(spec))
+    assert out.returncode == 0, out.stderr
+    hid = int(out.stdout.strip())
+    store = experiment.open_store(load_lab(root))
+    args = ("--offline", "--supervised", "--max-hypotheses", "1", "--workers", "2")
+
+    def held_waiting() -> bool:
+        fresh = [r for r in store.runs() if r.seed >= 1000 and r.status in ("queued", "running")]
+        return bool(fresh) and records(root).get(hid).status == "held"
+
+    run = RunProcess(root, *args, tag="rej1")
+    try:
+        run.wait_until("the held promotion's replication runs", held_waiting, timeout=600, poll=0.02)
+        run.kill9()
+        out = cli(root, "review", str(hid), "--reject", "--comment", "not worth a replication")
+        assert out.returncode == 0, out.stderr
+        run = RunProcess(root, *args, tag="rej2")
+        assert run.wait(600) == 0, run.stderr()[-4000:]
+    finally:
+        run.cleanup()
+    h = records(root).get(hid)
+    assert (h.status, h.decision, h.promoted_tag) == ("done", "abandon", None), (h.status, h.decision)
+    assert not store.gate_records(str(hid), kind="replicate")
+    assert git(root, "tag", "--list", "baseline/v*") == ""
+    store.dispose()

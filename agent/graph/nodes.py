@@ -129,6 +129,8 @@ class Nodes(Implement):
         from agent.summary import write_summary
 
         h = self.svc.records.get(state["hypothesis_id"])
+        if h.review == Review.REJECTED:  # a reviewer who did not wait for the replication
+            return self._to(h, Status.SUMMARIZING, decision=Decision.ABANDON)
         if not base_moved(self.svc, h):  # one whose base moved is re-based at `promote`, after the review
             judged = replicate_record(self.svc.store, h.id) is not None
             r = self._replication(h)

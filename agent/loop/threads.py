@@ -106,9 +106,11 @@ class Threads:
                 # a noise study the lab no longer asks for (`noise_runs = 0` since the checkpoint) is not waited on
                 # nor a replication the lab no longer asks for (`replicate_runs = 0` since) or one against a
                 # base that moved meanwhile (its promote node re-bases it)
+                now = self.records.get(h.id)
                 done = ((waits.get("noise_study") and not self.svc.experiment.wants_noise_study())
                         or (waits.get("replication") and (not self.svc.experiment.wants_replication()
-                                                          or base_moved(self.svc, self.records.get(h.id))))
+                                                          or base_moved(self.svc, now)
+                                                          or now.review == Review.REJECTED))  # a held one
                         or self.svc.experiment.finished(list(waits.get("runs", []))))
                 return Command(resume="finished") if done else NOTHING
             answer = {Review.APPROVED: ReviewAction.APPROVE, Review.REJECTED: ReviewAction.REJECT}.get(self.records.get(h.id).review)
