@@ -518,6 +518,8 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
     improvement_code = CODE[Verdict.improvement]
     looks = np.asarray(rule.looks)
     found = np.zeros(B, int)  # online FDR: each campaign's discoveries so far
+    made, wrong = np.zeros(B), np.zeros(B)  # each campaign's promotions, and of them nulls and harms
+    false_codes = np.array([name in FALSE_CLASSES for name, _, _ in prior])
     found_at: list[list[int]] = [[] for _ in range(B)]  # ... and the indices of the comparisons that made them
     alpha_sum = np.zeros(B)
 
@@ -617,6 +619,8 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
             c[2] += int(promote[i] and spent[i] <= 2)
             runs_by_class[name] = runs_by_class.get(name, 0.0) + spent[i]
         measured += np.where(promote, seen, 0.0)
+        made += promote
+        wrong += promote & false_codes[cls]
         mu = np.where(promote[:, None], mu + effect, mu)
         if rule.protocol is None:
             best_seen = np.where(promote, value, best_seen)
@@ -635,7 +639,10 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
                 runs_base += promote * rule.baseline_runs
 
     extra: dict[str, Any] = {"in_flight": 1, "overlap": 0.0, "rebases_per_hypothesis": 0.0, "rebased_share": 0.0,
-                             "rebased_promoted": None, "span_per_hypothesis": float(runs_chal.mean() / hypotheses)}
+                             "rebased_promoted": None, "span_per_hypothesis": float(runs_chal.mean() / hypotheses),
+                             # the false discovery rate as online FDR procedures bound it: each campaign (one
+                             # lab's stream) its V / max(R, 1), averaged over campaigns
+                             "fdr_per_lab": float((wrong / np.maximum(made, 1)).mean())}
     if rule.online_fdr:
         extra["online_fdr"] = {"procedure": rule.online_fdr, "fdr": LOND_FDR, "cap": rule.alpha,
                                "alpha_mean": float(alpha_sum.mean() / hypotheses),
@@ -1234,7 +1241,7 @@ def fdp_table(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> str
     state it and its best variant at FDP ≤ `TARGET_FDP`; then every peer's threshold grid; then the
     default rule's verdicts. Without peers (no `--fdp`), the gate rules alone."""
     lines = []
-    cols = ("runs/hyp", "gain/1k", "FDP", "promoted", "h@0.25", "h@0.5", "h@1", "h@2", "null", "harm")
+    cols = ("runs/hyp", "gain/1k", "FDP", "FDR/lab", "promoted", "h@0.25", "h@0.5", "h@1", "h@2", "null", "harm")
     by_cell = {(v["prior"], v["rho"]): v for v in verdicts}
     for prior in dict.fromkeys(r["prior"] for r in rows):
         for rho in sorted({r["rho"] for r in rows if r["prior"] == prior}):
@@ -1243,7 +1250,9 @@ def fdp_table(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> str
             if not group:
                 continue
             floor = f"; peer thresholds t in σ_floor = {peers[0]['noise_floor']:.3f}σ" if peers else ""
-            lines.append(f"\nprior {prior}, ρ = {rho}: FDP = (nulls + harms + one-task harms promoted) ÷ all promoted; "
+            lines.append(f"\nprior {prior}, ρ = {rho}: FDP = (nulls + harms + one-task harms promoted) ÷ all promoted, "
+                         "pooled over campaigns; FDR/lab = each campaign's false ÷ max(its promotions, 1), averaged "
+                         "(the rate LOND bounds; — : not recorded); "
                          f"power = share of horizontal gains of 0.25/0.5/1/2σ promoted (— : none in this prior)"
                          + floor)
             lines.append(f"{'rule':<30}" + "".join(f"{c:>10}" for c in cols))
@@ -1251,7 +1260,7 @@ def fdp_table(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> str
             def line(r: dict[str, Any], note: str = "") -> str:
                 p = r["promoted"]
                 cells = [f"{r['runs_per_hypothesis']:>10.2f}", f"{r['true_gain_per_1000_runs']:>10.2f}",
-                         f"{_pct(r['fdp']):>10}", f"{r['promotions']:>10}"]
+                         f"{_pct(r['fdp']):>10}", f"{_pct(r.get('fdr_per_lab')):>10}", f"{r['promotions']:>10}"]
                 cells += [f"{p.get(k):>10.3f}" if p.get(k) is not None else f"{'—':>10}"
                           for k in ("horizontal@0.25", "horizontal@0.5", "horizontal@1", "horizontal@2", "null",
                                     "harm")]
