@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.gate.online_fdr import gamma, lond_alpha
+from pipeline.gate.online_fdr import gamma, lond_alpha, lord_alpha
 from support.lab import set_research
 from test_in_flight import effect_branches, sim_lab
 
@@ -27,6 +27,23 @@ def test_gamma_is_onlinefdrs_lond_sequence_and_alpha_grows_with_discoveries() ->
     assert all(gamma(i + 1) < gamma(i) for i in range(2, 50))
     assert lond_alpha(3, 2, 0.05, 0.025) == pytest.approx(3 * lond_alpha(3, 0, 0.05, 0.025))
     assert lond_alpha(1, 1000, 0.05, 0.025) == 0.025  # never looser than testing it alone
+
+
+def test_lord_plus_plus_levels_earn_wealth_back_at_each_discovery() -> None:
+    """LORD++ (opt-in in the benchmark only): α_i = γ_i·w0 + (fdr − w0)·γ_{i−τ1} + fdr·Σ_{j≥2} γ_{i−τj}."""
+    fdr, w0 = 0.05, 0.005  # onlineFDR's default w0 = fdr / 10
+    assert lord_alpha(7, [], fdr, 1.0) == pytest.approx(gamma(7) * w0)
+    # no discovery: the levels of the whole stream spend at most the initial wealth
+    assert sum(lord_alpha(i, [], fdr, 1.0) for i in range(1, 20000)) < w0
+    assert lord_alpha(7, [3], fdr, 1.0) == pytest.approx(gamma(7) * w0 + (fdr - w0) * gamma(4))
+    assert lord_alpha(7, [3, 5], fdr, 1.0) == pytest.approx(gamma(7) * w0 + (fdr - w0) * gamma(4) + fdr * gamma(2))
+    assert lord_alpha(7, [5, 3], fdr, 1.0) == lord_alpha(7, [3, 5], fdr, 1.0)  # the order they are given in
+    assert lord_alpha(4, [3, 9], fdr, 1.0) == lord_alpha(4, [3], fdr, 1.0)  # only discoveries before the test
+    # unlike LOND's, the level does not decay while discoveries keep coming
+    assert lord_alpha(1001, list(range(1, 1001, 10)), fdr, 1.0) > 5 * lond_alpha(1001, 100, fdr, 1.0)
+    assert lord_alpha(2, [1], fdr, 0.001) == 0.001  # never looser than the cap (the lab's alpha)
+    with pytest.raises(ValueError):
+        lord_alpha(3, [], fdr, 1.0, w0=0.06)
 
 
 def test_each_comparison_gets_its_level_once_and_the_stream_survives_a_restart(tmp_path: Path) -> None:

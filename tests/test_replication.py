@@ -436,10 +436,12 @@ def test_kill_9_while_a_promotion_waits_for_its_replication_then_restart_promote
     hid = int(out.stdout.strip())
     store = experiment.open_store(load_lab(root))
     args = ("--offline", "--max-hypotheses", "1", "--workers", "2")
+    rec = records(root)
 
-    def waiting() -> bool:
+    def waiting() -> bool:  # the decision queues the runs, then records `promoting`: both, before the kill
         fresh = [r for r in store.runs() if r.seed >= 1000]
-        return bool(fresh) and any(r.status in ("queued", "running") for r in fresh)
+        return (bool(fresh) and any(r.status in ("queued", "running") for r in fresh)
+                and rec.get(hid).status == "promoting")
 
     run = RunProcess(root, *args, tag="rep1")
     try:
@@ -559,5 +561,52 @@ def test_a_reviewer_who_rejects_a_held_promotion_before_it_replicates_ends_it_wi
     h = records(root).get(hid)
     assert (h.status, h.decision, h.promoted_tag) == ("done", "abandon", None), (h.status, h.decision)
     assert not store.gate_records(str(hid), kind="replicate")
+    assert git(root, "tag", "--list", "baseline/v*") == ""
+    store.dispose()
+
+
+@pytest.mark.system
+def test_a_held_promotion_whose_replication_wait_ends_unjudged_still_reaches_the_reviewer(tmp_path: Path) -> None:
+    """`--supervised`: the loop killed while a held promotion waits for its replication runs; the team
+    then commits `replicate_runs = 0` on the baseline (no replication asked, and the base moved). The
+    restart ends the runs' wait with no judgement; the hold's own question must not take that wait's
+    answer for the reviewer's: the hypothesis is still held for a human, not abandoned."""
+    import json
+
+    from support import cli
+    from support.lab import RunProcess, git, records
+
+    from pipeline import experiment
+    from pipeline.lab import load_lab
+
+    root = sim_lab(tmp_path / "lab", tasks=3, sleep=0.4)
+    set_research(root, "[gate]\n", "[gate]\nreplicate_runs = 2\n")
+    spec = tmp_path / "h.json"
+    spec.write_text(json.dumps({"title": "real", "edits": [{"path": "effect_h.toml", "content": "effect = 12.0\n"}]}))
+    out = cli(root, "seed", "--file", str(spec))
+    assert out.returncode == 0, out.stderr
+    hid = int(out.stdout.strip())
+    store = experiment.open_store(load_lab(root))
+    args = ("--offline", "--supervised", "--max-hypotheses", "1", "--workers", "2")
+    rec = records(root)
+
+    run = RunProcess(root, *args, tag="unj1")
+
+    def held_waiting() -> bool:  # its thread paused on the replication runs' wait (the loop says so), runs to come
+        fresh = [r for r in store.runs() if r.seed >= 1000 and r.status in ("queued", "running")]
+        return bool(fresh) and "the reviewer is asked once it replicates" in run.stderr()
+
+    try:
+        run.wait_until("the held promotion's replication runs", held_waiting, timeout=600, poll=0.02)
+        run.kill9()
+        set_research(root, "replicate_runs = 2\n", "replicate_runs = 0\n")
+        run = RunProcess(root, *args, tag="unj2")
+        assert run.wait(600) == 0, run.stderr()[-4000:]
+    finally:
+        run.cleanup()
+    h = rec.get(hid)
+    assert (h.status, h.decision, h.review, h.promoted_tag) == ("held", "hold", "pending", None), (h.status, h.decision)
+    assert not store.gate_records(str(hid), kind="replicate")
+    assert h.summary_md
     assert git(root, "tag", "--list", "baseline/v*") == ""
     store.dispose()

@@ -145,6 +145,12 @@ class Nodes(Implement):
         if not h.summary_md:  # the reviewer reads a summary, whatever path led here (summarize writes it)
             write_summary(self.svc, h)
         answer = interrupt({"kind": HOLD, "hypothesis_id": h.id, "reason": h.rationale_decision or ""})
+        if answer not in (ReviewAction.APPROVE, ReviewAction.REJECT):
+            # the answer to the replication runs' wait ("finished"), which a pass resumed from it reaches when
+            # that wait ended without a judgement here (its base moved, the lab asks for no replication since,
+            # or a crash after the judgement): no reviewer's; the reviewer is asked in a pass of its own
+            write_summary(self.svc, h)
+            return {}
         if answer == ReviewAction.APPROVE:
             return self._to(h, Status.PROMOTING, decision=Decision.PROMOTE)
         return self._to(h, Status.SUMMARIZING, decision=Decision.ABANDON)

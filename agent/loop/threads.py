@@ -110,7 +110,8 @@ class Threads:
                 done = ((waits.get("noise_study") and not self.svc.experiment.wants_noise_study())
                         or (waits.get("replication") and (not self.svc.experiment.wants_replication()
                                                           or base_moved(self.svc, now)
-                                                          or now.review == Review.REJECTED))  # a held one
+                                                          or (now.status == Status.HELD  # a held one rejected
+                                                              and now.review == Review.REJECTED)))
                         or self.svc.experiment.finished(list(waits.get("runs", []))))
                 return Command(resume="finished") if done else NOTHING
             answer = {Review.APPROVED: ReviewAction.APPROVE, Review.REJECTED: ReviewAction.REJECT}.get(self.records.get(h.id).review)
