@@ -122,7 +122,9 @@ class Outbox:
 
     def on_update(self, s: Any, before: dict[str, Any], h: Any) -> bool:
         staged = False
-        if h.status == Status.HELD and before["status"] != Status.HELD:
+        # a held hypothesis awaits its reviewer once its review is pending (after its replication, if it has one)
+        if h.status == Status.HELD and h.review == Review.PENDING and (before["status"], before["review"]) != (
+                Status.HELD, Review.PENDING):
             link = self._link(h)
             body = (f"{_hyp_line(h)} awaits review: verdict {h.verdict} at {h.look} runs.\n"
                     f"{h.rationale_decision or ''}\n"

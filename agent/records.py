@@ -208,7 +208,7 @@ class Records:
     def update(self, hid: int, **fields: Any) -> Hypothesis:
         with self.store.session() as s:
             h = s.get(Hypothesis, hid)
-            before = {k: getattr(h, k) for k in ("status", "decision", "promoted_tag")}
+            before = {k: getattr(h, k) for k in ("status", "decision", "promoted_tag", "review")}
             for k, v in fields.items():  # a `Status` or `Decision` is stored as its plain string
                 setattr(h, k, v.value if isinstance(v, Enum) else v)
             h.updated_at = now()

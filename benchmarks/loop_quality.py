@@ -168,7 +168,8 @@ class Rule:
     peer: str | None = None  # a peer's rule (`PEERS`, scored by `peer_campaign`), with its threshold (× σ_floor)
     threshold: float | None = None
     alpha: float = 0.025  # `[gate] alpha`: the one-sided level (with `online_fdr`, the cap on α_i)
-    online_fdr: str | None = None  # "lond": each comparison at α_i = lond_alpha(i, D, LOND_FDR, alpha)
+    online_fdr: str | None = None  # "lond": each comparison at α_i = lond_alpha(i, D, LOND_FDR, alpha); "lord":
+    # LORD++'s lord_alpha(i, τ, LOND_FDR, alpha), floored to 2 significant digits (opt-in, measured only)
     stream: str | None = None  # the rule whose noise stream (and hypotheses) it shares: common random numbers
     confirm: int = 0  # a promotion first confirmed on this many fresh pairs per task (horizontal mean Δ > 0)
     confirm_p: float | None = None  # ... by a one-sided t test at this level instead (pooled over tasks)
@@ -483,10 +484,11 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
              prior: Prior = PRIOR, alphas: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
     """Run `campaigns` independent campaigns of `hypotheses` each through one rule, vectorised over campaigns.
 
-    With `rule.online_fdr` ("lond"), each campaign is one lab's stream: its i-th hypothesis is its
-    i-th comparison (in flight 1, no re-bases), judged through the whole gate at
+    With `rule.online_fdr` ("lond" or "lord"), each campaign is one lab's stream: its i-th hypothesis
+    is its i-th comparison (in flight 1, no re-bases), judged through the whole gate at
     α_i = lond_alpha(i, D, LOND_FDR, rule.alpha), D the comparisons before it whose gate said
-    `improvement` (held ones included: the gate's verdict, as `Experiment.judge_look` books it).
+    `improvement` (held ones included: the gate's verdict, as `Experiment.judge_look` books it), or
+    at LORD++'s level given the indices τ of those comparisons.
     `alphas`, if a list, gets per comparison {"i", "alpha", "discoveries"} (arrays over campaigns)."""
     from agent.graph import allowed_decisions
 
@@ -650,7 +652,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
                                "next_alpha_mean": float(np.mean([
                                    lond_alpha(hypotheses + 1, int(d), LOND_FDR, rule.alpha) for d in found]
                                    if rule.online_fdr == "lond" else
-                                   [lord_alpha(hypotheses + 1, t, LOND_FDR, rule.alpha) for t in found_at]))}
+                                   [_floor2(lord_alpha(hypotheses + 1, t, LOND_FDR, rule.alpha)) for t in found_at]))}
     return summary(rule, rho, campaigns, hypotheses, seeds, unit, prior, counts, runs_by_class, sigma, mu,
                    runs_chal, runs_base, measured, extra)
 

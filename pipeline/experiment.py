@@ -296,6 +296,12 @@ class Experiment:
         ids = ensure_runs(self.store, self.lab, base_commit, tasks, seeds, label="baseline", priority=priority)
         return ids + ensure_runs(self.store, self.lab, commit, tasks, seeds, label=label, priority=priority)
 
+    def withdraw_replication(self, base_commit: str, commit: str) -> int:
+        """A challenger's replication runs not started yet, removed: its promotion was given up
+        (rejected, re-based, ended otherwise) before they ran. The baseline's arm stays (other
+        challengers of it share those runs). Returns how many were removed."""
+        return self.store.withdraw_queued(commit, seed_block(self.generation(base_commit) + 1))
+
     def replication(self, base_commit: str, commit: str, *, record_as: str | None = None,
                     look: int = 0) -> Replication | None:
         """The replication's verdict (`pipeline.gate.replication`) once both arms' fresh runs are
@@ -369,6 +375,13 @@ class Experiment:
         if out["passed"] and cfg.gate.online_fdr == "lond":  # the stream's discovery: the gate's, replicated
             self.store.fdr_discovered(sha, base_sha)
         return done(out)
+
+    def promoted_unreplicated(self, base_sha: str, sha: str) -> None:
+        """A gate's improvement promoted with no replication asked for (now): a discovery of the
+        stream (`online_fdr = "lond"`), also when the lab asked for a replication at its look
+        (`replicate_runs` set to 0 since). Idempotent."""
+        if self.lab.config.gate.online_fdr == "lond":
+            self.store.fdr_discovered(sha, base_sha)
 
     def finished(self, ids: list[int]) -> bool:
         return all(RunStatus(r.status).is_finished() for r in self.store.runs(ids))

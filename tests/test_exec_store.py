@@ -147,6 +147,27 @@ def test_result_is_written_once_and_only_by_the_claim_holder(store: Store) -> No
     assert values == {("a", 0.7), ("b", 0.6)}
 
 
+def test_withdraw_removes_only_runs_that_are_queued_and_never_ran(store: Store) -> None:
+    """A given-up promotion's replication runs: queued ones go; a running, finished, or re-queued run
+    (its stage history kept), another seed's or another commit's, stays."""
+    c, other = "w" * 40, "x" * 40
+    store.ensure_arm(c)
+    store.ensure_arm(other)
+    ids = store.enqueue(c, [("a", 100), ("b", 100), ("c", 100), ("d", 100), ("a", 0)], priority=9)
+    store.enqueue(other, [("a", 100)])
+    me = Owner.current()
+    running, finished, requeued = store.claim(me, 3, commits=[c])  # a/b/c at seed 100, by id
+    assert [running.run.id, finished.run.id, requeued.run.id] == ids[:3]
+    assert store.finish(finished, Result(run_id=finished.run.id, commit=c, task=finished.run.task, seed=100, value=1.0))
+    store.stage_started(requeued.run.id, "train", "k" * 64, executor="local", log_path=None)
+    assert store.release(requeued, count_requeue=True)  # back in the queue, with a stage it ran
+    assert store.withdraw_queued(c, [100, 101]) == 1  # d@100 only
+    left = {(r.task, r.seed): r.status for r in store.runs() if r.commit == c}
+    assert left == {("a", 100): "running", ("b", 100): "done", ("c", 100): "queued", ("a", 0): "queued"}
+    assert [r.status for r in store.runs() if r.commit == other] == ["queued"]
+    assert store.withdraw_queued(c, [100]) == 0 and store.withdraw_queued(c, []) == 0
+
+
 def test_reconcile_spares_live_owners_and_fresh_heartbeats(store: Store) -> None:
     store.ensure_arm("f" * 40)
     ids = store.enqueue("f" * 40, [("live", 0), ("remote_fresh", 0), ("remote_stale", 0), ("dead", 0)])

@@ -586,7 +586,7 @@ def test_a_title_with_line_breaks_reaches_e_mail_as_one_line(tmp_path: Path, mai
     sender = attach(lab, store, Records(store), [url])
     rec = sender.records
     h = rec.add(Hypothesis(title="Raise the LoRA lr\r\nBcc: spy@evil.example", origin="llm"))
-    rec.update(h.id, status="held", verdict="improvement", look=2)
+    rec.update(h.id, status="held", verdict="improvement", look=2, review="pending")  # as the hold node asks
     deadline = time.monotonic() + 20
     while not mailbox.messages and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -706,7 +706,7 @@ def test_a_slack_title_with_mentions_and_links_is_posted_inert(tmp_path: Path, h
     title = ("<!channel> <!here|here> @here @everyone @channel <@U024BE7LH> see <http://evil.example|click> "
              "[docs](http://evil.example)")
     h = rec.add(Hypothesis(title=title, origin="llm", rationale_decision="ping @all <!everyone>"))
-    rec.update(h.id, status="held", verdict="improvement", look=2)
+    rec.update(h.id, status="held", verdict="improvement", look=2, review="pending")  # as the hold node asks
     deadline = time.monotonic() + 20
     while not hook.got("ok") and time.monotonic() < deadline:
         time.sleep(0.05)

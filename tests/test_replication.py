@@ -413,6 +413,14 @@ def test_in_the_graph_a_lucky_gain_waits_and_is_abandoned_a_real_one_is_promoted
     assert runs[str(h2.id)]["replication.t"] > 1.6 and "replication.t" not in runs[str(h3.id)]
 
 
+def judged_events(root: Path, hid: int) -> list[str]:
+    """The loop events of the hypothesis's replication judgements (one per judgement)."""
+    from support.lab import records
+
+    return [e.message for e in records(root).events(limit=1000)
+            if e.kind == "replication" and e.message.startswith(f"#{hid}: ") and "withdrawn" not in e.message]
+
+
 @pytest.mark.system
 def test_kill_9_while_a_promotion_waits_for_its_replication_then_restart_promotes_once(tmp_path: Path) -> None:
     """`autoresearch run` SIGKILLed while a granted promotion waits for its replication runs (the
@@ -458,6 +466,7 @@ def test_kill_9_while_a_promotion_waits_for_its_replication_then_restart_promote
     h = records(root).get(hid)
     assert (h.status, h.decision, h.promoted_tag) == ("done", "promote", "baseline/v1"), h
     assert len(store.gate_records(str(hid), kind="replicate")) == 1
+    assert len(judged_events(root, hid)) == 1  # judged once (a record is replaced by key: the event counts)
     assert store.gate_records(str(hid), kind="replicate")[0].payload["passed"]
     assert git(root, "tag", "--list", "baseline/v*").split() == ["baseline/v1"]
     counts = assert_runs_exactly_once(root)
@@ -507,6 +516,7 @@ def test_supervised_a_held_promotion_reaches_the_reviewer_only_once_it_replicate
     assert "replicated on 2 fresh seeds" in (root / "runs" / "summaries" / f"{ids[1]}.md").read_text()
     said = first.stderr()
     assert f"#{ids[1]} 'real'" in said and "held for review: the reviewer is asked once it replicates" in said, said[-3000:]
+    assert "replicated on 2 fresh seeds" in said and f"awaits review (autoresearch review {ids[1]}" in said, said[-3000:]
     out = cli(root, "review", str(ids[1]), "--approve", "--comment", "replicated, go")
     assert out.returncode == 0, out.stderr
     second = RunProcess(root, "--offline", "--supervised", "--max-hypotheses", "1", "--workers", "2", tag="sup2")
@@ -517,15 +527,17 @@ def test_supervised_a_held_promotion_reaches_the_reviewer_only_once_it_replicate
     h2 = records(root).get(ids[1])
     assert (h2.status, h2.decision, h2.promoted_tag) == ("done", "promote", "baseline/v1"), (h2.status, h2.decision)
     assert [g.payload for g in store.gate_records(str(ids[1]), kind="replicate")] == [r2.payload]
+    assert len(judged_events(root, ids[1])) == 1  # not judged again by the run that promoted it
     store.dispose()
 
 
 @pytest.mark.system
 def test_a_reviewer_who_rejects_a_held_promotion_before_it_replicates_ends_it_without_the_replication(
         tmp_path: Path) -> None:
-    """`--supervised`: the loop killed while a held promotion waits for its replication runs; the
-    reviewer rejects it meanwhile (`review` lists it as soon as it is held); the restart abandons it at
-    its hold without judging the replication (no record), and promotes nothing."""
+    """`--supervised`: the loop killed while a held promotion waits for its replication runs (its
+    review not pending yet: nobody was asked); the reviewer rejects it meanwhile, by its ID; the
+    restart abandons it at its hold without judging the replication (no record), withdraws the
+    challenger's replication runs that had not started, and promotes nothing."""
     import json
 
     from support import cli
@@ -552,6 +564,7 @@ def test_a_reviewer_who_rejects_a_held_promotion_before_it_replicates_ends_it_wi
     try:
         run.wait_until("the held promotion's replication runs", held_waiting, timeout=600, poll=0.02)
         run.kill9()
+        assert records(root).get(hid).review == "none"  # not asked yet: it waits for its replication
         out = cli(root, "review", str(hid), "--reject", "--comment", "not worth a replication")
         assert out.returncode == 0, out.stderr
         run = RunProcess(root, *args, tag="rej2")
@@ -562,6 +575,12 @@ def test_a_reviewer_who_rejects_a_held_promotion_before_it_replicates_ends_it_wi
     assert (h.status, h.decision, h.promoted_tag) == ("done", "abandon", None), (h.status, h.decision)
     assert not store.gate_records(str(hid), kind="replicate")
     assert git(root, "tag", "--list", "baseline/v*") == ""
+    # the challenger's 6 replication runs (3 tasks x 2 fresh seeds): those not started were withdrawn
+    mine = [r for r in store.runs() if r.commit == h.commit and r.seed >= 1000]
+    assert not [r for r in mine if r.status == "queued"]
+    said = [e.message for e in records(root).events(limit=1000) if "replication runs withdrawn" in e.message]
+    withdrawn = int(said[0].split(": ", 1)[1].split()[0]) if said else 0
+    assert len(said) <= 1 and len(mine) + withdrawn == 6, (len(mine), said)
     store.dispose()
 
 

@@ -12,7 +12,7 @@ from agent.errors import LLMError, LLMOutputError
 from agent.graph.context import build_context, proposal_context
 from agent.graph.implement import Implement
 from agent.graph.promotion import (base_moved, promote, queue_look, queue_rank, queue_refinement, queue_replication,
-                                    rebase, rebased_note, replicated, reverification)
+                                    rebase, rebased_note, replicated, reverification, withdraw_replication)
 from agent.graph.state import HOLD, LOOK, State
 from agent.graph.step import phase_of, verdict_of
 from agent.lifecycle import Decision, Review, ReviewAction, Status
@@ -107,12 +107,14 @@ class Nodes(Implement):
                             rationale_decision=rationale)
         fields: dict[str, Any] = {"decision": choice.decision, "rationale_decision": rationale,
                                   "follow_up": choice.follow_up or None}
+        replicating = False
         if choice.decision in (Decision.PROMOTE, Decision.HOLD) and not base_moved(svc, h):
-            queue_replication(svc, h)  # its replication runs while it waits (the promote node judges it)
+            replicating = bool(queue_replication(svc, h))  # its replication runs while it waits (judged later)
         if choice.decision == Decision.PROMOTE:
             return self._to(h, Status.PROMOTING, **fields)
-        if choice.decision == Decision.HOLD:  # summarized first, then the hold node waits for a human
-            return self._to(h, Status.HELD, review=Review.PENDING, **fields)
+        if choice.decision == Decision.HOLD:  # summarized first, then the hold node waits for a human: asked
+            # (review pending, `review` lists it, the hold notification goes) once it replicated, if it must
+            return self._to(h, Status.HELD, review=Review.NONE if replicating else Review.PENDING, **fields)
         if choice.decision == Decision.REFINE and choice.follow_up:
             queue_refinement(svc, h, choice.follow_up)
         return self._to(h, Status.SUMMARIZING, **fields)
@@ -123,7 +125,10 @@ class Nodes(Implement):
         interrupt in the thread's checkpoint, until `review --approve/--reject` resumes it. With
         `[gate] replicate_runs` it first waits for its replication (queued at the decision): a gain
         that is not there again is abandoned without asking anyone, one that is reaches the reviewer
-        with the replication in its summary (an approval given meanwhile is kept)."""
+        with the replication in its summary: its review turns pending (`review` lists it, the hold
+        notification goes) only then. An answer given meanwhile is kept (a reject ends it at once and
+        withdraws its replication runs not started yet); one whose base moved is asked without its
+        replication (it would be re-based and measured again after an approval)."""
         from langgraph.types import interrupt
 
         from agent.summary import write_summary
@@ -131,7 +136,9 @@ class Nodes(Implement):
         h = self.svc.records.get(state["hypothesis_id"])
         if h.review == Review.REJECTED:  # a reviewer who did not wait for the replication
             return self._to(h, Status.SUMMARIZING, decision=Decision.ABANDON)
-        if not base_moved(self.svc, h):  # one whose base moved is re-based at `promote`, after the review
+        if base_moved(self.svc, h):  # re-based at `promote`, after the review: its replication is moot
+            withdraw_replication(self.svc, h)
+        else:
             judged = replicate_record(self.svc.store, h.id) is not None
             r = self._replication(h)
             if r is WAITING:
@@ -144,6 +151,8 @@ class Nodes(Implement):
                 return {}
         if not h.summary_md:  # the reviewer reads a summary, whatever path led here (summarize writes it)
             write_summary(self.svc, h)
+        if h.review == Review.NONE:  # now the reviewer is asked (an answer given before is kept)
+            h = self.svc.records.update(h.id, review=Review.PENDING)
         answer = interrupt({"kind": HOLD, "hypothesis_id": h.id, "reason": h.rationale_decision or ""})
         if answer not in (ReviewAction.APPROVE, ReviewAction.REJECT):
             # the answer to the replication runs' wait ("finished"), which a pass resumed from it reaches when
@@ -181,6 +190,8 @@ class Nodes(Implement):
             return {}
         if r is not None and not r["passed"]:
             return self._not_replicated(h, r)
+        if r is None:  # none asked for: the gate's improvement is the stream's discovery (LOND)
+            self.svc.experiment.promoted_unreplicated(h.base_commit, h.commit)
         fields = promote(self.svc, h)
         return {**self._to(h, Status.SUMMARIZING, **fields), "champion": fields.get("promoted_tag")}
 
@@ -251,6 +262,7 @@ class Nodes(Implement):
         h = rec.update(h.id, review=Review.PENDING if h.review == Review.NONE else h.review)
         write_summary(svc, h)
         if h.commit and not h.promoted_tag:  # a champion's worktree serves its baseline runs
+            withdraw_replication(svc, h)  # a promotion given up before its replication ran
             svc.experiment.release(h.commit)
         return self._to(h, Status.DONE, finished_at=time.time())
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from agent.graph.state import Services, State
 from agent.lifecycle import Decision, Review, Status
-from agent.records import Hypothesis
+from agent.records import ACTIVE, Hypothesis
 from agent.verdicts import rebases, replicate_record
 from agent.workspace import EditRejected, PromotionConflict, slugify
 
@@ -55,6 +55,21 @@ def base_moved(svc: Services, h: Hypothesis) -> bool:
     return bool(h.base_commit and h.commit) and h.base_commit != head and not ws.repo.is_ancestor(h.commit, head)
 
 
+def withdraw_replication(svc: Services, h: Hypothesis, base_commit: str | None = None,
+                         commit: str | None = None) -> int:
+    """The challenger's replication runs not started yet, removed once its promotion is given up
+    (rejected or abandoned at its hold, re-based, ended unpromoted): queued above every look, they
+    would otherwise run before the looks of the hypotheses still in flight. None is removed while
+    another hypothesis in flight has the same commit (it may wait on them). Idempotent."""
+    base, commit = base_commit or h.base_commit, commit or h.commit
+    if not (base and commit) or any(o.id != h.id and o.commit == commit for o in svc.records.all((*ACTIVE, Status.HELD))):
+        return 0
+    n = svc.experiment.withdraw_replication(base, commit)
+    if n:
+        svc.records.event("replication", f"#{h.id}: {n} queued replication runs withdrawn (its promotion was given up)")
+    return n
+
+
 def rebase(svc: Services, h: Hypothesis) -> tuple[State, dict[str, Any]]:
     """A hypothesis about to be promoted whose base moved: its commit merged onto the current
     baseline head (no working tree, as promotion does), measured again from its first look.
@@ -73,6 +88,7 @@ def rebase(svc: Services, h: Hypothesis) -> tuple[State, dict[str, Any]]:
     ws, rec, store = svc.workspace, svc.records, svc.store
     head = ws.baseline_head()
     old_base, old_commit = h.base_commit or "", h.commit or ""
+    withdraw_replication(svc, h)  # against the old base: nobody waits for them now
     frm, onto = ws.baseline_name(old_base), ws.baseline_name(head)
     earlier = f"its verdict {h.verdict} at look {h.look} against {frm}"
     payload: dict[str, Any] = {"from_base": old_base, "from_commit": old_commit, "from_tag": frm, "to_base": head,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.lifecycle import Decision, Status
+from agent.lifecycle import Decision, Review, Status
 from agent.records import Hypothesis
 from agent.verdicts import replicate_record
 from pipeline.api import RunStatus, Verdict
@@ -32,8 +32,10 @@ class Reporting:
                      "([gate] replicate_runs)")
         elif h.status in (Status.DONE, Status.HELD):
             extra = f" → {h.promoted_tag}" if h.promoted_tag else ""
-            rep = replicate_record(self.store, h.id) if h.status == Status.DONE else None
+            rep = replicate_record(self.store, h.id)
             extra += f"; {rep['reason']}" if rep else ""
+            if h.status == Status.HELD and h.review == Review.PENDING:
+                extra += f"; awaits review (autoresearch review {h.id} --approve / --reject)"
             self.say(f"#{h.id} {h.title!r}: verdict {h.verdict}{self._evidence(h)}, decision {h.decision}{extra}")
 
     def _evidence(self, h: Hypothesis) -> str:

@@ -45,7 +45,7 @@ class Threads:
         not come. An unexpected error is recorded, and after MAX_GRAPH_FAILURES of them the
         hypothesis is given up: one broken idea must not stop the loop."""
         config = self._thread(h)
-        before = (h.status, h.look, h.verdict)
+        before = (h.status, h.look, h.verdict, h.review)  # a held one's review turns pending once it replicated
         if h.id not in self.touched:
             self.touched.append(h.id)
         for _ in range(len(self.lab.config.gate.looks) + 3):  # each step ends at an interrupt or the end
@@ -86,7 +86,7 @@ class Threads:
             self._llm_back()  # a proposal or an implementation came: the endpoint answers
         if self.opts.mlflow and h.status == Status.DONE and before[0] != Status.DONE:
             self._export(h)
-        if (h.status, h.look, h.verdict) != before:
+        if (h.status, h.look, h.verdict, h.review) != before and not (h.status == Status.DONE and before[0] == Status.DONE):
             self.report(h)
         if h.promoted_tag and h.status == Status.DONE and self.reverifying is not None:
             self.reverifying.add(h.id)  # its thread waits for the champion's fresh runs

@@ -7,12 +7,12 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import func, update
+from sqlalchemy import delete, func, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
 from pipeline.outcomes import ResultOutcome, StageOutcome
-from pipeline.store.tables import Arm, Claim, Owner, Result, Run, RunStatus, StageExec, now
+from pipeline.store.tables import Arm, Claim, HoldoutScore, Owner, Result, Run, RunStatus, StageExec, now
 
 
 class Queue:
@@ -59,6 +59,22 @@ class Queue:
                                          Run.priority < priority).values(priority=priority))  # type: ignore[operator]
                 s.commit()
         return ids
+
+    def withdraw_queued(self, commit: str, seeds: Iterable[int]) -> int:
+        """Remove `commit`'s runs on `seeds` that are still queued and never ran (no stage, result or
+        holdout row: a run given back after a crash keeps its history): runs nobody waits for any more.
+        The conditional DELETE races a claim like another claim does: a run claimed first stays.
+        Returns how many were removed."""
+        seeds = sorted({int(x) for x in seeds})
+        if not seeds:
+            return 0
+        with self.session() as s:
+            res = s.exec(delete(Run).where(  # type: ignore[call-overload]
+                Run.commit == commit, Run.seed.in_(seeds), Run.status == RunStatus.QUEUED,  # type: ignore[attr-defined]
+                Run.id.not_in(select(StageExec.run_id)), Run.id.not_in(select(Result.run_id)),  # type: ignore[union-attr]
+                Run.id.not_in(select(HoldoutScore.run_id))))  # type: ignore[union-attr]
+            s.commit()
+            return int(res.rowcount or 0)
 
     @staticmethod
     def _run_ids(s: Session, commit: str) -> dict[tuple[str, int], int]:
