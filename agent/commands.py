@@ -238,6 +238,7 @@ def review(repo: Path, db: str | None, hid: int | None, approve: bool, reject: b
                              "verdict": h.verdict, "summary": str(lab.state / "summaries" / f"{h.id}.md")}
                             for h in pending]}
     h = rec.get(hid)
+    asked = h.review != Review.NONE  # a held promotion with a replication is asked once it replicates
     if comment:
         rec.comment(hid, "comment", comment)
     if approve or reject:
@@ -246,8 +247,9 @@ def review(repo: Path, db: str | None, hid: int | None, approve: bool, reject: b
         rec.comment(hid, ReviewAction.APPROVE if approve else ReviewAction.REJECT, comment or "")
         h = rec.get(hid)
     return {"id": hid, "review": h.review, "status": h.status,
-            "note": ("the running loop promotes it at its next pass" if h.status == Status.HELD and h.review == Review.APPROVED
-                     else "")}
+            "note": ("" if h.status != Status.HELD or h.review != Review.APPROVED
+                     else "the running loop promotes it at its next pass" if asked
+                     else "kept: the running loop promotes it if its replication passes (it is abandoned otherwise)")}
 
 
 # ----------------------------------------------------------------------------- digest

@@ -128,3 +128,17 @@ def test_a_rejected_hold_is_abandoned_and_the_baseline_stays(lab):
     h = svc.records.get(h.id)
     assert (h.status, h.decision, h.promoted_tag) == ("done", "abandon", None)
     assert _baseline(lab) == before and "baseline/v1" not in [t.name for t in git.Repo(lab).tags]
+
+
+def test_an_approval_given_before_the_replication_says_it_waits_for_it(lab):
+    """A held promotion with a replication is not asked yet (review none, not listed); an approval
+    given meanwhile is kept, and the CLI says the promotion still waits for its replication."""
+    svc = services(lab)
+    waiting, asked = (svc.records.add(Hypothesis(title=t, origin="human")) for t in ("waiting", "asked"))
+    svc.records.update(waiting.id, status="held", decision="hold", review="none")
+    svc.records.update(asked.id, status="held", decision="hold", review="pending")
+    assert [line.split()[0] for line in cli(lab, "review").stdout.splitlines()] == [str(asked.id)]
+    got = json.loads(cli(lab, "review", str(waiting.id), "--approve").stdout)
+    assert got["review"] == "approved" and "if its replication passes" in got["note"], got
+    got = json.loads(cli(lab, "review", str(asked.id), "--approve").stdout)
+    assert got["note"] == "the running loop promotes it at its next pass", got
