@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alpha", type=float, nargs="+", default=[ALPHA],
                     help="one-sided α of the oracle's boundaries (the gate's is 0.025)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--look2-only", action="store_true", help="print the look-2 ceiling (issue 34) and stop")
     args = ap.parse_args(argv)
     noise = lq.read_noise(args.noise)
     sigma = np.array(noise["sigma"], dtype=float)
@@ -217,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ρ {rho}: z {c['z_unpaired']:.2f} at 2 pairs under the unpaired variance; power at α {a}: "
                   f"{c['power_unpaired']:.3f} (an oracle told this hypothesis's pairing: {c['power_known_pairing']:.3f}); "
                   f"90 % at look 2 needs a one-sided α of {c['alpha_needed']:.3f} there")
+    if args.look2_only:
+        return 0
     t0 = time.perf_counter()
     bounds = {(lk, sh, f1, f, a): z_boundaries(lk, sh, f, a, f1)
               for lk, sh, f1, f, a in itertools.product(SCHEDULES, SHAPES, FUTILITY_FIRST, FUTILITY, args.alpha)
