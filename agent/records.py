@@ -309,6 +309,28 @@ class Records:
             s.commit()
             return res.rowcount == 1
 
+    def ask_review(self, hid: int) -> Hypothesis:
+        """A held hypothesis's reviewer is asked now (its review turns pending, the hold notification
+        is staged), unless a human answered first: a conditional UPDATE, as `decide_review`, so an
+        approval or a reject given meanwhile is never overwritten."""
+        from sqlalchemy import update
+
+        staged = False
+        with self.store.session() as s:
+            res = s.exec(update(Hypothesis).where(  # type: ignore[call-overload]
+                Hypothesis.id == hid, Hypothesis.review == Review.NONE).values(  # type: ignore[arg-type]
+                review=Review.PENDING, updated_at=now()))
+            if res.rowcount == 1 and self.outbox is not None:
+                h = s.get(Hypothesis, hid)
+                s.refresh(h)
+                before = {"status": h.status, "decision": h.decision, "promoted_tag": h.promoted_tag,
+                          "review": Review.NONE}
+                staged = self.outbox.on_update(s, before, h)
+            s.commit()
+        if staged:
+            self.outbox.wake()
+        return self.get(hid)
+
     def delete(self, hid: int) -> None:
         """Withdraw a hypothesis that never was one (a proposal the LLM could not give)."""
         with self.store.session() as s:

@@ -296,11 +296,18 @@ class Experiment:
         ids = ensure_runs(self.store, self.lab, base_commit, tasks, seeds, label="baseline", priority=priority)
         return ids + ensure_runs(self.store, self.lab, commit, tasks, seeds, label=label, priority=priority)
 
-    def withdraw_replication(self, base_commit: str, commit: str) -> int:
-        """A challenger's replication runs not started yet, removed: its promotion was given up
-        (rejected, re-based, ended otherwise) before they ran. The baseline's arm stays (other
-        challengers of it share those runs). Returns how many were removed."""
-        return self.store.withdraw_queued(commit, seed_block(self.generation(base_commit) + 1))
+    def withdraw_replication(self, base_commit: str, commits: list[str]) -> tuple[int, int]:
+        """Replication runs not started yet, removed from the queue: those of `commits` (a challenger
+        whose promotion was given up before they ran; the baseline `base_commit` itself once it is no
+        longer the head, when no challenger of it can be promoted any more). The seeds: the block
+        after the base's, whatever `replicate_runs` says now (it may have been lowered since they were
+        queued); there a commit that is not the champion of that block has replication runs only (the
+        caller keeps a champion's: those seeds are its own baseline runs). Removed if they never ran,
+        moved to the back of the queue if a crash gave them back (`Store.withdraw_queued`): returns
+        (removed, moved back)."""
+        seeds = seed_block(self.generation(base_commit) + 1)
+        counts = [self.store.withdraw_queued(c, seeds) for c in dict.fromkeys(commits)]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
     def replication(self, base_commit: str, commit: str, *, record_as: str | None = None,
                     look: int = 0) -> Replication | None:

@@ -148,8 +148,9 @@ def test_result_is_written_once_and_only_by_the_claim_holder(store: Store) -> No
 
 
 def test_withdraw_removes_only_runs_that_are_queued_and_never_ran(store: Store) -> None:
-    """A given-up promotion's replication runs: queued ones go; a running, finished, or re-queued run
-    (its stage history kept), another seed's or another commit's, stays."""
+    """A given-up promotion's replication runs: queued ones that never ran go; one re-queued after a
+    crash (its stage history kept) and a running one (given back if the driver stops) move to the back
+    of the queue; a finished one, another seed's or another commit's, stays as it is."""
     c, other = "w" * 40, "x" * 40
     store.ensure_arm(c)
     store.ensure_arm(other)
@@ -161,11 +162,14 @@ def test_withdraw_removes_only_runs_that_are_queued_and_never_ran(store: Store) 
     assert store.finish(finished, Result(run_id=finished.run.id, commit=c, task=finished.run.task, seed=100, value=1.0))
     store.stage_started(requeued.run.id, "train", "k" * 64, executor="local", log_path=None)
     assert store.release(requeued, count_requeue=True)  # back in the queue, with a stage it ran
-    assert store.withdraw_queued(c, [100, 101]) == 1  # d@100 only
-    left = {(r.task, r.seed): r.status for r in store.runs() if r.commit == c}
-    assert left == {("a", 100): "running", ("b", 100): "done", ("c", 100): "queued", ("a", 0): "queued"}
+    assert store.withdraw_queued(c, [100, 101]) == (1, 2)  # d@100 removed; c@100 (a stage ran), a@100 moved back
+    left = {(r.task, r.seed): (r.status, r.priority) for r in store.runs() if r.commit == c}
+    assert left == {("a", 100): ("running", -1), ("b", 100): ("done", 9), ("c", 100): ("queued", -1),
+                    ("a", 0): ("queued", 9)}
     assert [r.status for r in store.runs() if r.commit == other] == ["queued"]
-    assert store.withdraw_queued(c, [100]) == 0 and store.withdraw_queued(c, []) == 0
+    assert store.withdraw_queued(c, [100]) == (0, 0) and store.withdraw_queued(c, []) == (0, 0)
+    store.enqueue(c, [("c", 100)], priority=5)  # a look that needs it after all raises it again
+    assert {r.task: r.priority for r in store.runs() if r.commit == c and r.seed == 100}["c"] == 5
 
 
 def test_reconcile_spares_live_owners_and_fresh_heartbeats(store: Store) -> None:

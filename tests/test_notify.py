@@ -719,3 +719,33 @@ def test_a_slack_title_with_mentions_and_links_is_posted_inert(tmp_path: Path, h
         assert "<http://evil.example|click>" not in shown and "](http" not in shown, shown
         assert re.findall(r"<(http[^|>]*)\|", shown) == [f"http://review.example:8765/hypotheses/{h.id}"]
     assert "@\u200bhere" in text and "@\u200beveryone" in text and "click" in text  # still readable
+
+
+def test_a_held_promotion_is_announced_when_its_reviewer_is_asked_and_an_early_answer_stands(
+        tmp_path: Path, hook: Hook) -> None:
+    """A promotion held while it waits for its replication (review none) is not announced; the
+    hold node's `ask_review` turns it pending and stages the hold notification once; an answer a
+    human gave first is never overwritten by it, and nothing is announced for it."""
+    from agent.notify import attach
+    from agent.records import Hypothesis, Records
+    from pipeline import experiment
+    from pipeline.lab import load_lab
+
+    root = command_lab(tmp_path / "lab", "")
+    lab = load_lab(root)
+    store = experiment.open_store(lab)
+    sender = attach(lab, store, Records(store), [f"{hook.url}/ok/ask"])
+    rec = sender.records
+    waiting, early = (rec.add(Hypothesis(title=t, status="deciding", look=2, verdict="improvement"))
+                      for t in ("waits for its replication", "approved early"))
+    for h in (waiting, early):
+        rec.update(h.id, status="held", decision="hold", review="none")
+    assert not [r for r in outbox(root) if r["kind"] == "hold"]
+    assert rec.ask_review(waiting.id).review == "pending"
+    assert rec.ask_review(waiting.id).review == "pending"  # a node run again: nothing new
+    assert rec.decide_review(early.id, "approved")
+    assert rec.ask_review(early.id).review == "approved"
+    sender.close(flush_s=5)
+    holds = [r for r in outbox(root) if r["kind"] == "hold"]
+    assert [r["key"] for r in holds] == [f"hold:{waiting.id}"], holds
+    store.dispose()

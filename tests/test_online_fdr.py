@@ -92,3 +92,27 @@ def test_each_comparison_gets_its_level_once_and_the_stream_survives_a_restart(t
                               "next_alpha": lond_alpha(3, 1, 0.05, 0.025)}
     assert again.judge_look(base, "b", 2).alpha == second.alpha
     again.store.dispose()
+
+
+def test_a_promotion_with_no_replication_asked_any_more_is_a_discovery(tmp_path: Path) -> None:
+    """`replicate_runs` lowered to 0 after a comparison's look: the look did not count its improvement
+    (a replicated one would have), so the promotion does, once; with `online_fdr = "off"` nothing."""
+    from pipeline import experiment
+    from pipeline.experiment import Experiment
+    from pipeline.lab import load_lab
+
+    root = sim_lab(tmp_path / "lab")
+    set_research(root, "baseline_runs = 5", 'baseline_runs = 5\nonline_fdr = "lond"')
+    lab = load_lab(root)
+    store = experiment.open_store(lab)
+    exp = Experiment(lab, store)
+    base, chal, other = "b" * 40, "c" * 40, "d" * 40
+    store.fdr_test(chal, base, lambda i, d: 0.01)
+    store.fdr_test(other, base, lambda i, d: 0.01)
+    exp.promoted_unreplicated(base, chal)
+    exp.promoted_unreplicated(base, chal)  # the promote node run again after a crash
+    assert store.fdr_stream() == (2, 1)
+    set_research(root, 'online_fdr = "lond"', 'online_fdr = "off"')
+    Experiment(load_lab(root), store).promoted_unreplicated(base, other)
+    assert store.fdr_stream() == (2, 1)
+    store.dispose()

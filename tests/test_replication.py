@@ -556,9 +556,9 @@ def test_a_reviewer_who_rejects_a_held_promotion_before_it_replicates_ends_it_wi
     store = experiment.open_store(load_lab(root))
     args = ("--offline", "--supervised", "--max-hypotheses", "1", "--workers", "2")
 
-    def held_waiting() -> bool:
-        fresh = [r for r in store.runs() if r.seed >= 1000 and r.status in ("queued", "running")]
-        return bool(fresh) and records(root).get(hid).status == "held"
+    def held_waiting() -> bool:  # 2 fresh runs still queued: the replication cannot end before the kill
+        queued = [r for r in store.runs() if r.seed >= 1000 and r.status == "queued"]
+        return len(queued) >= 2 and records(root).get(hid).status == "held"
 
     run = RunProcess(root, *args, tag="rej1")
     try:
@@ -577,7 +577,7 @@ def test_a_reviewer_who_rejects_a_held_promotion_before_it_replicates_ends_it_wi
     assert git(root, "tag", "--list", "baseline/v*") == ""
     # the challenger's 6 replication runs (3 tasks x 2 fresh seeds): those not started were withdrawn
     mine = [r for r in store.runs() if r.commit == h.commit and r.seed >= 1000]
-    assert not [r for r in mine if r.status == "queued"]
+    assert all(r.priority == -1 for r in mine if r.status == "queued")  # given back by a stop: at the back
     said = [e.message for e in records(root).events(limit=1000) if "replication runs withdrawn" in e.message]
     withdrawn = int(said[0].split(": ", 1)[1].split()[0]) if said else 0
     assert len(said) <= 1 and len(mine) + withdrawn == 6, (len(mine), said)
@@ -612,8 +612,8 @@ def test_a_held_promotion_whose_replication_wait_ends_unjudged_still_reaches_the
     run = RunProcess(root, *args, tag="unj1")
 
     def held_waiting() -> bool:  # its thread paused on the replication runs' wait (the loop says so), runs to come
-        fresh = [r for r in store.runs() if r.seed >= 1000 and r.status in ("queued", "running")]
-        return bool(fresh) and "the reviewer is asked once it replicates" in run.stderr()
+        queued = [r for r in store.runs() if r.seed >= 1000 and r.status == "queued"]
+        return len(queued) >= 2 and "the reviewer is asked once it replicates" in run.stderr()
 
     try:
         run.wait_until("the held promotion's replication runs", held_waiting, timeout=600, poll=0.02)
@@ -628,4 +628,11 @@ def test_a_held_promotion_whose_replication_wait_ends_unjudged_still_reaches_the
     assert not store.gate_records(str(hid), kind="replicate")
     assert h.summary_md
     assert git(root, "tag", "--list", "baseline/v*") == ""
+    # its replication is moot (it would be re-based after an approval): neither arm's fresh runs stay queued
+    # ahead of anything (those the kill had started, or the restart's driver took before the hold withdrew
+    # them, are given back at the back of the queue)
+    stale = [r for r in store.runs() if r.commit in (h.commit, h.base_commit) and r.seed >= 1000]
+    assert stale and all(r.priority == -1 for r in stale if r.status == "queued"), [
+        (r.commit[:7], r.status, r.priority) for r in stale]
+    assert [e for e in rec.events(limit=1000) if "queued replication runs withdrawn" in e.message]
     store.dispose()

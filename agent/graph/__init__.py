@@ -43,7 +43,7 @@ from agent.graph.context import build_context, plateau_of, proposal_context, sea
 from agent.graph.implement import check_not_measured, experiment_message
 from agent.graph.nodes import Nodes, allowed_decisions, reverification_message
 from agent.graph.promotion import (base_moved, promote, queue_look, queue_rank, queue_refinement, rebase,
-                                   rebased_note, reverification)
+                                   rebased_note, reverification, withdraw_replication)
 from agent.graph.spec import (END, ENTRY_PHASES, NODE_OF_PHASE, GraphSpec, build_graph, claim, from_start, give_up,
                               graph_spec, open_proposal, thread_input)
 from agent.graph.state import HOLD, LOOK, Services, State
@@ -52,4 +52,5 @@ __all__ = ["END", "ENTRY_PHASES", "HOLD", "LOOK", "NODE_OF_PHASE", "GraphSpec", 
            "allowed_decisions", "base_moved", "build_context", "build_graph", "check_not_measured", "claim",
            "experiment_message", "from_start", "give_up", "graph_spec", "open_checkpointer", "open_proposal",
            "plateau_of", "promote", "proposal_context", "queue_look", "queue_rank", "queue_refinement", "rebase",
-           "rebased_note", "reverification", "reverification_message", "search_key_costs", "thread_input"]
+           "rebased_note", "reverification", "reverification_message", "search_key_costs", "thread_input",
+           "withdraw_replication"]

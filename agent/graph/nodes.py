@@ -152,7 +152,7 @@ class Nodes(Implement):
         if not h.summary_md:  # the reviewer reads a summary, whatever path led here (summarize writes it)
             write_summary(self.svc, h)
         if h.review == Review.NONE:  # now the reviewer is asked (an answer given before is kept)
-            h = self.svc.records.update(h.id, review=Review.PENDING)
+            h = self.svc.records.ask_review(h.id)
         answer = interrupt({"kind": HOLD, "hypothesis_id": h.id, "reason": h.rationale_decision or ""})
         if answer not in (ReviewAction.APPROVE, ReviewAction.REJECT):
             # the answer to the replication runs' wait ("finished"), which a pass resumed from it reaches when

@@ -55,19 +55,29 @@ def base_moved(svc: Services, h: Hypothesis) -> bool:
     return bool(h.base_commit and h.commit) and h.base_commit != head and not ws.repo.is_ancestor(h.commit, head)
 
 
-def withdraw_replication(svc: Services, h: Hypothesis, base_commit: str | None = None,
-                         commit: str | None = None) -> int:
-    """The challenger's replication runs not started yet, removed once its promotion is given up
-    (rejected or abandoned at its hold, re-based, ended unpromoted): queued above every look, they
-    would otherwise run before the looks of the hypotheses still in flight. None is removed while
-    another hypothesis in flight has the same commit (it may wait on them). Idempotent."""
-    base, commit = base_commit or h.base_commit, commit or h.commit
-    if not (base and commit) or any(o.id != h.id and o.commit == commit for o in svc.records.all((*ACTIVE, Status.HELD))):
+def withdraw_replication(svc: Services, h: Hypothesis) -> int:
+    """The replication runs not started yet of a promotion given up (rejected or abandoned at its
+    hold, re-based, ended unpromoted, given up by the loop): queued above every look, they would
+    otherwise run before the looks of the hypotheses still in flight (removed, or moved to the back of
+    the queue when a crash gave them back with a history). The challenger's arm, unless
+    its commit is in the baseline's history (a champion: those seeds are its own runs) or another
+    hypothesis in flight or held has it; the old baseline's arm too once the baseline moved on from it
+    (every challenger of it is re-based, none replicated against it). Idempotent."""
+    base, commit = h.base_commit, h.commit
+    if not (base and commit):
         return 0
-    n = svc.experiment.withdraw_replication(base, commit)
-    if n:
-        svc.records.event("replication", f"#{h.id}: {n} queued replication runs withdrawn (its promotion was given up)")
-    return n
+    ws = svc.workspace
+    head = ws.baseline_head()
+    arms = [] if base == head else [base]
+    if not ws.repo.is_ancestor(commit, head) and not any(
+            o.id != h.id and o.commit == commit for o in svc.records.all((*ACTIVE, Status.HELD))):
+        arms.append(commit)
+    removed, back = svc.experiment.withdraw_replication(base, arms) if arms else (0, 0)
+    if removed or back:
+        svc.records.event("replication", f"#{h.id}: {removed} queued replication runs withdrawn"
+                          + (f", {back} given back by a crash moved to the back of the queue" if back else "")
+                          + " (its promotion was given up)")
+    return removed
 
 
 def rebase(svc: Services, h: Hypothesis) -> tuple[State, dict[str, Any]]:

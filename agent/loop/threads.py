@@ -11,7 +11,7 @@ from langgraph.types import Command
 from sqlalchemy.exc import OperationalError
 
 from agent.errors import AgentError, LLMError
-from agent.graph import HOLD, LOOK, base_moved, give_up, reverification_message, thread_input
+from agent.graph import HOLD, LOOK, base_moved, give_up, reverification_message, thread_input, withdraw_replication
 from agent.lifecycle import Review, ReviewAction, Status
 from agent.records import Hypothesis
 from agent.verdicts import reverify_record
@@ -77,6 +77,10 @@ class Threads:
                 self.say(msg)
                 if n >= MAX_GRAPH_FAILURES:
                     give_up(self.records, h.id, msg)
+                    try:  # its replication runs, if it waited for some, are nobody's now
+                        withdraw_replication(self.svc, self.records.get(h.id))
+                    except Exception:  # the failure it was given up for may be this one's too
+                        log.exception("hypothesis %s: its replication runs not withdrawn", h.id)
                 break
             h = self.records.get(h.id)
             if h.status == Status.DONE:

@@ -60,21 +60,32 @@ class Queue:
                 s.commit()
         return ids
 
-    def withdraw_queued(self, commit: str, seeds: Iterable[int]) -> int:
-        """Remove `commit`'s runs on `seeds` that are still queued and never ran (no stage, result or
-        holdout row: a run given back after a crash keeps its history): runs nobody waits for any more.
-        The conditional DELETE races a claim like another claim does: a run claimed first stays.
-        Returns how many were removed."""
+    def withdraw_queued(self, commit: str, seeds: Iterable[int]) -> tuple[int, int]:
+        """`commit`'s runs on `seeds` that nobody waits for any more, out of the way: those still queued
+        that never ran are removed; those queued again after a crash (their stage history is kept, for
+        the accounting) and those running now (given back if the driver stops before they finish) go
+        to the back of the queue (priority -1; `enqueue` raises it again if a look needs one). The
+        conditional DELETE races a claim like another claim does: a run claimed first is only moved
+        back. Returns (removed, moved back)."""
         seeds = sorted({int(x) for x in seeds})
         if not seeds:
-            return 0
+            return 0, 0
+        mine = (Run.commit == commit, Run.seed.in_(seeds))  # type: ignore[attr-defined]
         with self.session() as s:
-            res = s.exec(delete(Run).where(  # type: ignore[call-overload]
-                Run.commit == commit, Run.seed.in_(seeds), Run.status == RunStatus.QUEUED,  # type: ignore[attr-defined]
-                Run.id.not_in(select(StageExec.run_id)), Run.id.not_in(select(Result.run_id)),  # type: ignore[union-attr]
-                Run.id.not_in(select(HoldoutScore.run_id))))  # type: ignore[union-attr]
+            try:
+                res = s.exec(delete(Run).where(  # type: ignore[call-overload]
+                    *mine, Run.status == RunStatus.QUEUED, Run.id.not_in(select(StageExec.run_id)),  # type: ignore[union-attr]
+                    Run.id.not_in(select(Result.run_id)), Run.id.not_in(select(HoldoutScore.run_id))))  # type: ignore[union-attr]
+                s.commit()
+                removed = int(res.rowcount or 0)
+            except IntegrityError:  # one was claimed, started a stage and was given back meanwhile (its
+                s.rollback()  # history is newer than the statement's snapshot): none removed, nothing lost
+                removed = 0
+            res = s.exec(update(Run).where(  # type: ignore[call-overload]
+                *mine, Run.status.in_((RunStatus.QUEUED, RunStatus.RUNNING)),  # type: ignore[attr-defined]
+                Run.priority > -1).values(priority=-1))  # type: ignore[operator]
             s.commit()
-            return int(res.rowcount or 0)
+            return removed, int(res.rowcount or 0)
 
     @staticmethod
     def _run_ids(s: Session, commit: str) -> dict[tuple[str, int], int]:
