@@ -303,8 +303,8 @@ class Experiment:
         after the base's, whatever `replicate_runs` says now (it may have been lowered since they were
         queued); there a commit that is not the champion of that block has replication runs only (the
         caller keeps a champion's: those seeds are its own baseline runs). Removed if they never ran,
-        moved to the back of the queue if a crash gave them back (`Store.withdraw_queued`): returns
-        (removed, moved back)."""
+        moved to the back of the queue if running now or given back by a crash (`Store.withdraw_queued`):
+        returns (removed, moved back)."""
         seeds = seed_block(self.generation(base_commit) + 1)
         counts = [self.store.withdraw_queued(c, seeds) for c in dict.fromkeys(commits)]
         return sum(c[0] for c in counts), sum(c[1] for c in counts)

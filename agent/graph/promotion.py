@@ -58,8 +58,8 @@ def base_moved(svc: Services, h: Hypothesis) -> bool:
 def withdraw_replication(svc: Services, h: Hypothesis) -> int:
     """The replication runs not started yet of a promotion given up (rejected or abandoned at its
     hold, re-based, ended unpromoted, given up by the loop): queued above every look, they would
-    otherwise run before the looks of the hypotheses still in flight (removed, or moved to the back of
-    the queue when a crash gave them back with a history). The challenger's arm, unless
+    otherwise run before the looks of the hypotheses still in flight (removed; moved to the back of the
+    queue when running now or given back by a crash with a history). The challenger's arm, unless
     its commit is in the baseline's history (a champion: those seeds are its own runs) or another
     hypothesis in flight or held has it; the old baseline's arm too once the baseline moved on from it
     (every challenger of it is re-based, none replicated against it). Idempotent."""
@@ -75,7 +75,7 @@ def withdraw_replication(svc: Services, h: Hypothesis) -> int:
     removed, back = svc.experiment.withdraw_replication(base, arms) if arms else (0, 0)
     if removed or back:
         svc.records.event("replication", f"#{h.id}: {removed} queued replication runs withdrawn"
-                          + (f", {back} given back by a crash moved to the back of the queue" if back else "")
+                          + (f", {back} running or given back by a crash moved to the back of the queue" if back else "")
                           + " (its promotion was given up)")
     return removed
 
