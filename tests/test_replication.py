@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -413,6 +414,25 @@ def test_in_the_graph_a_lucky_gain_waits_and_is_abandoned_a_real_one_is_promoted
     assert runs[str(h2.id)]["replication.t"] > 1.6 and "replication.t" not in runs[str(h3.id)]
 
 
+def real_gain_lab(tmp_path: Path) -> tuple[Path, int, Any]:
+    """A 3-task sim lab (0.4 s a run) asking for 2 replication seeds, with one hypothesis seeded whose
+    gain is real (+12σ): (the lab's root, the hypothesis's id, the lab's store)."""
+    import json
+
+    from support import cli
+
+    from pipeline import experiment
+    from pipeline.lab import load_lab
+
+    root = sim_lab(tmp_path / "lab", tasks=3, sleep=0.4)
+    set_research(root, "[gate]\n", "[gate]\nreplicate_runs = 2\n")
+    spec = tmp_path / "h.json"
+    spec.write_text(json.dumps({"title": "real", "edits": [{"path": "effect_h.toml", "content": "effect = 12.0\n"}]}))
+    out = cli(root, "seed", "--file", str(spec))
+    assert out.returncode == 0, out.stderr
+    return root, int(out.stdout.strip()), experiment.open_store(load_lab(root))
+
+
 def judged_events(root: Path, hid: int) -> list[str]:
     """The loop events of the hypothesis's replication judgements (one per judgement)."""
     from support.lab import records
@@ -427,22 +447,9 @@ def test_kill_9_while_a_promotion_waits_for_its_replication_then_restart_promote
     hypothesis `promoting`, runs on the fresh seeds 1000-1001 queued or running): the restart resumes
     the thread, re-queues the orphaned runs, judges the replication once and promotes once; every run
     of both arms on the fresh seeds exists once, with one result."""
-    import json
-
-    from support import cli
     from support.lab import RunProcess, assert_runs_exactly_once, git, records
 
-    from pipeline import experiment
-    from pipeline.lab import load_lab
-
-    root = sim_lab(tmp_path / "lab", tasks=3, sleep=0.4)
-    set_research(root, "[gate]\n", "[gate]\nreplicate_runs = 2\n")
-    spec = tmp_path / "h.json"
-    spec.write_text(json.dumps({"title": "real", "edits": [{"path": "effect_h.toml", "content": "effect = 12.0\n"}]}))
-    out = cli(root, "seed", "--file", str(spec))
-    assert out.returncode == 0, out.stderr
-    hid = int(out.stdout.strip())
-    store = experiment.open_store(load_lab(root))
+    root, hid, store = real_gain_lab(tmp_path)
     args = ("--offline", "--max-hypotheses", "1", "--workers", "2")
     rec = records(root)
 
@@ -538,22 +545,10 @@ def test_a_reviewer_who_rejects_a_held_promotion_before_it_replicates_ends_it_wi
     review not pending yet: nobody was asked); the reviewer rejects it meanwhile, by its ID; the
     restart abandons it at its hold without judging the replication (no record), withdraws the
     challenger's replication runs that had not started, and promotes nothing."""
-    import json
-
     from support import cli
     from support.lab import RunProcess, git, records
 
-    from pipeline import experiment
-    from pipeline.lab import load_lab
-
-    root = sim_lab(tmp_path / "lab", tasks=3, sleep=0.4)
-    set_research(root, "[gate]\n", "[gate]\nreplicate_runs = 2\n")
-    spec = tmp_path / "h.json"
-    spec.write_text(json.dumps({"title": "real", "edits": [{"path": "effect_h.toml", "content": "effect = 12.0\n"}]}))
-    out = cli(root, "seed", "--file", str(spec))
-    assert out.returncode == 0, out.stderr
-    hid = int(out.stdout.strip())
-    store = experiment.open_store(load_lab(root))
+    root, hid, store = real_gain_lab(tmp_path)
     args = ("--offline", "--supervised", "--max-hypotheses", "1", "--workers", "2")
 
     def held_waiting() -> bool:  # 2 fresh runs still queued: the replication cannot end before the kill
@@ -590,22 +585,9 @@ def test_a_held_promotion_whose_replication_wait_ends_unjudged_still_reaches_the
     then commits `replicate_runs = 0` on the baseline (no replication asked, and the base moved). The
     restart ends the runs' wait with no judgement; the hold's own question must not take that wait's
     answer for the reviewer's: the hypothesis is still held for a human, not abandoned."""
-    import json
-
-    from support import cli
     from support.lab import RunProcess, git, records
 
-    from pipeline import experiment
-    from pipeline.lab import load_lab
-
-    root = sim_lab(tmp_path / "lab", tasks=3, sleep=0.4)
-    set_research(root, "[gate]\n", "[gate]\nreplicate_runs = 2\n")
-    spec = tmp_path / "h.json"
-    spec.write_text(json.dumps({"title": "real", "edits": [{"path": "effect_h.toml", "content": "effect = 12.0\n"}]}))
-    out = cli(root, "seed", "--file", str(spec))
-    assert out.returncode == 0, out.stderr
-    hid = int(out.stdout.strip())
-    store = experiment.open_store(load_lab(root))
+    root, hid, store = real_gain_lab(tmp_path)
     args = ("--offline", "--supervised", "--max-hypotheses", "1", "--workers", "2")
     rec = records(root)
 
