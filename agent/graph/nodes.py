@@ -145,20 +145,17 @@ class Nodes(Implement):
                 return {}
             if r is not None and not r["passed"]:
                 return self._not_replicated(h, r)
-            if r is not None and not judged:  # judged in this pass, perhaps one resumed from the runs' wait,
-                # whose answer the hold's own interrupt must not take for the reviewer's: asked in a pass of its own
+            if r is not None and not judged:  # judged in this pass: the reviewer reads it in the summary
                 write_summary(self.svc, h)
-                return {}
         if not h.summary_md:  # the reviewer reads a summary, whatever path led here (summarize writes it)
             write_summary(self.svc, h)
         if h.review == Review.NONE:  # now the reviewer is asked (an answer given before is kept)
             h = self.svc.records.ask_review(h.id)
         answer = interrupt({"kind": HOLD, "hypothesis_id": h.id, "reason": h.rationale_decision or ""})
         if answer not in (ReviewAction.APPROVE, ReviewAction.REJECT):
-            # the answer to the replication runs' wait ("finished"), which a pass resumed from it reaches when
-            # that wait ended without a judgement here (its base moved, the lab asks for no replication since,
-            # or a crash after the judgement): no reviewer's; the reviewer is asked in a pass of its own
-            write_summary(self.svc, h)
+            # the answer to the replication runs' wait ("finished"), which a pass resumed from it reaches
+            # (judged now, or the wait ended without a judgement: its base moved, the lab asks for no
+            # replication since, a crash after the judgement): no reviewer's; asked in a pass of its own
             return {}
         if answer == ReviewAction.APPROVE:
             return self._to(h, Status.PROMOTING, decision=Decision.PROMOTE)
