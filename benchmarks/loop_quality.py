@@ -479,6 +479,12 @@ def replicated_by_gate(rule: Rule, candidate: np.ndarray, mu: np.ndarray, effect
     return out
 
 
+def fdr_per_lab(wrong: np.ndarray, made: np.ndarray) -> float:
+    """The false discovery rate as online FDR procedures bound it: each campaign (one lab's stream)
+    its false promotions ÷ max(its promotions, 1), averaged over campaigns."""
+    return float((wrong / np.maximum(made, 1)).mean())
+
+
 def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int, sigma: np.ndarray,
              rule_index: int = 0, fresh_seeds: bool = False, pair: np.ndarray | None = None,
              prior: Prior = PRIOR, alphas: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
@@ -642,9 +648,7 @@ def campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int, seed: int,
 
     extra: dict[str, Any] = {"in_flight": 1, "overlap": 0.0, "rebases_per_hypothesis": 0.0, "rebased_share": 0.0,
                              "rebased_promoted": None, "span_per_hypothesis": float(runs_chal.mean() / hypotheses),
-                             # the false discovery rate as online FDR procedures bound it: each campaign (one
-                             # lab's stream) its V / max(R, 1), averaged over campaigns
-                             "fdr_per_lab": float((wrong / np.maximum(made, 1)).mean())}
+                             "fdr_per_lab": fdr_per_lab(wrong, made)}
     if rule.online_fdr:
         extra["online_fdr"] = {"procedure": rule.online_fdr, "fdr": LOND_FDR, "cap": rule.alpha,
                                "alpha_mean": float(alpha_sum.mean() / hypotheses),
@@ -857,7 +861,7 @@ def concurrent_campaign(rule: Rule, rho: float, campaigns: int, hypotheses: int,
              "rebased_share": float(ever.mean()),
              "rebased_promoted": float(banked[ever].mean()) if ever.any() else None,  # of the re-based ones
              "span_per_hypothesis": float(span.mean() / H),
-             "fdr_per_lab": float((wrong / np.maximum(made, 1)).mean())}
+             "fdr_per_lab": fdr_per_lab(wrong, made)}
     return summary(rule, rho, campaigns, hypotheses, seeds, unit, prior, counts, runs_by_class, sigma, mu,
                    runs_chal, runs_base, measured, extra)
 
