@@ -20,8 +20,8 @@ A thread waits in four places, each a LangGraph `interrupt()` kept in its checkp
 - `hold`, for a human (`{"kind": "hold"}`): a held promotion (`--supervised`, or a result too
   good to be true); `review --approve/--reject` records the answer and the loop resumes the thread
   with `Command(resume="approve"|"reject")`. With a replication step it first waits there for the
-  replication's runs, as `promote` does (a pass that judges it ends; the human is asked in the next,
-  so the runs' "finished" is never read as the reviewer's answer);
+  replication's runs, as `promote` does (a pass resumed from that wait that reaches the human's
+  question ends there: the runs' "finished" is never read as the reviewer's answer);
 - `promote`, for the runs of a promotion's replication (`[gate] replicate_runs`; `{"kind": "look",
   "replication": true, "runs": [...]}`): queued at the decision, judged here (or at `hold`); a
   promotion whose gain is not there again is abandoned;
