@@ -160,6 +160,7 @@ class Experiment:
         self.lab = lab
         self.store = store
         self._smoke_runner: SmokeRunner | None = None
+        self._lender: Any = None  # the last driver's executor, if it can run a smoke stage ahead of its queue
         self._frozen: dict[tuple[Any, ...], Any] = {}  # histories frozen at a recorded comparison (`histories`)
 
     # --- the execution layer -------------------------------------------------------------------
@@ -169,7 +170,13 @@ class Experiment:
         named executor's slots (`driver.slots`). `drive` it in one thread; `close` it in the same.
         `heartbeat`: the process's `pipeline.lease.Heartbeat` (the loop's, with its lease); without
         one the driver beats for its runs itself."""
-        return runner.Driver(self.lab, self.store, self._executor(executor), heartbeat=heartbeat)
+        ex = self._executor(executor)
+        if hasattr(ex, "run_ahead"):  # a GPU lab's smoke stages may run there (`SmokeRunner.remote`)
+            self._lender = ex
+            if self._smoke_runner is not None and self._smoke_runner.lender is not ex:
+                self._smoke_runner.close()
+                self._smoke_runner = None
+        return runner.Driver(self.lab, self.store, ex, heartbeat=heartbeat)
 
     def _executor(self, opts: ExecutorOptions | None) -> Executor:
         return runner.make_executor(opts or ExecutorOptions(), self.lab)
@@ -636,7 +643,7 @@ class Experiment:
         worker of its own; the metric, or `MethodFailure` with what went wrong."""
         from pipeline.smoke import SmokeRunner, smoke_run
 
-        self._smoke_runner = self._smoke_runner or SmokeRunner(self.lab)
+        self._smoke_runner = self._smoke_runner or SmokeRunner(self.lab, lender=self._lender)
         return smoke_run(self.lab, base, files, stop=stop, runner=self._smoke_runner)
 
     def close(self) -> None:

@@ -13,6 +13,8 @@ be used, a stage runs in a fresh interpreter with the same sandbox (`pipeline.is
 A GPU lab's smoke stages get what an executor stage gets: `[run] gpus` of this machine's GPUs, taken
 from the pool the driver's slots take from (`executors.gpus.GpuPool`: a busy GPU is waited for,
 never oversubscribed), their device nodes in the sandbox, and no address-space rlimit.
+Where this machine has no GPU but the driver's executor does (a Ray cluster of GPU nodes), a GPU
+lab's smoke stages run on that executor, ahead of its queue (`RayExecutor.run_ahead`).
 
 The tiny dataset is the harness's smoke dataset (`Harness.prepare(..., smoke=True)`): drawn apart
 from the real one, no customer or id in common. A failure's reason is what flows back to the LLM's
@@ -75,21 +77,32 @@ def materialize(repo_git, base: str, files: dict[str, str], dst: Path) -> None:
 class SmokeRunner:
     """Runs smoke stages in a warm worker, started on first use; `close()` stops it."""
 
-    def __init__(self, lab: Lab):
+    def __init__(self, lab: Lab, lender: Any = None):
         self.lab = lab
+        # the driver's executor, where its machines hold GPUs (`run_ahead`: a Ray cluster of GPU nodes)
+        self.lender = lender if lender is not None and hasattr(lender, "run_ahead") else None
         self._executor: Any = None
         self._gpus: float | None = None
+        self._here: bool | None = None
 
     @property
-    def gpus(self) -> float:
-        """`[run] gpus` where this machine has them; 0 where it has none (a Ray driver's machine:
-        the smoke run then runs on its CPU, and a stage that requires CUDA fails it)."""
-        if self._gpus is None:
+    def remote(self) -> bool:
+        """Whether smoke stages run on the driver's executor: a GPU lab, that executor can lend a
+        slot, and this machine cannot give its stages their `[run] gpus`."""
+        if self._here is None:
             from pipeline.executors.gpus import capacity
             from pipeline.executors.local import visible_gpus
 
             share = self.lab.config.run.gpus
-            self._gpus = share if share and capacity(share, len(visible_gpus())) >= 1 else 0.0
+            self._here = not share or capacity(share, len(visible_gpus())) >= 1
+        return not self._here and self.lender is not None
+
+    @property
+    def gpus(self) -> float:
+        """`[run] gpus` where this machine (or the lending executor) has them; 0 where neither does:
+        the smoke run then runs on this CPU, and a stage that requires CUDA fails it."""
+        if self._gpus is None:
+            self._gpus = self.lab.config.run.gpus if (self.remote or self._here) else 0.0
         return self._gpus
 
     def executor(self) -> Any:
@@ -110,7 +123,7 @@ class SmokeRunner:
         from pipeline.executors.base import lab_env
 
         return StageJob(job_id=uuid.uuid4().hex, argv=argv, cwd=cwd, commit="smoke", out=out, log_path=log,
-                        timeout_s=timeout_s, cpus=self.lab.config.run.cpus, gpus=self.gpus,
+                        timeout_s=timeout_s, cpus=self.lab.config.run.cpus, gpus=self.gpus, inputs=tuple(inputs),
                         memory_mb=isolation.once_memory_mb(self.lab, gpus=self.gpus),
                         sandbox=isolation.spec_for(self.lab, ro=[cwd, *inputs], out=out),
                         env=lab_env(self.lab.config.run.env))
@@ -122,6 +135,8 @@ class SmokeRunner:
         from pipeline.executors import InfrastructureFailure
 
         job = self.job(argv, cwd, out, log, timeout_s, inputs)
+        if self.remote:
+            return self._remote(job, timeout_s, stop)
         try:
             ex = self.executor()
             ex.submit(job)
@@ -132,20 +147,32 @@ class SmokeRunner:
             for res in ex.poll(0.2):
                 if res.job_id != job.job_id:
                     continue
-                tail = read_tail(log, TAIL_BYTES)[0]
-                if res.status == "timeout":
-                    raise MethodFailure(f"timed out after {timeout_s:.0f} s on tiny data:\n{tail}")
-                if res.status == "signal":
-                    raise MethodFailure(f"killed by signal {res.signal}:\n{tail}")
-                if res.status == "cancelled":
-                    raise Interrupted("stopping: smoke run abandoned")
                 if res.status == "infra":  # the worker died, not the candidate: run it on its own
                     return self._once(argv, cwd, out, log, timeout_s, inputs)
-                return int(res.exit_code or 0), tail
+                return _outcome(res, log, timeout_s)
             if stop is not None and stop.is_set():
                 ex.cancel(job.job_id)
                 ex.poll(2.0)
                 raise Interrupted("stopping: smoke run abandoned")
+
+    def _remote(self, job: Any, timeout_s: float, stop: threading.Event | None) -> tuple[int, str]:
+        """The stage on the driver's executor, ahead of its queue, on a slot that holds the lab's GPUs.
+        A slot lost to the machinery is retried once; twice is the infrastructure's failure, raised
+        (never the candidate's: on this machine's CPU a GPU stage would fail for want of a GPU)."""
+        from pipeline.executors import InfrastructureFailure
+
+        for attempt in (1, 2):
+            try:
+                res = self.lender.run_ahead(job, stop)
+            except InfrastructureFailure:
+                if stop is not None and stop.is_set():
+                    raise Interrupted("stopping: smoke run abandoned") from None
+                raise
+            if res.status != "infra":
+                return _outcome(res, job.log_path, timeout_s)
+            if attempt == 2:
+                raise InfrastructureFailure(f"smoke stage lost twice on the {self.lender.name} executor: {res.detail}")
+        raise AssertionError("unreachable")
 
     def _once(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float,
               inputs: list[Path]) -> tuple[int, str]:
@@ -163,6 +190,19 @@ class SmokeRunner:
         if self._executor is not None:
             self._executor.close()
             self._executor = None
+
+
+def _outcome(res: Any, log: Path, timeout_s: float) -> tuple[int, str]:
+    """(exit code, output tail) of a finished smoke stage; `MethodFailure` on timeout or signal,
+    `Interrupted` if it was cancelled."""
+    tail = read_tail(log, TAIL_BYTES)[0]
+    if res.status == "timeout":
+        raise MethodFailure(f"timed out after {timeout_s:.0f} s on tiny data:\n{tail}")
+    if res.status == "signal":
+        raise MethodFailure(f"killed by signal {res.signal}:\n{tail}")
+    if res.status == "cancelled":
+        raise Interrupted("stopping: smoke run abandoned")
+    return int(res.exit_code or 0), tail
 
 
 def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | None = None,

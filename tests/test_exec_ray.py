@@ -52,7 +52,6 @@ def local_ray():
 
 def test_the_same_batch_gives_the_same_metrics_on_local_and_ray(local_ray, tmp_path: Path) -> None:
     from pipeline.executors.ray_executor import RayExecutor
-    from pipeline.worktrees import Worktrees
 
     tasks, seeds = ["a", "b", "crash", "hang", "env"], [0, 1]
     lab = make_lab(tmp_path / "local", timeout_s=15)  # every stage's limit: only `hang` waits it out
@@ -66,7 +65,7 @@ def test_the_same_batch_gives_the_same_metrics_on_local_and_ray(local_ray, tmp_p
         if name == "local":
             executor = LocalExecutor(preload=("numpy",), slots=2)
         else:
-            executor = RayExecutor(Worktrees(the_lab.root, the_lab.state), cpus=1, preload=("numpy",))
+            executor = RayExecutor(cpus=1, preload=("numpy",))
             assert executor.slots == 2
         with runner.Driver(the_lab, store, executor, harness=TinyHarness()) as d:
             d.drive(until=ids, timeout_s=120)

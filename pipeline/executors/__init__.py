@@ -80,13 +80,12 @@ def _local(lab: "Lab", opts: ExecutorOptions) -> Executor:
 
 def _ray(lab: "Lab", opts: ExecutorOptions) -> Executor:
     from pipeline.executors.ray_executor import RayExecutor
-    from pipeline.worktrees import Worktrees
 
     _no_extra(opts)
     run = lab.config.run
     from pipeline.executors.local import DEFAULT_PRELOAD
 
-    return RayExecutor(Worktrees(lab.root, lab.state), address=opts.address, cpus=run.cpus, gpus=run.gpus,
+    return RayExecutor(address=opts.address, cpus=run.cpus, gpus=run.gpus,
                        slots=opts.workers, preload=_preload(run, opts.preload, DEFAULT_PRELOAD),
                        memory_mb=run.memory_mb)
 

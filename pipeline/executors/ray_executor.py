@@ -13,6 +13,15 @@ driver's private output folder, so publishing to the cache is the same as for lo
 Failures Ray reports (actor died, node died, object lost) are infrastructure failures, and the slot
 gets a fresh actor; the stage's own exit status is classified exactly as locally. Ray's own retries are off: the driver
 retries with the same seed and counts it.
+
+GPUs, as locally (`executors/gpus.py`): Ray packs shares (`num_gpus = 0.25`) onto its GPUs, and each
+actor tells which GPUs of which node it holds. A stage that runs out of CUDA memory on a GPU another
+of our stages used meanwhile runs once more with that GPU alone (no other slot on it gets a stage
+until it ends; its first attempt is booked as lost to infrastructure). Each actor samples its GPUs
+through NVML where the node has it: a stage's mean utilisation comes back with its result, and
+`gpu_usage` counts each GPU once however many slots share it. `run_ahead` runs one job before
+everything queued, from another thread, on the next free slot (a GPU lab's smoke stages, when the
+driver's machine has no GPU): the driver's own stages wait while it waits, so it never waits long.
 """
 
 from __future__ import annotations
@@ -22,13 +31,18 @@ import inspect
 import io
 import os
 import shutil
+import socket
 import tarfile
+import threading
+import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline import safefs
-from pipeline.errors import InfrastructureFailure
+from pipeline.disk import read_tail
+from pipeline.errors import InfrastructureFailure, Interrupted
 from pipeline.executors import child, ray_task, sandbox, zygote
 from pipeline.executors.base import (
     STAGE_ENV,
@@ -37,17 +51,22 @@ from pipeline.executors.base import (
     StageJob,
     thread_env,
 )
-from pipeline.executors.gpus import capacity
+from pipeline.executors.gpus import capacity, is_cuda_oom
 from pipeline.executors.local import DEFAULT_PRELOAD
-
-if TYPE_CHECKING:
-    from pipeline.worktrees import Worktrees
 
 
 MAX_PINNED_INPUTS = 256  # input folders kept in the object store for reuse by later stages
 WARM_TIMEOUT_S = 300.0  # a node importing torch and peft takes seconds; a worker Ray cannot place, for ever
 AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
              "RAY_AUTH_MODE=disabled, or give both the same token")
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One warm worker actor, and the GPUs it holds (`node:gpu` keys, known once it answered)."""
+
+    actor: Any
+    gpus: list[str] = field(default_factory=list)
 
 
 def node_sources() -> dict[str, str]:
@@ -80,7 +99,7 @@ class RayExecutor:
 
     name = "ray"
 
-    def __init__(self, worktrees: "Worktrees", *, address: str | None = None, cpus: int = 1, gpus: float = 0,
+    def __init__(self, *, address: str | None = None, cpus: int = 1, gpus: float = 0,
                  slots: int | None = None, init_kwargs: dict[str, Any] | None = None,
                  preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD, memory_mb: int | None = None):
         try:
@@ -88,7 +107,6 @@ class RayExecutor:
         except ImportError:
             raise InfrastructureFailure("the ray executor needs Ray: pip install 'ray[default]'") from None
         self.ray = ray
-        self.worktrees = worktrees
         self.cpus, self.gpus, self.memory_mb = cpus, gpus, memory_mb
         self._owns_ray = False
         if not ray.is_initialized():
@@ -115,12 +133,24 @@ class RayExecutor:
         # input folder → (id, object ref), least recently used first: a loop that runs for weeks must
         # not pin every checkpoint it ever shipped in the object store
         self._inputs: OrderedDict[str, tuple[str, Any]] = OrderedDict()
-        self._refs: dict[str, tuple[Any, StageJob, Any]] = {}  # job id → (ref, job, its worker)
+        self._refs: dict[str, tuple[Any, StageJob, _Slot]] = {}  # job id → (ref, job, its slot)
         self._waiting: deque[tuple[StageJob, dict[str, Any], list[Any], list[Any]]] = deque()
         self._cancelled: list[JobResult] = []
-        self._idle: deque[Any] = deque(self._new_worker() for _ in range(self._slots))
+        # `_idle`, `_borrowers` and `_closed` are shared with `run_ahead`'s thread: under `_lock`
+        self._lock = threading.Condition()
+        self._borrowers = 0
+        self._closed = False
+        self._crowded: set[str] = set()  # jobs whose GPU another of our stages used while they ran
+        self._alone: dict[str, set[str]] = {}  # a CUDA OOM's retry → the GPUs it holds whole
+        self._retried: dict[str, dict[str, float]] = {}  # its first attempt, booked as lost
+        self._usage = [0, 0, 0.0]  # every GPU's samples, busy samples, utilisation sum (gpu_usage)
+        self._usage_gpus: set[str] = set()
+        self._started_at = time.time()
+        self._idle: deque[_Slot] = deque(_Slot(self._new_worker()) for _ in range(self._slots))
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
-            ray.get([w.warm.remote() for w in self._idle], timeout=WARM_TIMEOUT_S)
+            slots = list(self._idle)
+            for slot, ready in zip(slots, ray.get([w.actor.warm.remote() for w in slots], timeout=WARM_TIMEOUT_S)):
+                slot.gpus = list(ready.get("gpus") or [])
         except ray.exceptions.GetTimeoutError:
             self.close()
             raise InfrastructureFailure(
@@ -131,7 +161,7 @@ class RayExecutor:
         """A warm worker actor: it holds `run.cpus` CPUs and `run.gpus` GPUs of a node (Ray sets the
         actor's CUDA_VISIBLE_DEVICES, which its stages inherit) for as long as the executor lives."""
         options: dict[str, Any] = {"num_cpus": self.cpus, "num_gpus": self.gpus, "max_restarts": 0,
-                                   "max_concurrency": 2}  # a cancel may arrive while a stage runs
+                                   "max_concurrency": 3}  # a cancel, or `take_usage`, while a stage runs
         if self.memory_mb:
             options["memory"] = self.memory_mb * 2**20
         return self._actor_cls.options(**options).remote(self._sources, self._preload, sorted(STAGE_ENV),
@@ -141,31 +171,39 @@ class RayExecutor:
     def slots(self) -> int:
         return self._slots
 
-    def _input(self, folder: Path) -> tuple[str, Any]:
+    def _input(self, folder: Path, keep: bool = True) -> tuple[str, Any]:
         """(id, ref) for an input folder. Folders the driver hands out (dataset by id, cache entries
         by key) never change once written; the id still hashes names, sizes and mtimes, so a node's
-        unpacked copy can never stand for different content at a reused path."""
+        unpacked copy can never stand for different content at a reused path. `keep`: pinned for
+        reuse by later stages (the driver's thread only; `run_ahead`'s throwaway folders are not)."""
         key = str(folder.resolve())
-        if key in self._inputs:
+        if keep and key in self._inputs:
             self._inputs.move_to_end(key)
-        else:
-            h = hashlib.sha256(key.encode())
-            for p in sorted(folder.rglob("*")):
-                st = p.lstat()  # a symlink (even a dangling one) counts as itself
-                h.update(f"{p.relative_to(folder)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-            self._inputs[key] = (h.hexdigest()[:24], self.ray.put(ray_task.pack(key)))
+            return self._inputs[key]
+        h = hashlib.sha256(key.encode())
+        for p in sorted(folder.rglob("*")):
+            st = p.lstat()  # a symlink (even a dangling one) counts as itself
+            h.update(f"{p.relative_to(folder)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        got = (h.hexdigest()[:24], self.ray.put(ray_task.pack(key)))
+        if keep:
+            self._inputs[key] = got
             while len(self._inputs) > MAX_PINNED_INPUTS:  # a job in flight holds its own refs
                 self._inputs.popitem(last=False)
-        return self._inputs[key]
+        return got
 
     def submit(self, job: StageJob) -> None:
         if job.job_id in self._refs or any(w[0].job_id == job.job_id for w in self._waiting):
             raise InfrastructureFailure(f"job {job.job_id} already submitted")
+        self._waiting.append(self._spec(job))
+        self._dispatch()
+
+    def _spec(self, job: StageJob, keep: bool = True) -> tuple[StageJob, dict[str, Any], list[Any], list[Any]]:
+        """What a slot's `run` takes for `job`: its spec, its code view's ref, its input folders' refs."""
         mounts = []
         for folder in job.inputs:
-            ident, ref = self._input(folder)
+            ident, ref = self._input(folder, keep)
             mounts.append((str(folder), ident, [ref]))
-        tree_id, tree_ref = self._input(job.cwd)  # the stage's code view, not the whole commit
+        tree_id, tree_ref = self._input(job.cwd, keep)  # the stage's code view, not the whole commit
         spec = {
             "job_id": job.job_id, "tree_id": tree_id, "argv": job.argv, "cwd": str(job.cwd),
             "sandbox": job.sandbox, "gpus": job.gpus,
@@ -173,18 +211,43 @@ class RayExecutor:
             "env": thread_env(job.cpus) | job.env,  # the lab's `[run] env`: the driver's values
             "env_allow": sorted(STAGE_ENV), "env_prefixes": list(STAGE_ENV_PREFIXES),
         }
-        self._waiting.append((job, spec, [tree_ref], mounts))
-        self._dispatch()
+        return job, spec, [tree_ref], mounts
+
+    def _free_slot(self, job_id: str | None = None) -> _Slot | None:
+        """An idle slot for `job_id` (under `_lock`): off the GPUs a CUDA OOM's retry holds whole; for
+        that retry itself, a slot on its GPU once no stage of ours runs there."""
+        held = set().union(*(g for j, g in self._alone.items() if j != job_id))
+        busy = set().union(*(set(slot.gpus) for _, _, slot in self._refs.values()))
+        for slot in self._idle:
+            if set(slot.gpus) & held:
+                continue
+            if job_id in self._alone and not (set(slot.gpus) & self._alone[job_id] and not busy & self._alone[job_id]):
+                continue
+            return slot
+        return None
 
     def _dispatch(self) -> None:
-        while self._waiting and self._idle:
-            job, spec, tree, mounts = self._waiting.popleft()
-            worker = self._idle.popleft()
-            self._refs[job.job_id] = (worker.run.remote(spec, tree, mounts), job, worker)
+        """Start each waiting job that has a free slot, in order; none while `run_ahead` waits for one."""
+        with self._lock:
+            if self._borrowers:
+                return
+            for item in list(self._waiting):
+                job, spec, tree, mounts = item
+                slot = self._free_slot(job.job_id)
+                if slot is None:
+                    continue
+                self._waiting.remove(item)
+                self._idle.remove(slot)
+                if job.gpus and job.gpus < 1:  # a share: does another stage of ours run on its GPU?
+                    for other, (_, _, s) in self._refs.items():
+                        if set(s.gpus) & set(slot.gpus):
+                            self._crowded |= {job.job_id, other}
+                self._refs[job.job_id] = (slot.actor.run.remote(spec, tree, mounts), job, slot)
 
     def poll(self, timeout: float = 0.0) -> list[JobResult]:
         done, self._cancelled = self._cancelled, []
         if not self._refs:
+            self._dispatch()  # what waited for a `run_ahead`, which has given its slot back
             return done
         ray = self.ray
         by_ref = {ref: job_id for job_id, (ref, _, _) in self._refs.items()}
@@ -192,25 +255,65 @@ class RayExecutor:
         if ready and rest:
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
-        done += [self._collect(by_ref[ref]) for ref in ready]
+        for ref in ready:
+            with self._lock:  # `run_ahead`'s thread reads which GPUs are busy
+                _, job, slot = self._refs.pop(by_ref[ref])
+            res = self._result(job, ref, slot)
+            if not self._retry_alone(job, slot, res):
+                done.append(res)
         self._dispatch()
         return done
 
-    def _collect(self, job_id: str) -> JobResult:
-        ref, job, worker = self._refs.pop(job_id)
+    def _retry_alone(self, job: StageJob, slot: _Slot, res: JobResult) -> bool:
+        """A stage that ran out of CUDA memory on a GPU another of our stages used meanwhile goes back
+        to wait for that GPU alone (once), first in line; its first attempt is kept, as lost. As
+        locally, the OOM is read from the stage's log, which branch code writes (`LocalExecutor._retry_alone`)."""
+        if (res.status != "exit" or job.job_id not in self._crowded or job.job_id in self._retried
+                or not slot.gpus or not is_cuda_oom(read_tail(job.log_path, 8000)[0])):
+            self._crowded.discard(job.job_id)
+            return False
+        self._crowded.discard(job.job_id)
+        self._retried[job.job_id] = {"cpu_s": res.cpu_s, "wall_s": res.wall_s, "gpu_s": res.wall_s * job.gpus}
+        with open(job.log_path, "a") as fh:
+            fh.write("\nautoresearch: CUDA out of memory on a GPU shared with other stages; "
+                     "running this stage again with the GPU alone\n")
+        with self._lock:
+            self._alone[job.job_id] = set(slot.gpus)
+        self._waiting.appendleft(self._spec(job))
+        return True
+
+    def _result(self, job: StageJob, ref: Any, slot: _Slot) -> JobResult:
+        """The finished job's result, its output unpacked and its log written; the slot back to idle
+        (a fresh actor in its place if Ray lost it)."""
+        job_id = job.job_id
+        retry = job_id in self._retried  # its log follows the first attempt's
         ray = self.ray
         try:
             res: dict[str, Any] = ray.get(ref)
         except ray.exceptions.RayError as e:  # the actor or its node died, an object was lost
             try:
-                ray.kill(worker)
+                ray.kill(slot.actor)
             except (ray.exceptions.RayError, ValueError):  # already gone with its node
                 pass
-            self._idle.append(self._new_worker())  # the slot gets a fresh warm worker
+            if not self._closed:
+                self._give_back(_Slot(self._new_worker()))  # the slot gets a fresh warm worker
+            with self._lock:
+                self._alone.pop(job_id, None)
             return JobResult(job_id, "infra", detail=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-        self._idle.append(worker)
+        slot.gpus = list(res.get("gpus") or slot.gpus)
+        self._give_back(slot)
+        extra: dict[str, object] = {}
+        if res.get("gpu_util") is not None:
+            extra["gpu_util"], extra["gpu_samples"] = float(res["gpu_util"]), int(res.get("gpu_samples") or 0)
+        with self._lock:
+            alone = self._alone.pop(job_id, None)
+        if alone is not None:
+            extra["gpu_share"] = float(max(1, round(job.gpus)))  # it held its GPU whole
+        if job_id in self._retried:
+            extra["gpu_oom_retried_alone"] = self._retried.pop(job_id)
         job.log_path.parent.mkdir(parents=True, exist_ok=True)
-        job.log_path.write_bytes(res["log"])
+        with open(job.log_path, "ab" if retry else "wb") as log:
+            log.write(res["log"])
         if res["status"] == "ok":
             job.out.mkdir(parents=True, exist_ok=True)
             try:  # no entry written through a link; a link, hard link or device refused
@@ -220,13 +323,87 @@ class RayExecutor:
                 with open(job.log_path, "ab") as log:
                     log.write(f"\nray executor: output not kept: {e}\n".encode())
                 return JobResult(job_id, "exit", exit_code=1, cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]),
-                                 host=res["host"], detail=f"output not kept: {str(e)[:200]}")
+                                 host=res["host"], detail=f"output not kept: {str(e)[:200]}", extra=extra)
         return JobResult(job_id, res["status"], exit_code=res["exit_code"], signal=res["signal"],
                          cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]), host=res["host"],
-                         detail=res.get("detail"))
+                         detail=res.get("detail"), extra=extra)
+
+    def _give_back(self, slot: _Slot) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(slot)
+                self._lock.notify_all()
+                return
+        try:  # closed while it ran (a `run_ahead`): nobody else will end it
+            self.ray.kill(slot.actor)
+        except (self.ray.exceptions.RayError, ValueError):
+            pass
 
     def gpu_usage(self) -> dict[str, object] | None:
-        return None  # nothing samples the GPUs of Ray's nodes (NVML runs where the stage does)
+        """Every GPU our actors hold, sampled on its node (NVML), since the executor started: each GPU
+        counted once (the actors sharing it saw the same), summed over GPUs, so the busy share is the
+        mean over the GPUs of the time each was busy. None where no node samples (no NVML, no GPU)."""
+        with self._lock:
+            slots = [*self._idle, *(s for _, _, s in self._refs.values())]
+        slots = [s for s in slots if s.gpus]
+        if not slots:
+            return None
+        ray = self.ray
+        asked = {s.actor.take_usage.remote(): s for s in slots}
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=2.0)
+        best: dict[str, list[float]] = {}
+        for ref in ready:
+            try:
+                got = ray.get(ref)
+            except ray.exceptions.RayError:  # an actor lost meanwhile: its samples with it
+                continue
+            for key, counts in got.items():
+                if counts[0] > best.get(key, [0])[0]:
+                    best[key] = counts
+        for key, (n, busy, util) in best.items():
+            self._usage[0] += int(n)
+            self._usage[1] += int(busy)
+            self._usage[2] += float(util)
+            self._usage_gpus.add(key)
+        if not self._usage_gpus:
+            return None
+        n, busy, util = self._usage
+        return {"samples": n, "busy": busy, "util_sum": util, "busy_share": busy / n if n else None,
+                "mean_util": util / n if n else None, "gpus": sorted(self._usage_gpus),
+                "holder": f"ray:{socket.gethostname()}:{os.getpid()}:{self._started_at:.3f}"}
+
+    def run_ahead(self, job: StageJob, stop: threading.Event | None = None) -> JobResult:
+        """Run `job` before every job queued here and wait for its result, from a thread other than
+        the one that submits and polls (which must keep polling: it frees the slots). It takes the
+        next slot to come free; meanwhile no queued job starts. `stop` cancels it (`Interrupted`);
+        a closed executor raises `InfrastructureFailure`."""
+        item = self._spec(job, keep=False)
+        with self._lock:
+            self._borrowers += 1
+            try:
+                while True:
+                    if self._closed:
+                        raise InfrastructureFailure("the Ray executor was closed")
+                    if stop is not None and stop.is_set():
+                        raise Interrupted("stopping: a stage run ahead of the queue was abandoned")
+                    slot = self._free_slot()
+                    if slot is not None:
+                        self._idle.remove(slot)
+                        break
+                    self._lock.wait(0.2)
+            finally:
+                self._borrowers -= 1
+        ray = self.ray
+        ref = slot.actor.run.remote(item[1], item[2], item[3])
+        cancelled = False
+        while not ray.wait([ref], timeout=0.2)[0]:
+            if not cancelled and ((stop is not None and stop.is_set()) or self._closed):
+                slot.actor.cancel.remote(job.job_id)  # its warm worker kills the stage; run() then returns
+                cancelled = True
+        res = self._result(job, ref, slot)
+        if cancelled:
+            raise Interrupted("stopping: a stage run ahead of the queue was abandoned")
+        return res
 
     def cancel(self, job_id: str) -> None:
         for i, (job, *_rest) in enumerate(self._waiting):
@@ -236,16 +413,21 @@ class RayExecutor:
                 return
         entry = self._refs.get(job_id)
         if entry is not None:
-            entry[2].cancel.remote(job_id)  # its warm worker kills the stage; run() then returns
+            entry[2].actor.cancel.remote(job_id)  # its warm worker kills the stage; run() then returns
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True  # a `run_ahead` waiting for a slot gives up; one running cancels its stage
+            self._lock.notify_all()
         for job_id in list(self._refs):
             self.cancel(job_id)
         if self._refs:
             self.ray.wait([r for r, _, _ in self._refs.values()], num_returns=len(self._refs), timeout=10)
-        for worker in [*self._idle, *(w for _, _, w in self._refs.values())]:
+        with self._lock:
+            slots = [*self._idle, *(s for _, _, s in self._refs.values())]
+        for slot in slots:
             try:
-                self.ray.kill(worker)
+                self.ray.kill(slot.actor)
             except (self.ray.exceptions.RayError, ValueError):  # its node is gone
                 pass
         self._refs.clear()

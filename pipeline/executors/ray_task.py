@@ -11,6 +11,11 @@ a link, whatever order the entries come in, and then the links are checked as a 
 a link whose final target leaves it is refused and the stage fails with the reason), rewrites the
 driver's paths in argv to the local copies, hands the stage to its warm worker (same sandbox, same
 scrubbed environment as locally), and returns the output folder and the log as tar bytes.
+
+An actor that holds GPUs samples them through NVML (`nvidia-ml-py`, where the node has it) every
+half second from its start, as the local executor's `gpus.GpuSampler` does: each stage's mean
+utilisation comes back with its result, and `take_usage` hands the executor each GPU's samples since
+its last call (the executor counts one actor per GPU; the others on a shared GPU saw the same).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ def _own_cache() -> None:
 
 
 MAX_LOG_BYTES = 8 << 20
+SAMPLE_S = 0.5  # gpus.SAMPLE_S: how often an actor's GPUs are sampled
 # pipeline.lab's MEMORY_SHARE and SHM_MB (a sandbox spec names its own shm_max_mb): this module is standard library only, shipped by value
 MEMORY_SHARE = 0.8
 SHM_MB = 64
@@ -118,6 +124,74 @@ def scrub(env: dict[str, str], allow: list[str], prefixes: list[str]) -> dict[st
     return {k: v for k, v in env.items() if k in names or k.startswith(tuple(prefixes))}
 
 
+class GpuWatch:
+    """This actor's GPUs (`ids`: its CUDA_VISIBLE_DEVICES, Ray's choice), sampled through NVML every
+    `interval` s in a thread: per GPU, samples / busy (utilisation > 0) / utilisation sum since the
+    last `take`, and what the stage running now was charged (a sample per GPU it holds). Without
+    NVML on this node (or for a CPU actor) it samples nothing and `take` returns {}."""
+
+    def __init__(self, ids: list[str], interval: float = SAMPLE_S):
+        self.nvml, self.handles = None, {}
+        if ids:
+            try:
+                import pynvml  # nvidia-ml-py: optional on a node
+
+                pynvml.nvmlInit()
+                self.nvml = pynvml
+            except Exception:  # not installed, or no driver here
+                self.nvml = None
+        for g in ids if self.nvml is not None else []:
+            try:
+                self.handles[g] = (self.nvml.nvmlDeviceGetHandleByUUID(g) if g.startswith(("GPU-", "MIG-"))
+                                   else self.nvml.nvmlDeviceGetHandleByIndex(int(g)))
+            except Exception:
+                continue
+        self.lock = threading.Lock()
+        self.totals: dict[str, list[float]] = {}
+        self.stage: list[float] | None = None  # [samples, util_sum] of the stage running now
+        self.interval = interval
+        if self.handles:
+            threading.Thread(target=self._run, name="gpu-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            self.sample()
+
+    def sample(self) -> None:
+        utils = {}
+        for g, h in self.handles.items():
+            try:
+                utils[g] = float(self.nvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            except Exception:
+                continue
+        with self.lock:
+            for g, u in utils.items():
+                t = self.totals.setdefault(g, [0, 0, 0.0])
+                t[0] += 1
+                t[1] += u > 0
+                t[2] += u
+                if self.stage is not None:
+                    self.stage[0] += 1
+                    self.stage[1] += u
+
+    def stage_start(self) -> None:
+        with self.lock:
+            self.stage = [0, 0.0]
+
+    def stage_end(self) -> tuple[float | None, int]:
+        """The stage's mean utilisation over its samples (None if none were taken) and their count."""
+        with self.lock:
+            n, total = self.stage or (0, 0.0)
+            self.stage = None
+        return (total / n if n else None), int(n)
+
+    def take(self) -> dict[str, list[float]]:
+        with self.lock:
+            got, self.totals = self.totals, {}
+        return got
+
+
 class WarmWorker:
     """One slot of the cluster: a warm worker process on this node, fed one stage at a time.
 
@@ -148,6 +222,9 @@ class WarmWorker:
         self.proc: subprocess.Popen[bytes] | None = None
         self.buf = b""
         self.current: str | None = None
+        self.gpu_ids = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+        self.gpu_keys = [f"{_host()}:{g}" for g in self.gpu_ids]  # this node's GPUs, as the executor names them
+        self.watch = GpuWatch(self.gpu_ids)
 
     def _start(self) -> subprocess.Popen[bytes]:
         if self.proc is not None and self.proc.poll() is None:
@@ -197,9 +274,14 @@ class WarmWorker:
             self.proc.stdin.write((json.dumps(msg) + "\n").encode())
             self.proc.stdin.flush()
 
-    def warm(self) -> int:
-        """Start the warm worker now (it imports torch and peft); its pid."""
-        return self._start().pid
+    def warm(self) -> dict[str, Any]:
+        """Start the warm worker now (it imports torch and peft): its pid and this actor's GPUs."""
+        return {"pid": self._start().pid, "gpus": self.gpu_keys}
+
+    def take_usage(self) -> dict[str, list[float]]:
+        """Each of this actor's GPUs' [samples, busy, utilisation sum] since the last call, by its key."""
+        got = self.watch.take()
+        return {f"{_host()}:{g}": v for g, v in got.items()}
 
     def run(self, job: dict[str, Any], tree: list[Any], mounts: list[tuple[str, str, list[Any]]]) -> dict[str, Any]:
         """Run one stage on this node. `tree` and each mount carry an ObjectRef in a one-item list,
@@ -243,7 +325,8 @@ class WarmWorker:
                 "sandbox": sandbox}
         self.current = job["job_id"]
         result: dict[str, Any] = {"cpu_s": 0.0, "wall_s": 0.0, "exit_code": None, "signal": None,
-                                  "host": _host(), "status": "infra"}
+                                  "host": _host(), "status": "infra", "gpus": self.gpu_keys}
+        self.watch.stage_start()
         try:
             self._send({"op": "run", "id": job["job_id"], "spec": spec, "timeout_s": float(job["timeout_s"])})
             while True:
@@ -257,6 +340,7 @@ class WarmWorker:
                     break
         finally:
             self.current = None
+            result["gpu_util"], result["gpu_samples"] = self.watch.stage_end()
         result["wall_s"] = result["wall_s"] or time.monotonic() - started
         result["out"] = pack(out) if result["status"] == "ok" else b""
         result["log"] = b""

@@ -1,0 +1,254 @@
+"""GPUs on a Ray cluster (issue 33's leftovers): packing, NVML sampled on the nodes, a CUDA OOM on a
+shared GPU retried alone, and a GPU lab's smoke stages run on the cluster when the driver's machine
+has no GPU (before, they ran on its CPU and every hypothesis of a lab that needs CUDA was rejected).
+
+A real local Ray (`ray.init(address="local", num_gpus=1)`): Ray hands its GPU actors
+CUDA_VISIBLE_DEVICES as on a GPU node, with no device behind it. The stages are real processes of
+the Ray executor's warm workers, unsandboxed (the sandbox would bind a /dev/nvidia0 this machine
+lacks; tests/test_gpu_binding.py checks that binding with fake nodes). NVML is a fake `pynvml` on
+the Ray workers' path reporting the utilisation written in a file, as in tests/test_gpu_share.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import Interrupted, MethodFailure
+from pipeline.executors import StageJob
+from support.ray_cluster import ray_exclusive
+from support.tiny import CONFIG_NAME, make_lab, open_tiny_lab
+from test_gpu_share import FAKE_NVML
+
+pytestmark = pytest.mark.system
+
+try:
+    import ray
+except ImportError:  # pragma: no cover - depends on the machine
+    if os.environ.get("CI"):
+        raise RuntimeError("Ray is required in CI: pip install -e '.[dev]'") from None
+    # platform limit: Ray has no wheel for this Python/OS; CI raises above instead of skipping
+    pytest.skip("Ray is not installed", allow_module_level=True)
+
+# every attempt's span (wall clock, comparable across processes) is appended to `spans`, a failed one too
+STAGE = """
+import json, os, sys, time
+out, name, hold, mode, state = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5]
+start = time.time()
+tries = os.path.join(state, name + ".tries")
+n = int(open(tries).read()) + 1 if os.path.exists(tries) else 1
+open(tries, "w").write(str(n))
+time.sleep(hold)
+span = {"name": name, "try": n, "start": start, "end": time.time(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
+with open(os.path.join(state, "spans"), "a") as fh:
+    fh.write(json.dumps(span) + "\\n")
+if mode == "oom-first" and n == 1:
+    sys.exit("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB")
+if mode == "oom":
+    sys.exit("RuntimeError: CUDA error: out of memory")
+open(os.path.join(out, "done"), "w").write(name)
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_gpu(tmp_path_factory: pytest.TempPathFactory):
+    """A local Ray with one (logical) GPU whose workers import the fake NVML, at 60 % utilisation."""
+    nvml = tmp_path_factory.mktemp("nvml")
+    (nvml / "pynvml.py").write_text(FAKE_NVML)
+    (nvml / "util").write_text("60")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(nvml), *filter(None, [old])])  # Ray's workers inherit it
+    try:
+        with ray_exclusive():
+            ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+            try:
+                yield nvml
+            finally:
+                ray.shutdown()
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def executor(tmp_path: Path, gpus: float = 0.5):
+    from pipeline.executors.ray_executor import RayExecutor
+
+    return RayExecutor(cpus=1, gpus=gpus, preload=())
+
+
+def stage(tmp_path: Path, name: str, hold: float, mode: str = "", gpus: float = 0.5) -> StageJob:
+    code, out, state = tmp_path / "code", tmp_path / "out" / name, tmp_path / "state"
+    for d in (code, out, state):
+        d.mkdir(parents=True, exist_ok=True)
+    (code / "stage.py").write_text(STAGE)
+    return StageJob(job_id=f"{name}-{uuid.uuid4().hex[:6]}", cwd=code, commit="0" * 40, out=out,
+                    argv=["python", str(code / "stage.py"), str(out), name, str(hold), mode, str(state)],
+                    log_path=tmp_path / "logs" / f"{name}.log", timeout_s=60, gpus=gpus)
+
+
+def run_all(ex, jobs: list[StageJob], limit: float = 90) -> dict[str, object]:
+    for j in jobs:
+        ex.submit(j)
+    got: dict[str, object] = {}
+    deadline = time.monotonic() + limit
+    while len(got) < len(jobs) and time.monotonic() < deadline:
+        got.update({r.job_id.split("-")[0]: r for r in ex.poll(0.5)})
+    assert len(got) == len(jobs), got
+    return got
+
+
+def spans(tmp_path: Path) -> dict[tuple[str, int], dict[str, object]]:
+    lines = (tmp_path / "state" / "spans").read_text().splitlines()
+    return {(s["name"], s["try"]): s for s in map(json.loads, lines)}
+
+
+def test_ray_packs_half_gpu_stages_two_to_a_gpu_and_samples_that_gpu_once(ray_gpu: Path, tmp_path: Path) -> None:
+    with executor(tmp_path) as ex:
+        assert ex.slots == 2  # 4 CPUs, but one GPU holds two stages of 0.5
+        results = run_all(ex, [stage(tmp_path, f"s{i}", 1.5) for i in range(3)])
+        time.sleep(1.2)  # the actors sample every 0.5 s
+        usage = ex.gpu_usage()
+        later = ex.gpu_usage()
+    assert all(r.status == "ok" for r in results.values()), results  # type: ignore[attr-defined]
+    seen = spans(tmp_path)
+    assert {s["cuda"] for s in seen.values()} == {"0"}  # Ray's choice of GPU, as on a GPU node
+    first, second, third = sorted(seen.values(), key=lambda s: s["start"])
+    assert first["start"] < second["end"] and second["start"] < first["end"]  # two at once on the GPU
+    assert third["start"] >= min(first["end"], second["end"]) - 0.05  # the third waited for a slot
+    for r in results.values():  # each stage's mean utilisation, sampled on its node while it ran
+        assert r.extra["gpu_util"] == 60.0 and r.extra["gpu_samples"] >= 1, r.extra  # type: ignore[attr-defined]
+    # the GPU counted once although two actors hold it: every sample busy at 60 %, cumulative
+    assert usage is not None and len(usage["gpus"]) == 1 and usage["gpus"][0].endswith(":0"), usage
+    assert usage["samples"] >= 5 and usage["busy"] == usage["samples"], usage
+    assert usage["util_sum"] == pytest.approx(60.0 * usage["samples"])
+    assert later is not None and later["samples"] >= usage["samples"] and later["holder"] == usage["holder"]
+
+
+def test_a_cuda_oom_on_a_shared_gpu_runs_again_with_the_gpu_alone_on_ray(ray_gpu: Path, tmp_path: Path) -> None:
+    """A ran out of CUDA memory while B shared its GPU: A runs again once B is done, with the GPU to
+    itself (C, queued behind, does not start on it meanwhile); its first attempt is booked as lost."""
+    with executor(tmp_path) as ex:
+        results = run_all(ex, [stage(tmp_path, "a", 1.5, "oom-first"), stage(tmp_path, "b", 3.0),
+                               stage(tmp_path, "c", 0.5)])
+        # an OOM with the GPU to itself is the method's own failure: no second attempt
+        (lone,) = run_all(ex, [stage(tmp_path, "d", 0.2, "oom")]).values()
+    a = results["a"]
+    assert all(r.status == "ok" for r in results.values()), results  # type: ignore[attr-defined]
+    seen = spans(tmp_path)
+    assert seen[("a", 1)]["start"] < seen[("b", 1)]["end"]  # they shared the GPU
+    assert seen[("a", 2)]["start"] >= seen[("b", 1)]["end"] - 0.05  # the retry waited for B
+    assert seen[("c", 1)]["start"] >= seen[("a", 2)]["end"] - 0.05  # nothing joined it on its GPU
+    lost = a.extra["gpu_oom_retried_alone"]  # type: ignore[attr-defined]
+    assert 1.4 < lost["wall_s"] < 3.0 and lost["gpu_s"] == pytest.approx(lost["wall_s"] * 0.5)
+    assert a.extra["gpu_share"] == 1.0  # type: ignore[attr-defined]  (its GPU whole: gpu_s = wall × 1)
+    assert "running this stage again with the GPU alone" in (tmp_path / "logs" / "a.log").read_text()
+    assert lone.status == "exit" and ("d", 2) not in spans(tmp_path)  # type: ignore[attr-defined]
+    assert "gpu_oom_retried_alone" not in lone.extra  # type: ignore[attr-defined]
+
+
+def test_run_ahead_takes_the_next_free_slot_before_the_queue_and_stops_on_request(ray_gpu: Path,
+                                                                                  tmp_path: Path) -> None:
+    """A smoke stage from the loop's thread, while the driver's thread keeps both slots busy."""
+    with executor(tmp_path) as ex:
+        for j in (stage(tmp_path, "q1", 2.0), stage(tmp_path, "q2", 2.5), stage(tmp_path, "q3", 0.5)):
+            ex.submit(j)
+        got: dict[str, object] = {}
+
+        def ahead() -> None:
+            got["smoke"] = ex.run_ahead(stage(tmp_path, "smoke", 0.5))
+
+        time.sleep(0.5)  # q1 and q2 run, q3 waits
+        t = threading.Thread(target=ahead)
+        t.start()
+        done: dict[str, object] = {}
+        deadline = time.monotonic() + 60
+        while (len(done) < 3 or t.is_alive()) and time.monotonic() < deadline:  # the driver's thread polls
+            done.update({r.job_id.split("-")[0]: r for r in ex.poll(0.2)})
+        t.join(1)
+
+        # stopped while it waits for a slot: Interrupted at once, nothing queued lost
+        for j in (stage(tmp_path, "r1", 3.0), stage(tmp_path, "r2", 3.0)):
+            ex.submit(j)
+        stop, caught = threading.Event(), {}
+
+        def stopped() -> None:
+            try:
+                ex.run_ahead(stage(tmp_path, "stopped", 0.1), stop)
+            except Interrupted as e:
+                caught["at"], caught["e"] = time.monotonic(), e
+
+        t2 = threading.Thread(target=stopped)
+        t2.start()
+        time.sleep(0.5)
+        asked = time.monotonic()
+        stop.set()
+        t2.join(10)
+        rest: dict[str, object] = {}
+        deadline = time.monotonic() + 60
+        while len(rest) < 2 and time.monotonic() < deadline:
+            rest.update({r.job_id.split("-")[0]: r for r in ex.poll(0.5)})
+    assert got["smoke"].status == "ok", got  # type: ignore[attr-defined]
+    assert sorted(done) == ["q1", "q2", "q3"] and all(r.status == "ok" for r in done.values())  # type: ignore[attr-defined]
+    seen = spans(tmp_path)
+    smoke, q3 = seen[("smoke", 1)], seen[("q3", 1)]
+    assert smoke["cuda"] == "0"  # a slot holding the lab's GPU
+    assert smoke["start"] >= seen[("q1", 1)]["end"] - 0.05  # it waited for the first slot to come free
+    assert smoke["start"] < q3["start"]  # and took it before the queued q3
+    assert caught["at"] - asked < 2.0 and ("stopped", 1) not in seen  # type: ignore[operator]
+    assert sorted(rest) == ["r1", "r2"]
+
+
+def test_a_gpu_labs_smoke_run_uses_the_clusters_gpu_when_the_driver_has_none(ray_gpu: Path, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33 on Ray: a lab whose stages require CUDA, a driver machine without a GPU. Its smoke run
+    ran on that machine's CPU and failed `require_cuda`; through the driver's executor it passes."""
+    from pipeline.harness import HARNESSES
+    from support.tiny import TinyHarness
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # this machine: no GPU
+    HARNESSES.register("tiny", TinyHarness)  # what a plugin does (the lab names it)
+    try:
+        check_smoke_on_ray(tmp_path)
+    finally:
+        HARNESSES.unregister("tiny")
+
+
+def check_smoke_on_ray(tmp_path: Path) -> None:
+    from pipeline import experiment
+    from pipeline.executors import ExecutorOptions
+    from pipeline.smoke import SmokeRunner, smoke_run
+
+    root = tmp_path / "lab"
+    make_lab(root)
+    cfg = root / CONFIG_NAME
+    cfg.write_text(cfg.read_text().replace("cpus = 1\n", 'cpus = 1\ngpus = 0.5\nsandbox = "off"\npreload = ["numpy"]\n'))
+    lab = open_tiny_lab(root)
+    needs_cuda = ("import os, sys\nif not os.environ.get('CUDA_VISIBLE_DEVICES'):\n"
+                  "    sys.exit('config.toml says require_cuda, but torch sees no CUDA device')\n")
+    files = {"pretrain.py": needs_cuda + (root / "pretrain.py").read_text()}
+
+    here = SmokeRunner(lab)  # no executor to lend a GPU: the CPU of this machine, as before
+    try:
+        assert here.gpus == 0
+        with pytest.raises(MethodFailure, match="require_cuda"):
+            smoke_run(lab, "autoresearch/baseline", files, runner=here)
+    finally:
+        here.close()
+
+    exp = experiment.Experiment(lab, experiment.open_store(lab))
+    driver = exp.driver(ExecutorOptions("ray"))
+    try:
+        metric = exp.smoke("autoresearch/baseline", files)
+        assert exp._smoke_runner is not None and exp._smoke_runner.remote and exp._smoke_runner.gpus == 0.5
+    finally:
+        exp.close()
+        driver.close()
+    assert 0.0 <= metric <= 1.0
