@@ -1,4 +1,4 @@
-"""The Ray executor on a real local Ray (`ray.init(num_cpus=2)`): same batch, same metrics as local.
+"""The Ray executor on a real `ray start --head` node of 2 CPUs: same batch, same metrics as local.
 
 Skipped only where Ray cannot be imported, and never in CI (CI=1 turns a missing Ray into a failure).
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from support.tiny import TinyHarness, git, make_lab, open_tiny_lab
-from support.ray_cluster import ray_exclusive
+from support.ray_cluster import ENV, RayCluster, ray_exclusive
 from pipeline import runner
 from pipeline.executors.local import LocalExecutor
 from pipeline import experiment, labrepo
@@ -39,15 +39,24 @@ def local_ray():
     inherit, so the test can check that stages never see it."""
     os.environ[SECRET] = "sk-should-never-reach-a-stage"
     os.environ[CANARY] = "visible"
-    # address="local": always a fresh Ray of our own, never a cluster left running on the machine
-    with ray_exclusive():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            yield
-        finally:
-            ray.shutdown()
-        os.environ.pop(SECRET, None)
-        os.environ.pop(CANARY, None)
+    # a `ray start --head` node of our own, never a cluster left running on the machine (nor an
+    # in-process `address="local"` Ray: a later module's actors on another Ray of this process then
+    # died before they ran, "all references to the actor were removed")
+    saved = {k: os.environ.get(k) for k in ENV}
+    try:
+        with ray_exclusive(), RayCluster(head_cpus=2, worker_cpus=0) as cluster:
+            os.environ.update(ENV)
+            ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+            try:
+                yield
+            finally:
+                ray.shutdown()
+    finally:
+        for k, v in {**saved, SECRET: None, CANARY: None}.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def test_the_same_batch_gives_the_same_metrics_on_local_and_ray(local_ray, tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ from pipeline.executors.local import DEFAULT_PRELOAD
 
 
 MAX_PINNED_INPUTS = 256  # input folders kept in the object store for reuse by later stages
+USAGE_GIVE_UP_S = 60.0  # an actor that has not answered `take_usage` in this long is asked no more
 WARM_TIMEOUT_S = 300.0  # a node importing torch and peft takes seconds; a worker Ray cannot place, for ever
 AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
              "RAY_AUTH_MODE=disabled, or give both the same token")
@@ -145,6 +146,7 @@ class RayExecutor:
         self._retried: dict[str, dict[str, float]] = {}  # its first attempt, booked as lost
         self._usage = [0, 0, 0.0]  # every GPU's samples, busy samples, utilisation sum (gpu_usage)
         self._usage_gpus: set[str] = set()
+        self._usage_asked: dict[Any, tuple[_Slot, float]] = {}  # take_usage's answers to come
         self._started_at = time.time()
         self._idle: deque[_Slot] = deque(_Slot(self._new_worker()) for _ in range(self._slots))
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
@@ -342,29 +344,38 @@ class RayExecutor:
     def gpu_usage(self) -> dict[str, object] | None:
         """Every GPU our actors hold, sampled on its node (NVML), since the executor started: each GPU
         counted once (the actors sharing it saw the same), summed over GPUs, so the busy share is the
-        mean over the GPUs of the time each was busy. None where no node samples (no NVML, no GPU)."""
+        mean over the GPUs of the time each was busy. None where no node samples (no NVML, no GPU).
+
+        Never waits: it counts the answers to the previous call's questions and asks again (the
+        driver calls it every few seconds; a lost node's actor never holds it up)."""
+        ray = self.ray
+        if self._usage_asked:
+            ready, _ = ray.wait(list(self._usage_asked), num_returns=len(self._usage_asked), timeout=0)
+            best: dict[str, list[float]] = {}
+            for ref in ready:
+                self._usage_asked.pop(ref)
+                try:
+                    got = ray.get(ref)
+                except ray.exceptions.RayError:  # an actor lost meanwhile: its samples with it
+                    continue
+                for key, counts in got.items():
+                    if counts[0] > best.get(key, [0])[0]:
+                        best[key] = counts
+            for key, (n, busy, util) in best.items():
+                self._usage[0] += int(n)
+                self._usage[1] += int(busy)
+                self._usage[2] += float(util)
+                self._usage_gpus.add(key)
+            now = time.monotonic()
+            for ref, (_, asked_at) in list(self._usage_asked.items()):
+                if now - asked_at > USAGE_GIVE_UP_S:  # its node hangs: ask its successor instead
+                    del self._usage_asked[ref]
         with self._lock:
             slots = [*self._idle, *(s for _, _, s in self._refs.values())]
-        slots = [s for s in slots if s.gpus]
-        if not slots:
-            return None
-        ray = self.ray
-        asked = {s.actor.take_usage.remote(): s for s in slots}
-        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=2.0)
-        best: dict[str, list[float]] = {}
-        for ref in ready:
-            try:
-                got = ray.get(ref)
-            except ray.exceptions.RayError:  # an actor lost meanwhile: its samples with it
-                continue
-            for key, counts in got.items():
-                if counts[0] > best.get(key, [0])[0]:
-                    best[key] = counts
-        for key, (n, busy, util) in best.items():
-            self._usage[0] += int(n)
-            self._usage[1] += int(busy)
-            self._usage[2] += float(util)
-            self._usage_gpus.add(key)
+        waiting = {slot for slot, _ in self._usage_asked.values()}
+        for slot in slots:
+            if slot.gpus and slot not in waiting:
+                self._usage_asked[slot.actor.take_usage.remote()] = (slot, time.monotonic())
         if not self._usage_gpus:
             return None
         n, busy, util = self._usage
@@ -432,6 +443,7 @@ class RayExecutor:
                 pass
         self._refs.clear()
         self._idle.clear()
+        self._usage_asked.clear()
         self._waiting.clear()
         self._inputs.clear()
         if self._owns_ray:

@@ -41,11 +41,14 @@ def ray_exclusive():
 
 
 class RayCluster:
-    def __init__(self, head_cpus: int = 1, worker_cpus: int = 1):
+    def __init__(self, head_cpus: int = 1, worker_cpus: int = 1, head_gpus: int = 0, env: dict[str, str] | None = None):
+        """`head_gpus`: logical GPUs of the head node (Ray hands its GPU actors CUDA_VISIBLE_DEVICES as
+        on a GPU node, with no device behind it); `env`: more of the nodes' environment."""
         self.dirs: list[str] = []
-        self.env = {**os.environ, **ENV}
+        self.env = {**os.environ, **ENV, **(env or {})}
         port = free_port()
-        out = self._start(["--head", f"--port={port}", f"--num-cpus={head_cpus}", "--include-dashboard=false"])
+        out = self._start(["--head", f"--port={port}", f"--num-cpus={head_cpus}", f"--num-gpus={head_gpus}",
+                           "--include-dashboard=false"])
         m = re.search(r"ray start --address='([^']+)'", out)
         if m is None:
             self.stop()
