@@ -19,10 +19,11 @@ class GpuAccounting:
             self._gpu_usage_at = time.monotonic()
             self._record_gpu_usage()
 
-    def _record_gpu_usage(self) -> None:
-        """What the executor's GPU sampler saw since the last call, as one row of the store."""
+    def _record_gpu_usage(self, last: bool = False) -> None:
+        """What the executor's GPU sampler saw since the last call, as one row of the store (`last`:
+        the driver closes, the executor may wait a moment for its latest samples)."""
         sampled = getattr(self.executor, "gpu_usage", None)  # optional in the protocol: an executor may sample nothing
-        usage = sampled() if sampled is not None else None
+        usage = (sampled(wait=True) if last else sampled()) if sampled is not None else None
         if usage is None:
             return
         totals = (int(usage["samples"]), int(usage["busy"]), float(usage["util_sum"]))  # type: ignore[arg-type]

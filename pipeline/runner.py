@@ -195,7 +195,7 @@ class Driver(Scoring, GpuAccounting):
             for a in list(self.active.values()):
                 self.store.release(a.claim, count_requeue=False)
         self.active.clear()
-        self._record_gpu_usage()
+        self._record_gpu_usage(last=True)
         if self._own_heartbeat is not None:
             self._own_heartbeat.stop()
             self.heartbeat = self._own_heartbeat = None

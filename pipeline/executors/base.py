@@ -131,9 +131,10 @@ class Executor(Protocol):
 
     def cancel(self, job_id: str) -> None: ...
 
-    def gpu_usage(self) -> dict[str, object] | None:
+    def gpu_usage(self, wait: bool = False) -> dict[str, object] | None:
         """The GPU sampler's running totals (`gpus.GpuSampler.summary`, with `holder` and `gpus`), or
-        None where nothing samples the GPUs this executor gives out."""
+        None where nothing samples the GPUs this executor gives out. `wait`: the driver's last call
+        (it closes): an executor whose samples come from elsewhere may wait a moment for the latest."""
         ...
 
     def close(self) -> None: ...

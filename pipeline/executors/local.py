@@ -328,7 +328,7 @@ class LocalExecutor:
         self._dispatch()
         return True
 
-    def gpu_usage(self) -> dict[str, object] | None:
+    def gpu_usage(self, wait: bool = False) -> dict[str, object] | None:
         if self.pool is None or not self.pool.sampler().available:
             return None
         return {**self.pool.sampler().summary(), "holder": f"{self.host}:{os.getpid()}:{self._started_at:.3f}",

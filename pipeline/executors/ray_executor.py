@@ -341,47 +341,59 @@ class RayExecutor:
         except (self.ray.exceptions.RayError, ValueError):
             pass
 
-    def gpu_usage(self) -> dict[str, object] | None:
+    def gpu_usage(self, wait: bool = False) -> dict[str, object] | None:
         """Every GPU our actors hold, sampled on its node (NVML), since the executor started: each GPU
         counted once (the actors sharing it saw the same), summed over GPUs, so the busy share is the
         mean over the GPUs of the time each was busy. None where no node samples (no NVML, no GPU).
 
-        Never waits: it counts the answers to the previous call's questions and asks again (the
-        driver calls it every few seconds; a lost node's actor never holds it up)."""
-        ray = self.ray
-        if self._usage_asked:
-            ready, _ = ray.wait(list(self._usage_asked), num_returns=len(self._usage_asked), timeout=0)
-            best: dict[str, list[float]] = {}
-            for ref in ready:
-                self._usage_asked.pop(ref)
-                try:
-                    got = ray.get(ref)
-                except ray.exceptions.RayError:  # an actor lost meanwhile: its samples with it
-                    continue
-                for key, counts in got.items():
-                    if counts[0] > best.get(key, [0])[0]:
-                        best[key] = counts
-            for key, (n, busy, util) in best.items():
-                self._usage[0] += int(n)
-                self._usage[1] += int(busy)
-                self._usage[2] += float(util)
-                self._usage_gpus.add(key)
-            now = time.monotonic()
-            for ref, (_, asked_at) in list(self._usage_asked.items()):
-                if now - asked_at > USAGE_GIVE_UP_S:  # its node hangs: ask its successor instead
-                    del self._usage_asked[ref]
-        with self._lock:
-            slots = [*self._idle, *(s for _, _, s in self._refs.values())]
-        waiting = {slot for slot, _ in self._usage_asked.values()}
-        for slot in slots:
-            if slot.gpus and slot not in waiting:
-                self._usage_asked[slot.actor.take_usage.remote()] = (slot, time.monotonic())
+        It counts the answers to the previous call's questions and asks again, without waiting (the
+        driver calls it every few seconds; a lost node's actor never holds it up); with `wait` (the
+        driver's last call) it then waits up to 2 s for the new answers too."""
+        self._count_usage(0)
+        self._ask_usage()
+        if wait:
+            self._count_usage(2.0)
         if not self._usage_gpus:
             return None
         n, busy, util = self._usage
         return {"samples": n, "busy": busy, "util_sum": util, "busy_share": busy / n if n else None,
                 "mean_util": util / n if n else None, "gpus": sorted(self._usage_gpus),
                 "holder": f"ray:{socket.gethostname()}:{os.getpid()}:{self._started_at:.3f}"}
+
+    def _count_usage(self, timeout: float) -> None:
+        """Add the answers to `take_usage` that came within `timeout` s; forget those too long awaited."""
+        if not self._usage_asked:
+            return
+        ray = self.ray
+        ready, _ = ray.wait(list(self._usage_asked), num_returns=len(self._usage_asked), timeout=timeout)
+        best: dict[str, list[float]] = {}
+        for ref in ready:
+            self._usage_asked.pop(ref)
+            try:
+                got = ray.get(ref)
+            except ray.exceptions.RayError:  # an actor lost meanwhile: its samples with it
+                continue
+            for key, counts in got.items():
+                if counts[0] > best.get(key, [0])[0]:
+                    best[key] = counts
+        for key, (n, busy, util) in best.items():
+            self._usage[0] += int(n)
+            self._usage[1] += int(busy)
+            self._usage[2] += float(util)
+            self._usage_gpus.add(key)
+        now = time.monotonic()
+        for ref, (_, asked_at) in list(self._usage_asked.items()):
+            if now - asked_at > USAGE_GIVE_UP_S:  # its node hangs: ask its successor instead
+                del self._usage_asked[ref]
+
+    def _ask_usage(self) -> None:
+        """Ask each slot holding GPUs for its samples since it was last asked (unless it has not answered yet)."""
+        with self._lock:
+            slots = [*self._idle, *(s for _, _, s in self._refs.values())]
+        waiting = {slot for slot, _ in self._usage_asked.values()}
+        for slot in slots:
+            if slot.gpus and slot not in waiting:
+                self._usage_asked[slot.actor.take_usage.remote()] = (slot, time.monotonic())
 
     def run_ahead(self, job: StageJob, stop: threading.Event | None = None) -> JobResult:
         """Run `job` before every job queued here and wait for its result, from a thread other than
