@@ -171,11 +171,11 @@ class Experiment:
         `heartbeat`: the process's `pipeline.lease.Heartbeat` (the loop's, with its lease); without
         one the driver beats for its runs itself."""
         ex = self._executor(executor)
-        if hasattr(ex, "run_ahead"):  # a GPU lab's smoke stages may run there (`SmokeRunner.remote`)
-            self._lender = ex
-            if self._smoke_runner is not None and self._smoke_runner.lender is not ex:
-                self._smoke_runner.close()
-                self._smoke_runner = None
+        # a GPU lab's smoke stages may run there (`SmokeRunner.remote`): this driver's, not an older one's
+        self._lender = ex if hasattr(ex, "run_ahead") else None
+        if self._smoke_runner is not None and self._smoke_runner.lender is not self._lender:
+            self._smoke_runner.close()
+            self._smoke_runner = None
         return runner.Driver(self.lab, self.store, ex, heartbeat=heartbeat)
 
     def _executor(self, opts: ExecutorOptions | None) -> Executor:

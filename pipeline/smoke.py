@@ -82,8 +82,8 @@ class SmokeRunner:
         # the driver's executor, where its machines hold GPUs (`run_ahead`: a Ray cluster of GPU nodes)
         self.lender = lender if lender is not None and hasattr(lender, "run_ahead") else None
         self._executor: Any = None
-        self._gpus: float | None = None
         self._here: bool | None = None
+        self._slot: Any = None  # the lender's slot this smoke run holds (`release` gives it back)
 
     @property
     def remote(self) -> bool:
@@ -95,15 +95,13 @@ class SmokeRunner:
 
             share = self.lab.config.run.gpus
             self._here = not share or capacity(share, len(visible_gpus())) >= 1
-        return not self._here and self.lender is not None
+        return not self._here and self.lender is not None and not self.lender.closed
 
     @property
     def gpus(self) -> float:
         """`[run] gpus` where this machine (or the lending executor) has them; 0 where neither does:
         the smoke run then runs on this CPU, and a stage that requires CUDA fails it."""
-        if self._gpus is None:
-            self._gpus = self.lab.config.run.gpus if (self.remote or self._here) else 0.0
-        return self._gpus
+        return self.lab.config.run.gpus if (self.remote or self._here) else 0.0
 
     def executor(self) -> Any:
         if self._executor is None:
@@ -163,13 +161,20 @@ class SmokeRunner:
 
         for attempt in (1, 2):
             try:
-                res = self.lender.run_ahead(job, stop)
+                if self._slot is None:  # one slot for the whole smoke run: its stages wait behind nothing
+                    self._slot = self.lender.borrow(stop)
+                res = self.lender.run_ahead(job, stop, slot=self._slot)
             except InfrastructureFailure:
+                self._slot = None
                 if stop is not None and stop.is_set():
                     raise Interrupted("stopping: smoke run abandoned") from None
                 raise
+            except BaseException:
+                self._slot = None  # no longer ours (`run_ahead`)
+                raise
             if res.status != "infra":
                 return _outcome(res, job.log_path, timeout_s)
+            self._slot = None
             if attempt == 2:
                 raise InfrastructureFailure(f"smoke stage lost twice on the {self.lender.name} executor: {res.detail}")
         raise AssertionError("unreachable")
@@ -186,7 +191,14 @@ class SmokeRunner:
             raise MethodFailure(f"killed by signal {done.signal}:\n{tail}")
         return done.returncode, tail
 
+    def release(self) -> None:
+        """Give back the lender's slot this smoke run held (at its end)."""
+        if self._slot is not None:
+            slot, self._slot = self._slot, None
+            self.lender.give_back_lent(slot)
+
     def close(self) -> None:
+        self.release()
         if self._executor is not None:
             self._executor.close()
             self._executor = None
@@ -259,6 +271,8 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
     finally:
         if own:
             runner.close()
+        else:
+            runner.release()
 
 
 def smoke_places(lab: Lab, prepared: Prepared, tmp: Path) -> dict[str, str]:

@@ -19,9 +19,10 @@ actor tells which GPUs of which node it holds. A stage that runs out of CUDA mem
 of our stages used meanwhile runs once more with that GPU alone (no other slot on it gets a stage
 until it ends; its first attempt is booked as lost to infrastructure). Each actor samples its GPUs
 through NVML where the node has it: a stage's mean utilisation comes back with its result, and
-`gpu_usage` counts each GPU once however many slots share it. `run_ahead` runs one job before
-everything queued, from another thread, on the next free slot (a GPU lab's smoke stages, when the
-driver's machine has no GPU): the driver's own stages wait while it waits, so it never waits long.
+`gpu_usage` counts each GPU once however many slots share it. `borrow` lends the next slot to come
+free to another thread, ahead of everything queued, and `run_ahead` runs a job there (a GPU lab's
+smoke stages, when the driver's machine has no GPU: one slot for the whole smoke run). It waits for
+the first stage running now to end; queued stages wait while it does.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run 
 
 @dataclass(eq=False)
 class _Slot:
-    """One warm worker actor, and the GPUs it holds (`node:gpu` keys, known once it answered)."""
+    """One warm worker actor, and the GPUs it holds (`node:gpu` keys, known once it answered its
+    `warm`: `pending` until then)."""
 
     actor: Any
     gpus: list[str] = field(default_factory=list)
+    pending: Any = None  # the ref of its `warm` call, not yet read
 
 
 def node_sources() -> dict[str, str]:
@@ -137,16 +140,20 @@ class RayExecutor:
         self._refs: dict[str, tuple[Any, StageJob, _Slot]] = {}  # job id → (ref, job, its slot)
         self._waiting: deque[tuple[StageJob, dict[str, Any], list[Any], list[Any]]] = deque()
         self._cancelled: list[JobResult] = []
-        # `_idle`, `_borrowers` and `_closed` are shared with `run_ahead`'s thread: under `_lock`
-        self._lock = threading.Condition()
-        self._borrowers = 0
+        # `_idle`, `_refs`, `_lent`, `_alone`, `_borrowers` and `_closed` are shared with the thread of
+        # `borrow`/`run_ahead`: changed under `_lock` (re-entrant: `_give_back` runs inside `_dispatch`)
+        self._lock = threading.Condition(threading.RLock())
+        self._lent: dict[_Slot, bool] = {}  # slots lent by `borrow` → whether a stage runs on it now
+        self._borrowers = 0  # threads waiting in `borrow`
         self._closed = False
         self._crowded: set[str] = set()  # jobs whose GPU another of our stages used while they ran
-        self._alone: dict[str, set[str]] = {}  # a CUDA OOM's retry → the GPUs it holds whole
+        self._alone: dict[str, set[str]] = {}  # a CUDA OOM's retry → the GPUs it holds whole, first come first
         self._retried: dict[str, dict[str, float]] = {}  # its first attempt, booked as lost
         self._usage = [0, 0, 0.0]  # every GPU's samples, busy samples, utilisation sum (gpu_usage)
         self._usage_gpus: set[str] = set()
         self._usage_asked: dict[Any, tuple[_Slot, float]] = {}  # take_usage's answers to come
+        self._reporter: dict[str, _Slot] = {}  # GPU → the one slot whose samples of it are counted
+        self._fresh: set[_Slot] = set()  # reporters whose first answer (their whole life so far) is not counted
         self._started_at = time.time()
         self._idle: deque[_Slot] = deque(_Slot(self._new_worker()) for _ in range(self._slots))
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
@@ -215,42 +222,98 @@ class RayExecutor:
         }
         return job, spec, [tree_ref], mounts
 
+    def _learn(self, slot: _Slot) -> None:
+        """The GPUs of a replacement actor, once its `warm` has answered (under `_lock`)."""
+        if slot.pending is not None and self.ray.wait([slot.pending], timeout=0)[0]:
+            try:
+                slot.gpus = list(self.ray.get(slot.pending).get("gpus") or [])
+            except self.ray.exceptions.RayError:  # it died warming: its first stage says so, as infra
+                pass
+            slot.pending = None
+
+    def _busy_gpus(self) -> set[str]:
+        """The GPUs a stage of ours runs on now: the driver's, and those run ahead (under `_lock`)."""
+        return ({g for _, _, s in self._refs.values() for g in s.gpus}
+                | {g for s, running in self._lent.items() if running for g in s.gpus})
+
     def _free_slot(self, job_id: str | None = None) -> _Slot | None:
-        """An idle slot for `job_id` (under `_lock`): off the GPUs a CUDA OOM's retry holds whole; for
-        that retry itself, a slot on its GPU once no stage of ours runs there."""
-        held = set().union(*(g for j, g in self._alone.items() if j != job_id))
-        busy = set().union(*(set(slot.gpus) for _, _, slot in self._refs.values()))
+        """An idle slot for `job_id` (under `_lock`). Nothing lands on a GPU a CUDA OOM's retry holds
+        whole; a retry waits, first come first served among retries, until no stage of ours runs on
+        its GPU, then takes a slot there (or, if that GPU's slots are all gone, any GPU it finds idle)."""
         for slot in self._idle:
-            if set(slot.gpus) & held:
-                continue
-            if job_id in self._alone and not (set(slot.gpus) & self._alone[job_id] and not busy & self._alone[job_id]):
-                continue
-            return slot
-        return None
+            self._learn(slot)
+        if job_id not in self._alone:
+            held = set().union(*self._alone.values())
+            for slot in self._idle:
+                unknown = self.gpus and (slot.pending is not None or not slot.gpus)
+                if held and unknown:  # it may sit on the GPU a retry holds: not while one does
+                    continue
+                if not set(slot.gpus) & held:
+                    return slot
+            return None
+        order = list(self._alone)
+        held = set().union(*(self._alone[j] for j in order[:order.index(job_id)]))  # retries ahead of it
+        mine, busy = self._alone[job_id], self._busy_gpus()
+        everyone = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent]
+        if not any(set(s.gpus) & mine for s in everyone) and all(s.pending is None for s in everyone):
+            for slot in self._idle:  # its GPU's slots are gone (a lost node): any GPU with nothing on it
+                if slot.gpus and not set(slot.gpus) & (held | busy):
+                    self._alone[job_id] = set(slot.gpus)
+                    return slot
+            return None
+        if busy & mine:
+            return None
+        return next((s for s in self._idle if set(s.gpus) & mine and not set(s.gpus) & held), None)
+
+    def _mark_crowded(self, job_id: str, slot: _Slot) -> None:
+        """`job_id` starts on `slot`: it and every stage of ours on the same GPU shared it (under `_lock`)."""
+        others = [j for j, (_, _, s) in self._refs.items() if set(s.gpus) & set(slot.gpus)]
+        if others or any(set(s.gpus) & set(slot.gpus) for s, running in self._lent.items() if running):
+            self._crowded |= {job_id, *others}
 
     def _dispatch(self) -> None:
-        """Start each waiting job that has a free slot, in order; none while `run_ahead` waits for one."""
+        """Start each waiting job that has a free slot, in order; while `borrow` waits for a slot, only
+        a CUDA OOM's retry (whose GPU it could not take anyway)."""
         with self._lock:
-            if self._borrowers:
-                return
             for item in list(self._waiting):
                 job, spec, tree, mounts = item
+                if self._borrowers and job.job_id not in self._alone:
+                    continue
                 slot = self._free_slot(job.job_id)
                 if slot is None:
                     continue
                 self._waiting.remove(item)
                 self._idle.remove(slot)
-                if job.gpus and job.gpus < 1:  # a share: does another stage of ours run on its GPU?
-                    for other, (_, _, s) in self._refs.items():
-                        if set(s.gpus) & set(slot.gpus):
-                            self._crowded |= {job.job_id, other}
-                self._refs[job.job_id] = (slot.actor.run.remote(spec, tree, mounts), job, slot)
+                self._mark_crowded(job.job_id, slot)
+                try:
+                    ref = slot.actor.run.remote(spec, tree, mounts)
+                except Exception as e:  # the job cannot be sent: its infrastructure failure, the slot kept
+                    self._idle.append(slot)
+                    self._cancelled.append(self._forget(job.job_id, "infra", f"cannot start the stage: {e}"))
+                    continue
+                self._refs[job.job_id] = (ref, job, slot)
+
+    def _forget(self, job_id: str, status: str, detail: str) -> JobResult:
+        """The result of a job that ends without running (again): its retry's state dropped, a lost
+        first attempt still booked."""
+        with self._lock:
+            self._alone.pop(job_id, None)
+        self._crowded.discard(job_id)
+        lost = self._retried.pop(job_id, None)
+        return JobResult(job_id, status, detail=detail,  # type: ignore[arg-type]
+                         extra={"gpu_oom_retried_alone": lost} if lost else {})
 
     def poll(self, timeout: float = 0.0) -> list[JobResult]:
         done, self._cancelled = self._cancelled, []
         if not self._refs:
-            self._dispatch()  # what waited for a `run_ahead`, which has given its slot back
-            return done
+            self._dispatch()  # what waited for a slot lent to `borrow`, given back since
+            if not self._refs:
+                if not done and self._waiting and timeout > 0:  # wait for a slot, do not spin
+                    with self._lock:
+                        self._lock.wait(timeout)
+                    self._dispatch()
+                done, self._cancelled = done + self._cancelled, []
+                return done
         ray = self.ray
         by_ref = {ref: job_id for job_id, (ref, _, _) in self._refs.items()}
         ready, rest = ray.wait(list(by_ref), num_returns=1, timeout=0 if done else timeout)
@@ -258,10 +321,15 @@ class RayExecutor:
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
         for ref in ready:
-            with self._lock:  # `run_ahead`'s thread reads which GPUs are busy
+            with self._lock:  # `borrow`'s thread reads which GPUs are busy
                 _, job, slot = self._refs.pop(by_ref[ref])
-            res = self._result(job, ref, slot)
-            if not self._retry_alone(job, slot, res):
+            res, kept = self._result(job, ref, slot)
+            retried = self._retry_alone(job, slot, res)  # its GPU held before the slot is free to take
+            if kept:
+                self._give_back(slot)
+            else:
+                self._replace(slot)
+            if not retried:
                 done.append(res)
         self._dispatch()
         return done
@@ -270,40 +338,35 @@ class RayExecutor:
         """A stage that ran out of CUDA memory on a GPU another of our stages used meanwhile goes back
         to wait for that GPU alone (once), first in line; its first attempt is kept, as lost. As
         locally, the OOM is read from the stage's log, which branch code writes (`LocalExecutor._retry_alone`)."""
-        if (res.status != "exit" or job.job_id not in self._crowded or job.job_id in self._retried
-                or not slot.gpus or not is_cuda_oom(read_tail(job.log_path, 8000)[0])):
-            self._crowded.discard(job.job_id)
-            return False
+        crowded = job.job_id in self._crowded
         self._crowded.discard(job.job_id)
+        if (res.status != "exit" or not crowded or job.job_id in self._retried
+                or not slot.gpus or not is_cuda_oom(read_tail(job.log_path, 8000)[0])):
+            return False
+        try:
+            item = self._spec(job)
+        except Exception:  # its code view or inputs cannot be sent again: the failure stands
+            return False
         self._retried[job.job_id] = {"cpu_s": res.cpu_s, "wall_s": res.wall_s, "gpu_s": res.wall_s * job.gpus}
         with open(job.log_path, "a") as fh:
             fh.write("\nautoresearch: CUDA out of memory on a GPU shared with other stages; "
                      "running this stage again with the GPU alone\n")
         with self._lock:
             self._alone[job.job_id] = set(slot.gpus)
-        self._waiting.appendleft(self._spec(job))
+        self._waiting.appendleft(item)
         return True
 
-    def _result(self, job: StageJob, ref: Any, slot: _Slot) -> JobResult:
-        """The finished job's result, its output unpacked and its log written; the slot back to idle
-        (a fresh actor in its place if Ray lost it)."""
+    def _result(self, job: StageJob, ref: Any, slot: _Slot) -> tuple[JobResult, bool]:
+        """The finished job's result, its output unpacked and its log written, and whether its slot
+        is still good (False: Ray lost the actor; the caller replaces it)."""
         job_id = job.job_id
         retry = job_id in self._retried  # its log follows the first attempt's
         ray = self.ray
         try:
             res: dict[str, Any] = ray.get(ref)
         except ray.exceptions.RayError as e:  # the actor or its node died, an object was lost
-            try:
-                ray.kill(slot.actor)
-            except (ray.exceptions.RayError, ValueError):  # already gone with its node
-                pass
-            if not self._closed:
-                self._give_back(_Slot(self._new_worker()))  # the slot gets a fresh warm worker
-            with self._lock:
-                self._alone.pop(job_id, None)
-            return JobResult(job_id, "infra", detail=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            return self._forget(job_id, "infra", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"), False
         slot.gpus = list(res.get("gpus") or slot.gpus)
-        self._give_back(slot)
         extra: dict[str, object] = {}
         if res.get("gpu_util") is not None:
             extra["gpu_util"], extra["gpu_samples"] = float(res["gpu_util"]), int(res.get("gpu_samples") or 0)
@@ -325,26 +388,41 @@ class RayExecutor:
                 with open(job.log_path, "ab") as log:
                     log.write(f"\nray executor: output not kept: {e}\n".encode())
                 return JobResult(job_id, "exit", exit_code=1, cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]),
-                                 host=res["host"], detail=f"output not kept: {str(e)[:200]}", extra=extra)
+                                 host=res["host"], detail=f"output not kept: {str(e)[:200]}", extra=extra), True
         return JobResult(job_id, res["status"], exit_code=res["exit_code"], signal=res["signal"],
                          cpu_s=float(res["cpu_s"]), wall_s=float(res["wall_s"]), host=res["host"],
-                         detail=res.get("detail"), extra=extra)
+                         detail=res.get("detail"), extra=extra), True
 
     def _give_back(self, slot: _Slot) -> None:
+        """`slot` is idle again (a lent one included); after `close`, its actor is ended instead."""
         with self._lock:
+            self._lent.pop(slot, None)
             if not self._closed:
                 self._idle.append(slot)
                 self._lock.notify_all()
                 return
-        try:  # closed while it ran (a `run_ahead`): nobody else will end it
+        self._kill(slot)
+
+    def _replace(self, slot: _Slot) -> None:
+        """Ray lost `slot`'s actor (or its state is unknown): ended, and a fresh warm worker in its place."""
+        self._kill(slot)
+        with self._lock:
+            self._lent.pop(slot, None)
+            if not self._closed:
+                actor = self._new_worker()
+                self._idle.append(_Slot(actor, pending=actor.warm.remote()))
+                self._lock.notify_all()
+
+    def _kill(self, slot: _Slot) -> None:
+        try:
             self.ray.kill(slot.actor)
-        except (self.ray.exceptions.RayError, ValueError):
+        except Exception:  # already gone with its node, or Ray itself is down
             pass
 
     def gpu_usage(self, wait: bool = False) -> dict[str, object] | None:
         """Every GPU our actors hold, sampled on its node (NVML), since the executor started: each GPU
-        counted once (the actors sharing it saw the same), summed over GPUs, so the busy share is the
-        mean over the GPUs of the time each was busy. None where no node samples (no NVML, no GPU).
+        counted once (one slot on it reports it), summed over GPUs, so the busy share is the mean over
+        the GPUs of the time each was busy. None where no node samples (no NVML, no GPU).
 
         It counts the answers to the previous call's questions and asks again, without waiting (the
         driver calls it every few seconds; a lost node's actor never holds it up); with `wait` (the
@@ -366,41 +444,47 @@ class RayExecutor:
             return
         ray = self.ray
         ready, _ = ray.wait(list(self._usage_asked), num_returns=len(self._usage_asked), timeout=timeout)
-        best: dict[str, list[float]] = {}
         for ref in ready:
-            self._usage_asked.pop(ref)
+            slot, _ = self._usage_asked.pop(ref)
             try:
                 got = ray.get(ref)
             except ray.exceptions.RayError:  # an actor lost meanwhile: its samples with it
                 continue
-            for key, counts in got.items():
-                if counts[0] > best.get(key, [0])[0]:
-                    best[key] = counts
-        for key, (n, busy, util) in best.items():
-            self._usage[0] += int(n)
-            self._usage[1] += int(busy)
-            self._usage[2] += float(util)
-            self._usage_gpus.add(key)
+            if slot in self._fresh:  # samples since it started, not since the last answer counted
+                self._fresh.discard(slot)
+                continue
+            for key, (n, busy, util) in got.items():
+                if self._reporter.get(key) is slot:
+                    self._usage[0] += int(n)
+                    self._usage[1] += int(busy)
+                    self._usage[2] += float(util)
+                    self._usage_gpus.add(key)
         now = time.monotonic()
         for ref, (_, asked_at) in list(self._usage_asked.items()):
             if now - asked_at > USAGE_GIVE_UP_S:  # its node hangs: ask its successor instead
                 del self._usage_asked[ref]
 
     def _ask_usage(self) -> None:
-        """Ask each slot holding GPUs for its samples since it was last asked (unless it has not answered yet)."""
+        """Ask each GPU's reporting slot for its samples since it was last asked (unless it has not
+        answered yet). One slot per GPU reports it; a new reporter's first answer is not counted."""
         with self._lock:
-            slots = [*self._idle, *(s for _, _, s in self._refs.values())]
-        waiting = {slot for slot, _ in self._usage_asked.values()}
+            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent]
+        alive = set(slots)
         for slot in slots:
-            if slot.gpus and slot not in waiting:
+            for key in slot.gpus:
+                if self._reporter.get(key) not in alive:
+                    self._reporter[key] = slot
+                    self._fresh.add(slot)
+        waiting = {slot for slot, _ in self._usage_asked.values()}
+        for slot in set(self._reporter.values()) & alive:
+            if slot not in waiting:
                 self._usage_asked[slot.actor.take_usage.remote()] = (slot, time.monotonic())
 
-    def run_ahead(self, job: StageJob, stop: threading.Event | None = None) -> JobResult:
-        """Run `job` before every job queued here and wait for its result, from a thread other than
-        the one that submits and polls (which must keep polling: it frees the slots). It takes the
-        next slot to come free; meanwhile no queued job starts. `stop` cancels it (`Interrupted`);
-        a closed executor raises `InfrastructureFailure`."""
-        item = self._spec(job, keep=False)
+    def borrow(self, stop: threading.Event | None = None) -> _Slot:
+        """A slot lent to the caller's thread until `give_back_lent` (for `run_ahead`): the next one to
+        come free, before every job queued here; while the caller waits, no queued job starts (but a
+        CUDA OOM's retry). The thread that submits and polls must keep polling: it frees the slots.
+        `stop` ends the wait (`Interrupted`); a closed executor raises `InfrastructureFailure`."""
         with self._lock:
             self._borrowers += 1
             try:
@@ -412,18 +496,69 @@ class RayExecutor:
                     slot = self._free_slot()
                     if slot is not None:
                         self._idle.remove(slot)
-                        break
+                        self._lent[slot] = False
+                        return slot
                     self._lock.wait(0.2)
             finally:
                 self._borrowers -= 1
+
+    def give_back_lent(self, slot: _Slot) -> None:
+        self._give_back(slot)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def run_ahead(self, job: StageJob, stop: threading.Event | None = None, slot: _Slot | None = None) -> JobResult:
+        """Run `job` before every job queued here and wait for its result, from a thread other than
+        the one that submits and polls: on `slot` (from `borrow`, kept by the caller while it is good:
+        a smoke run keeps one for all its stages), else on the next slot to come free (`borrow`,
+        given back after). After a result `infra`, or any exception, the slot is no longer the caller's
+        (replaced, or given back). `stop`, or `close`, cancels the stage: `Interrupted`."""
+        own = slot is None
+        slot = self.borrow(stop) if slot is None else slot
         ray = self.ray
-        ref = slot.actor.run.remote(item[1], item[2], item[3])
         cancelled = False
-        while not ray.wait([ref], timeout=0.2)[0]:
-            if not cancelled and ((stop is not None and stop.is_set()) or self._closed):
-                slot.actor.cancel.remote(job.job_id)  # its warm worker kills the stage; run() then returns
-                cancelled = True
-        res = self._result(job, ref, slot)
+        try:
+            item = self._spec(job, keep=False)
+            with self._lock:
+                # a slot held across stages may sit on a GPU a CUDA OOM's retry has taken whole since
+                while set(slot.gpus) & set().union(*self._alone.values()) and not self._closed \
+                        and not (stop is not None and stop.is_set()):
+                    self._lock.wait(0.2)
+                if not self._closed and not (stop is not None and stop.is_set()):
+                    self._mark_crowded(job.job_id, slot)
+                    self._lent[slot] = True
+        except BaseException:  # nothing ran on it: the slot is good
+            self._give_back(slot)
+            raise
+        if not self._lent.get(slot):
+            self._give_back(slot)
+            raise Interrupted("stopping: a stage run ahead of the queue was abandoned")
+        try:
+            ref = slot.actor.run.remote(item[1], item[2], item[3])
+            while not ray.wait([ref], timeout=0.2)[0]:
+                if not cancelled and ((stop is not None and stop.is_set()) or self._closed):
+                    slot.actor.cancel.remote(job.job_id)  # its warm worker kills the stage; run() then returns
+                    cancelled = True
+            res, kept = self._result(job, ref, slot)
+            self._crowded.discard(job.job_id)
+        except BaseException as e:  # a Ray gone under it (`close`), a ^C: the slot's state is unknown
+            self._replace(slot)
+            if isinstance(e, (Interrupted, InfrastructureFailure)) or not isinstance(e, Exception):
+                raise
+            if self._closed or cancelled:
+                raise Interrupted("stopping: a stage run ahead of the queue was abandoned") from None
+            raise InfrastructureFailure(f"a stage run ahead of the queue: {type(e).__name__}: {e}") from None
+        if not kept:
+            self._replace(slot)
+        elif own or cancelled:
+            self._give_back(slot)
+        else:
+            with self._lock:
+                if slot in self._lent:
+                    self._lent[slot] = False
+                    self._lock.notify_all()
         if cancelled:
             raise Interrupted("stopping: a stage run ahead of the queue was abandoned")
         return res
@@ -432,7 +567,7 @@ class RayExecutor:
         for i, (job, *_rest) in enumerate(self._waiting):
             if job.job_id == job_id:
                 del self._waiting[i]
-                self._cancelled.append(JobResult(job_id, "cancelled", detail="cancelled"))
+                self._cancelled.append(self._forget(job_id, "cancelled", "cancelled"))
                 return
         entry = self._refs.get(job_id)
         if entry is not None:
@@ -440,22 +575,23 @@ class RayExecutor:
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True  # a `run_ahead` waiting for a slot gives up; one running cancels its stage
+            self._closed = True  # a `borrow` waiting gives up; a `run_ahead` running cancels its stage
             self._lock.notify_all()
         for job_id in list(self._refs):
             self.cancel(job_id)
         if self._refs:
             self.ray.wait([r for r, _, _ in self._refs.values()], num_returns=len(self._refs), timeout=10)
-        with self._lock:
-            slots = [*self._idle, *(s for _, _, s in self._refs.values())]
+        deadline = time.monotonic() + 10
+        with self._lock:  # a stage run ahead ends (cancelled) before Ray may go
+            while any(self._lent.values()) and time.monotonic() < deadline:
+                self._lock.wait(0.2)
+            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent]
         for slot in slots:
-            try:
-                self.ray.kill(slot.actor)
-            except (self.ray.exceptions.RayError, ValueError):  # its node is gone
-                pass
+            self._kill(slot)
         self._refs.clear()
         self._idle.clear()
         self._usage_asked.clear()
+        self._reporter.clear()
         self._waiting.clear()
         self._inputs.clear()
         if self._owns_ray:

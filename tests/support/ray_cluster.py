@@ -24,32 +24,19 @@ RAY = str(Path(sys.executable).with_name("ray"))
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-_HELD = [0]  # how deep this process holds the lock (a module's fixture, then a test of that module)
-
-
 @contextlib.contextmanager
 def ray_exclusive():
     """Hold the machine's Ray for this test module: `make test` runs modules on two xdist workers,
     and two Ray instances started side by side contend for the ports Ray picks by default (its
-    dashboard agent's among them). A file lock, so a second Ray module waits for the first;
-    re-entrant within a process (a second open file's lock would wait for the first for ever)."""
+    dashboard agent's among them). A file lock, so a second Ray module waits for the first."""
     import fcntl
 
-    if _HELD[0]:
-        _HELD[0] += 1
-        try:
-            yield
-        finally:
-            _HELD[0] -= 1
-        return
     path = Path(tempfile.gettempdir()) / "autoresearch-tests-ray.lock"
     with open(path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
-        _HELD[0] = 1
         try:
             yield
         finally:
-            _HELD[0] = 0
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
