@@ -325,3 +325,29 @@ def test_a_lent_slot_makes_the_queue_wait_without_spinning_and_close_interrupts_
     assert not t.is_alive() and isinstance(caught.get("e"), Interrupted), caught
     assert time.monotonic() - asked < 8
     assert ("long", 1) not in spans(tmp_path)  # cancelled: it never finished
+
+
+def test_a_smoke_stages_cuda_oom_beside_a_queued_stage_runs_again_with_the_gpu_alone(ray_gpu: Path,
+                                                                                    tmp_path: Path) -> None:
+    """A neighbour must not fail a hypothesis at smoke either: the smoke stage that ran out of CUDA
+    memory while a driver's stage shared its GPU runs again once that stage is done, with the GPU to
+    itself (the queued q2 does not join it)."""
+    with executor(tmp_path) as ex:
+        ex.submit(stage(tmp_path, "q", 2.0))
+        got: dict[str, object] = {}
+        t = threading.Thread(target=lambda: got.update(smoke=ex.run_ahead(stage(tmp_path, "smoke", 0.5, "oom-first"))))
+        t.start()
+        time.sleep(0.3)
+        ex.submit(stage(tmp_path, "q2", 0.2))
+        done: dict[str, object] = {}
+        deadline = time.monotonic() + 60
+        while (len(done) < 2 or t.is_alive()) and time.monotonic() < deadline:
+            done.update({r.job_id.split("-")[0]: r for r in ex.poll(0.2)})
+        t.join(1)
+    assert got["smoke"].status == "ok", got  # type: ignore[attr-defined]
+    assert all(r.status == "ok" for r in done.values()) and sorted(done) == ["q", "q2"]  # type: ignore[attr-defined]
+    seen = spans(tmp_path)
+    assert seen[("smoke", 1)]["start"] < seen[("q", 1)]["end"]  # it shared the GPU, and ran out of memory
+    assert seen[("smoke", 2)]["start"] >= seen[("q", 1)]["end"] - 0.05  # again once q was done
+    assert seen[("q2", 1)]["start"] >= seen[("smoke", 2)]["end"] - 0.05  # alone: q2 waited
+    assert "running this stage again with the GPU alone" in (tmp_path / "logs" / "smoke.log").read_text()

@@ -63,6 +63,17 @@ AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run 
              "RAY_AUTH_MODE=disabled, or give both the same token")
 
 
+def _oom(res: JobResult, job: StageJob) -> bool:
+    """The stage failed with a CUDA out-of-memory (read from its log, which branch code writes)."""
+    return res.status == "exit" and is_cuda_oom(read_tail(job.log_path, 8000)[0])
+
+
+def _note_retry(job: StageJob) -> None:
+    with open(job.log_path, "a") as fh:
+        fh.write("\nautoresearch: CUDA out of memory on a GPU shared with other stages; "
+                 "running this stage again with the GPU alone\n")
+
+
 @dataclass(eq=False)
 class _Slot:
     """One warm worker actor, and the GPUs it holds (`node:gpu` keys, known once it answered its
@@ -71,6 +82,7 @@ class _Slot:
     actor: Any
     gpus: list[str] = field(default_factory=list)
     pending: Any = None  # the ref of its `warm` call, not yet read
+    born: float = field(default_factory=time.monotonic)
 
 
 def node_sources() -> dict[str, str]:
@@ -231,6 +243,18 @@ class RayExecutor:
                 pass
             slot.pending = None
 
+    def _unknown(self, slot: _Slot) -> bool:
+        """Whether `slot` may hold a GPU we cannot name yet (a replacement that has not answered, and
+        not one Ray has failed to place for `WARM_TIMEOUT_S`: that one holds nothing)."""
+        self._learn(slot)
+        if not self.gpus or slot.gpus:
+            return False
+        return slot.pending is not None and time.monotonic() - slot.born < WARM_TIMEOUT_S
+
+    def _running(self) -> list[_Slot]:
+        """Slots a stage of ours runs on now: the driver's, and those run ahead (under `_lock`)."""
+        return [*(s for _, _, s in self._refs.values()), *(s for s, running in self._lent.items() if running)]
+
     def _busy_gpus(self) -> set[str]:
         """The GPUs a stage of ours runs on now: the driver's, and those run ahead (under `_lock`)."""
         return ({g for _, _, s in self._refs.values() for g in s.gpus}
@@ -240,13 +264,10 @@ class RayExecutor:
         """An idle slot for `job_id` (under `_lock`). Nothing lands on a GPU a CUDA OOM's retry holds
         whole; a retry waits, first come first served among retries, until no stage of ours runs on
         its GPU, then takes a slot there (or, if that GPU's slots are all gone, any GPU it finds idle)."""
-        for slot in self._idle:
-            self._learn(slot)
         if job_id not in self._alone:
             held = set().union(*self._alone.values())
             for slot in self._idle:
-                unknown = self.gpus and (slot.pending is not None or not slot.gpus)
-                if held and unknown:  # it may sit on the GPU a retry holds: not while one does
+                if held and self._unknown(slot):  # it may sit on the GPU a retry holds: not while one does
                     continue
                 if not set(slot.gpus) & held:
                     return slot
@@ -254,8 +275,10 @@ class RayExecutor:
         order = list(self._alone)
         held = set().union(*(self._alone[j] for j in order[:order.index(job_id)]))  # retries ahead of it
         mine, busy = self._alone[job_id], self._busy_gpus()
+        if any(self._unknown(s) for s in self._running()):  # one may run on its GPU: not alone yet
+            return None
         everyone = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent]
-        if not any(set(s.gpus) & mine for s in everyone) and all(s.pending is None for s in everyone):
+        if not any(set(s.gpus) & mine for s in everyone) and not any(self._unknown(s) for s in everyone):
             for slot in self._idle:  # its GPU's slots are gone (a lost node): any GPU with nothing on it
                 if slot.gpus and not set(slot.gpus) & (held | busy):
                     self._alone[job_id] = set(slot.gpus)
@@ -267,8 +290,9 @@ class RayExecutor:
 
     def _mark_crowded(self, job_id: str, slot: _Slot) -> None:
         """`job_id` starts on `slot`: it and every stage of ours on the same GPU shared it (under `_lock`)."""
-        others = [j for j, (_, _, s) in self._refs.items() if set(s.gpus) & set(slot.gpus)]
-        if others or any(set(s.gpus) & set(slot.gpus) for s, running in self._lent.items() if running):
+        unknown = self.gpus and not slot.gpus  # a replacement not heard from: it may share with anyone
+        others = [j for j, (_, _, s) in self._refs.items() if unknown or set(s.gpus) & set(slot.gpus)]
+        if others or any(unknown or set(s.gpus) & set(slot.gpus) for s, running in self._lent.items() if running):
             self._crowded |= {job_id, *others}
 
     def _dispatch(self) -> None:
@@ -308,7 +332,7 @@ class RayExecutor:
         if not self._refs:
             self._dispatch()  # what waited for a slot lent to `borrow`, given back since
             if not self._refs:
-                if not done and self._waiting and timeout > 0:  # wait for a slot, do not spin
+                if not done and not self._cancelled and self._waiting and timeout > 0:  # wait for a slot, do not spin
                     with self._lock:
                         self._lock.wait(timeout)
                     self._dispatch()
@@ -323,12 +347,17 @@ class RayExecutor:
         for ref in ready:
             with self._lock:  # `borrow`'s thread reads which GPUs are busy
                 _, job, slot = self._refs.pop(by_ref[ref])
-            res, kept = self._result(job, ref, slot)
-            retried = self._retry_alone(job, slot, res)  # its GPU held before the slot is free to take
-            if kept:
-                self._give_back(slot)
-            else:
-                self._replace(slot)
+            kept, retried = True, False
+            try:
+                res, kept = self._result(job, ref, slot)
+                retried = self._retry_alone(job, slot, res)  # its GPU held before the slot is free to take
+            except Exception as e:  # e.g. its log cannot be written here: the machinery's failure
+                res = self._forget(job.job_id, "infra", f"collecting the stage's result: {e}")
+            finally:
+                if kept:
+                    self._give_back(slot)
+                else:
+                    self._replace(slot)
             if not retried:
                 done.append(res)
         self._dispatch()
@@ -340,27 +369,24 @@ class RayExecutor:
         locally, the OOM is read from the stage's log, which branch code writes (`LocalExecutor._retry_alone`)."""
         crowded = job.job_id in self._crowded
         self._crowded.discard(job.job_id)
-        if (res.status != "exit" or not crowded or job.job_id in self._retried
-                or not slot.gpus or not is_cuda_oom(read_tail(job.log_path, 8000)[0])):
+        if not crowded or not slot.gpus or "gpu_oom_retried_alone" in res.extra or not _oom(res, job):
             return False
         try:
             item = self._spec(job)
+            _note_retry(job)
         except Exception:  # its code view or inputs cannot be sent again: the failure stands
             return False
         self._retried[job.job_id] = {"cpu_s": res.cpu_s, "wall_s": res.wall_s, "gpu_s": res.wall_s * job.gpus}
-        with open(job.log_path, "a") as fh:
-            fh.write("\nautoresearch: CUDA out of memory on a GPU shared with other stages; "
-                     "running this stage again with the GPU alone\n")
         with self._lock:
             self._alone[job.job_id] = set(slot.gpus)
         self._waiting.appendleft(item)
         return True
 
-    def _result(self, job: StageJob, ref: Any, slot: _Slot) -> tuple[JobResult, bool]:
+    def _result(self, job: StageJob, ref: Any, slot: _Slot, again: bool = False) -> tuple[JobResult, bool]:
         """The finished job's result, its output unpacked and its log written, and whether its slot
-        is still good (False: Ray lost the actor; the caller replaces it)."""
+        is still good (False: Ray lost the actor; the caller replaces it). `again`: a second attempt."""
         job_id = job.job_id
-        retry = job_id in self._retried  # its log follows the first attempt's
+        retry = again or job_id in self._retried  # its log follows the first attempt's
         ray = self.ray
         try:
             res: dict[str, Any] = ray.get(ref)
@@ -503,6 +529,9 @@ class RayExecutor:
                 self._borrowers -= 1
 
     def give_back_lent(self, slot: _Slot) -> None:
+        with self._lock:
+            if slot not in self._lent:  # given back (or replaced) already
+                return
         self._give_back(slot)
 
     @property
@@ -513,20 +542,53 @@ class RayExecutor:
         """Run `job` before every job queued here and wait for its result, from a thread other than
         the one that submits and polls: on `slot` (from `borrow`, kept by the caller while it is good:
         a smoke run keeps one for all its stages), else on the next slot to come free (`borrow`,
-        given back after). After a result `infra`, or any exception, the slot is no longer the caller's
-        (replaced, or given back). `stop`, or `close`, cancels the stage: `Interrupted`."""
+        given back after). A CUDA out-of-memory on a GPU another of our stages used meanwhile runs
+        again with the GPU alone, as queued stages do. After a result `infra`, or any exception, the
+        slot is no longer the caller's (replaced, or given back). `stop`, or `close`, cancels the
+        stage: `Interrupted`."""
         own = slot is None
         slot = self.borrow(stop) if slot is None else slot
-        ray = self.ray
-        cancelled = False
+        try:
+            res, kept = self._run_lent(job, slot, stop, alone=False)
+            if kept and job.job_id in self._crowded and slot.gpus and _oom(res, job):
+                _note_retry(job)
+                res, kept = self._run_lent(job, slot, stop, alone=True)
+        except BaseException as e:
+            if isinstance(e, Exception) and not isinstance(e, (Interrupted, InfrastructureFailure)):
+                e = (Interrupted("stopping: a stage run ahead of the queue was abandoned") if self._closed
+                     else InfrastructureFailure(f"a stage run ahead of the queue: {type(e).__name__}: {e}"))
+                raise e from None
+            raise
+        finally:
+            self._crowded.discard(job.job_id)
+            with self._lock:
+                self._alone.pop(job.job_id, None)
+                self._lock.notify_all()
+        if not kept:
+            self._replace(slot)
+        elif own or res.status == "infra":
+            self._give_back(slot)
+        return res
+
+    def _run_lent(self, job: StageJob, slot: _Slot, stop: threading.Event | None, alone: bool) -> tuple[JobResult, bool]:
+        """One attempt of `run_ahead` on the lent `slot`: (its result, whether the slot is still good).
+        It waits while a CUDA OOM's retry holds the slot's GPU (or, `alone`, until no other stage of
+        ours runs there). An exception leaves the slot given back (nothing ran) or replaced."""
+        stopped = lambda: self._closed or (stop is not None and stop.is_set())  # noqa: E731
         try:
             item = self._spec(job, keep=False)
             with self._lock:
-                # a slot held across stages may sit on a GPU a CUDA OOM's retry has taken whole since
-                while set(slot.gpus) & set().union(*self._alone.values()) and not self._closed \
-                        and not (stop is not None and stop.is_set()):
+                if alone:
+                    self._alone[job.job_id] = set(slot.gpus)
+                while not stopped():
+                    order = list(self._alone)
+                    ahead = order[:order.index(job.job_id)] if job.job_id in self._alone else order
+                    held = set().union(*(self._alone[j] for j in ahead))
+                    others = {g for s in self._running() if s is not slot for g in s.gpus}
+                    if not (set(slot.gpus) & held) and not (alone and set(slot.gpus) & others):
+                        break
                     self._lock.wait(0.2)
-                if not self._closed and not (stop is not None and stop.is_set()):
+                if not stopped():
                     self._mark_crowded(job.job_id, slot)
                     self._lent[slot] = True
         except BaseException:  # nothing ran on it: the slot is good
@@ -535,33 +597,26 @@ class RayExecutor:
         if not self._lent.get(slot):
             self._give_back(slot)
             raise Interrupted("stopping: a stage run ahead of the queue was abandoned")
+        ray = self.ray
+        cancelled = False
         try:
             ref = slot.actor.run.remote(item[1], item[2], item[3])
             while not ray.wait([ref], timeout=0.2)[0]:
-                if not cancelled and ((stop is not None and stop.is_set()) or self._closed):
-                    slot.actor.cancel.remote(job.job_id)  # its warm worker kills the stage; run() then returns
+                if stopped():  # again each pass: one sent while the node still unpacks is not heard
+                    slot.actor.cancel.remote(job.job_id)
                     cancelled = True
-            res, kept = self._result(job, ref, slot)
-            self._crowded.discard(job.job_id)
-        except BaseException as e:  # a Ray gone under it (`close`), a ^C: the slot's state is unknown
+            res, kept = self._result(job, ref, slot, again=alone)
+        except BaseException:  # a Ray gone under it (`close`), a ^C: the slot's state is unknown
             self._replace(slot)
-            if isinstance(e, (Interrupted, InfrastructureFailure)) or not isinstance(e, Exception):
-                raise
-            if self._closed or cancelled:
-                raise Interrupted("stopping: a stage run ahead of the queue was abandoned") from None
-            raise InfrastructureFailure(f"a stage run ahead of the queue: {type(e).__name__}: {e}") from None
-        if not kept:
-            self._replace(slot)
-        elif own or cancelled:
-            self._give_back(slot)
-        else:
-            with self._lock:
-                if slot in self._lent:
-                    self._lent[slot] = False
-                    self._lock.notify_all()
+            raise
+        with self._lock:
+            if slot in self._lent:
+                self._lent[slot] = False  # lent still, but nothing runs on it
+                self._lock.notify_all()
         if cancelled:
+            (self._give_back if kept else self._replace)(slot)
             raise Interrupted("stopping: a stage run ahead of the queue was abandoned")
-        return res
+        return res, kept
 
     def cancel(self, job_id: str) -> None:
         for i, (job, *_rest) in enumerate(self._waiting):

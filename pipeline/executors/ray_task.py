@@ -219,6 +219,7 @@ class WarmWorker:
         self.preload = preload
         self.env_allow = None if env_allow is None else (list(env_allow), list(env_prefixes))
         self.lock = threading.Lock()
+        self.start_lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
         self.buf = b""
         self.current: str | None = None
@@ -227,6 +228,12 @@ class WarmWorker:
         self.watch = GpuWatch(self.gpu_ids)
 
     def _start(self) -> subprocess.Popen[bytes]:
+        """The warm worker, started (and waited for: its "ready") unless it runs. The actor is threaded
+        (`warm` may still be waiting when `run` comes): one thread starts it, the others wait for it."""
+        with self.start_lock:
+            return self._start_locked()
+
+    def _start_locked(self) -> subprocess.Popen[bytes]:
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
         # a stage forked from the worker could read the worker's own environment: allow-listed too
