@@ -257,8 +257,7 @@ class RayExecutor:
 
     def _busy_gpus(self) -> set[str]:
         """The GPUs a stage of ours runs on now: the driver's, and those run ahead (under `_lock`)."""
-        return ({g for _, _, s in self._refs.values() for g in s.gpus}
-                | {g for s, running in self._lent.items() if running for g in s.gpus})
+        return {g for s in self._running() for g in s.gpus}
 
     def _free_slot(self, job_id: str | None = None) -> _Slot | None:
         """An idle slot for `job_id` (under `_lock`). Nothing lands on a GPU a CUDA OOM's retry holds
@@ -647,6 +646,7 @@ class RayExecutor:
         self._idle.clear()
         self._usage_asked.clear()
         self._reporter.clear()
+        self._fresh.clear()
         self._waiting.clear()
         self._inputs.clear()
         if self._owns_ray:
