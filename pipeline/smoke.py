@@ -115,14 +115,17 @@ class SmokeRunner:
                                            priority=True)  # the driver's executor yields it the next free share
         return self._executor
 
-    def job(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float, inputs: list[Path] = ()) -> Any:
-        """The `StageJob` of one smoke stage: an executor stage's GPUs, sandbox and memory bound."""
+    def job(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float, inputs: list[Path] = (),
+            gpus: float | None = None) -> Any:
+        """The `StageJob` of one smoke stage: an executor stage's GPUs (`gpus`, default `self.gpus`),
+        sandbox and memory bound."""
         from pipeline.executors import StageJob
         from pipeline.executors.base import lab_env
 
+        gpus = self.gpus if gpus is None else gpus
         return StageJob(job_id=uuid.uuid4().hex, argv=argv, cwd=cwd, commit="smoke", out=out, log_path=log,
-                        timeout_s=timeout_s, cpus=self.lab.config.run.cpus, gpus=self.gpus, inputs=tuple(inputs),
-                        memory_mb=isolation.once_memory_mb(self.lab, gpus=self.gpus),
+                        timeout_s=timeout_s, cpus=self.lab.config.run.cpus, gpus=gpus, inputs=tuple(inputs),
+                        memory_mb=isolation.once_memory_mb(self.lab, gpus=gpus),
                         sandbox=isolation.spec_for(self.lab, ro=[cwd, *inputs], out=out),
                         env=lab_env(self.lab.config.run.env))
 
@@ -132,8 +135,13 @@ class SmokeRunner:
         signal, Interrupted on stop."""
         from pipeline.executors import InfrastructureFailure
 
-        job = self.job(argv, cwd, out, log, timeout_s, inputs)
-        if self.remote:
+        remote = self.remote  # decided once per stage: where it runs, with which GPUs
+        if not remote and not self._here and self.lender is not None:  # the lender closed under this smoke run
+            if stop is not None and stop.is_set():
+                raise Interrupted("stopping: smoke run abandoned")
+            raise InfrastructureFailure("the executor that runs this lab's GPU smoke stages was closed")
+        job = self.job(argv, cwd, out, log, timeout_s, inputs, gpus=self.lab.config.run.gpus if remote else None)
+        if remote:
             return self._remote(job, timeout_s, stop)
         try:
             ex = self.executor()

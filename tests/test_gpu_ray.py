@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import Interrupted, MethodFailure
+from pipeline.errors import InfrastructureFailure, Interrupted, MethodFailure
 from pipeline.executors import StageJob
 from support.ray_cluster import ENV, RayCluster, ray_exclusive
 from support.tiny import CONFIG_NAME, make_lab, open_tiny_lab
@@ -257,6 +257,9 @@ def check_smoke_on_ray(tmp_path: Path) -> None:
         metric = exp.smoke("autoresearch/baseline", files)
         assert exp._smoke_runner is not None and exp._smoke_runner.remote and exp._smoke_runner.gpus == 0.5
         assert len(driver.executor._idle) == driver.executor.slots  # the slot its stages held is back
+        driver.close()  # the driver's thread ended (a crash, a stop): never this machine's CPU instead
+        with pytest.raises(InfrastructureFailure, match="was closed"):
+            exp.smoke("autoresearch/baseline", files)
     finally:
         exp.close()
         driver.close()
@@ -327,16 +330,21 @@ def test_a_lent_slot_makes_the_queue_wait_without_spinning_and_close_interrupts_
     assert ("long", 1) not in spans(tmp_path)  # cancelled: it never finished
 
 
-def test_a_smoke_stages_cuda_oom_beside_a_queued_stage_runs_again_with_the_gpu_alone(ray_gpu: Path,
-                                                                                    tmp_path: Path) -> None:
+@pytest.mark.parametrize("smoke_first", [False, True])
+def test_a_smoke_stages_cuda_oom_beside_a_queued_stage_runs_again_with_the_gpu_alone(ray_gpu: Path, tmp_path: Path,
+                                                                                    smoke_first: bool) -> None:
     """A neighbour must not fail a hypothesis at smoke either: the smoke stage that ran out of CUDA
-    memory while a driver's stage shared its GPU runs again once that stage is done, with the GPU to
-    itself (the queued q2 does not join it)."""
+    memory while a driver's stage shared its GPU (started before it, or after) runs again once that
+    stage is done, with the GPU to itself (the queued q2 does not join it)."""
     with executor(tmp_path) as ex:
-        ex.submit(stage(tmp_path, "q", 2.0))
         got: dict[str, object] = {}
-        t = threading.Thread(target=lambda: got.update(smoke=ex.run_ahead(stage(tmp_path, "smoke", 0.5, "oom-first"))))
-        t.start()
+        t = threading.Thread(target=lambda: got.update(smoke=ex.run_ahead(stage(tmp_path, "smoke", 0.8, "oom-first"))))
+        if smoke_first:
+            t.start()
+            time.sleep(0.3)
+        ex.submit(stage(tmp_path, "q", 2.0))
+        if not smoke_first:
+            t.start()
         time.sleep(0.3)
         ex.submit(stage(tmp_path, "q2", 0.2))
         done: dict[str, object] = {}

@@ -155,7 +155,7 @@ class RayExecutor:
         # `_idle`, `_refs`, `_lent`, `_alone`, `_borrowers` and `_closed` are shared with the thread of
         # `borrow`/`run_ahead`: changed under `_lock` (re-entrant: `_give_back` runs inside `_dispatch`)
         self._lock = threading.Condition(threading.RLock())
-        self._lent: dict[_Slot, bool] = {}  # slots lent by `borrow` → whether a stage runs on it now
+        self._lent: dict[_Slot, str | None] = {}  # slots lent by `borrow` → the job running on it now
         self._borrowers = 0  # threads waiting in `borrow`
         self._closed = False
         self._crowded: set[str] = set()  # jobs whose GPU another of our stages used while they ran
@@ -255,6 +255,10 @@ class RayExecutor:
         """Slots a stage of ours runs on now: the driver's, and those run ahead (under `_lock`)."""
         return [*(s for _, _, s in self._refs.values()), *(s for s, running in self._lent.items() if running)]
 
+    def _running_jobs(self) -> list[tuple[str, _Slot]]:
+        """(job id, slot) of every stage of ours running now (under `_lock`)."""
+        return [*((j, s) for j, (_, _, s) in self._refs.items()), *((j, s) for s, j in self._lent.items() if j)]
+
     def _busy_gpus(self) -> set[str]:
         """The GPUs a stage of ours runs on now: the driver's, and those run ahead (under `_lock`)."""
         return {g for s in self._running() for g in s.gpus}
@@ -290,8 +294,8 @@ class RayExecutor:
     def _mark_crowded(self, job_id: str, slot: _Slot) -> None:
         """`job_id` starts on `slot`: it and every stage of ours on the same GPU shared it (under `_lock`)."""
         unknown = self.gpus and not slot.gpus  # a replacement not heard from: it may share with anyone
-        others = [j for j, (_, _, s) in self._refs.items() if unknown or set(s.gpus) & set(slot.gpus)]
-        if others or any(unknown or set(s.gpus) & set(slot.gpus) for s, running in self._lent.items() if running):
+        others = [j for j, s in self._running_jobs() if s is not slot and (unknown or set(s.gpus) & set(slot.gpus))]
+        if others:
             self._crowded |= {job_id, *others}
 
     def _dispatch(self) -> None:
@@ -423,7 +427,8 @@ class RayExecutor:
         with self._lock:
             self._lent.pop(slot, None)
             if not self._closed:
-                self._idle.append(slot)
+                if slot not in self._idle:
+                    self._idle.append(slot)
                 self._lock.notify_all()
                 return
         self._kill(slot)
@@ -521,7 +526,7 @@ class RayExecutor:
                     slot = self._free_slot()
                     if slot is not None:
                         self._idle.remove(slot)
-                        self._lent[slot] = False
+                        self._lent[slot] = None
                         return slot
                     self._lock.wait(0.2)
             finally:
@@ -553,6 +558,10 @@ class RayExecutor:
                 _note_retry(job)
                 res, kept = self._run_lent(job, slot, stop, alone=True)
         except BaseException as e:
+            with self._lock:  # raised between attempts (reading its log): the slot is good, and not the caller's
+                idle_lent = slot in self._lent and self._lent[slot] is None
+            if idle_lent:
+                self._give_back(slot)
             if isinstance(e, Exception) and not isinstance(e, (Interrupted, InfrastructureFailure)):
                 e = (Interrupted("stopping: a stage run ahead of the queue was abandoned") if self._closed
                      else InfrastructureFailure(f"a stage run ahead of the queue: {type(e).__name__}: {e}"))
@@ -583,17 +592,22 @@ class RayExecutor:
                     order = list(self._alone)
                     ahead = order[:order.index(job.job_id)] if job.job_id in self._alone else order
                     held = set().union(*(self._alone[j] for j in ahead))
-                    others = {g for s in self._running() if s is not slot for g in s.gpus}
-                    if not (set(slot.gpus) & held) and not (alone and set(slot.gpus) & others):
+                    near = [s for s in self._running() if s is not slot]
+                    others = {g for s in near for g in s.gpus}
+                    if held and self._unknown(slot) or set(slot.gpus) & held:
+                        pass  # a retry ahead holds this GPU (or may: this slot has not named its GPUs yet)
+                    elif alone and (set(slot.gpus) & others or any(self._unknown(s) for s in near)):
+                        pass  # alone: until no other stage of ours may run on the GPU
+                    else:
                         break
                     self._lock.wait(0.2)
                 if not stopped():
                     self._mark_crowded(job.job_id, slot)
-                    self._lent[slot] = True
+                    self._lent[slot] = job.job_id
         except BaseException:  # nothing ran on it: the slot is good
             self._give_back(slot)
             raise
-        if not self._lent.get(slot):
+        if self._lent.get(slot) != job.job_id:
             self._give_back(slot)
             raise Interrupted("stopping: a stage run ahead of the queue was abandoned")
         ray = self.ray
@@ -610,7 +624,7 @@ class RayExecutor:
             raise
         with self._lock:
             if slot in self._lent:
-                self._lent[slot] = False  # lent still, but nothing runs on it
+                self._lent[slot] = None  # lent still, but nothing runs on it
                 self._lock.notify_all()
         if cancelled:
             (self._give_back if kept else self._replace)(slot)
@@ -640,6 +654,9 @@ class RayExecutor:
             while any(self._lent.values()) and time.monotonic() < deadline:
                 self._lock.wait(0.2)
             slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent]
+            self._alone.clear()
+            self._crowded.clear()
+            self._retried.clear()
         for slot in slots:
             self._kill(slot)
         self._refs.clear()
