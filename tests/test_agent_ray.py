@@ -5,25 +5,18 @@ processes; its stages ran on both nodes, in warm workers."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 
 from support.lab import cli, cli_env, cli_json, copy_lab, open_lab
+from support.ray_cluster import ENV, RayCluster, ray_exclusive, require_ray
 
 pytestmark = pytest.mark.system
 
-try:
-    import ray  # noqa: F401
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI"):
-        raise RuntimeError("Ray is required in CI: pip install -e '.[dev]'") from None
-    # platform limit: Ray has no wheel for this Python/OS; CI raises above instead of skipping
-    pytest.skip("Ray is not installed", allow_module_level=True)
+require_ray()
 
-from support.ray_cluster import ENV, RayCluster, ray_exclusive
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -26,19 +26,13 @@ from pathlib import Path
 import pytest
 
 from support.lab import cli, cli_env, git
+from support.ray_cluster import ENV, RayCluster, ray_exclusive, require_ray
 from support.tiny import require_sandbox
 
 pytestmark = pytest.mark.system
 
-try:
-    import ray
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI"):
-        raise RuntimeError("Ray is required in CI: pip install -e '.[dev]'") from None
-    # platform limit: Ray has no wheel for this Python/OS; CI raises above instead of skipping
-    pytest.skip("Ray is not installed", allow_module_level=True)
+ray = require_ray()
 
-from support.ray_cluster import ENV, RayCluster, ray_exclusive
 from test_attacks import _attack_train, _branch, _make_lab
 
 CHAIN = {"config.toml": "model.py/../X", "model.py": "train.py/..", "train.py": "."}  # issue 20's chain

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from support.tiny import TinyHarness, git, make_lab, open_tiny_lab
-from support.ray_cluster import ENV, RayCluster, ray_exclusive
+from support.ray_cluster import ENV, RayCluster, ray_exclusive, require_ray
 from pipeline import runner
 from pipeline.executors.local import LocalExecutor
 from pipeline import experiment, labrepo
@@ -20,13 +20,7 @@ from pipeline import experiment, labrepo
 pytestmark = pytest.mark.system
 
 
-try:
-    import ray
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI"):
-        raise RuntimeError("Ray is required in CI: pip install -e '.[dev]'") from None
-    # platform limit: Ray has no wheel for this Python/OS; CI raises above instead of skipping
-    pytest.skip("Ray is not installed", allow_module_level=True)
+ray = require_ray()
 
 BASE = "autoresearch/baseline"
 SECRET = "EXEC_TEST_API_KEY"

@@ -22,19 +22,13 @@ import pytest
 
 from pipeline.errors import InfrastructureFailure, Interrupted, MethodFailure
 from pipeline.executors import StageJob
-from support.ray_cluster import ENV, RayCluster, ray_exclusive
+from support.ray_cluster import ENV, RayCluster, ray_exclusive, require_ray
 from support.tiny import CONFIG_NAME, make_lab, open_tiny_lab
-from test_gpu_share import FAKE_NVML
+from test_gpu_share import FAKE_NVML, run_all
 
 pytestmark = pytest.mark.system
 
-try:
-    import ray
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI"):
-        raise RuntimeError("Ray is required in CI: pip install -e '.[dev]'") from None
-    # platform limit: Ray has no wheel for this Python/OS; CI raises above instead of skipping
-    pytest.skip("Ray is not installed", allow_module_level=True)
+ray = require_ray()
 
 # every attempt's span (wall clock, comparable across processes) is appended to `spans`, a failed one too
 STAGE = """
@@ -95,17 +89,6 @@ def stage(tmp_path: Path, name: str, hold: float, mode: str = "", gpus: float = 
                     log_path=tmp_path / "logs" / f"{name}.log", timeout_s=60, gpus=gpus)
 
 
-def run_all(ex, jobs: list[StageJob], limit: float = 90) -> dict[str, object]:
-    for j in jobs:
-        ex.submit(j)
-    got: dict[str, object] = {}
-    deadline = time.monotonic() + limit
-    while len(got) < len(jobs) and time.monotonic() < deadline:
-        got.update({r.job_id.split("-")[0]: r for r in ex.poll(0.5)})
-    assert len(got) == len(jobs), got
-    return got
-
-
 def spans(tmp_path: Path) -> dict[tuple[str, int], dict[str, object]]:
     lines = (tmp_path / "state" / "spans").read_text().splitlines()
     return {(s["name"], s["try"]): s for s in map(json.loads, lines)}
@@ -115,7 +98,7 @@ def test_ray_packs_half_gpu_stages_two_to_a_gpu_and_samples_that_gpu_once(ray_gp
     started = time.monotonic()
     with executor(tmp_path) as ex:
         assert ex.slots == 2  # 4 CPUs, but one GPU holds two stages of 0.5
-        results = run_all(ex, [stage(tmp_path, f"s{i}", 1.5) for i in range(3)])
+        results = run_all(ex, [stage(tmp_path, f"s{i}", 1.5) for i in range(3)], limit=90)
         usage, deadline = None, time.monotonic() + 20
         while (usage is None or usage["samples"] < 5) and time.monotonic() < deadline:
             time.sleep(0.3)  # the actors sample every 0.5 s; each call counts the last call's answers
@@ -145,9 +128,9 @@ def test_a_cuda_oom_on_a_shared_gpu_runs_again_with_the_gpu_alone_on_ray(ray_gpu
     itself (C, queued behind, does not start on it meanwhile); its first attempt is booked as lost."""
     with executor(tmp_path) as ex:
         results = run_all(ex, [stage(tmp_path, "a", 1.5, "oom-first"), stage(tmp_path, "b", 3.0),
-                               stage(tmp_path, "c", 0.5)])
+                               stage(tmp_path, "c", 0.5)], limit=90)
         # an OOM with the GPU to itself is the method's own failure: no second attempt
-        (lone,) = run_all(ex, [stage(tmp_path, "d", 0.2, "oom")]).values()
+        (lone,) = run_all(ex, [stage(tmp_path, "d", 0.2, "oom")], limit=90).values()
     a = results["a"]
     assert all(r.status == "ok" for r in results.values()), results  # type: ignore[attr-defined]
     seen = spans(tmp_path)

@@ -8,23 +8,16 @@ Ray instances never run side by side (`support.ray_cluster.ray_exclusive`).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from support.ray_cluster import ENV, RayCluster, ray_exclusive
+from support.ray_cluster import ENV, RayCluster, ray_exclusive, require_ray
 from test_gpu_share import FAKE_NVML
 
 pytestmark = pytest.mark.system
 
-try:
-    import ray  # noqa: F401
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI"):
-        raise RuntimeError("Ray is required in CI: pip install -e '.[dev]'") from None
-    # platform limit: Ray has no wheel for this Python/OS; CI raises above instead of skipping
-    pytest.skip("Ray is not installed", allow_module_level=True)
+require_ray()
 
 
 def test_run_on_a_ray_cluster_of_gpu_nodes_measures_a_gpu_labs_hypothesis_from_a_driver_without_a_gpu(

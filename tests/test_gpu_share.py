@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,7 +66,8 @@ def stage(work: Path, name: str, hold: float, mode: str = "", gpus: float = 0.25
                     gpus=gpus)
 
 
-def run_all(ex: LocalExecutor, jobs: list[StageJob], limit: float = 60) -> dict[str, object]:
+def run_all(ex: Any, jobs: list[StageJob], limit: float = 60) -> dict[str, object]:
+    """Submit `jobs` to the executor `ex` (local or Ray) and poll until each has a result, by name."""
     for j in jobs:
         ex.submit(j)
     got: dict[str, object] = {}

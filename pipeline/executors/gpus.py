@@ -200,6 +200,13 @@ def is_cuda_oom(log_tail: str) -> bool:
     return bool(CUDA_OOM.search(log_tail))
 
 
+def note_retry_alone(log_path: Any) -> None:
+    """Say in a stage's log that its CUDA OOM on a shared GPU is run again with the GPU alone."""
+    with open(log_path, "a") as fh:
+        fh.write("\nautoresearch: CUDA out of memory on a GPU shared with other stages; "
+                 "running this stage again with the GPU alone\n")
+
+
 def mps_running(proc: str = "/proc") -> bool:
     """Whether the CUDA Multi-Process Service runs on this machine (its control daemon or server)."""
     try:

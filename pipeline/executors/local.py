@@ -24,7 +24,7 @@ from pathlib import Path
 import pipeline
 from pipeline.disk import read_tail
 from pipeline.executors.base import InfrastructureFailure, JobResult, StageJob, UserError, scrub_env, thread_env
-from pipeline.executors.gpus import GpuPool, capacity, is_cuda_oom
+from pipeline.executors.gpus import GpuPool, capacity, is_cuda_oom, note_retry_alone
 
 DEFAULT_PRELOAD = ("numpy", "torch", "peft")
 READY_TIMEOUT_S = 180.0
@@ -321,9 +321,7 @@ class LocalExecutor:
         self.pool.sampler().stage_done(job_id)  # type: ignore[union-attr]
         self._retried[job_id] = {"cpu_s": float(msg["cpu_s"]), "wall_s": float(msg["wall_s"]),  # type: ignore[arg-type]
                                  "gpu_s": float(msg["wall_s"]) * held.share * len(held.ids)}  # type: ignore[arg-type]
-        with open(job.log_path, "a") as fh:
-            fh.write("\nautoresearch: CUDA out of memory on a GPU shared with other stages; "
-                     "running this stage again with the GPU alone\n")
+        note_retry_alone(job.log_path)
         self._waiting.insert(0, (job, True))
         self._dispatch()
         return True

@@ -52,7 +52,7 @@ from pipeline.executors.base import (
     StageJob,
     thread_env,
 )
-from pipeline.executors.gpus import capacity, is_cuda_oom
+from pipeline.executors.gpus import capacity, is_cuda_oom, note_retry_alone
 from pipeline.executors.local import DEFAULT_PRELOAD
 
 
@@ -66,12 +66,6 @@ AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run 
 def _oom(res: JobResult, job: StageJob) -> bool:
     """The stage failed with a CUDA out-of-memory (read from its log, which branch code writes)."""
     return res.status == "exit" and is_cuda_oom(read_tail(job.log_path, 8000)[0])
-
-
-def _note_retry(job: StageJob) -> None:
-    with open(job.log_path, "a") as fh:
-        fh.write("\nautoresearch: CUDA out of memory on a GPU shared with other stages; "
-                 "running this stage again with the GPU alone\n")
 
 
 @dataclass(eq=False)
@@ -253,7 +247,7 @@ class RayExecutor:
 
     def _running(self) -> list[_Slot]:
         """Slots a stage of ours runs on now: the driver's, and those run ahead (under `_lock`)."""
-        return [*(s for _, _, s in self._refs.values()), *(s for s, running in self._lent.items() if running)]
+        return [s for _, s in self._running_jobs()]
 
     def _running_jobs(self) -> list[tuple[str, _Slot]]:
         """(job id, slot) of every stage of ours running now (under `_lock`)."""
@@ -376,7 +370,7 @@ class RayExecutor:
             return False
         try:
             item = self._spec(job)
-            _note_retry(job)
+            note_retry_alone(job.log_path)
         except Exception:  # its code view or inputs cannot be sent again: the failure stands
             return False
         self._retried[job.job_id] = {"cpu_s": res.cpu_s, "wall_s": res.wall_s, "gpu_s": res.wall_s * job.gpus}
@@ -555,7 +549,7 @@ class RayExecutor:
         try:
             res, kept = self._run_lent(job, slot, stop, alone=False)
             if kept and job.job_id in self._crowded and slot.gpus and _oom(res, job):
-                _note_retry(job)
+                note_retry_alone(job.log_path)
                 res, kept = self._run_lent(job, slot, stop, alone=True)
         except BaseException as e:
             with self._lock:  # raised between attempts (reading its log): the slot is good, and not the caller's

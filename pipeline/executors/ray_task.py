@@ -128,7 +128,8 @@ class GpuWatch:
     """This actor's GPUs (`ids`: its CUDA_VISIBLE_DEVICES, Ray's choice), sampled through NVML every
     `interval` s in a thread: per GPU, samples / busy (utilisation > 0) / utilisation sum since the
     last `take`, and what the stage running now was charged (a sample per GPU it holds). Without
-    NVML on this node (or for a CPU actor) it samples nothing and `take` returns {}."""
+    NVML on this node (or for a CPU actor) it samples nothing and `take` returns {}. The node's twin
+    of `gpus.GpuSampler` (same handle lookup, same counts): this module ships alone, standard library only."""
 
     def __init__(self, ids: list[str], interval: float = SAMPLE_S):
         self.nvml, self.handles = None, {}
