@@ -5,7 +5,8 @@ verdict, decision, commit, branch, baseline tag, origin, status, and its directi
 the config keys, else the files, it changed); metrics: the horizontal Δ (with its interval) and each
 task's Δ at the last look, and for a promoted hypothesis its champion's figures on its own runs: the
 level on the gate split and on the sealed holdout, and the gains since the first baseline on both
-(`agent.progress.split_progress`; + is better); artifacts: summary.md and the forest plot — and one
+(`agent.progress.split_progress`; + is better), and what its smoke runs spent (`smoke.runs`,
+`smoke.cpu_s`, `smoke.gpu_s`, `smoke.wall_s`); artifacts: summary.md and the forest plot — and one
 nested run per (task, seed) of its challenger runs, with the metric's value, the run's CPU seconds and,
 for a GPU lab, its GPU-seconds (`gpu_s`: share × wall) and the mean utilisation NVML saw (`gpu_util`).
 
@@ -233,7 +234,9 @@ class Exporter:
         direction = label(direction_of(self.workspace, h))
         latest, champion = self.records.latest_verdict(h.id), self._champion(h)
         changed, renamed = _named(keys)
-        metric_values, renamed_metrics = _named(self._metrics(latest, champion, replicate_record(self.store, h.id)))
+        smoke = {f"smoke.{k}": v for k, v in self.store.smoke_spent(str(h.id)).items() if v}
+        metric_values, renamed_metrics = _named(self._metrics(latest, champion, replicate_record(self.store, h.id))
+                                                | smoke)
         own = self._tags(h, direction)
         tags = own | renamed | renamed_metrics  # the originals through `_log`: there may be many
         run = self._find(HYP_TAG, str(h.id))

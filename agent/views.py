@@ -19,11 +19,12 @@ def _secs(s: float) -> str:
 def gpu_line(c: dict[str, Any], gpu: dict[str, Any] | None = None) -> str | None:
     """GPU-hours useful / failed / lost and how busy the GPUs were, or None for a lab that used none."""
     gpu = gpu or {}
-    spent = c.get("useful_gpu_s", 0) + c.get("method_failed_gpu_s", 0) + c.get("infra_lost_gpu_s", 0)
+    spent = (c.get("useful_gpu_s", 0) + c.get("method_failed_gpu_s", 0) + c.get("infra_lost_gpu_s", 0)
+             + c.get("smoke_gpu_s", 0))
     if not spent and not gpu.get("lab_gpus"):
         return None
     line = (f"GPU: useful {c.get('useful_gpu_s', 0) / 3600:.3f} h, failed methods {c.get('method_failed_gpu_s', 0) / 3600:.3f} h, "
-            f"lost to infrastructure {c.get('infra_lost_gpu_s', 0) / 3600:.3f} h")
+            f"lost to infrastructure {c.get('infra_lost_gpu_s', 0) / 3600:.3f} h, smoke runs {c.get('smoke_gpu_s', 0) / 3600:.3f} h")
     if c.get("gpu_busy_share") is not None:
         line += (f"; busy {c['gpu_busy_share']:.1%} of the wall time sampled, mean utilisation "
                  f"{c['gpu_mean_util']:.1f} % ({c['gpu_samples']} NVML samples)")
@@ -31,6 +32,19 @@ def gpu_line(c: dict[str, Any], gpu: dict[str, Any] | None = None) -> str | None
         line += "; utilisation not sampled (NVML: pip install 'autoresearch[gpu]')"
     if gpu.get("mps"):
         line += "; CUDA MPS is running"
+    return line
+
+
+def smoke_line(c: dict[str, Any]) -> str | None:
+    """What screening candidates on tiny data cost (the smoke runs, counted apart from goodput), or
+    None when no smoke run is on the books."""
+    n = c.get("smoke_runs", 0)
+    if not n:
+        return None
+    line = (f"smoke runs: {n} ({c.get('smoke_rejected', 0)} rejected), {_secs(c.get('smoke_cpu_s', 0))} CPU, "
+            f"{_secs(c.get('smoke_wall_s', 0))} wall")
+    if c.get("smoke_gpu_s"):
+        line += f", {c['smoke_gpu_s'] / 3600:.3f} GPU-h"
     return line
 
 
@@ -84,6 +98,8 @@ def print_status(st: dict[str, Any]) -> None:
               f"goodput {c['goodput']:.1%}; {c['cache_hits']} cache hits, {c['infra_retries']} retries")
     if gl := gpu_line(c, st.get("gpu")):
         con.print(gl)
+    if sl := smoke_line(c):
+        con.print(sl, markup=False, highlight=False)
     if fdr := st.get("stream"):
         con.print(f"stream: {fdr['procedure'].upper()} at FDR {fdr['fdr']:.0%}: {fdr['tests']} comparisons tested, "
                   f"{fdr['discoveries']} discoveries; the next comparison gets α {fdr['next_alpha']:.2g}")
@@ -209,6 +225,8 @@ def digest_markdown(d: dict[str, Any]) -> str:
                  f"lost to infrastructure {_secs(c['infra_lost_cpu_s'])}")
     if gl := gpu_line(c, d.get("gpu")):
         lines.append(f"- {gl}")
+    if sl := smoke_line(c):
+        lines.append(f"- {sl}")
     usd = d["llm_usd"]
     if d.get("llm") and not d["llm"]["priced"]:
         lines.append("- " + llm_line(d["llm"], "in this period"))

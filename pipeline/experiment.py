@@ -40,7 +40,9 @@ ignore the pairing (conservative where the arms share a shock).
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -61,6 +63,8 @@ if TYPE_CHECKING:
     from pipeline.lease import Heartbeat
     from pipeline.smoke import SmokeRunner
     from pipeline.store.tables import FdrTest, Goodput
+
+log = logging.getLogger(__name__)
 
 LOOK_RANK = 100  # queue priority: a look's place in the schedule outranks the caller's rank (0-99)
 FROZEN_HISTORIES = 256  # frozen histories kept per Experiment (a few per hypothesis in flight)
@@ -638,13 +642,35 @@ class Experiment:
 
     # --- smoke runs ----------------------------------------------------------------------------
 
-    def smoke(self, base: str, files: dict[str, str], stop: threading.Event | None = None) -> float:
+    def smoke(self, base: str, files: dict[str, str], stop: threading.Event | None = None,
+              hypothesis: str | None = None) -> float:
         """The candidate (`base` with `files` applied) through every stage on tiny data, in a warm
-        worker of its own; the metric, or `MethodFailure` with what went wrong."""
-        from pipeline.smoke import SmokeRunner, smoke_run
+        worker of its own; the metric, or `MethodFailure` with what went wrong. What it spent and how
+        it ended are booked in the store (`SmokeExec`, under `hypothesis` if given): the smoke runs'
+        CPU and GPU time in `goodput`, beside the measuring runs'."""
+        from pipeline.errors import InfrastructureFailure, Interrupted, MethodFailure
+        from pipeline.smoke import SmokeCost, SmokeRunner, smoke_run
 
         self._smoke_runner = self._smoke_runner or SmokeRunner(self.lab, lender=self._lender)
-        return smoke_run(self.lab, base, files, stop=stop, runner=self._smoke_runner)
+        cost, started, t0 = SmokeCost(), time.time(), time.monotonic()
+
+        def book(outcome: str) -> None:
+            self.store.smoke_finished(base, outcome, hypothesis=hypothesis, where=cost.where, stages=cost.stages,
+                                      cpu_s=cost.cpu_s, gpu_s=cost.gpu_s, wall_s=time.monotonic() - t0,
+                                      started_at=started)
+
+        try:
+            value = smoke_run(self.lab, base, files, stop=stop, runner=self._smoke_runner, cost=cost)
+        except (MethodFailure, InfrastructureFailure, Interrupted) as e:
+            outcome = ("method" if isinstance(e, MethodFailure) else
+                       "infra" if isinstance(e, InfrastructureFailure) else "interrupted")
+            try:
+                book(outcome)
+            except Exception as store_error:  # the books must not hide why the smoke run ended
+                log.warning("smoke run of %s not booked: %s", base[:12], store_error)
+            raise
+        book("ok")
+        return value
 
     def close(self) -> None:
         if self._smoke_runner is not None:

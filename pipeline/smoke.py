@@ -16,6 +16,10 @@ never oversubscribed), their device nodes in the sandbox, and no address-space r
 Where this machine has no GPU but the driver's executor does (a Ray cluster of GPU nodes), a GPU
 lab's smoke stages run on that executor, ahead of its queue (`RayExecutor.run_ahead`).
 
+What a smoke run spends is counted (`SmokeCost`: its stages' CPU seconds, their GPU-seconds as share ×
+wall, the whole run's wall time) and booked by `Experiment.smoke` in the store's `smoke_exec`, so the
+books show what screening costs beside what measuring does.
+
 The tiny dataset is the harness's smoke dataset (`Harness.prepare(..., smoke=True)`): drawn apart
 from the real one, no customer or id in common. A failure's reason is what flows back to the LLM's
 repair prompt, so it is `for_llm`'s view of the output: bounded, data paths as placeholders, every
@@ -31,6 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -51,6 +56,23 @@ LINE_CHARS = 300  # each line of it, cut at its end: an exception's type and mes
 SMALL_INT_DIGITS = 3  # integers up to 999 pass (shapes, sizes, exit codes, indices); longer ones and any decimal are masked
 MASK = "<n>"
 SMOKE_TIMEOUT_S = 300.0  # the most a smoke stage may take on tiny data, however long the lab's `[run] timeout_s`
+
+
+@dataclass
+class SmokeCost:
+    """What one smoke run spent: its stages' CPU seconds (with the children they waited for), their
+    GPU-seconds (the share they held × their wall time) and where they ran (`here`, or the lending
+    executor's name). A stage lost to the machinery and run again counts twice, as it was spent."""
+
+    stages: int = 0
+    cpu_s: float = 0.0
+    gpu_s: float = 0.0
+    where: str = "here"
+
+    def add(self, cpu_s: float, wall_s: float, gpus: float) -> None:
+        self.stages += 1
+        self.cpu_s += max(0.0, float(cpu_s or 0.0))
+        self.gpu_s += max(0.0, float(wall_s or 0.0)) * gpus
 
 
 def smoke_timeout(lab: Lab) -> float:
@@ -130,10 +152,13 @@ class SmokeRunner:
                         env=lab_env(self.lab.config.run.env))
 
     def run_stage(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float,
-                  stop: threading.Event | None, inputs: list[Path] = ()) -> tuple[int, str]:
+                  stop: threading.Event | None, inputs: list[Path] = (),
+                  cost: SmokeCost | None = None) -> tuple[int, str]:
         """(exit code, output tail) of one stage in its sandbox; raises MethodFailure on timeout or
-        signal, Interrupted on stop."""
+        signal, Interrupted on stop. What it spent is added to `cost`."""
         from pipeline.executors import InfrastructureFailure
+
+        cost = cost if cost is not None else SmokeCost()
 
         remote = self.remote  # decided once per stage: where it runs, with which GPUs
         if not remote and not self._here and self.lender is not None:  # the lender closed under this smoke run
@@ -142,26 +167,31 @@ class SmokeRunner:
             raise InfrastructureFailure("the executor that runs this lab's GPU smoke stages was closed")
         job = self.job(argv, cwd, out, log, timeout_s, inputs, gpus=self.lab.config.run.gpus if remote else None)
         if remote:
-            return self._remote(job, timeout_s, stop)
+            cost.where = self.lender.name
+            return self._remote(job, timeout_s, stop, cost)
         try:
             ex = self.executor()
             ex.submit(job)
         except InfrastructureFailure as e:
             log.write_text(f"(smoke worker unavailable: {e}; running in a fresh interpreter)\n")
-            return self._once(argv, cwd, out, log, timeout_s, inputs)
+            return self._once(argv, cwd, out, log, timeout_s, inputs, cost)
         while True:
             for res in ex.poll(0.2):
                 if res.job_id != job.job_id:
                     continue
+                cost.add(res.cpu_s, res.wall_s, job.gpus)
                 if res.status == "infra":  # the worker died, not the candidate: run it on its own
-                    return self._once(argv, cwd, out, log, timeout_s, inputs)
+                    return self._once(argv, cwd, out, log, timeout_s, inputs, cost)
                 return _outcome(res, log, timeout_s)
             if stop is not None and stop.is_set():
                 ex.cancel(job.job_id)
-                ex.poll(2.0)
+                for res in ex.poll(2.0):
+                    if res.job_id == job.job_id:
+                        cost.add(res.cpu_s, res.wall_s, job.gpus)
                 raise Interrupted("stopping: smoke run abandoned")
 
-    def _remote(self, job: Any, timeout_s: float, stop: threading.Event | None) -> tuple[int, str]:
+    def _remote(self, job: Any, timeout_s: float, stop: threading.Event | None,
+                cost: SmokeCost) -> tuple[int, str]:
         """The stage on the driver's executor, ahead of its queue, on a slot that holds the lab's GPUs.
         A slot lost to the machinery is retried once; twice is the infrastructure's failure, raised
         (never the candidate's: on this machine's CPU a GPU stage would fail for want of a GPU)."""
@@ -180,6 +210,7 @@ class SmokeRunner:
             except BaseException:
                 self._slot = None  # no longer ours (`run_ahead`)
                 raise
+            cost.add(res.cpu_s, res.wall_s, job.gpus)
             if res.status != "infra":
                 return _outcome(res, job.log_path, timeout_s)
             self._slot = None
@@ -188,10 +219,11 @@ class SmokeRunner:
         raise AssertionError("unreachable")
 
     def _once(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float,
-              inputs: list[Path]) -> tuple[int, str]:
+              inputs: list[Path], cost: SmokeCost) -> tuple[int, str]:
         """The stage in a fresh interpreter, with the same sandbox."""
         done = isolation.run_once(self.lab, argv, cwd=cwd, log=log, timeout_s=timeout_s, ro=list(inputs), out=out,
                                   gpus=self.gpus)
+        cost.add(done.cpu_s, done.wall_s, self.gpus)
         tail = read_tail(log, TAIL_BYTES)[0]
         if done.timed_out:
             raise MethodFailure(f"timed out after {timeout_s:.0f} s on tiny data:\n{tail}")
@@ -226,12 +258,13 @@ def _outcome(res: Any, log: Path, timeout_s: float) -> tuple[int, str]:
 
 
 def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | None = None,
-              stop: threading.Event | None = None, runner: SmokeRunner | None = None) -> float:
+              stop: threading.Event | None = None, runner: SmokeRunner | None = None,
+              cost: SmokeCost | None = None) -> float:
     """Run every stage once (first task, seed 0) on tiny data; return the metric or raise MethodFailure.
 
     Each stage sees what it will see in a real run: the files of `base` with `files` applied, of
     the editable ones only those its `inputs` declare, in the same sandbox. Each stage may take
-    `timeout_s`, by default `smoke_timeout(lab)`.
+    `timeout_s`, by default `smoke_timeout(lab)`. What the stages spend is added to `cost`.
     """
     timeout_s = smoke_timeout(lab) if timeout_s is None else timeout_s
     bench = lab.config.benchmark
@@ -262,7 +295,7 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
                 inputs = [prepared.public, *(done[n] for n in stage.needs)]
                 try:
                     exit_code, tail = runner.run_stage(argv, view, out, logs / f"{stage.name}.log", timeout_s, stop,
-                                                       inputs)
+                                                       inputs, cost)
                 except MethodFailure as e:
                     raise MethodFailure(f"stage {stage.name} {e}") from None
                 if exit_code != 0:

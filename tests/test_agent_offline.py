@@ -73,6 +73,10 @@ def test_seeds_by_priority_branches_as_is_noops_never_promoted_then_offline_prop
                                         "promoted_tag", "review", "reject_kind"}
     assert st["rejected"] == {"harness": 1, "needs_llm": 1}
     assert st["compute"]["useful_cpu_s"] > 0 and 0 < st["compute"]["goodput"] <= 1
+    # the two no-ops and the proposal were smoke-run first (the others were refused before): booked apart
+    assert (st["compute"]["smoke_runs"], st["compute"]["smoke_rejected"]) == (3, 0)
+    assert 0 < st["compute"]["smoke_cpu_s"] < st["compute"]["useful_cpu_s"]
+    assert "smoke runs: 3 (0 rejected), " in cli(lab, "status").stdout
     assert st["llm"]["spent_today_usd"] == 0
 
     rep = cli_json(lab, "report", str(noops[0]), "--json")

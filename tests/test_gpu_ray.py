@@ -247,6 +247,12 @@ def check_smoke_on_ray(tmp_path: Path) -> None:
         exp.close()
         driver.close()
     assert 0.0 <= metric <= 1.0
+    from pipeline.store.tables import SmokeExec
+    from sqlmodel import select
+
+    with exp.store.session() as s:  # both booked: the stages' GPU-seconds on the node, then the lost one
+        rows = [(r.outcome, r.where, r.stages, r.gpu_s > 0) for r in s.exec(select(SmokeExec).order_by(SmokeExec.id))]
+    assert rows == [("ok", "ray", len(lab.stages_in_order()), True), ("infra", "here", 0, False)]
 
 
 

@@ -365,3 +365,50 @@ def test_a_driver_whose_scorer_needs_a_gpu_share_scores_between_its_stages(tmp_p
     rows = store.results_for(resolve_commit(lab, "autoresearch/baseline"), lab.tasks())
     assert len(rows) == len(ids) and all(r.outcome == "ok" for r in rows), [(r.outcome, r.detail) for r in rows]
     assert GpuPool.shared(["6"]).used() == {"6": 0.0}
+
+
+def test_smoke_runs_are_booked_with_their_cpu_and_gpu_time(work: Path, tmp_path: Path, monkeypatch) -> None:
+    """A GPU lab's smoke runs on a fake GPU (a share of 0.5): each is a row of the store with its
+    stages' CPU seconds and GPU-seconds (share × wall), how it ended and its hypothesis; `goodput`
+    sums them apart from the measuring runs', and `status`'s lines say them."""
+    from pipeline import experiment
+    from pipeline.errors import MethodFailure
+    from pipeline.harness import HARNESSES
+    from pipeline.store.tables import SmokeExec
+    from sqlmodel import select
+    from support.tiny import TinyHarness
+    from agent import views
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\npreload = ["numpy"]\n', pretrain_sleep=0.5)
+    text = (lab.root / CONFIG_NAME).read_text().replace("gpus = 1\n", "gpus = 0.5\n")
+    (lab.root / CONFIG_NAME).write_text(text)
+    lab = open_tiny_lab(lab.root)
+    store = experiment.open_store(lab)
+    exp = experiment.Experiment(lab, store)
+    HARNESSES.register("tiny", TinyHarness)  # what a plugin does (the lab names it)
+    try:
+        metric = exp.smoke("autoresearch/baseline", {}, hypothesis="7")
+        with pytest.raises(MethodFailure):
+            exp.smoke("autoresearch/baseline", {"pretrain.py": "raise SystemExit('broken on purpose')\n"},
+                      hypothesis="8")
+    finally:
+        exp.close()
+        HARNESSES.unregister("tiny")
+    assert 0.0 <= metric <= 1.0
+    with store.session() as s:
+        rows = {r.hypothesis: r for r in s.exec(select(SmokeExec))}
+    ok, bad = rows["7"], rows["8"]
+    stages = len(lab.stages_in_order())
+    assert (ok.outcome, ok.where, ok.stages) == ("ok", "here", stages)
+    assert ok.cpu_s > 0 and ok.wall_s > 0.5  # pretrain sleeps 0.5 s
+    assert 0.5 * 0.5 <= ok.gpu_s <= 0.5 * ok.wall_s  # share × each stage's wall, within the run's wall
+    assert (bad.outcome, bad.stages) == ("method", 1) and bad.gpu_s > 0  # it failed at its first stage
+    c = store.goodput().as_dict()
+    assert (c["smoke_runs"], c["smoke_rejected"]) == (2, 1)
+    assert c["smoke_gpu_s"] == pytest.approx(ok.gpu_s + bad.gpu_s) and c["useful_gpu_s"] == 0.0
+    assert c["smoke_cpu_s"] == pytest.approx(ok.cpu_s + bad.cpu_s) and c["useful_cpu_s"] == 0.0
+    assert store.smoke_spent("7") == {"runs": 1.0, "cpu_s": ok.cpu_s, "gpu_s": ok.gpu_s, "wall_s": ok.wall_s}
+    assert store.goodput(since=ok.started_at + 1e-3).smoke_runs == 1  # `digest`'s period: the later one only
+    assert views.smoke_line(c).startswith("smoke runs: 2 (1 rejected), ") and "GPU-h" in views.smoke_line(c)
+    assert f"smoke runs {c['smoke_gpu_s'] / 3600:.3f} h" in views.gpu_line(c)

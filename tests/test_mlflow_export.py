@@ -70,6 +70,9 @@ def check_matches_store(root: Path, uri: str) -> None:
         for t in gate["tasks"]:
             assert math.isclose(r.data.metrics[f"delta.{t['task']}"], t["delta"], rel_tol=1e-12)
         assert math.isclose(r.data.metrics["horizontal_delta_sigma"], gate["horizontal"]["delta"], rel_tol=1e-12)
+        spent = svc.store.smoke_spent(str(h.id))  # its smoke run, before any run of it was queued
+        assert spent["runs"] == r.data.metrics["smoke.runs"] == 1 and spent["cpu_s"] > 0
+        assert math.isclose(r.data.metrics["smoke.cpu_s"], spent["cpu_s"], rel_tol=1e-12)
         assert {a.path for a in client.list_artifacts(r.info.run_id)} == {"summary.md", "forest.png"}
         assert r.info.status == "FINISHED"
         nested = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == r.info.run_id]

@@ -86,6 +86,7 @@ def test_review_in_a_browser_steers_the_loop(lab: Path, llm: RoutedOpenAI, brows
     held = decided(svc, measured(svc, implemented(svc), BETTER))
     other = decided(svc, measured(svc, implemented(svc), SAME))
     assert held.status == "held" and other.status == "done"
+    svc.experiment.smoke(held.commit, {}, hypothesis=str(held.id))  # these services skip smoke: one, for the books
     server = Server(lab).wait()
     try:
         browser.get(server.tokened)  # the URL `serve` printed: the token becomes a cookie, then a redirect
@@ -95,6 +96,7 @@ def test_review_in_a_browser_steers_the_loop(lab: Path, llm: RoutedOpenAI, brows
         assert "autoresearch/baseline" in browser.find_element(By.ID, "baseline").text
         recent = browser.find_element(By.ID, "recent").text
         assert f"#{held.id}" in recent and f"#{other.id}" in recent
+        assert browser.find_element(By.ID, "smoke").text.startswith("smoke runs: 1 (0 rejected), ")
         shot(browser, "overview.png")
 
         browser.find_element(By.LINK_TEXT, f"#{held.id}").click()

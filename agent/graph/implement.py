@@ -66,7 +66,7 @@ class Implement(Step):
                 tree = ws.tree_of(base, candidate)
                 ws.check_tree(base, tree)
                 check_not_measured(svc, h, tree)
-                self._smoke(base, candidate)
+                self._smoke(base, candidate, str(h.id))
                 files = candidate
                 break
             except EditRejected as e:
@@ -89,13 +89,14 @@ class Implement(Step):
         ws.tag(f"exp/{h.id}", commit, experiment_message(h))
         return self._measuring(h, branch, base, commit)
 
-    def _smoke(self, base: str, files: dict[str, str]) -> None:
-        """The candidate's whole pipeline on tiny data, sandboxed; `EditRejected` if it fails."""
+    def _smoke(self, base: str, files: dict[str, str], hypothesis: str) -> None:
+        """The candidate's whole pipeline on tiny data, sandboxed (booked under `hypothesis`);
+        `EditRejected` if it fails."""
         svc = self.svc
         if not svc.smoke:
             return
         try:
-            svc.experiment.smoke(base, files, stop=svc.stop)
+            svc.experiment.smoke(base, files, stop=svc.stop, hypothesis=hypothesis)
         except MethodFailure as e:
             raise EditRejected("smoke_failed", str(e)) from None
 
@@ -159,7 +160,7 @@ class Implement(Step):
                 branch = f"hyp/{h.id}-{slugify(h.title)}"
                 rec.event("rebase", f"#{h.id}: branch {h.seed_branch} was made off an earlier baseline; "
                                     f"merged onto {onto} and measured against it")
-            self._smoke(commit, {})  # a syntax error costs a second here, not a look of failed runs
+            self._smoke(commit, {}, str(h.id))  # a syntax error costs a second here, not a look of failed runs
         except (EditRejected, UserError) as e:
             kind = e.kind if isinstance(e, EditRejected) else "unknown_branch"
             return self._reject(h, kind, str(e), branch=h.seed_branch, commit=None)

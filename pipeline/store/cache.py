@@ -1,4 +1,4 @@
-"""The stage cache's and stage executions' rows: what ran, what a cached output cost, what was
+"""The stage cache's, stage executions' and smoke runs' rows: what ran, what a cached output cost, what was
 used last (see `pipeline.store`)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
 from pipeline.errors import InfrastructureFailure
-from pipeline.store.tables import (METHOD_OUTCOMES, CacheEntry, CacheUse, GpuUsage, Run, RunStatus, StageExec,
-                                   StageGpu, StageOutcome, now)
+from pipeline.store.tables import (METHOD_OUTCOMES, SMOKE_OUTCOMES, CacheEntry, CacheUse, GpuUsage, Run, RunStatus,
+                                   SmokeExec, StageExec, StageGpu, StageOutcome, now)
 
 
 class CacheRows:
@@ -51,6 +51,16 @@ class CacheRows:
         with self.session() as s:
             s.add(GpuUsage(holder=holder, gpus=",".join(gpus), started_at=started_at, samples=samples, busy=busy,
                            util_sum=util_sum))
+            s.commit()
+
+    def smoke_finished(self, base: str, outcome: str, *, hypothesis: str | None, where: str, stages: int,
+                       cpu_s: float, gpu_s: float, wall_s: float, started_at: float) -> None:
+        """Book one smoke run (`SmokeExec`)."""
+        if outcome not in SMOKE_OUTCOMES:
+            raise ValueError(f"a smoke run ends {' | '.join(SMOKE_OUTCOMES)}, not {outcome!r}")
+        with self.session() as s:
+            s.add(SmokeExec(hypothesis=hypothesis, base=base, outcome=outcome, where=where, stages=stages,
+                            cpu_s=cpu_s, gpu_s=gpu_s, wall_s=wall_s, started_at=started_at))
             s.commit()
 
     def stage_served(self, run_id: int, stage: str, key: str, outcome: StageOutcome, *, executor: str,

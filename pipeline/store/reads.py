@@ -1,4 +1,4 @@
-"""Reads of results, comparisons, holdout scores, stage executions and goodput, and the gate's
+"""Reads of results, comparisons, holdout scores, stage executions and goodput (smoke runs' beside), and the gate's
 records (see `pipeline.store`)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sqlalchemy import func
+from sqlalchemy import case, func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
@@ -23,6 +23,7 @@ from pipeline.store.tables import (
     HoldoutScore,
     Result,
     Run,
+    SmokeExec,
     StageExec,
     now,
 )
@@ -164,6 +165,12 @@ class Reads:
             if since is not None:
                 q = q.where(GpuUsage.updated_at >= since)
             samples, busy, util_sum = s.exec(q).one()  # type: ignore[call-overload]
+            q = select(func.count(), func.coalesce(func.sum(SmokeExec.cpu_s), 0.0),  # type: ignore[call-overload]
+                       func.coalesce(func.sum(SmokeExec.gpu_s), 0.0), func.coalesce(func.sum(SmokeExec.wall_s), 0.0),
+                       func.coalesce(func.sum(case((SmokeExec.outcome == "method", 1), else_=0)), 0))
+            if since is not None:
+                q = q.where(SmokeExec.started_at >= since)
+            smokes, smoke_cpu, smoke_gpu, smoke_wall, smoke_rejected = s.exec(q).one()  # type: ignore[call-overload]
 
         return Goodput(
             useful_cpu_s=cpu("ok"),
@@ -181,7 +188,21 @@ class Reads:
             gpu_samples=int(samples),
             gpu_busy_share=int(busy) / int(samples) if samples else None,
             gpu_mean_util=float(util_sum) / int(samples) if samples else None,
+            smoke_runs=int(smokes),
+            smoke_rejected=int(smoke_rejected),
+            smoke_cpu_s=float(smoke_cpu),
+            smoke_gpu_s=float(smoke_gpu),
+            smoke_wall_s=float(smoke_wall),
         )
+
+    def smoke_spent(self, hypothesis: str) -> dict[str, float]:
+        """What the smoke runs booked under `hypothesis` spent: runs, CPU seconds, GPU-seconds, wall
+        seconds (all 0 where none was)."""
+        with self.session() as s:
+            n, cpu, gpu, wall = s.exec(select(  # type: ignore[call-overload]
+                func.count(), func.coalesce(func.sum(SmokeExec.cpu_s), 0.0), func.coalesce(func.sum(SmokeExec.gpu_s), 0.0),
+                func.coalesce(func.sum(SmokeExec.wall_s), 0.0)).where(SmokeExec.hypothesis == hypothesis)).one()
+        return {"runs": float(n), "cpu_s": float(cpu), "gpu_s": float(gpu), "wall_s": float(wall)}
 
     def fdr_test(self, challenger: str, baseline: str, level: Callable[[int, int], float]) -> FdrTest:
         """The comparison's test of the lab's stream: the one recorded, else the next index with

@@ -8,6 +8,7 @@
 - `StageExec`: one stage of one run, executed or served from the cache: CPU, GPU and wall seconds,
   outcome. Goodput is computed from these rows.
 - `Result`: the run's metric, or the reason it has none; unique per run and per (commit, task, seed).
+- `SmokeExec`: one smoke run (a candidate on tiny data before it is measured): what it spent, how it ended.
 - `CacheEntry`: what a cached stage output cost to compute, so a cache hit knows what it saved.
 - `GateRecord`: the gate's records (any JSON payload) keyed by hypothesis, look and kind.
 
@@ -129,6 +130,28 @@ class GpuUsage(SQLModel, table=True):
     samples: int = 0
     busy: int = 0  # samples at which any of its GPUs was busy (utilisation > 0)
     util_sum: float = 0.0  # of the GPUs' mean utilisation at each sample
+
+
+class SmokeExec(SQLModel, table=True):
+    """One smoke run (`pipeline.smoke`): a candidate's whole pipeline on tiny data before a run of it
+    is queued. Its stages' CPU seconds and GPU-seconds (share × wall), its wall time from start to end
+    (the smoke dataset, the stages, the score), and how it ended: `ok`, `method` (rejected: the
+    candidate's code failed), `infra` (the machinery failed; it is tried again) or `interrupted`."""
+
+    __tablename__ = "smoke_exec"
+    id: int | None = Field(default=None, primary_key=True)
+    hypothesis: str | None = Field(default=None, index=True)  # the agent's hypothesis id, if it said
+    base: str = Field(max_length=64)  # the commit the candidate's files apply to
+    outcome: str
+    where: str = "here"  # this machine, or the executor that lent it a slot (`ray`)
+    stages: int = 0
+    cpu_s: float = 0.0
+    gpu_s: float = 0.0
+    wall_s: float = 0.0
+    started_at: float = Field(default_factory=now, index=True)
+
+
+SMOKE_OUTCOMES = ("ok", "method", "infra", "interrupted")
 
 
 class Result(SQLModel, table=True):
@@ -266,7 +289,8 @@ class Goodput:
     useful: stages that ran to completion (their outputs are cached and feed results);
     method_failed: stages whose branch code failed (the measurement of a bad idea; not waste of the
     machinery but not progress either); infra_lost: attempts lost to the machinery (killed workers,
-    dead drivers) that had to be retried; saved_by_cache: what cache hits would have cost.
+    dead drivers) that had to be retried; saved_by_cache: what cache hits would have cost;
+    smoke: what the smoke runs that screened candidates spent (counted apart).
     """
 
     useful_cpu_s: float
@@ -286,6 +310,13 @@ class Goodput:
     gpu_samples: int = 0
     gpu_busy_share: float | None = None
     gpu_mean_util: float | None = None
+    # smoke runs (`SmokeExec`): screening, before anything is measured; beside the figures above,
+    # not in them (goodput is of the measuring runs' stages)
+    smoke_runs: int = 0
+    smoke_rejected: int = 0  # ended `method`: the candidate's code failed on tiny data
+    smoke_cpu_s: float = 0.0
+    smoke_gpu_s: float = 0.0
+    smoke_wall_s: float = 0.0
 
     @property
     def goodput(self) -> float:
