@@ -7,6 +7,11 @@ utilization.gpu,memory.used --format=csv,noheader -lms 500` taken while it ran),
 time, from the first stage's start to the last stage's end (the store's `stage_exec` rows):
 - GPU busy: the share of samples with utilisation > 0, and the mean utilisation;
 - runs per GPU-hour: runs finished (done or failed) ÷ the GPU-hours of that wall time;
+- GPU held: the share of that wall time in which a stage (or a smoke run, counted whole: the store
+  books smoke runs, not their stages' times) held a GPU, and the GPU share held on average (stages'
+  and smoke runs' GPU-seconds ÷ GPU-seconds of wall): the most the GPU could have been busy under the
+  loop's schedule, whatever the stages did with it; the gaps in which nothing held one (the loop's
+  own waits: gate, looks, smoke runs queued) with the longest;
 - each executed stage's dispatch overhead: its `wall_s` less the compute its own `device ... train X.XXs`
   line reports in the stage log (what the sandbox, the fork and the imports cost it).
 `--side-by-side` prints only the table of all modes, with sandboxed against unsandboxed and packed
@@ -25,6 +30,7 @@ from pathlib import Path
 
 SERVED = ("cache_hit", "shared", "upstream_failed", "running")  # no compute of their own
 COMPUTE = re.compile(r"^device .* train (\d+(?:\.\d+)?)s\s*$", re.M)
+GAP_S = 0.05  # a shorter span with nothing on a GPU is a hand-over between stages, not a gap
 SMI_TIME = "%Y/%m/%d %H:%M:%S.%f"  # nvidia-smi's timestamp, in the machine's local time
 
 
@@ -51,6 +57,32 @@ class Mode:
     utils: list[float] = field(default_factory=list)  # the samples within [start, end]
     stages: list[Stage] = field(default_factory=list)
     nvml: tuple[int, float, float] | None = None  # the store's own sampler: samples, busy share, mean util
+    held: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each stage or smoke run on a GPU
+    gpu_s: float = 0.0  # their GPU-seconds (share × wall), within [start, end]
+
+    def held_share(self) -> float | None:
+        """The share of [start, end] in which something held a GPU."""
+        if not self.wall_s:
+            return None
+        return sum(b - a for a, b in self.gaps(held=True)) / self.wall_s
+
+    def gaps(self, held: bool = False) -> list[tuple[float, float]]:
+        """The spans of [start, end] in which nothing held a GPU (or, `held`, the union of those in which
+        something did)."""
+        if self.start is None or self.end is None:
+            return []
+        spans: list[tuple[float, float]] = []
+        for a, b in sorted((max(a, self.start), min(b, self.end)) for a, b in self.held):
+            if b <= a:
+                continue
+            if spans and a <= spans[-1][1]:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], b))
+            else:
+                spans.append((a, b))
+        if held:
+            return spans
+        edges = [self.start, *[t for span in spans for t in span], self.end]
+        return [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b - a >= GAP_S]
 
     @property
     def wall_s(self) -> float:
@@ -104,7 +136,7 @@ def measure(name: str, lab: Path, smi: Path) -> Mode:
     mode = Mode(name)
     db = sqlite3.connect(f"file:{lab / 'runs' / 'autoresearch.db'}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT stage, run_id, outcome, wall_s, started_at, finished_at, log_path FROM stage_exec "
+        rows = db.execute("SELECT stage, run_id, outcome, wall_s, started_at, finished_at, log_path, gpu_s FROM stage_exec "
                           f"WHERE outcome NOT IN ({','.join('?' * len(SERVED))}) AND finished_at IS NOT NULL "
                           "ORDER BY started_at, id", SERVED).fetchall()
         mode.runs_finished = db.execute("SELECT COUNT(*) FROM run WHERE status IN ('done', 'failed')").fetchone()[0]
@@ -114,12 +146,21 @@ def measure(name: str, lab: Path, smi: Path) -> Mode:
                 mode.nvml = (samples, busy / samples, util_sum / samples)
         except sqlite3.OperationalError:  # a store from before the GPU sampler
             pass
+        try:
+            smokes = db.execute("SELECT started_at, wall_s, gpu_s FROM smoke_exec WHERE gpu_s > 0").fetchall()
+        except sqlite3.OperationalError:  # a store from before smoke runs were booked
+            smokes = []
     finally:
         db.close()
-    for stage, run_id, outcome, wall_s, _, _, log_path in rows:
+    for stage, run_id, outcome, wall_s, _, _, log_path, _ in rows:
         mode.stages.append(Stage(stage, run_id, outcome, wall_s, stage_compute(log_path)))
     if rows:
         mode.start, mode.end = min(r[4] for r in rows), max(r[5] for r in rows)
+        on_gpu = [(r[4], r[5], r[7] or 0.0) for r in rows if r[7]] + [(t, t + w, g) for t, w, g in smokes]
+        mode.held = [(a, b) for a, b, _ in on_gpu]
+        for a, b, g in on_gpu:  # the part of each within the loop's wall time
+            inside = max(0.0, min(b, mode.end) - max(a, mode.start))
+            mode.gpu_s += g * inside / (b - a) if b > a else 0.0
         samples = read_smi(smi) if smi.is_file() else []
         mode.gpus = max(1, len({gpu for _, gpu, _ in samples}))
         mode.utils = [u for t, _, u in samples if mode.start <= t <= mode.end]
@@ -146,6 +187,13 @@ def print_mode(mode: Mode) -> None:
     print(f"runs finished {mode.runs_finished}: {fmt(mode.runs_per_gpu_hour, '.1f')} runs per GPU-hour")
     print(f"GPU busy {fmt(pct(mode.busy), '.1f', ' %')} of {len(mode.utils)} samples, "
           f"mean utilisation {fmt(mode.mean_util, '.1f', ' %')}")
+    held = mode.held_share()
+    gaps = mode.gaps()
+    longest = max(gaps, key=lambda g: g[1] - g[0]) if gaps else None
+    print(f"GPU held {fmt(pct(held), '.1f', ' %')} of the wall time, "
+          f"{mode.gpu_s / (mode.wall_s * mode.gpus):.2f} of its GPU(s) on average; nothing held one for "
+          f"{sum(b - a for a, b in gaps):.1f} s in {len(gaps)} gap(s) of {GAP_S:g} s or more"
+          + (f", the longest {longest[1] - longest[0]:.1f} s from +{longest[0] - mode.start:.1f} s" if longest else ""))
     if mode.nvml:
         samples, busy, util = mode.nvml
         print(f"NVML sampler (store): busy {100 * busy:.1f} % of {samples} samples, mean utilisation {util:.1f} %")
@@ -161,11 +209,11 @@ def print_mode(mode: Mode) -> None:
 
 
 def print_side_by_side(modes: list[Mode]) -> None:
-    print(f"{'mode':<12} {'runs':>5} {'wall_s':>7} {'runs/GPU-h':>10} {'busy %':>7} {'util %':>7} "
+    print(f"{'mode':<12} {'runs':>5} {'wall_s':>7} {'runs/GPU-h':>10} {'held %':>7} {'busy %':>7} {'util %':>7} "
           f"{'stages':>6} {'med wall':>8} {'med compute':>11} {'med overhead':>12}")
     for m in modes:
         print(f"{m.name:<12} {m.runs_finished:>5} {m.wall_s:>7.1f} {fmt(m.runs_per_gpu_hour, '>10.1f')} "
-              f"{fmt(pct(m.busy), '>7.1f')} {fmt(m.mean_util, '>7.1f')} {len(m.measured()):>6} "
+              f"{fmt(pct(m.held_share()), '>7.1f')} {fmt(pct(m.busy), '>7.1f')} {fmt(m.mean_util, '>7.1f')} {len(m.measured()):>6} "
               f"{fmt(m.median('wall_s'), '>8.2f')} {fmt(m.median('compute_s'), '>11.2f')} "
               f"{fmt(m.median('overhead_s'), '>12.2f')}")
     by = {m.name: m for m in modes}
