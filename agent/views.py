@@ -20,11 +20,15 @@ def gpu_line(c: dict[str, Any], gpu: dict[str, Any] | None = None) -> str | None
     """GPU-hours useful / failed / lost and how busy the GPUs were, or None for a lab that used none."""
     gpu = gpu or {}
     spent = (c.get("useful_gpu_s", 0) + c.get("method_failed_gpu_s", 0) + c.get("infra_lost_gpu_s", 0)
-             + c.get("smoke_gpu_s", 0))
+             + c.get("smoke_gpu_s", 0) + c.get("harness_gpu_s", 0))
     if not spent and not gpu.get("lab_gpus"):
         return None
     line = (f"GPU: useful {c.get('useful_gpu_s', 0) / 3600:.3f} h, failed methods {c.get('method_failed_gpu_s', 0) / 3600:.3f} h, "
-            f"lost to infrastructure {c.get('infra_lost_gpu_s', 0) / 3600:.3f} h, smoke runs {c.get('smoke_gpu_s', 0) / 3600:.3f} h")
+            f"lost to infrastructure {c.get('infra_lost_gpu_s', 0) / 3600:.3f} h")
+    if c.get("smoke_gpu_s"):
+        line += f", smoke runs {c['smoke_gpu_s'] / 3600:.3f} h"
+    if c.get("harness_gpu_s"):
+        line += f", scoring and preparing data {c['harness_gpu_s'] / 3600:.3f} h"
     if c.get("gpu_busy_share") is not None:
         line += (f"; busy {c['gpu_busy_share']:.1%} of the wall time sampled, mean utilisation "
                  f"{c['gpu_mean_util']:.1f} % ({c['gpu_samples']} NVML samples)")
@@ -45,6 +49,18 @@ def smoke_line(c: dict[str, Any]) -> str | None:
             f"{_secs(c.get('smoke_wall_s', 0))} wall")
     if c.get("smoke_gpu_s"):
         line += f", {c['smoke_gpu_s'] / 3600:.3f} GPU-h"
+    return line
+
+
+def harness_line(c: dict[str, Any]) -> str | None:
+    """What the drivers spent preparing datasets and scoring runs (the harness's calls, counted apart
+    from goodput), or None when none is on the books."""
+    n = c.get("harness_calls", 0)
+    if not n:
+        return None
+    line = f"scoring and preparing data: {n} calls, {_secs(c.get('harness_cpu_s', 0))} CPU"
+    if c.get("harness_gpu_s"):
+        line += f", {c['harness_gpu_s'] / 3600:.3f} GPU-h"
     return line
 
 
@@ -98,8 +114,9 @@ def print_status(st: dict[str, Any]) -> None:
               f"goodput {c['goodput']:.1%}; {c['cache_hits']} cache hits, {c['infra_retries']} retries")
     if gl := gpu_line(c, st.get("gpu")):
         con.print(gl)
-    if sl := smoke_line(c):
-        con.print(sl, markup=False, highlight=False)
+    for line in (smoke_line(c), harness_line(c)):
+        if line:
+            con.print(line, markup=False, highlight=False)
     if fdr := st.get("stream"):
         con.print(f"stream: {fdr['procedure'].upper()} at FDR {fdr['fdr']:.0%}: {fdr['tests']} comparisons tested, "
                   f"{fdr['discoveries']} discoveries; the next comparison gets α {fdr['next_alpha']:.2g}")
@@ -225,8 +242,7 @@ def digest_markdown(d: dict[str, Any]) -> str:
                  f"lost to infrastructure {_secs(c['infra_lost_cpu_s'])}")
     if gl := gpu_line(c, d.get("gpu")):
         lines.append(f"- {gl}")
-    if sl := smoke_line(c):
-        lines.append(f"- {sl}")
+    lines += [f"- {line}" for line in (smoke_line(c), harness_line(c)) if line]
     usd = d["llm_usd"]
     if d.get("llm") and not d["llm"]["priced"]:
         lines.append("- " + llm_line(d["llm"], "in this period"))

@@ -53,7 +53,7 @@ from agent.pictures import forest_path, progress_path, summaries_dir
 from agent.progress import split_progress
 from agent.summary import summary_path
 from agent.verdicts import replicate_record, reverify_record, verdicts_by_look
-from agent.views import gpu_line, smoke_line
+from agent.views import gpu_line, harness_line, smoke_line
 from agent.workspace import Workspace
 from pipeline.api import RunStatus, StageOutcome, UserError, baseline_number, read_tail
 
@@ -167,6 +167,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
     templates.env.filters["when"] = lambda t: time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else ""
     templates.env.globals["gpu_line"] = gpu_line
     templates.env.globals["smoke_line"] = smoke_line
+    templates.env.globals["harness_line"] = harness_line
     templates.env.filters["num"] = lambda v, d=4: "-" if v is None else f"{v:+.{d}f}"
 
     def page(request: Request, name: str, status_code: int = 200, **ctx: Any) -> Response:

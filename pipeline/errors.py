@@ -12,7 +12,7 @@
     │                                store's database, a tracking server): retried, re-queued or said in
     │                                one line, never counted against a hypothesis
     ├── PromotionConflict            a commit does not merge onto the baseline (names the paths)
-    ├── Interrupted                  the loop is stopping during a smoke run: nothing is recorded
+    ├── Interrupted                  the loop is stopping during a smoke run: no verdict recorded
     └── UnsafeTree                   a tree or path the driver refuses to read or write through
                                      (an OSError too: `pipeline.safefs`)
 
@@ -73,7 +73,8 @@ class PromotionConflict(PipelineError):
 
 
 class Interrupted(PipelineError):
-    """The loop was asked to stop during a smoke run: nothing is recorded, the next start redoes it."""
+    """The loop was asked to stop during a smoke run: nothing is recorded against the hypothesis (its
+    compute is booked, `SmokeExec`), and the next start redoes it."""
 
 
 class UnsafeTree(PipelineError, OSError):

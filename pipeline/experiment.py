@@ -648,26 +648,25 @@ class Experiment:
         worker of its own; the metric, or `MethodFailure` with what went wrong. What it spent and how
         it ended are booked in the store (`SmokeExec`, under `hypothesis` if given): the smoke runs'
         CPU and GPU time in `goodput`, beside the measuring runs'."""
-        from pipeline.errors import InfrastructureFailure, Interrupted, MethodFailure
+        from pipeline.errors import Interrupted, MethodFailure
         from pipeline.smoke import SmokeCost, SmokeRunner, smoke_run
 
         self._smoke_runner = self._smoke_runner or SmokeRunner(self.lab, lender=self._lender)
         cost, started, t0 = SmokeCost(), time.time(), time.monotonic()
 
         def book(outcome: str) -> None:
-            self.store.smoke_finished(base, outcome, hypothesis=hypothesis, where=cost.where, stages=cost.stages,
-                                      cpu_s=cost.cpu_s, gpu_s=cost.gpu_s, wall_s=time.monotonic() - t0,
-                                      started_at=started)
+            try:
+                self.store.smoke_finished(base, outcome, hypothesis=hypothesis, executor=cost.where,
+                                          stages=cost.stages, cpu_s=cost.cpu_s, gpu_s=cost.gpu_s,
+                                          wall_s=time.monotonic() - t0, started_at=started)
+            except Exception as e:  # the books must neither fail a smoke run nor hide why it ended
+                log.warning("smoke run of %s not booked: %s: %s", base[:12], type(e).__name__, e)
 
         try:
             value = smoke_run(self.lab, base, files, stop=stop, runner=self._smoke_runner, cost=cost)
-        except (MethodFailure, InfrastructureFailure, Interrupted) as e:
-            outcome = ("method" if isinstance(e, MethodFailure) else
-                       "infra" if isinstance(e, InfrastructureFailure) else "interrupted")
-            try:
-                book(outcome)
-            except Exception as store_error:  # the books must not hide why the smoke run ended
-                log.warning("smoke run of %s not booked: %s", base[:12], store_error)
+        except BaseException as e:
+            book("method" if isinstance(e, MethodFailure) else
+                 "interrupted" if isinstance(e, (Interrupted, KeyboardInterrupt)) else "infra")
             raise
         book("ok")
         return value

@@ -4,7 +4,8 @@
 policy for a lab: the `[run]` limits, what stays hidden even inside mounted folders (our own
 package: the harness code would tell how the sealed labels were made), and the check that the
 kernel allows the sandbox at all. Stages reach the sandbox through their executor; the harness's
-`prepare` and `score` and anything else run once go through `run_once`.
+`prepare` and `score` and anything else run once go through `run_once`, whose cost a caller can
+read (`metered`: the driver books its harness calls, a smoke run its own).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -107,6 +111,42 @@ class Completed:
     wall_s: float
 
 
+@dataclass(eq=False)  # each block's own: found on the stack by identity
+class Meter:
+    """What the calls in a `metered` block spent: CPU seconds (the processes `run_once` ran, and this
+    thread's own work: an in-process scorer), GPU-seconds (each process's GPUs × its wall time), and
+    the block's wall time."""
+
+    cpu_s: float = 0.0
+    gpu_s: float = 0.0
+    wall_s: float = 0.0
+
+
+_metering = threading.local()  # this thread's open `metered` blocks, innermost last
+
+
+@contextmanager
+def metered() -> Iterator[Meter]:
+    """Count what this thread spends inside the block (`Meter`; read it after the block). A block
+    inside another counts in both."""
+    meter = Meter()
+    stack = _metering.__dict__.setdefault("stack", [])
+    stack.append(meter)
+    cpu0, wall0 = time.thread_time(), time.monotonic()
+    try:
+        yield meter
+    finally:
+        stack.remove(meter)
+        meter.cpu_s += time.thread_time() - cpu0
+        meter.wall_s = time.monotonic() - wall0
+
+
+def _spent(done: "Completed", gpus: float) -> None:
+    for meter in getattr(_metering, "stack", ()):
+        meter.cpu_s += done.cpu_s
+        meter.gpu_s += gpus * done.wall_s
+
+
 def once_memory_mb(lab: Any, with_out: bool = True, gpus: float = 0) -> int | None:
     """The RLIMIT_AS of a process run once (`prepare`, `score`, a smoke run's stage in a fresh
     interpreter): `[run] memory_mb`, else the default a local stage gets (`pipeline.memory.memory_plan`: the
@@ -138,7 +178,9 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
     sandbox = spec_for(lab, ro=[cwd, *ro], out=out, rw=rw)
     env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU unless given one below
     if not gpus:
-        return _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, 0), timeout_s)
+        done = _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, 0), timeout_s)
+        _spent(done, 0)
+        return done
     ids = visible_gpus()
     if gpu_pool.capacity(gpus, len(ids)) < 1:
         raise UserError(f"{argv[0]} is given {gpus:g} GPU(s) ([run]) but {len(ids)} are visible here")
@@ -151,7 +193,9 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
         if sandbox is not None:
             sandbox |= {"gpus": gpus, "gpu_ids": held}
             env["CUDA_VISIBLE_DEVICES"] = inside_gpu_ids(held, env["CUDA_VISIBLE_DEVICES"])
-        return _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, gpus), timeout_s)
+        done = _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, gpus), timeout_s)
+        _spent(done, gpus)
+        return done
     finally:
         pool.give_back(holder)
         pool.sampler().stage_done(holder)

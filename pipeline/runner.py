@@ -308,7 +308,8 @@ class Driver(Scoring, GpuAccounting):
         if self._prepared is None:
             b = self.lab.config.benchmark
             kwargs: dict[str, Any] = {"customers": b.customers} if b.customers is not None else {}
-            self._prepared = self.harness.prepare(self.lab.state, b.suite, b.data_seed, **kwargs)
+            self._prepared = self._booked("prepare", None, lambda: self.harness.prepare(
+                self.lab.state, b.suite, b.data_seed, **kwargs))
         return self._prepared
 
     def _digest(self, commit: str, patterns: list[str]) -> dict[str, str]:

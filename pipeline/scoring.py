@@ -1,14 +1,16 @@
 """The sealed scorer's side of the driver: a run's `predictions.csv` scored in the driver's process
 (branch code never sees the test labels or the metric), a baseline's also on the holdout split,
-and a rejected predictions file told "nan" from malformed without reading it whole."""
+and a rejected predictions file told "nan" from malformed without reading it whole. Every call of
+the harness (these, and `prepare`) is booked with what it spent (`HarnessExec`)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pipeline.disk import open_regular
 from pipeline.harness import MethodFailure
@@ -16,10 +18,28 @@ from pipeline.harness.base import HOLDOUT_SPLIT
 from pipeline.outcomes import ResultOutcome
 
 log = logging.getLogger("autoresearch.runner")
+T = TypeVar("T")
 
 
 class Scoring:
     """`pipeline.runner.Driver`'s scoring (its `active` runs, `harness`, `store`, `_finish`)."""
+
+    def _booked(self, kind: str, run_id: int | None, call: Callable[[], T]) -> T:
+        """`call()`, a call of the harness, booked with what it spent (`isolation.metered`)."""
+        from pipeline.isolation import metered
+
+        started, ok = time.time(), False
+        try:
+            with metered() as meter:
+                value = call()
+            ok = True
+            return value
+        finally:
+            try:
+                self.store.harness_finished(kind, run_id=run_id, ok=ok, cpu_s=meter.cpu_s, gpu_s=meter.gpu_s,
+                                            wall_s=meter.wall_s, started_at=started)
+            except Exception as e:  # the books must not fail the run, nor hide why the call failed
+                log.warning("%s of run %s not booked: %s: %s", kind, run_id, type(e).__name__, e)
 
     def _score(self, run_id: int) -> None:
         """The sealed scorer, in the driver: branch code never sees the test labels or the metric."""
@@ -27,7 +47,9 @@ class Scoring:
         run = a.claim.run
         predictions = a.done[a.final.name] / "predictions.csv"
         try:
-            value = self.harness.score(self.prepared(), run.task, predictions, self.lab.config.benchmark.metric)
+            prepared = self.prepared()  # made when the run started (`_activate`): here, only read
+            value = self._booked("score", run.id, lambda: self.harness.score(
+                prepared, run.task, predictions, self.lab.config.benchmark.metric))
         except MethodFailure as e:
             kind = "nan" if _has_nonfinite(predictions) else "predictions"
             self._finish(run_id, ResultOutcome.METHOD_FAILURE, None, kind, str(e))
@@ -64,10 +86,11 @@ class Scoring:
         split, into a table nothing that decides reads; a challenger's never is (the holdout measures
         test-set reuse, so nothing that chooses may see it)."""
         try:
-            if not self.harness.has_holdout(self.prepared()):
+            prepared = self.prepared()
+            if not self.harness.has_holdout(prepared):
                 return
-            value = self.harness.score(self.prepared(), run.task, predictions, self.lab.config.benchmark.metric,
-                                       split=HOLDOUT_SPLIT)
+            value = self._booked("holdout", run.id, lambda: self.harness.score(
+                prepared, run.task, predictions, self.lab.config.benchmark.metric, split=HOLDOUT_SPLIT))
             if math.isfinite(value):
                 self.store.holdout_put(run.id, run.commit, run.task, run.seed, float(value))
         except Exception as e:  # the holdout is a report: its failure never fails the run

@@ -17,7 +17,8 @@ Where this machine has no GPU but the driver's executor does (a Ray cluster of G
 lab's smoke stages run on that executor, ahead of its queue (`RayExecutor.run_ahead`).
 
 What a smoke run spends is counted (`SmokeCost`: its stages' CPU seconds, their GPU-seconds as share ×
-wall, the whole run's wall time) and booked by `Experiment.smoke` in the store's `smoke_exec`, so the
+wall, and those of the harness's calls for it, its dataset's `prepare` and its `score`; the whole
+run's wall time) and booked by `Experiment.smoke` in the store's `smoke_exec`, so the
 books show what screening costs beside what measuring does.
 
 The tiny dataset is the harness's smoke dataset (`Harness.prepare(..., smoke=True)`): drawn apart
@@ -60,9 +61,10 @@ SMOKE_TIMEOUT_S = 300.0  # the most a smoke stage may take on tiny data, however
 
 @dataclass
 class SmokeCost:
-    """What one smoke run spent: its stages' CPU seconds (with the children they waited for), their
-    GPU-seconds (the share they held × their wall time) and where they ran (`here`, or the lending
-    executor's name). A stage lost to the machinery and run again counts twice, as it was spent."""
+    """What one smoke run spent: its stage attempts, their CPU seconds (with the children they waited
+    for), their GPU-seconds (the share they held × their wall time), and where they ran (`here`, or the
+    lending executor's name). A stage lost to the machinery (a dead worker, a CUDA OOM beside a
+    neighbour) and run again counts twice, as it was spent."""
 
     stages: int = 0
     cpu_s: float = 0.0
@@ -73,6 +75,21 @@ class SmokeCost:
         self.stages += 1
         self.cpu_s += max(0.0, float(cpu_s or 0.0))
         self.gpu_s += max(0.0, float(wall_s or 0.0)) * gpus
+
+    def add_result(self, res: Any, gpus: float) -> None:
+        """A stage's executor result: its GPU share as held (`gpu_share`: a CUDA OOM's retry held its GPU
+        whole), and a first attempt lost to that OOM (`gpu_oom_retried_alone`) as an attempt of its own."""
+        self.add(res.cpu_s, res.wall_s, float(res.extra.get("gpu_share", gpus)))
+        lost = res.extra.get("gpu_oom_retried_alone")
+        if lost:
+            self.stages += 1
+            self.cpu_s += float(lost["cpu_s"])
+            self.gpu_s += float(lost["gpu_s"])
+
+    def add_meter(self, meter: isolation.Meter) -> None:
+        """A call of the harness (the smoke dataset's `prepare`, the `score`), not a stage."""
+        self.cpu_s += meter.cpu_s
+        self.gpu_s += meter.gpu_s
 
 
 def smoke_timeout(lab: Lab) -> float:
@@ -179,7 +196,7 @@ class SmokeRunner:
             for res in ex.poll(0.2):
                 if res.job_id != job.job_id:
                     continue
-                cost.add(res.cpu_s, res.wall_s, job.gpus)
+                cost.add_result(res, job.gpus)
                 if res.status == "infra":  # the worker died, not the candidate: run it on its own
                     return self._once(argv, cwd, out, log, timeout_s, inputs, cost)
                 return _outcome(res, log, timeout_s)
@@ -187,7 +204,7 @@ class SmokeRunner:
                 ex.cancel(job.job_id)
                 for res in ex.poll(2.0):
                     if res.job_id == job.job_id:
-                        cost.add(res.cpu_s, res.wall_s, job.gpus)
+                        cost.add_result(res, job.gpus)
                 raise Interrupted("stopping: smoke run abandoned")
 
     def _remote(self, job: Any, timeout_s: float, stop: threading.Event | None,
@@ -198,19 +215,20 @@ class SmokeRunner:
         from pipeline.executors import InfrastructureFailure
 
         for attempt in (1, 2):
+            started = None
             try:
                 if self._slot is None:  # one slot for the whole smoke run: its stages wait behind nothing
                     self._slot = self.lender.borrow(stop)
+                started = time.monotonic()  # on a slot of its own: it starts at once
                 res = self.lender.run_ahead(job, stop, slot=self._slot)
-            except InfrastructureFailure:
-                self._slot = None
-                if stop is not None and stop.is_set():
+            except BaseException as e:
+                self._slot = None  # no longer ours (`run_ahead`)
+                if started is not None:  # it held its GPU until then; its CPU time went with the node's answer
+                    cost.add(0.0, time.monotonic() - started, job.gpus)
+                if isinstance(e, InfrastructureFailure) and stop is not None and stop.is_set():
                     raise Interrupted("stopping: smoke run abandoned") from None
                 raise
-            except BaseException:
-                self._slot = None  # no longer ours (`run_ahead`)
-                raise
-            cost.add(res.cpu_s, res.wall_s, job.gpus)
+            cost.add_result(res, job.gpus)
             if res.status != "infra":
                 return _outcome(res, job.log_path, timeout_s)
             self._slot = None
@@ -267,9 +285,12 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
     `timeout_s`, by default `smoke_timeout(lab)`. What the stages spend is added to `cost`.
     """
     timeout_s = smoke_timeout(lab) if timeout_s is None else timeout_s
+    cost = cost if cost is not None else SmokeCost()
     bench = lab.config.benchmark
     harness = lab.harness()
-    prepared = harness.prepare(lab.state, bench.suite, bench.data_seed, SMOKE_CUSTOMERS, smoke=True)
+    with isolation.metered() as meter:  # made once, then reused: what the first smoke run spends on it
+        prepared = harness.prepare(lab.state, bench.suite, bench.data_seed, SMOKE_CUSTOMERS, smoke=True)
+    cost.add_meter(meter)
     task = lab.tasks()[0]
     own = runner is None
     runner = runner or SmokeRunner(lab)
@@ -302,11 +323,16 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
                     raise MethodFailure(f"stage {stage.name} exited with {exit_code}:\n{tail}")
                 values[stage.name] = str(out)
                 done[stage.name] = out
+            meter = isolation.Meter()
             try:
-                return harness.score(prepared, task, outs / lab.stages_in_order()[-1].name / "predictions.csv",
-                                     bench.metric)
+                with isolation.metered() as meter:
+                    value = harness.score(prepared, task, outs / lab.stages_in_order()[-1].name / "predictions.csv",
+                                          bench.metric)
             except MethodFailure as e:
                 raise MethodFailure(f"predictions.csv on tiny data: {e}; the last stage's output:\n{tail}") from None
+            finally:
+                cost.add_meter(meter)
+            return value
     except MethodFailure as e:  # raised only inside the `with`: `tmp` is bound
         raise MethodFailure(for_llm(str(e), smoke_places(lab, prepared, Path(tmp)))) from None
     finally:

@@ -76,7 +76,10 @@ def test_seeds_by_priority_branches_as_is_noops_never_promoted_then_offline_prop
     # the two no-ops and the proposal were smoke-run first (the others were refused before): booked apart
     assert (st["compute"]["smoke_runs"], st["compute"]["smoke_rejected"]) == (3, 0)
     assert 0 < st["compute"]["smoke_cpu_s"] < st["compute"]["useful_cpu_s"]
-    assert "smoke runs: 3 (0 rejected), " in cli(lab, "status").stdout
+    # every run scored (the lab's baseline runs on the holdout too), the dataset prepared: booked apart
+    assert st["compute"]["harness_calls"] > st["queue"]["done"] and st["compute"]["harness_cpu_s"] > 0
+    text = cli(lab, "status").stdout
+    assert "smoke runs: 3 (0 rejected), " in text and "scoring and preparing data: " in text
     assert st["llm"]["spent_today_usd"] == 0
 
     rep = cli_json(lab, "report", str(noops[0]), "--json")

@@ -251,7 +251,7 @@ def check_smoke_on_ray(tmp_path: Path) -> None:
     from sqlmodel import select
 
     with exp.store.session() as s:  # both booked: the stages' GPU-seconds on the node, then the lost one
-        rows = [(r.outcome, r.where, r.stages, r.gpu_s > 0) for r in s.exec(select(SmokeExec).order_by(SmokeExec.id))]
+        rows = [(r.outcome, r.executor, r.stages, r.gpu_s > 0) for r in s.exec(select(SmokeExec).order_by(SmokeExec.id))]
     assert rows == [("ok", "ray", len(lab.stages_in_order()), True), ("infra", "here", 0, False)]
 
 
@@ -348,3 +348,11 @@ def test_a_smoke_stages_cuda_oom_beside_a_queued_stage_runs_again_with_the_gpu_a
     assert seen[("smoke", 2)]["start"] >= seen[("q", 1)]["end"] - 0.05  # again once q was done
     assert seen[("q2", 1)]["start"] >= seen[("smoke", 2)]["end"] - 0.05  # alone: q2 waited
     assert "running this stage again with the GPU alone" in (tmp_path / "logs" / "smoke.log").read_text()
+    extra = got["smoke"].extra  # type: ignore[attr-defined]
+    assert extra["gpu_share"] == 1.0 and extra["gpu_oom_retried_alone"]["wall_s"] > 0  # both attempts booked
+    from pipeline.smoke import SmokeCost
+
+    cost = SmokeCost()
+    cost.add_result(got["smoke"], 0.5)
+    first = extra["gpu_oom_retried_alone"]
+    assert cost.stages == 2 and cost.gpu_s == pytest.approx(got["smoke"].wall_s * 1.0 + first["wall_s"] * 0.5)

@@ -300,12 +300,20 @@ def test_prepare_and_score_get_a_gpu_only_when_the_lab_gives_them_one(tmp_path: 
     assert lab.config.run.prepare_gpus == 0.5 and lab.config.run.score_gpus == 0
     (tmp_path / "stage.py").write_text(STAGE)
     pool = GpuPool.shared(["3"])
-    seen = {}
-    for name, gpus in (("with", 0.5), ("without", 0.0)):
-        done = isolation.run_once(lab, ["python", "stage.py", str(tmp_path), name, "0"], cwd=tmp_path,
-                                  log=tmp_path / f"{name}.log", timeout_s=60, ro=[], gpus=gpus)
-        assert done.returncode == 0, (tmp_path / f"{name}.log").read_text()
-        seen[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    seen, inner = {}, []
+    with isolation.metered() as both:  # what the driver books of a harness call (`Scoring._booked`)
+        for name, gpus in (("with", 0.5), ("without", 0.0)):
+            with isolation.metered() as meter:
+                done = isolation.run_once(lab, ["python", "stage.py", str(tmp_path), name, "0"], cwd=tmp_path,
+                                          log=tmp_path / f"{name}.log", timeout_s=60, ro=[], gpus=gpus)
+            assert done.returncode == 0, (tmp_path / f"{name}.log").read_text()
+            seen[name] = json.loads((tmp_path / f"{name}.json").read_text())
+            assert meter.gpu_s == pytest.approx(gpus * done.wall_s) and meter.cpu_s >= done.cpu_s > 0
+            assert meter.wall_s >= done.wall_s
+            inner.append(meter)
+    # a block in a block counts in both
+    assert both.gpu_s > 0 and both.gpu_s == pytest.approx(sum(m.gpu_s for m in inner))
+    assert both.cpu_s >= sum(m.cpu_s for m in inner)
     assert seen["with"]["cuda"] == "3" and seen["with"]["rlimit_as"] == resource.RLIM_INFINITY
     assert seen["without"]["cuda"] == "" and seen["without"]["rlimit_as"] != resource.RLIM_INFINITY
     assert pool.used() == {"3": 0.0}
@@ -365,6 +373,23 @@ def test_a_driver_whose_scorer_needs_a_gpu_share_scores_between_its_stages(tmp_p
     rows = store.results_for(resolve_commit(lab, "autoresearch/baseline"), lab.tasks())
     assert len(rows) == len(ids) and all(r.outcome == "ok" for r in rows), [(r.outcome, r.detail) for r in rows]
     assert GpuPool.shared(["6"]).used() == {"6": 0.0}
+    # every call of the harness booked: the prepare once (on the CPU), each run's score with its GPU
+    # half (score_gpus × the scorer's wall: a process of its own, python and numpy, CPU seconds too)
+    from pipeline.store.tables import HarnessExec
+    from sqlmodel import select
+
+    with store.session() as s:
+        calls = list(s.exec(select(HarnessExec).order_by(HarnessExec.id)))
+    assert [(c.kind, c.outcome) for c in calls if c.kind == "prepare"] == [("prepare", "ok")]
+    scores = [c for c in calls if c.kind == "score"]
+    assert sorted(c.run_id for c in scores) == sorted(ids) and all(c.outcome == "ok" for c in scores)
+    assert all(0 < c.gpu_s <= 0.5 * c.wall_s and c.cpu_s > 0 for c in scores)
+    c = store.goodput().as_dict()
+    assert c["harness_gpu_s"] == pytest.approx(sum(x.gpu_s for x in calls)) and c["harness_calls"] == len(calls)
+    from agent import views
+
+    assert views.harness_line(c).startswith(f"scoring and preparing data: {len(calls)} calls, ")
+    assert "scoring and preparing data " in views.gpu_line(c)
 
 
 def test_smoke_runs_are_booked_with_their_cpu_and_gpu_time(work: Path, tmp_path: Path, monkeypatch) -> None:
@@ -400,7 +425,7 @@ def test_smoke_runs_are_booked_with_their_cpu_and_gpu_time(work: Path, tmp_path:
         rows = {r.hypothesis: r for r in s.exec(select(SmokeExec))}
     ok, bad = rows["7"], rows["8"]
     stages = len(lab.stages_in_order())
-    assert (ok.outcome, ok.where, ok.stages) == ("ok", "here", stages)
+    assert (ok.outcome, ok.executor, ok.stages) == ("ok", "here", stages)
     assert ok.cpu_s > 0 and ok.wall_s > 0.5  # pretrain sleeps 0.5 s
     assert 0.5 * 0.5 <= ok.gpu_s <= 0.5 * ok.wall_s  # share × each stage's wall, within the run's wall
     assert (bad.outcome, bad.stages) == ("method", 1) and bad.gpu_s > 0  # it failed at its first stage

@@ -156,7 +156,8 @@ def measure(name: str, lab: Path, smi: Path) -> Mode:
         mode.stages.append(Stage(stage, run_id, outcome, wall_s, stage_compute(log_path)))
     if rows:
         mode.start, mode.end = min(r[4] for r in rows), max(r[5] for r in rows)
-        on_gpu = [(r[4], r[5], r[7] or 0.0) for r in rows if r[7]] + [(t, t + w, g) for t, w, g in smokes]
+        # a stage held its GPU for its wall time up to its end (its `started_at` is when it was submitted)
+        on_gpu = [(r[5] - r[3], r[5], r[7]) for r in rows if r[7]] + [(t, t + w, g) for t, w, g in smokes]
         mode.held = [(a, b) for a, b, _ in on_gpu]
         for a, b, g in on_gpu:  # the part of each within the loop's wall time
             inside = max(0.0, min(b, mode.end) - max(a, mode.start))
@@ -191,7 +192,8 @@ def print_mode(mode: Mode) -> None:
     gaps = mode.gaps()
     longest = max(gaps, key=lambda g: g[1] - g[0]) if gaps else None
     print(f"GPU held {fmt(pct(held), '.1f', ' %')} of the wall time, "
-          f"{mode.gpu_s / (mode.wall_s * mode.gpus):.2f} of its GPU(s) on average; nothing held one for "
+          f"{fmt(mode.gpu_s / (mode.wall_s * mode.gpus) if mode.wall_s else None, '.2f')} of its GPU(s) on average; "
+          f"nothing held one for "
           f"{sum(b - a for a, b in gaps):.1f} s in {len(gaps)} gap(s) of {GAP_S:g} s or more"
           + (f", the longest {longest[1] - longest[0]:.1f} s from +{longest[0] - mode.start:.1f} s" if longest else ""))
     if mode.nvml:

@@ -25,8 +25,9 @@ if [ -n "$REHEARSE" ]; then
   for MODE in $MODES; do
     case $MODE in *off) ;; *) echo "REHEARSE: mode $MODE needs /dev/nvidia*; use off or packed-off"; exit 2;; esac
   done
-  BIN=$(mktemp -d); ln -s "$R/benchmarks/gpu/fake-nvidia-smi" "$BIN/nvidia-smi"
-  export PATH="$BIN:$R/.venv/bin:$PATH" CUDA_VISIBLE_DEVICES=0 GIT_AUTHOR_NAME=r GIT_AUTHOR_EMAIL=r@lab \
+  BIN=$(mktemp -d); ln -s "$R/benchmarks/gpu/fake-nvidia-smi" "$BIN/nvidia-smi"; trap 'rm -rf "$BIN"' EXIT
+  [ -x "$R/.venv/bin/autoresearch" ] && PATH="$R/.venv/bin:$PATH"
+  export PATH="$BIN:$PATH" CUDA_VISIBLE_DEVICES=0 GIT_AUTHOR_NAME=r GIT_AUTHOR_EMAIL=r@lab \
     GIT_COMMITTER_NAME=r GIT_COMMITTER_EMAIL=r@lab
 fi
 step facts
@@ -46,6 +47,10 @@ for MODE in $MODES; do
   if [ -n "$REHEARSE" ]; then  # CPU-sized: a run of a few seconds, a core per stage
     sed -i 's/^require_cuda = true$/require_cuda = false/; s/^epochs = 3$/epochs = 1/; s/^d_model = 128$/d_model = 32/' "$L/config.toml"
     sed -i 's/^cpus = 2$/cpus = 1/; s/^"train.epochs" = \[8\]$/"train.epochs" = [2]/' "$L/research.toml"
+    for want in "require_cuda = false" "epochs = 1" "d_model = 32"; do  # the lab changed: say so, not train for minutes
+      grep -qx "$want" "$L/config.toml" || { echo "REHEARSE: config.toml has no '$want' after the edit"; exit 2; }
+    done
+    grep -qx "cpus = 1" "$L/research.toml" || { echo "REHEARSE: research.toml has no 'cpus = 1' after the edit"; exit 2; }
   fi
   grep -E '^(gpus|sandbox) =' "$L/research.toml" | tr '\n' ' '; echo
   (cd "$L" && printf 'runs/\n' > .gitignore && git init -q -b main && git add -A && git commit -qm lab \

@@ -27,6 +27,7 @@ the first stage running now to end; queued stages wait while it does.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import io
@@ -550,7 +551,10 @@ class RayExecutor:
             res, kept = self._run_lent(job, slot, stop, alone=False)
             if kept and job.job_id in self._crowded and slot.gpus and _oom(res, job):
                 note_retry_alone(job.log_path)
+                first = res
                 res, kept = self._run_lent(job, slot, stop, alone=True)
+                lost = {"cpu_s": first.cpu_s, "wall_s": first.wall_s, "gpu_s": first.wall_s * job.gpus}
+                res = dataclasses.replace(res, extra={**res.extra, "gpu_oom_retried_alone": lost})  # booked as lost
         except BaseException as e:
             with self._lock:  # raised between attempts (reading its log): the slot is good, and not the caller's
                 idle_lent = slot in self._lent and self._lent[slot] is None

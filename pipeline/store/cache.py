@@ -13,7 +13,7 @@ from sqlmodel import select
 
 from pipeline.errors import InfrastructureFailure
 from pipeline.store.tables import (METHOD_OUTCOMES, SMOKE_OUTCOMES, CacheEntry, CacheUse, GpuUsage, Run, RunStatus,
-                                   SmokeExec, StageExec, StageGpu, StageOutcome, now)
+                                   HarnessExec, SmokeExec, StageExec, StageGpu, StageOutcome, now)
 
 
 class CacheRows:
@@ -53,14 +53,22 @@ class CacheRows:
                            util_sum=util_sum))
             s.commit()
 
-    def smoke_finished(self, base: str, outcome: str, *, hypothesis: str | None, where: str, stages: int,
+    def smoke_finished(self, base: str, outcome: str, *, hypothesis: str | None, executor: str, stages: int,
                        cpu_s: float, gpu_s: float, wall_s: float, started_at: float) -> None:
         """Book one smoke run (`SmokeExec`)."""
         if outcome not in SMOKE_OUTCOMES:
             raise ValueError(f"a smoke run ends {' | '.join(SMOKE_OUTCOMES)}, not {outcome!r}")
         with self.session() as s:
-            s.add(SmokeExec(hypothesis=hypothesis, base=base, outcome=outcome, where=where, stages=stages,
+            s.add(SmokeExec(hypothesis=hypothesis, base=base, outcome=outcome, executor=executor, stages=stages,
                             cpu_s=cpu_s, gpu_s=gpu_s, wall_s=wall_s, started_at=started_at))
+            s.commit()
+
+    def harness_finished(self, kind: str, *, run_id: int | None, ok: bool, cpu_s: float, gpu_s: float,
+                         wall_s: float, started_at: float) -> None:
+        """Book one call of the harness by a driver (`HarnessExec`)."""
+        with self.session() as s:
+            s.add(HarnessExec(kind=kind, run_id=run_id, outcome="ok" if ok else "failed", cpu_s=cpu_s, gpu_s=gpu_s,
+                              wall_s=wall_s, started_at=started_at))
             s.commit()
 
     def stage_served(self, run_id: int, stage: str, key: str, outcome: StageOutcome, *, executor: str,

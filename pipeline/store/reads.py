@@ -19,6 +19,7 @@ from pipeline.store.tables import (
     GateRecord,
     Goodput,
     GpuUsage,
+    HarnessExec,
     StageGpu,
     HoldoutScore,
     Result,
@@ -171,6 +172,11 @@ class Reads:
             if since is not None:
                 q = q.where(SmokeExec.started_at >= since)
             smokes, smoke_cpu, smoke_gpu, smoke_wall, smoke_rejected = s.exec(q).one()  # type: ignore[call-overload]
+            q = select(func.count(), func.coalesce(func.sum(HarnessExec.cpu_s), 0.0),  # type: ignore[call-overload]
+                       func.coalesce(func.sum(HarnessExec.gpu_s), 0.0))
+            if since is not None:
+                q = q.where(HarnessExec.started_at >= since)
+            harness_calls, harness_cpu, harness_gpu = s.exec(q).one()  # type: ignore[call-overload]
 
         return Goodput(
             useful_cpu_s=cpu("ok"),
@@ -193,6 +199,9 @@ class Reads:
             smoke_cpu_s=float(smoke_cpu),
             smoke_gpu_s=float(smoke_gpu),
             smoke_wall_s=float(smoke_wall),
+            harness_calls=int(harness_calls),
+            harness_cpu_s=float(harness_cpu),
+            harness_gpu_s=float(harness_gpu),
         )
 
     def smoke_spent(self, hypothesis: str) -> dict[str, float]:

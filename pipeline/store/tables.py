@@ -8,6 +8,8 @@
 - `StageExec`: one stage of one run, executed or served from the cache: CPU, GPU and wall seconds,
   outcome. Goodput is computed from these rows.
 - `Result`: the run's metric, or the reason it has none; unique per run and per (commit, task, seed).
+- `HarnessExec`: one call of the harness in the driver (`prepare` a dataset, `score` a run on the gate
+  split or the holdout): what it spent.
 - `SmokeExec`: one smoke run (a candidate on tiny data before it is measured): what it spent, how it ended.
 - `CacheEntry`: what a cached stage output cost to compute, so a cache hit knows what it saved.
 - `GateRecord`: the gate's records (any JSON payload) keyed by hypothesis, look and kind.
@@ -143,8 +145,8 @@ class SmokeExec(SQLModel, table=True):
     hypothesis: str | None = Field(default=None, index=True)  # the agent's hypothesis id, if it said
     base: str = Field(max_length=64)  # the commit the candidate's files apply to
     outcome: str
-    where: str = "here"  # this machine, or the executor that lent it a slot (`ray`)
-    stages: int = 0
+    executor: str = "here"  # this machine, or the executor that lent it a slot (`ray`)
+    stages: int = 0  # stage attempts: one lost to the machinery and run again counts twice
     cpu_s: float = 0.0
     gpu_s: float = 0.0
     wall_s: float = 0.0
@@ -152,6 +154,24 @@ class SmokeExec(SQLModel, table=True):
 
 
 SMOKE_OUTCOMES = ("ok", "method", "infra", "interrupted")
+
+
+class HarnessExec(SQLModel, table=True):
+    """One call of the harness by a driver: `prepare` (a dataset, once per data seed), `score` (a run's
+    predictions on the gate split) or `holdout` (a baseline run's on the holdout). The CPU seconds of
+    the processes it ran (and of the driver's own thread: an in-process scorer), their GPU-seconds
+    (`prepare_gpus`/`score_gpus` × wall), its wall time, and whether it gave an answer (`ok`) or not
+    (`failed`: the predictions were refused, the command failed)."""
+
+    __tablename__ = "harness_exec"
+    id: int | None = Field(default=None, primary_key=True)
+    kind: str  # prepare | score | holdout
+    run_id: int | None = Field(default=None, index=True)  # the run scored (None for prepare)
+    outcome: str = "ok"
+    cpu_s: float = 0.0
+    gpu_s: float = 0.0
+    wall_s: float = 0.0
+    started_at: float = Field(default_factory=now, index=True)
 
 
 class Result(SQLModel, table=True):
@@ -290,7 +310,8 @@ class Goodput:
     method_failed: stages whose branch code failed (the measurement of a bad idea; not waste of the
     machinery but not progress either); infra_lost: attempts lost to the machinery (killed workers,
     dead drivers) that had to be retried; saved_by_cache: what cache hits would have cost;
-    smoke: what the smoke runs that screened candidates spent (counted apart).
+    smoke: what the smoke runs that screened candidates spent; harness: what preparing the datasets
+    and scoring the runs spent in the drivers (both counted apart).
     """
 
     useful_cpu_s: float
@@ -317,6 +338,10 @@ class Goodput:
     smoke_cpu_s: float = 0.0
     smoke_gpu_s: float = 0.0
     smoke_wall_s: float = 0.0
+    # the harness's calls in the drivers (`HarnessExec`): preparing datasets, scoring runs; apart too
+    harness_calls: int = 0
+    harness_cpu_s: float = 0.0
+    harness_gpu_s: float = 0.0
 
     @property
     def goodput(self) -> float:
