@@ -129,7 +129,9 @@ class Outbox:
             body = (f"{_hyp_line(h)} awaits review: verdict {h.verdict} at {h.look} runs.\n"
                     f"{h.rationale_decision or ''}\n"
                     f"Review: {link or 'autoresearch serve'}, or autoresearch review {h.id} --approve / --reject")
-            staged |= self.stage(s, "hold", f"hold:{h.id}", f"#{h.id} held for review: {h.title}", body, link)
+            # once per base: a hold re-based onto a new baseline and held again is news to its reviewer
+            key = f"hold:{h.id}" + (f"@{h.base_commit[:12]}" if h.base_commit else "")
+            staged |= self.stage(s, "hold", key, f"#{h.id} held for review: {h.title}", body, link)
         if h.promoted_tag and not before["promoted_tag"]:
             body = (f"{_hyp_line(h)} promoted to the baseline as {h.promoted_tag}: verdict {h.verdict} at {h.look} "
                     f"runs.\n{h.rationale_decision or ''}")

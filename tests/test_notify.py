@@ -318,7 +318,7 @@ to = ["team@lab.example"]
     assert mailbox.logins and all(lg == ("bot", SMTP_PASSWORD) for lg in mailbox.logins)
     # the hold links to its page; a promotion names the tag; the digest is a digest
     hold = next(p["body"] for p in json_posts if p["body"]["event"] == "hold")
-    assert hold["key"] == "hold:1" and hold["link"] == "http://review.example:8765/hypotheses/1"
+    assert hold["key"].startswith("hold:1@") and hold["link"] == "http://review.example:8765/hypotheses/1"
     assert "autoresearch review 1 --approve" in hold["text"]
     assert "http://review.example:8765/hypotheses/1" in next(p["body"]["text"] for p in slack_posts
                                                             if "held for review" in p["body"]["text"])
@@ -483,7 +483,7 @@ def test_the_outbox_on_postgresql_stages_once_and_resends_only_a_claim_a_dead_se
     # the one window: a claim (pending -> sending) whose sender died before marking it sent is sent
     # again at the next start, with the same idempotency key
     with store.session() as s:
-        s.exec(update(Notification).where(Notification.key == f"hold:{h.id}").values(state="sending"))
+        s.exec(update(Notification).where(Notification.kind == "hold").values(state="sending"))
         s.commit()
     again = attach(lab, store, Records(store), [f"{hook.url}/ok/pg"])
     deadline = time.monotonic() + 30
@@ -748,4 +748,36 @@ def test_a_held_promotion_is_announced_when_its_reviewer_is_asked_and_an_early_a
     sender.close(flush_s=5)
     holds = [r for r in outbox(root) if r["kind"] == "hold"]
     assert [r["key"] for r in holds] == [f"hold:{waiting.id}"], holds
+    store.dispose()
+
+
+def test_a_hold_re_based_and_held_again_is_announced_again_once(tmp_path: Path, hook: Hook) -> None:
+    """A held hypothesis approved while the baseline moved is re-based, measured again and may be
+    held again: its reviewer is asked again, about a new comparison, so the hold is announced again
+    (once per base: a node run again after a crash stages nothing new)."""
+    from agent.notify import attach
+    from agent.records import Hypothesis, Records
+    from pipeline import experiment
+    from pipeline.lab import load_lab
+
+    root = command_lab(tmp_path / "lab", "")
+    lab = load_lab(root)
+    store = experiment.open_store(lab)
+    sender = attach(lab, store, Records(store), [f"{hook.url}/ok/rebased"])
+    rec = sender.records
+    h = rec.add(Hypothesis(title="held twice", status="deciding", look=2, verdict="improvement",
+                           base_commit="a" * 40, commit="c" * 40))
+    rec.update(h.id, status="held", decision="hold", review="none")
+    rec.ask_review(h.id)
+    rec.decide_review(h.id, "approved")  # approved; the promote node finds the base moved: re-based
+    rec.update(h.id, status="measuring", decision=None, review="none", base_commit="b" * 40, commit="d" * 40,
+               rationale_decision="Re-based from baseline/v1 onto baseline/v2 before its promotion: ...")
+    rec.update(h.id, status="held", decision="hold")
+    rec.ask_review(h.id)
+    rec.ask_review(h.id)  # the hold node run again after a crash
+    sender.close(flush_s=5)
+    holds = [r for r in outbox(root) if r["kind"] == "hold"]
+    assert [r["key"] for r in holds] == [f"hold:{h.id}@{'a' * 12}", f"hold:{h.id}@{'b' * 12}"], holds
+    assert all(r["state"] == "sent" for r in holds)
+    assert "Re-based from baseline/v1 onto baseline/v2" in holds[1]["body"]
     store.dispose()
