@@ -71,6 +71,7 @@ def test_the_sim_and_command_harnesses_prepare_a_smoke_dataset_of_their_own(tmp_
     assert smoke.public != real.public and smoke.sealed != real.sealed
     with np.load(real.public / "train.npz") as r, np.load(smoke.public / "train.npz") as s:
         assert not shared_rows(s["x"], r["x"])
+        assert len(s["x"]) < len(r["x"]) / 2  # `{smoke}`: the template's prepare makes it small
     with np.load(real.public / "test.npz") as r, np.load(smoke.public / "test.npz") as s:
         assert not set(r["id"].tolist()) & set(s["id"].tolist())  # the template gives smoke ids of their own
     research = lab.root / "research.toml"

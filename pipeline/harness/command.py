@@ -9,8 +9,9 @@ address-space bound a local stage gets (`[run] memory_mb`, else its default: `is
 - `prepare` once per (trusted commit, data_seed), with `{data}` (what stages see) and `{sealed}`
   (what only the scorer sees) as its only writable folders; the smoke run's dataset is prepared
   with `{data_seed}` = `smoke_seed(data_seed)` (2**31 + data_seed, never a real data seed: those
-  are refused from 2**31 on), which the team's prepare draws from (or, reading real data, writes a
-  small sample with ids of its own for);
+  are refused from 2**31 on) and `{smoke}` = 1 (0 for a real dataset), which the team's prepare
+  draws a small dataset from (or, reading real data, writes a small sample with ids of its own
+  for): a smoke run's stages train on it, on the lab's GPU if it has one;
 - `score` once per run, reading only `{predictions}` (a regular file the stage wrote) and
   `{sealed}`; its last line of stdout is `{"value": x}`. A missing or non-finite value is a method
   failure of the run. A command that names `{split}` has a holdout (README, "The bundled benchmark"): it is called with
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 
 TRUSTED_TAG = "autoresearch/trusted"
 TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-PREPARE_PLACEHOLDERS = {"data_seed", "data", "sealed"}
+PREPARE_PLACEHOLDERS = {"data_seed", "data", "sealed", "smoke"}
 SCORE_PLACEHOLDERS = {"task", "predictions", "sealed", "split"}
 SCORE_TIMEOUT_S = 300.0
 
@@ -156,7 +157,7 @@ class CommandHarness(Harness):
                 os.chmod(d, 0o777)
             log = logs / f"prepare-{did}.log"
             argv = render(lab.config.benchmark.prepare or "", {"data_seed": str(data_seed), "data": str(pub),
-                                                               "sealed": str(seal)})
+                                                               "sealed": str(seal), "smoke": "1" if smoke else "0"})
             done = run_once(lab, argv, cwd=view, log=log, timeout_s=lab.config.run.timeout_s, ro=[], rw=[pub, seal],
                             gpus=lab.config.run.prepare_gpus)
             if done.returncode != 0:

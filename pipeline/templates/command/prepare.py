@@ -3,7 +3,10 @@
 A stand-in for your own: replace the generator with reading your data. Run by autoresearch once
 per (trusted commit, data seed), in the sandbox, with --out and --sealed its only writable folders.
 
-    python prepare.py --seed 0 --out DATA --sealed SEALED
+    python prepare.py --seed 0 --out DATA --sealed SEALED [--smoke 1]
+
+--smoke 1 is autoresearch's smoke run (a candidate's whole pipeline on tiny data before it is
+measured): give it a small dataset whose rows and ids are apart from the real ones.
 """
 
 import argparse
@@ -13,14 +16,16 @@ from pathlib import Path
 import numpy as np
 
 TASKS = ["default", "churn", "fraud"]
-ROWS, FEATURES = 4000, 10
-SMOKE_SEEDS = 2**31  # autoresearch's smoke run asks for seeds from here: give it rows apart from the real ones
+ROWS, SMOKE_ROWS, FEATURES = 4000, 1000, 10
 
 p = argparse.ArgumentParser()
 p.add_argument("--seed", type=int, required=True)
 p.add_argument("--out", type=Path, required=True)
 p.add_argument("--sealed", type=Path, required=True)
+p.add_argument("--smoke", type=int, default=0)  # its seed is apart too: 2**31 + the lab's data_seed
 a = p.parse_args()
+if a.smoke:
+    ROWS = SMOKE_ROWS
 
 rng = np.random.default_rng(a.seed)
 x = rng.normal(size=(ROWS, FEATURES)).astype(np.float32)
@@ -32,7 +37,7 @@ for i, task in enumerate(TASKS):
     logit = 0.7 * x @ w + 0.6 * (x**2 - 1) @ bend - 0.5  # a non-linear part the raw features miss
     labels[task] = (rng.random(ROWS) < 1 / (1 + np.exp(-logit))).astype(np.int8)
 
-ids = np.arange(ROWS) + (10**9 if a.seed >= SMOKE_SEEDS else 0)
+ids = np.arange(ROWS) + (10**9 if a.smoke else 0)
 test = split == 2
 np.savez(a.out / "train.npz", x=x[~test], split=split[~test], **{t: y[~test] for t, y in labels.items()})
 np.savez(a.out / "test.npz", id=ids[test], x=x[test])
