@@ -72,8 +72,15 @@ def latest_result(svc: Any, h: Hypothesis) -> Any:
 
 
 def compute_line(svc: Any, h: Hypothesis) -> str:
+    """What the hypothesis cost: its challenger runs (CPU seconds, GPU-hours for a GPU lab), its
+    promotion's replication, and its smoke runs before any of them (all that a rejected one cost)."""
+    smoke = svc.store.smoke_spent(str(h.id))
+    screened = ""
+    if smoke["runs"]:
+        screened = (f"{int(smoke['runs'])} smoke run{'s' if smoke['runs'] != 1 else ''} on tiny data, "
+                    f"{smoke['cpu_s']:.0f} CPU s" + (f", {smoke['gpu_s'] / 3600:.3f} GPU-h" if smoke["gpu_s"] else ""))
     if not h.commit:
-        return "none"
+        return screened or "none"
 
     # a promoted champion's own re-verification runs (the next seed block) are not challenger runs
     block = svc.experiment.challenger_seeds(h.base_commit, SEED_BLOCK) if h.base_commit else range(0)
@@ -82,13 +89,16 @@ def compute_line(svc: Any, h: Hypothesis) -> str:
     cpu = sum((e.cpu_s or 0.0) for e in execs if not StageOutcome(e.outcome).is_served())
     done = sum(r.status == RunStatus.DONE for r in runs)
     failed = sum(r.status == RunStatus.FAILED for r in runs)
+    gpu = sum((e.gpu_s or 0.0) for e in execs)  # every attempt held its GPU share, served stages none
     line = f"{len(runs)} challenger runs ({done} done, {failed} failed), {cpu:.0f} CPU s"
+    if gpu:
+        line += f", {gpu / 3600:.3f} GPU-h"
     rep = replicate_record(svc.store, h.id)
     if rep is not None:  # its promotion's replication: both arms on the next block's first seeds
         fresh = set(rep["seeds"])
         both = [r for c in (h.commit, h.base_commit) if c for r in svc.store.runs(commit=c) if r.seed in fresh]
         line += f"; its replication {len(both)} runs of both arms on {len(fresh)} fresh seeds"
-    return line
+    return line + (f"; before them, {screened}" if screened else "")
 
 
 # ----------------------------------------------------------------------------- number integrity

@@ -80,6 +80,9 @@ def test_seeds_by_priority_branches_as_is_noops_never_promoted_then_offline_prop
     assert st["compute"]["harness_calls"] > st["queue"]["done"] and st["compute"]["harness_cpu_s"] > 0
     text = cli(lab, "status").stdout
     assert "smoke runs: 3 (0 rejected), " in text and "scoring and preparing data: " in text
+    runs_line = next(line for line in (lab / "runs" / "summaries" / f"{offline}.md").read_text().splitlines()
+                     if line.startswith("- **Runs:** "))  # what the hypothesis cost, its screening too
+    assert " challenger runs (" in runs_line and runs_line.endswith(" CPU s") and "; before them, 1 smoke run on tiny data, " in runs_line
     assert st["llm"]["spent_today_usd"] == 0
 
     rep = cli_json(lab, "report", str(noops[0]), "--json")

@@ -60,3 +60,7 @@ def test_run_on_a_ray_cluster_of_gpu_nodes_measures_a_gpu_labs_hypothesis_from_a
     assert goodput["useful_gpu_s"] > 0 and goodput["method_failed_gpu_s"] == 0, goodput
     assert goodput["gpu_busy_share"] == 1.0 and goodput["gpu_mean_util"] == pytest.approx(60.0), goodput
     assert "GPU: useful" in cli(root, "status").stdout
+    assert goodput["smoke_runs"] == 1 and goodput["smoke_gpu_s"] > 0, goodput  # its smoke run, on the node's GPU
+    summary = (root / "runs" / "summaries" / f"{h['id']}.md").read_text()
+    runs_line = next(line for line in summary.splitlines() if line.startswith("- **Runs:** "))
+    assert " GPU-h" in runs_line and "before them, 1 smoke run on tiny data" in runs_line, runs_line
