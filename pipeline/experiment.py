@@ -658,7 +658,8 @@ class Experiment:
             try:
                 self.store.smoke_finished(base, outcome, hypothesis=hypothesis, executor=cost.where,
                                           stages=cost.stages, cpu_s=cost.cpu_s, gpu_s=cost.gpu_s,
-                                          wall_s=time.monotonic() - t0, started_at=started)
+                                          wall_s=time.monotonic() - t0, started_at=started,
+                                          gpu_from=cost.gpu_from, gpu_to=cost.gpu_to)
             except Exception as e:  # the books must neither fail a smoke run nor hide why it ended
                 log.warning("smoke run of %s not booked: %s: %s", base[:12], type(e).__name__, e)
 

@@ -14,10 +14,13 @@ from pipeline.outcomes import StageOutcome
 class GpuAccounting:
     """`pipeline.runner.Driver`'s GPU accounting (its `executor`, `store`, `_gpu_usage_*` counters)."""
 
-    def _record_gpu_usage_every(self, every_s: float) -> None:
+    def _record_gpu_usage_every(self, every_s: float) -> bool:
+        """Write the GPU sampler's totals if `every_s` passed since the last time: whether it was time."""
         if time.monotonic() - self._gpu_usage_at > every_s:
             self._gpu_usage_at = time.monotonic()
             self._record_gpu_usage()
+            return True
+        return False
 
     def _record_gpu_usage(self, last: bool = False) -> None:
         """What the executor's GPU sampler saw since the last call, as one row of the store (`last`:

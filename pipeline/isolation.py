@@ -120,6 +120,7 @@ class Meter:
     cpu_s: float = 0.0
     gpu_s: float = 0.0
     wall_s: float = 0.0
+    processes: int = 0  # `run_once` calls
 
 
 _metering = threading.local()  # this thread's open `metered` blocks, innermost last
@@ -131,18 +132,20 @@ def metered() -> Iterator[Meter]:
     inside another counts in both."""
     meter = Meter()
     stack = _metering.__dict__.setdefault("stack", [])
-    stack.append(meter)
     cpu0, wall0 = time.thread_time(), time.monotonic()
     try:
+        stack.append(meter)
         yield meter
     finally:
-        stack.remove(meter)
+        if meter in stack:
+            stack.remove(meter)
         meter.cpu_s += time.thread_time() - cpu0
         meter.wall_s = time.monotonic() - wall0
 
 
 def _spent(done: "Completed", gpus: float) -> None:
     for meter in getattr(_metering, "stack", ()):
+        meter.processes += 1
         meter.cpu_s += done.cpu_s
         meter.gpu_s += gpus * done.wall_s
 

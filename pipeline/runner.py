@@ -135,6 +135,7 @@ class Driver(Scoring, GpuAccounting):
         self._not_baseline_at: dict[str, float] = {}  # commit -> when the store said it was none
         self._last_reconcile = 0.0
         self._gpu_usage_at = 0.0
+        self._harness_books: list[dict[str, Any]] = []  # harness calls booked, not written yet (`Scoring`)
         self._gpu_usage_totals: tuple[int, int, float] = (0, 0, 0.0)  # the sampler's, at the last row written
         self._gpu_usage_since = time.time()  # (GpuAccounting)
         self.heartbeat = heartbeat  # the process's (the loop's, with its lease), else one of its own in start()
@@ -196,6 +197,7 @@ class Driver(Scoring, GpuAccounting):
                 self.store.release(a.claim, count_requeue=False)
         self.active.clear()
         self._record_gpu_usage(last=True)
+        self._write_harness_books()
         if self._own_heartbeat is not None:
             self._own_heartbeat.stop()
             self.heartbeat = self._own_heartbeat = None
@@ -252,7 +254,8 @@ class Driver(Scoring, GpuAccounting):
             self._fill()
         elif timeout > 0 and not self.to_score:
             time.sleep(min(timeout, 0.2))
-        self._record_gpu_usage_every(GPU_USAGE_EVERY_S)
+        if self._record_gpu_usage_every(GPU_USAGE_EVERY_S):
+            self._write_harness_books()
         # slots are full again before the driver scores and claims ahead: neither delays a stage
         self._score_pending()
         self._prefetch()

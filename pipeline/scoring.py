@@ -19,13 +19,16 @@ from pipeline.outcomes import ResultOutcome
 
 log = logging.getLogger("autoresearch.runner")
 T = TypeVar("T")
+FOUND_MADE_CPU_S = 0.05  # a `prepare` that ran no process and took less CPU than this found its dataset made
 
 
 class Scoring:
-    """`pipeline.runner.Driver`'s scoring (its `active` runs, `harness`, `store`, `_finish`)."""
+    """`pipeline.runner.Driver`'s scoring (its `active` runs, `harness`, `store`, `_finish`, `_harness_books`)."""
 
     def _booked(self, kind: str, run_id: int | None, call: Callable[[], T]) -> T:
-        """`call()`, a call of the harness, booked with what it spent (`isolation.metered`)."""
+        """`call()`, a call of the harness, booked with what it spent (`isolation.metered`): kept here
+        and written with the driver's other periodic books (`_write_harness_books`), not a transaction
+        per run. A `prepare` that found its dataset made (no process, no CPU to speak of) is not booked."""
         from pipeline.isolation import metered
 
         started, ok = time.time(), False
@@ -35,11 +38,21 @@ class Scoring:
             ok = True
             return value
         finally:
-            try:
-                self.store.harness_finished(kind, run_id=run_id, ok=ok, cpu_s=meter.cpu_s, gpu_s=meter.gpu_s,
-                                            wall_s=meter.wall_s, started_at=started)
-            except Exception as e:  # the books must not fail the run, nor hide why the call failed
-                log.warning("%s of run %s not booked: %s: %s", kind, run_id, type(e).__name__, e)
+            if not (ok and kind == "prepare" and not meter.processes and meter.cpu_s < FOUND_MADE_CPU_S):
+                self._harness_books.append(dict(
+                    kind=kind, run_id=run_id, ok=ok, cpu_s=meter.cpu_s, gpu_s=meter.gpu_s, wall_s=meter.wall_s,
+                    started_at=started))
+
+    def _write_harness_books(self) -> None:
+        """Write the harness calls booked since the last time, in one transaction."""
+        rows, self._harness_books = self._harness_books, []
+        if not rows:
+            return
+        try:
+            self.store.harness_finished(rows)
+        except Exception as e:  # the books must not stop the driver: kept for the next try
+            self._harness_books = rows + self._harness_books
+            log.warning("%d harness calls not booked yet: %s: %s", len(rows), type(e).__name__, e)
 
     def _score(self, run_id: int) -> None:
         """The sealed scorer, in the driver: branch code never sees the test labels or the metric."""

@@ -70,11 +70,19 @@ class SmokeCost:
     cpu_s: float = 0.0
     gpu_s: float = 0.0
     where: str = "here"
+    gpu_from: float | None = None  # (UNIX time) the first GPU stage's start and the last one's end
+    gpu_to: float | None = None
 
     def add(self, cpu_s: float, wall_s: float, gpus: float) -> None:
+        """One stage attempt, just ended."""
+        wall = max(0.0, float(wall_s or 0.0))
         self.stages += 1
         self.cpu_s += max(0.0, float(cpu_s or 0.0))
-        self.gpu_s += max(0.0, float(wall_s or 0.0)) * gpus
+        self.gpu_s += wall * gpus
+        if gpus and wall:
+            end = time.time()
+            self.gpu_from = min(self.gpu_from if self.gpu_from is not None else end - wall, end - wall)
+            self.gpu_to = end
 
     def add_result(self, res: Any, gpus: float) -> None:
         """A stage's executor result: its GPU share as held (`gpu_share`: a CUDA OOM's retry held its GPU
@@ -288,9 +296,12 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
     cost = cost if cost is not None else SmokeCost()
     bench = lab.config.benchmark
     harness = lab.harness()
-    with isolation.metered() as meter:  # made once, then reused: what the first smoke run spends on it
-        prepared = harness.prepare(lab.state, bench.suite, bench.data_seed, SMOKE_CUSTOMERS, smoke=True)
-    cost.add_meter(meter)
+    meter = isolation.Meter()
+    try:
+        with isolation.metered() as meter:  # made once, then reused: what the first smoke run spends on it
+            prepared = harness.prepare(lab.state, bench.suite, bench.data_seed, SMOKE_CUSTOMERS, smoke=True)
+    finally:
+        cost.add_meter(meter)
     task = lab.tasks()[0]
     own = runner is None
     runner = runner or SmokeRunner(lab)

@@ -48,7 +48,8 @@ def make_lab(root: Path, computes: tuple[float, float]) -> Path:
     # a smoke run at T0 + 1 for 1 s at half a GPU, one before the loop's wall time, and one on the CPU
     for started, wall, gpu_s in ((T0 + 1, 1.0, 0.5), (T0 - 5, 2.0, 2.0), (T0 + 2, 5.0, 0.0)):
         store.smoke_finished("b" * 40, "ok", hypothesis="1", executor="here", stages=1, cpu_s=wall, gpu_s=gpu_s,
-                             wall_s=wall, started_at=started)
+                             wall_s=wall, started_at=started - 3,  # its stages held the GPU in [started, + wall]
+                             gpu_from=started if gpu_s else None, gpu_to=started + wall if gpu_s else None)
     store.dispose()
     # samples every 0.5 s from T0 - 2 to T0 + 12: busy (99 %) outside the loop's wall time, which
     # holds 21 of them: 5 idle, then 16 at 50 %

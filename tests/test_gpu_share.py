@@ -386,6 +386,10 @@ def test_a_driver_whose_scorer_needs_a_gpu_share_scores_between_its_stages(tmp_p
     assert all(0 < c.gpu_s <= 0.5 * c.wall_s and c.cpu_s > 0 for c in scores)
     c = store.goodput().as_dict()
     assert c["harness_gpu_s"] == pytest.approx(sum(x.gpu_s for x in calls)) and c["harness_calls"] == len(calls)
+    with runner.Driver(lab, store, make_executor("local", lab)) as d:  # a driver started again: the dataset is there
+        d.prepared()
+    with store.session() as s:
+        assert [c.kind for c in s.exec(select(HarnessExec))].count("prepare") == 1  # found made: not a call booked
     from agent import views
 
     assert views.harness_line(c).startswith(f"scoring and preparing data: {len(calls)} calls, ")
@@ -428,6 +432,7 @@ def test_smoke_runs_are_booked_with_their_cpu_and_gpu_time(work: Path, tmp_path:
     assert (ok.outcome, ok.executor, ok.stages) == ("ok", "here", stages)
     assert ok.cpu_s > 0 and ok.wall_s > 0.5  # pretrain sleeps 0.5 s
     assert 0.5 * 0.5 <= ok.gpu_s <= 0.5 * ok.wall_s  # share × each stage's wall, within the run's wall
+    assert ok.started_at < ok.gpu_from < ok.gpu_to <= ok.started_at + ok.wall_s + 0.01  # its stages' span on the GPU
     assert (bad.outcome, bad.stages) == ("method", 1) and bad.gpu_s > 0  # it failed at its first stage
     c = store.goodput().as_dict()
     assert (c["smoke_runs"], c["smoke_rejected"]) == (2, 1)

@@ -7,8 +7,8 @@ utilization.gpu,memory.used --format=csv,noheader -lms 500` taken while it ran),
 time, from the first stage's start to the last stage's end (the store's `stage_exec` rows):
 - GPU busy: the share of samples with utilisation > 0, and the mean utilisation;
 - runs per GPU-hour: runs finished (done or failed) ÷ the GPU-hours of that wall time;
-- GPU held: the share of that wall time in which a stage (or a smoke run, counted whole: the store
-  books smoke runs, not their stages' times) held a GPU, and the GPU share held on average (stages'
+- GPU held: the share of that wall time in which a stage (or a smoke run's stages: from the first
+  one's start to the last one's end) held a GPU, and the GPU share held on average (stages'
   and smoke runs' GPU-seconds ÷ GPU-seconds of wall): the most the GPU could have been busy under the
   loop's schedule, whatever the stages did with it; the gaps in which nothing held one (the loop's
   own waits: gate, looks, smoke runs queued) with the longest;
@@ -57,7 +57,7 @@ class Mode:
     utils: list[float] = field(default_factory=list)  # the samples within [start, end]
     stages: list[Stage] = field(default_factory=list)
     nvml: tuple[int, float, float] | None = None  # the store's own sampler: samples, busy share, mean util
-    held: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each stage or smoke run on a GPU
+    held: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each stage or smoke run's stages on a GPU
     gpu_s: float = 0.0  # their GPU-seconds (share × wall), within [start, end]
 
     def held_share(self) -> float | None:
@@ -147,7 +147,8 @@ def measure(name: str, lab: Path, smi: Path) -> Mode:
         except sqlite3.OperationalError:  # a store from before the GPU sampler
             pass
         try:
-            smokes = db.execute("SELECT started_at, wall_s, gpu_s FROM smoke_exec WHERE gpu_s > 0").fetchall()
+            smokes = db.execute("SELECT gpu_from, gpu_to, gpu_s FROM smoke_exec "
+                                "WHERE gpu_s > 0 AND gpu_from IS NOT NULL").fetchall()
         except sqlite3.OperationalError:  # a store from before smoke runs were booked
             smokes = []
     finally:
@@ -157,7 +158,7 @@ def measure(name: str, lab: Path, smi: Path) -> Mode:
     if rows:
         mode.start, mode.end = min(r[4] for r in rows), max(r[5] for r in rows)
         # a stage held its GPU for its wall time up to its end (its `started_at` is when it was submitted)
-        on_gpu = [(r[5] - r[3], r[5], r[7]) for r in rows if r[7]] + [(t, t + w, g) for t, w, g in smokes]
+        on_gpu = [(r[5] - r[3], r[5], r[7]) for r in rows if r[7]] + list(smokes)
         mode.held = [(a, b) for a, b, _ in on_gpu]
         for a, b, g in on_gpu:  # the part of each within the loop's wall time
             inside = max(0.0, min(b, mode.end) - max(a, mode.start))

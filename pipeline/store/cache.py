@@ -54,21 +54,24 @@ class CacheRows:
             s.commit()
 
     def smoke_finished(self, base: str, outcome: str, *, hypothesis: str | None, executor: str, stages: int,
-                       cpu_s: float, gpu_s: float, wall_s: float, started_at: float) -> None:
+                       cpu_s: float, gpu_s: float, wall_s: float, started_at: float,
+                       gpu_from: float | None = None, gpu_to: float | None = None) -> None:
         """Book one smoke run (`SmokeExec`)."""
         if outcome not in SMOKE_OUTCOMES:
             raise ValueError(f"a smoke run ends {' | '.join(SMOKE_OUTCOMES)}, not {outcome!r}")
         with self.session() as s:
             s.add(SmokeExec(hypothesis=hypothesis, base=base, outcome=outcome, executor=executor, stages=stages,
-                            cpu_s=cpu_s, gpu_s=gpu_s, wall_s=wall_s, started_at=started_at))
+                            cpu_s=cpu_s, gpu_s=gpu_s, wall_s=wall_s, started_at=started_at, gpu_from=gpu_from,
+                            gpu_to=gpu_to))
             s.commit()
 
-    def harness_finished(self, kind: str, *, run_id: int | None, ok: bool, cpu_s: float, gpu_s: float,
-                         wall_s: float, started_at: float) -> None:
-        """Book one call of the harness by a driver (`HarnessExec`)."""
+    def harness_finished(self, calls: list[dict[str, Any]]) -> None:
+        """Book calls of the harness by a driver (`HarnessExec`), in one transaction: each a dict of
+        kind, run_id, ok, cpu_s, gpu_s, wall_s, started_at."""
         with self.session() as s:
-            s.add(HarnessExec(kind=kind, run_id=run_id, outcome="ok" if ok else "failed", cpu_s=cpu_s, gpu_s=gpu_s,
-                              wall_s=wall_s, started_at=started_at))
+            for c in calls:
+                s.add(HarnessExec(kind=c["kind"], run_id=c["run_id"], outcome="ok" if c["ok"] else "failed",
+                                  cpu_s=c["cpu_s"], gpu_s=c["gpu_s"], wall_s=c["wall_s"], started_at=c["started_at"]))
             s.commit()
 
     def stage_served(self, run_id: int, stage: str, key: str, outcome: StageOutcome, *, executor: str,

@@ -136,9 +136,11 @@ class GpuUsage(SQLModel, table=True):
 
 class SmokeExec(SQLModel, table=True):
     """One smoke run (`pipeline.smoke`): a candidate's whole pipeline on tiny data before a run of it
-    is queued. Its stages' CPU seconds and GPU-seconds (share × wall), its wall time from start to end
-    (the smoke dataset, the stages, the score), and how it ended: `ok`, `method` (rejected: the
-    candidate's code failed), `infra` (the machinery failed; it is tried again) or `interrupted`."""
+    is queued. The CPU seconds and GPU-seconds (share × wall) of its stages and of the harness's calls
+    for it (its dataset's `prepare`, its `score`), its wall time from start to end, the span in which
+    its stages held a GPU, and how it ended: `ok`, `method` (rejected: the candidate's code failed),
+    `infra` (anything else failed: the machinery, the lab's own configuration; nothing is recorded
+    against the hypothesis) or `interrupted`."""
 
     __tablename__ = "smoke_exec"
     id: int | None = Field(default=None, primary_key=True)
@@ -151,6 +153,8 @@ class SmokeExec(SQLModel, table=True):
     gpu_s: float = 0.0
     wall_s: float = 0.0
     started_at: float = Field(default_factory=now, index=True)
+    gpu_from: float | None = None  # its first GPU stage's start and its last one's end (a GPU lab)
+    gpu_to: float | None = None
 
 
 SMOKE_OUTCOMES = ("ok", "method", "infra", "interrupted")
@@ -158,7 +162,8 @@ SMOKE_OUTCOMES = ("ok", "method", "infra", "interrupted")
 
 class HarnessExec(SQLModel, table=True):
     """One call of the harness by a driver: `prepare` (a dataset, once per data seed), `score` (a run's
-    predictions on the gate split) or `holdout` (a baseline run's on the holdout). The CPU seconds of
+    predictions on the gate split) or `holdout` (a baseline run's on the holdout; a `prepare` that found its
+    dataset made is not a row). The CPU seconds of
     the processes it ran (and of the driver's own thread: an in-process scorer), their GPU-seconds
     (`prepare_gpus`/`score_gpus` × wall), its wall time, and whether it gave an answer (`ok`) or not
     (`failed`: the predictions were refused, the command failed)."""
