@@ -77,6 +77,8 @@ def test_digest_of_a_day(tmp_path, fake_openai):
     assert "- LLM spend: $0.0720" in md
     assert f"- held for approval (promotion waits for `autoresearch review ID --approve`): #{held.id}" in md
     assert f"Progress chart: {progress_path(svc.lab)}" in md
+    # the screening and the harness calls, booked apart from goodput: both smoke-run, every run scored
+    assert "- smoke runs: 2 (0 rejected), " in md and "- scoring and preparing data: " in md, md
     assert "goodput" in md
 
     # the window of the last second holds none of them: each was decided a minute "ago"
@@ -107,6 +109,8 @@ def test_a_real_loop_leaves_summaries_pictures_and_a_digest(tmp_path):
     md = cli(root, "digest").stdout
     assert "- hypotheses touched: 2" in md and "awaiting review: #1, #2" in md
     assert f"Progress chart: {progress_path(svc.lab)}" in md
+    # the screening and the harness calls, booked apart from goodput: both smoke-run, every run scored
+    assert "- smoke runs: 2 (0 rejected), " in md and "- scoring and preparing data: " in md, md
     measured_ids = [h.id for h in hyps if h.verdict]
     if measured_ids:
         report = cli(root, "report", str(measured_ids[0]), "--md").stdout
