@@ -94,7 +94,7 @@ def test_report_sets_sandboxed_beside_unsandboxed(tmp_path):
     assert "sandbox vs off: median stage overhead +0.55 s, +12.2 % of off's median stage wall" in out
 
 
-@pytest.mark.slow  # the loop for 90 s, then the report: not for make test-fast
+@pytest.mark.slow  # the loop for 60 s, then the report: not for make test-fast
 def test_run_sh_rehearses_on_cpu_end_to_end(tmp_path):
     """The device tool lends a GPU for about 15 minutes a session, one prepared command: `run.sh`
     must not fail there for a reason a CPU could have shown. `REHEARSE=1` runs it here (a fake GPU 0,
@@ -103,7 +103,7 @@ def test_run_sh_rehearses_on_cpu_end_to_end(tmp_path):
     run = REPORT.parent / "run.sh"
     env = {**os.environ, "REHEARSE": "1", "OUT": str(tmp_path / "out"), "LABS": str(tmp_path / "labs"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.run(["bash", str(run), "90", "packed-off"], cwd=REPORT.parents[2], env=env,
+    proc = subprocess.run(["bash", str(run), "60", "packed-off"], cwd=REPORT.parents[2], env=env,
                           capture_output=True, text=True, timeout=400)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-2000:]

@@ -68,10 +68,12 @@ class CacheRows:
     def harness_finished(self, calls: list[dict[str, Any]]) -> None:
         """Book calls of the harness by a driver (`HarnessExec`), in one transaction: each a dict of
         kind, run_id, ok, cpu_s, gpu_s, wall_s, started_at."""
+        from sqlalchemy import insert
+
+        rows = [{"kind": c["kind"], "run_id": c["run_id"], "outcome": "ok" if c["ok"] else "failed", "cpu_s": c["cpu_s"],
+                 "gpu_s": c["gpu_s"], "wall_s": c["wall_s"], "started_at": c["started_at"]} for c in calls]
         with self.session() as s:
-            for c in calls:
-                s.add(HarnessExec(kind=c["kind"], run_id=c["run_id"], outcome="ok" if c["ok"] else "failed",
-                                  cpu_s=c["cpu_s"], gpu_s=c["gpu_s"], wall_s=c["wall_s"], started_at=c["started_at"]))
+            s.execute(insert(HarnessExec), rows)  # one executemany, not an ORM object per row
             s.commit()
 
     def stage_served(self, run_id: int, stage: str, key: str, outcome: StageOutcome, *, executor: str,
