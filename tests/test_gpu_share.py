@@ -130,10 +130,10 @@ def test_a_cuda_oom_on_a_gpu_not_shared_is_the_methods_failure(work: Path) -> No
     assert (work / "alone.tries").read_text() == "1" and "gpu_oom_retried_alone" not in results["alone"].extra  # type: ignore[attr-defined]
 
 
-def gpu_lab(root: Path, run_extra: str, **kw: float) -> object:
+def gpu_lab(root: Path, run_extra: str, gpus: str = "1", **kw: float) -> object:
     make_lab(root, **kw)
     cfg = root / CONFIG_NAME
-    cfg.write_text(cfg.read_text().replace("cpus = 1\n", f"cpus = 1\ngpus = 1\n{run_extra}"))
+    cfg.write_text(cfg.read_text().replace("cpus = 1\n", f"cpus = 1\ngpus = {gpus}\n{run_extra}"))
     return open_tiny_lab(root)
 
 
@@ -254,10 +254,7 @@ def test_the_driver_counts_gpu_hours_and_how_busy_the_gpu_was(work: Path, tmp_pa
 
     (work / "nvml" / "util").write_text("40")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
-    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\n', pretrain_sleep=1.5)
-    text = (lab.root / CONFIG_NAME).read_text().replace("gpus = 1\n", "gpus = 0.5\n")
-    (lab.root / CONFIG_NAME).write_text(text)
-    lab = open_tiny_lab(lab.root)
+    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\n', gpus="0.5", pretrain_sleep=1.5)
     store = experiment.open_store(lab)
     ids = experiment.ensure_runs(store, lab, "autoresearch/baseline", TASKS[:2], [0], harness=TinyHarness())
     ex = LocalExecutor(gpus=0.5, slots=2, preload=("numpy",), pool=GpuPool(["5"]))
@@ -409,10 +406,7 @@ def test_smoke_runs_are_booked_with_their_cpu_and_gpu_time(work: Path, tmp_path:
     from agent import views
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
-    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\npreload = ["numpy"]\n', pretrain_sleep=0.5)
-    text = (lab.root / CONFIG_NAME).read_text().replace("gpus = 1\n", "gpus = 0.5\n")
-    (lab.root / CONFIG_NAME).write_text(text)
-    lab = open_tiny_lab(lab.root)
+    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\npreload = ["numpy"]\n', gpus="0.5", pretrain_sleep=0.5)
     store = experiment.open_store(lab)
     exp = experiment.Experiment(lab, store)
     HARNESSES.register("tiny", TinyHarness)  # what a plugin does (the lab names it)
