@@ -165,13 +165,14 @@ def once_memory_mb(lab: Any, with_out: bool = True, gpus: float = 0) -> int | No
 
 def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: float,
              ro: list[Path | str], out: Path | None = None, rw: list[Path | str] = (),
-             stdout: Path | None = None, gpus: float = 0) -> Completed:
+             stdout: Path | None = None, gpus: float = 0, reserved: bool = False) -> Completed:
     """Run one command of the lab in its sandbox (or unsandboxed if the lab opted out), to the end.
 
     Output goes to `log` (stdout to `stdout` if given). The environment is the allow-listed part of
     ours (`scrub_env`, with the lab's `[run] env`); its address space is bounded (`once_memory_mb`);
     no process outlives it. With `gpus` (a share or whole GPUs) it waits for them in this process's
-    GPU pool, the one the executor's slots take from, and sees only them.
+    GPU pool, the one the executor's slots take from, and sees only them; `reserved`: it is the
+    driver's `prepare` or `score`, for which the executor keeps room (`GpuPool.take`).
     """
     from pipeline.executors import gpus as gpu_pool
     from pipeline.executors.local import inside_gpu_ids, visible_gpus
@@ -188,7 +189,7 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
     if gpu_pool.capacity(gpus, len(ids)) < 1:
         raise UserError(f"{argv[0]} is given {gpus:g} GPU(s) ([run]) but {len(ids)} are visible here")
     pool, holder = gpu_pool.GpuPool.shared(ids), f"once-{os.getpid()}-{time.monotonic_ns()}"
-    held = pool.wait_take(holder, gpus, timeout=timeout_s)
+    held = pool.wait_take(holder, gpus, timeout=timeout_s, reserved=reserved)
     if held is None:
         raise InfrastructureFailure(f"no GPU came free for {argv[0]} in {timeout_s:.0f} s")
     try:

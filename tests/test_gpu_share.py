@@ -345,6 +345,61 @@ def test_a_waiter_from_outside_the_driver_gets_the_next_free_share_and_the_reser
         LocalExecutor(gpus=1, preload=(), pool=GpuPool(["0"]), reserve=0.25)
 
 
+def test_a_share_that_would_break_the_reserve_on_one_gpu_goes_on_another() -> None:
+    """Placement prefers the least-loaded GPU but falls back on the next: two halves of a stage and a
+    whole GPU kept for `prepare`/`score` fit on two GPUs (both halves on one), where taking only the
+    preferred GPU gave one slot."""
+    assert capacity(0.5, 2, keep=1) == 2 and capacity(0.25, 2, keep=1) == 4 and capacity(0.25, 2, keep=0.5) == 6
+    pool = GpuPool(["0", "1"])
+    assert pool.take("a", 0.5, keep=1) == ["0"]
+    assert pool.take("b", 0.5, keep=1) == ["0"]  # GPU 1 would have left no whole GPU for the scorer
+    assert pool.take("c", 0.5, keep=1) is None
+    assert pool.take("score", 1) == ["1"]
+    assert pool.take("d", 0.25) is None  # nothing is placed over a full GPU
+    for h in ("a", "b", "score"):
+        pool.give_back(h)
+    assert pool.used() == {"0": 0.0, "1": 0.0}
+    assert [pool.take(f"s{i}", 0.25) for i in range(2)] == [["0"], ["1"]]  # spread while there is room
+
+
+def test_a_stage_run_alone_leaves_the_scorers_share_and_closes_its_gpu_to_other_stages() -> None:
+    """A CUDA-OOM retry on the only GPU of a lab whose `score_gpus` is 0.25: a retry holding the GPU
+    whole would leave the reserve no room, so no alone retry could ever start and every stage queued
+    behind it would wait for ever. It holds the GPU but the reserve; only `prepare`/`score`
+    (`reserved`) may use that, no other stage."""
+    pool = GpuPool(["0"])
+    assert pool.take("busy", 0.25, keep=0.25) == ["0"]
+    assert pool.take("retry", 0.25, alone=True, keep=0.25) is None  # alone: it waits for a GPU nobody holds
+    pool.give_back("busy")
+    assert pool.take("retry", 0.25, alone=True, keep=0.25) == ["0"]
+    held = pool.holding("retry")
+    assert held is not None and held.alone and held.share == pytest.approx(0.75)
+    assert pool.take("next", 0.25, keep=0.25) is None and pool.take("smoke", 0.25, wait=True) is None
+    assert pool.take("score", 0.25, reserved=True) == ["0"]  # the driver's scorer still scores
+    pool.give_back("score")
+    pool.forget("smoke")
+    pool.give_back("retry")
+    assert pool.used() == {"0": 0.0} and pool.take("next", 0.25, keep=0.25) == ["0"]
+    two = GpuPool(["0", "1"])  # where the reserve has another GPU, the retry holds its GPU whole
+    assert two.take("retry", 0.25, alone=True, keep=0.25) == ["0"] and two.holding("retry").share == 1.0  # type: ignore[union-attr]
+    assert two.take("next", 0.25, keep=0.25) == ["1"]
+
+
+def test_a_cuda_oom_retry_on_the_only_gpu_of_a_lab_that_scores_on_it_runs(work: Path) -> None:
+    """The same through the executor: a stage's CUDA OOM beside a neighbour, `gpus = 0.25` and a
+    scorer's reserve of 0.25 on one GPU; the retry runs alone and both stages end."""
+    pool = GpuPool(["0"])
+    with LocalExecutor(gpus=0.25, slots=3, preload=(), pool=pool, reserve=0.25) as ex:
+        results = run_all(ex, [stage(work, "greedy", 0.5, "oom-first"), stage(work, "neighbour", 1.5),
+                               stage(work, "later", 0.2)], limit=40)
+    assert {n: r.status for n, r in results.items()} == {"greedy": "ok", "neighbour": "ok", "later": "ok"}  # type: ignore[attr-defined]
+    assert (work / "greedy.tries").read_text() == "2" and results["greedy"].extra["gpu_share"] == pytest.approx(0.75)  # type: ignore[attr-defined]
+    spans = {n: json.loads((work / f"{n}.json").read_text()) for n in results}
+    retry = spans.pop("greedy")
+    assert all(o["end"] <= retry["start"] or o["start"] >= retry["end"] for o in spans.values())  # alone on its GPU
+    assert pool.used() == {"0": 0.0}
+
+
 def test_a_driver_whose_scorer_needs_a_gpu_share_scores_between_its_stages(tmp_path: Path, monkeypatch) -> None:
     """`[run] score_gpus` through the real driver: the scorer runs in the driver's own thread, which
     would wait for ever for a share its own full slots hold (the stages' shares are given back only

@@ -4,14 +4,16 @@
 One `GpuPool` per process (`GpuPool.shared()`) hands out the visible GPUs to every stage that runs
 here: the local executor's slots, the smoke run's stages, and `prepare`/`score` when the lab gives
 them a GPU; a stage that finds no room waits for it, so nothing oversubscribes a GPU. Fractions are
-placed on the least-loaded GPU that fits them; whole GPUs are taken only when nobody holds them.
+placed on the least-loaded GPU that fits them (or the next, where that one would break a rule
+below); whole GPUs are taken only when nobody holds them.
 
 Two rules keep everyone served. A waiter from outside the driver's executor (a smoke stage, a
 `prepare`) is *wanted*: the driver's executor, which takes a freed share back at once, yields while
 that share would no longer fit (`yield_to_waiters`), so the next freed share goes to the waiter, not
 to the queue's next run. And the driver's executor keeps `keep` placeable (the share of `prepare` and
 `score`, which the driver's own thread runs between its stages: it must not wait for shares only it
-can give back).
+can give back). A stage retried alone after a CUDA out-of-memory closes its GPU to other stages;
+where the driver's share has no other place, it leaves that share free on it.
 
 `GpuSampler` asks NVML (the `nvidia-ml-py` package, `pynvml`; optional) every half second how busy
 each GPU is, and charges each sample to the stages holding that GPU: a stage's mean utilisation, and
@@ -37,43 +39,55 @@ CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of m
 MPS_PROCESSES = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 
 
-def _place(used: dict[str, float], share: float, alone: bool = False) -> tuple[list[str], float] | None:
-    """Where a stage of `share` goes given `used` (GPU → share held), and what it holds of each."""
+def _candidates(used: dict[str, float], share: float, alone: bool = False,
+                closed: frozenset[str] | set[str] = frozenset()) -> list[tuple[list[str], float]]:
+    """Where a stage of `share` may go given `used` (GPU → share held), most preferred first, with
+    what it holds of each GPU: a fraction on the least-loaded GPU that fits it (spread: a stage runs
+    fastest with the fewest neighbours), then on the others in order of load; whole GPUs (or a
+    fraction run alone) on GPUs nobody holds. `closed` GPUs (held by a stage run alone) take no fraction."""
     ids = list(used)
     if share >= 1 or alone:
         free = [g for g in ids if used[g] <= EPS]
         need = max(1, int(round(share)))
-        return (free[:need], 1.0) if len(free) >= need else None
-    fits = [g for g in ids if used[g] + share <= 1 + EPS]
-    return ([min(fits, key=lambda g: (used[g], ids.index(g)))], share) if fits else None
+        return [(free[:need], 1.0)] if len(free) >= need else []
+    fits = [g for g in ids if g not in closed and used[g] + share <= 1 + EPS]
+    return [([g], share) for g in sorted(fits, key=lambda g: (used[g], ids.index(g)))]
 
 
-def _fits(used: dict[str, float], shares: list[float]) -> bool:
+def _place(used: dict[str, float], share: float, alone: bool = False,
+           closed: frozenset[str] | set[str] = frozenset()) -> tuple[list[str], float] | None:
+    """The preferred place of a stage of `share` (`_candidates`), or None if none fits."""
+    found = _candidates(used, share, alone, closed)
+    return found[0] if found else None
+
+
+def _after(used: dict[str, float], placed: tuple[list[str], float]) -> dict[str, float]:
+    after = dict(used)
+    for g in placed[0]:
+        after[g] += placed[1]
+    return after
+
+
+def _fits(used: dict[str, float], shares: list[float], closed: frozenset[str] | set[str] = frozenset()) -> bool:
     """Whether every share in `shares` can still be placed, largest first."""
-    used = dict(used)
     for share in sorted(shares, reverse=True):
-        placed = _place(used, share)
+        placed = _place(used, share, closed=closed)
         if placed is None:
             return False
-        for g in placed[0]:
-            used[g] += placed[1]
+        used = _after(used, placed)
     return True
 
 
 def capacity(share: float, n_gpus: int, keep: float = 0.0) -> int:
-    """How many stages of `share` run at once on `n_gpus` GPUs while `keep` stays placeable."""
+    """How many stages of `share` run at once on `n_gpus` GPUs while `keep` stays placeable (each
+    placed where `GpuPool.take` would place it: the preferred GPU that leaves room for `keep`)."""
     used = {str(i): 0.0 for i in range(n_gpus)}
     count = 0
     while share > 0:
-        placed = _place(used, share)
-        if placed is None:
+        ok = [p for p in _candidates(used, share) if not keep or _fits(_after(used, p), [keep])]
+        if not ok:
             break
-        after = dict(used)
-        for g in placed[0]:
-            after[g] += placed[1]
-        if keep and not _fits(after, [keep]):
-            break
-        used, count = after, count + 1
+        used, count = _after(used, ok[0]), count + 1
     return count
 
 
@@ -97,6 +111,7 @@ class GpuPool:
         self._used = {g: 0.0 for g in self.ids}
         self._holdings: dict[str, Holding] = {}
         self._wanted: dict[str, float] = {}  # holders waiting from outside the driver's executor
+        self._closed: dict[str, str] = {}  # GPU → the stage that runs alone on it
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)
         self._sampler: GpuSampler | None = None
@@ -111,25 +126,32 @@ class GpuPool:
             return cls._shared[key]
 
     def take(self, holder: str, share: float, *, alone: bool = False, keep: float = 0.0,
-             yield_to_waiters: bool = False, wait: bool = False) -> list[str] | None:
+             yield_to_waiters: bool = False, wait: bool = False, reserved: bool = False) -> list[str] | None:
         """The GPUs given to `holder` for a stage of `share`, or None if they are not free now.
 
-        `keep`: a share that must stay placeable after this one; `yield_to_waiters`: so must every
-        other holder's wanted share; `wait`: a None makes `holder` wanted (until it takes, or
-        `forget`)."""
+        `keep`: a share that must stay placeable after this one (the driver's `prepare`/`score`);
+        `yield_to_waiters`: so must every other holder's wanted share; `wait`: a None makes `holder`
+        wanted (until it takes, or `forget`). `alone` (a retry after a CUDA out-of-memory): a GPU
+        nobody holds, closed to every other stage while it runs; where `keep` has no other place,
+        it holds that GPU but `keep`, which only a `reserved` taker (`prepare`, `score`) may use."""
         with self._lock:
             if holder in self._holdings:
                 return list(self._holdings[holder].ids)
-            placed = _place(self._used, share, alone)
-            needs = [keep] if keep else []
-            if yield_to_waiters:
-                needs += [w for h, w in self._wanted.items() if h != holder]
-            if placed is not None and needs:
-                after = dict(self._used)
-                for g in placed[0]:
-                    after[g] += placed[1]
-                if not _fits(after, needs):
-                    placed = None
+            closed = frozenset() if reserved else frozenset(self._closed)
+            needs = [w for h, w in self._wanted.items() if h != holder] if yield_to_waiters else []
+            options = _candidates(self._used, share, alone, closed)
+            if alone and keep and 0 < keep < 1:
+                options += [(ids, 1.0 - keep) for ids, _ in options]
+            placed = None
+            for ids, each in options:
+                after = _after(self._used, (ids, each))
+                shut = set(self._closed) | (set(ids) if alone else set())
+                if keep and not _fits(after, [keep]):  # `prepare`/`score` may use a closed GPU's room
+                    continue
+                if needs and not _fits(after, needs, shut):
+                    continue
+                placed = (ids, each)
+                break
             if placed is None:
                 if wait:
                     self._wanted.setdefault(holder, share)
@@ -142,16 +164,18 @@ class GpuPool:
                     other.crowded = holding.crowded = True
             for g in ids:
                 self._used[g] += used
+                if alone:
+                    self._closed[g] = holder
             self._holdings[holder] = holding
             return list(ids)
 
     def wait_take(self, holder: str, share: float, *, alone: bool = False, stop: threading.Event | None = None,
-                  timeout: float | None = None) -> list[str] | None:
+                  timeout: float | None = None, reserved: bool = False) -> list[str] | None:
         """`take`, wanted until the GPUs are free (None if `stop` is set or `timeout` passes first)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                got = self.take(holder, share, alone=alone, wait=True)
+                got = self.take(holder, share, alone=alone, wait=True, reserved=reserved)
                 if got is not None or (stop is not None and stop.is_set()):
                     return got
                 if deadline is not None and time.monotonic() >= deadline:
@@ -173,6 +197,8 @@ class GpuPool:
             if holding is not None:
                 for g in holding.ids:
                     self._used[g] = max(0.0, self._used[g] - holding.share)
+                    if self._closed.get(g) == holder:
+                        del self._closed[g]
                 self.changed.notify_all()
             return holding
 

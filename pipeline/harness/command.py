@@ -159,7 +159,7 @@ class CommandHarness(Harness):
             argv = render(lab.config.benchmark.prepare or "", {"data_seed": str(data_seed), "data": str(pub),
                                                                "sealed": str(seal), "smoke": "1" if smoke else "0"})
             done = run_once(lab, argv, cwd=view, log=log, timeout_s=lab.config.run.timeout_s, ro=[], rw=[pub, seal],
-                            gpus=lab.config.run.prepare_gpus)
+                            gpus=lab.config.run.prepare_gpus, reserved=True)
             if done.returncode != 0:
                 shutil.rmtree(pub, ignore_errors=True)
                 shutil.rmtree(seal, ignore_errors=True)
@@ -201,7 +201,7 @@ class CommandHarness(Harness):
         with tempfile.TemporaryDirectory(dir=logs, prefix=".score-") as tmp:
             log, out = Path(tmp) / "score.log", Path(tmp) / "stdout"
             done = run_once(lab, argv, cwd=self.trusted_view(), log=log, stdout=out, timeout_s=SCORE_TIMEOUT_S,
-                            ro=[predictions, prepared.sealed], gpus=lab.config.run.score_gpus)
+                            ro=[predictions, prepared.sealed], gpus=lab.config.run.score_gpus, reserved=True)
             text = read_tail(out, 64 << 10)[0]  # its last line is all that is read of it
             err = read_tail(log, 500)[0].strip()
         if done.returncode != 0:
