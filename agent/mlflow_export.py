@@ -9,6 +9,10 @@ level on the gate split and on the sealed holdout, and the gains since the first
 `smoke.cpu_s`, `smoke.gpu_s`, `smoke.wall_s`); artifacts: summary.md and the forest plot — and one
 nested run per (task, seed) of its challenger runs, with the metric's value, the run's CPU seconds and,
 for a GPU lab, its GPU-seconds (`gpu_s`: share × wall) and the mean utilisation NVML saw (`gpu_util`).
+`export mlflow` also keeps one run of the lab's compute (`lab compute`, tagged `autoresearch.compute`):
+the figures `status` prints as `compute.*` metrics (`compute.useful_gpu_s`, `compute.method_failed_gpu_s`,
+`compute.infra_lost_gpu_s`, `compute.gpu_busy_share`, `compute.gpu_mean_util`, the CPU seconds, goodput,
+smoke runs and harness calls), a new point whenever one changed.
 
 Idempotent, keyed by tags (`autoresearch.hypothesis`, `autoresearch.run`): a second export creates
 no run and logs no metric point that is already there; what changed since (a decision, a later
@@ -56,6 +60,7 @@ log = logging.getLogger("autoresearch.mlflow")
 HYP_TAG = "autoresearch.hypothesis"
 RUN_TAG = "autoresearch.run"
 LAB_TAG = "autoresearch.lab"
+COMPUTE_TAG = "autoresearch.compute"  # the lab's one run of compute figures
 ORIGINAL_TAG = "autoresearch.original."  # + a renamed name: the name as the lab wrote it
 __all__ = ["Exporter", "changed_keys", "export", "mlflow_name"]  # changed_keys: agent.directions's
 
@@ -184,7 +189,43 @@ class Exporter:
                 failed.append({"hypothesis": h.id, "error": str(e) if isinstance(e, AgentError) else
                                f"#{h.id}: {type(e).__name__}: {_first_line(e)}"})
                 log.warning("MLflow export: %s", failed[-1]["error"])
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.export_compute()
+        except (MlflowException, requests.RequestException) as e:  # as a hypothesis's refused run
+            refused = isinstance(e, MlflowException) and e.get_http_status_code() in REJECTED_HTTP
+            if not refused and not self._reachable():
+                raise InfrastructureFailure(f"cannot reach the MLflow tracking server: {_first_line(e)}") from None
+            failed.append({"hypothesis": None, "error": f"the lab's compute run: {_first_line(e)}"})
+            log.warning("MLflow export: %s", failed[-1]["error"])
         return {"created": self.created, "updated": self.updated, "failed": failed}
+
+    def export_compute(self) -> str:
+        """The lab's compute figures (`Store.goodput`, as `status` prints them: CPU and GPU seconds
+        useful / failed / lost to infrastructure, smoke runs, the harness's calls, GPU busy share and
+        utilisation) as `compute.*` metrics of one run tagged `autoresearch.compute`; a value that
+        changed since the last export is a new point of its history. Returns the run's id."""
+        from mlflow.entities import Metric
+
+        values = {f"compute.{k}": float(v) for k, v in self.store.goodput().as_dict().items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        run = self._find(COMPUTE_TAG, "lab")
+        if run is None:
+            run = self.client.create_run(self.experiment_id, run_name="lab compute",
+                                         tags={COMPUTE_TAG: "lab", LAB_TAG: self.lab.config.lab.name})
+            self.client.set_terminated(run.info.run_id)
+            self.created += 1
+            have: dict[str, float] = {}
+        else:
+            have = run.data.metrics
+            if any(have.get(k) != v for k, v in values.items()):
+                self.updated += 1
+        now = _ms()
+        stale = [Metric(k, v, now, 0) for k, v in values.items() if have.get(k) != v]
+        if stale:
+            self._log(run.info.run_id, metrics=stale)
+        return run.info.run_id
 
     def _find(self, key: str, value: str, parent: str | None = None) -> Any | None:
         flt = f"tags.`{key}` = '{value}'"

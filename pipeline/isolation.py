@@ -154,10 +154,12 @@ def once_memory_mb(lab: Any, with_out: bool = True, gpus: float = 0) -> int | No
     """The RLIMIT_AS of a process run once (`prepare`, `score`, a smoke run's stage in a fresh
     interpreter): `[run] memory_mb`, else the default a local stage gets (`pipeline.memory.memory_plan`: the
     slot's share of the machine less its tmpfs, of which `{out}` only `with_out`): none for a process
-    given a GPU, whose CUDA maps far more address space than it uses."""
+    given a GPU, whose CUDA maps far more address space than it uses (whatever `memory_mb` says)."""
     from pipeline.memory import local_slots, memory_plan
 
     run = lab.config.run
+    if gpus:
+        return None
     if run.memory_mb is not None:
         return run.memory_mb
     return memory_plan(run.model_copy(update={"gpus": gpus}), local_slots(run), with_out=with_out).memory_mb

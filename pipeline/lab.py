@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 BUILTIN_PLACEHOLDERS = {"data", "task", "seed", "out"}
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DRIVER_ONLY_ENV = {"DATABASE_URL", "RAY_ADDRESS", "MLFLOW_TRACKING_URI"}  # `[run] env` may not name these
+# the executor names the GPUs it gives a stage (and the sandbox binds their nodes from them): never the lab
+GPU_VISIBILITY_ENV = {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"}
 
 
 class _Strict(BaseModel):
@@ -76,6 +78,7 @@ NETWORK_WARNING = ("[run] network = true: stages share the host's network and ca
 
 MAX_GPUS = 8  # GPUs one stage may hold (one machine's)
 SHM_MB = 64  # a stage's private /dev/shm without a GPU (sandbox.DEFAULTS["shm_max_mb"]): tmpfs, so RAM
+MIN_GPU_SHARE = 0.01  # a finer share is a typo (and would make `capacity` count for ever)
 SHM_GPU_MB = 2048  # per GPU a stage holds: NCCL's shared-memory transport and DataLoader workers
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -116,14 +119,17 @@ class RunSection(_Strict):
     def _gpu_share(cls, share: float) -> float:
         if share > 1 and share != int(share):
             raise ValueError(f"a share of one GPU (0 < gpus <= 1, e.g. 0.25) or a whole number of GPUs, not {share:g}")
+        if 0 < share < MIN_GPU_SHARE:
+            raise ValueError(f"a share of at least {MIN_GPU_SHARE:g} of one GPU (0 for none), not {share:g}")
         return share
 
     def shm_size_mb(self) -> int:
-        """A stage's /dev/shm: `shm_mb`, else SHM_MB without a GPU and SHM_GPU_MB per GPU with one
-        (NCCL and DataLoader workers pass tensors through it; tmpfs takes RAM only as it fills)."""
+        """A stage's /dev/shm: `shm_mb`, else SHM_MB without a GPU and SHM_GPU_MB per GPU it holds
+        (0.25 of one: a quarter; NCCL and DataLoader workers pass tensors through it; tmpfs takes RAM
+        only as it fills, and four stages sharing a GPU must not take four GPUs' worth)."""
         if self.shm_mb is not None:
             return self.shm_mb
-        return SHM_MB if not self.gpus else SHM_GPU_MB * max(1, int(self.gpus))
+        return SHM_MB if not self.gpus else max(SHM_MB, int(SHM_GPU_MB * self.gpus))
 
     @field_validator("env", mode="before")
     @classmethod
@@ -135,6 +141,9 @@ class RunSection(_Strict):
                 raise ValueError(f"an environment variable name (letters, digits, _), not {name!r}")
             if name in DRIVER_ONLY_ENV or name.startswith(("AUTORESEARCH_", "OPENAI_")):
                 raise ValueError(f"a name other than {name}: the driver's own (store, LLM, cluster) stay hidden")
+            if name in GPU_VISIBILITY_ENV:
+                raise ValueError(f"a name other than {name}: the executor sets it to the GPUs it gives a stage "
+                                 "([run] gpus)")
         return tuple(names)
 
 

@@ -84,10 +84,10 @@ def memory_plan(run: "RunSection", slots: int | None = None, total_mb: int | Non
     budget = int(total * MEMORY_SHARE / slots) if total else None
     out_mb = run.out_max_mb if with_out else 0
     tmpfs = run.tmp_max_mb + run.shm_size_mb() + out_mb
-    if run.memory_mb is not None:
-        mem, source = run.memory_mb, "set"
-    elif run.gpus or budget is None:
+    if run.gpus or (run.memory_mb is None and budget is None):  # CUDA cannot start under an RLIMIT_AS
         mem, source = None, "none"
+    elif run.memory_mb is not None:
+        mem, source = run.memory_mb, "set"
     else:  # what the slot's share leaves after its tmpfs, never under 1 GB (status then says EXCEEDED)
         mem, source = max(1024, budget - tmpfs), "default"
     return MemoryPlan(mem, source, run.tmp_max_mb, run.shm_size_mb(), out_mb, slots, budget)

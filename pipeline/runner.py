@@ -155,7 +155,8 @@ class Driver(Scoring, GpuAccounting):
             return
         isolation.require(self.lab)  # refuse to run branch code where the sandbox cannot start
         self._started = True
-        requeued = self.store.reconcile(self.stale_s, reclaim=self.owner, heartbeat_s=self.heartbeat_s)
+        requeued = self.store.reconcile(self.stale_s, reclaim=self.owner, heartbeat_s=self.heartbeat_s,
+                                       gpus=self.lab.config.run.gpus)
         if requeued:
             log.warning("re-queued %d run(s) left running by a dead driver: %s", len(requeued), requeued)
         self._last_reconcile = time.monotonic()
@@ -246,7 +247,7 @@ class Driver(Scoring, GpuAccounting):
         self.start()
         if time.monotonic() - self._last_reconcile > self.stale_s / 2:
             self._last_reconcile = time.monotonic()
-            self.store.reconcile(self.stale_s, heartbeat_s=self.heartbeat_s)
+            self.store.reconcile(self.stale_s, heartbeat_s=self.heartbeat_s, gpus=self.lab.config.run.gpus)
         self._fill()
         if self.flights:
             for res in self.executor.poll(timeout):
@@ -428,7 +429,8 @@ class Driver(Scoring, GpuAccounting):
         view = self._view(run.commit, node)
         inputs = (prepared.public, *(a.done[n] for n in node.spec.needs))
         job = StageJob(job_id=job_id, argv=argv, cwd=view, commit=run.commit, out=tmp, log_path=log_path,
-                       timeout_s=cfg.timeout_s, cpus=cfg.cpus, gpus=cfg.gpus, memory_mb=cfg.memory_mb,
+                       timeout_s=cfg.timeout_s, cpus=cfg.cpus, gpus=cfg.gpus,
+                       memory_mb=None if cfg.gpus else cfg.memory_mb,  # CUDA cannot start under an RLIMIT_AS
                        inputs=inputs, sandbox=isolation.spec_for(self.lab, ro=[view, *inputs], out=tmp),
                        env=lab_env(cfg.env))
         exec_id = self.store.stage_started(run_id, node.name, node.key, executor=self.executor.name,

@@ -186,12 +186,14 @@ def test_reconcile_spares_live_owners_and_fresh_heartbeats(store: Store) -> None
             run.heartbeat_at = run.heartbeat_at - beat
             s.add(run)
         s.commit()
-    requeued = store.reconcile(stale_s=120)
+    requeued = store.reconcile(stale_s=120, gpus=0.5)
     assert sorted(requeued) == sorted([claims["remote_stale"].run.id, claims["dead"].run.id])
     status = {r.task: r.status for r in store.runs(ids)}
     assert status == {"live": "running", "remote_fresh": "running", "remote_stale": "queued", "dead": "queued"}
     (lost,) = [e for e in store.stage_execs() if e.id == exec_id]
-    assert lost.outcome == "lost"
+    assert lost.outcome == "lost" and lost.wall_s > 0
+    assert lost.gpu_s == pytest.approx(0.5 * lost.wall_s)  # the lab's GPU share held until the driver died
+    assert store.goodput().infra_lost_gpu_s == pytest.approx(lost.gpu_s)
 
 
 def test_a_run_that_keeps_killing_its_driver_is_failed_not_looped(store: Store) -> None:

@@ -56,7 +56,9 @@ class _U:
 def nvmlInit(): pass
 def nvmlDeviceGetHandleByIndex(i): return i
 def nvmlDeviceGetHandleByUUID(u): raise RuntimeError("no such GPU")
-def nvmlDeviceGetUtilizationRates(h): return _U(int(open(UTIL).read()))
+def nvmlDeviceGetUtilizationRates(h):  # "60", or one value per GPU index: "50,0"
+    values = open(UTIL).read().split(",")
+    return _U(int(values[min(h, len(values) - 1)]))
 """
 
 
@@ -108,6 +110,34 @@ def test_four_quarter_gpu_stages_share_one_gpu_and_a_fifth_waits(work: Path) -> 
     assert pool.used() == {"0": 0.0}  # every share given back
 
 
+def test_busy_is_counted_per_gpu_and_each_executor_books_only_its_own_samples(work: Path) -> None:
+    """One of two GPUs busy is 50 % busy, as a Ray node counts it (it was 100 %: an instant counted
+    busy if any GPU was). The pool's sampler serves the whole process: a second executor on it (a
+    second driver in one process) reports the samples from its own first GPU stage on, not the first's."""
+    from pipeline.executors.gpus import GpuSampler
+
+    (work / "nvml" / "util").write_text("50,0")
+    pool = GpuPool(["0", "1"])
+    sampler = GpuSampler(pool)
+    sampler.sample()
+    sampler.sample()
+    assert sampler.summary() == {"samples": 4, "busy": 2, "util_sum": 100.0, "busy_share": 0.5, "mean_util": 25.0}
+    (work / "nvml" / "util").write_text("60")
+    first = LocalExecutor(gpus=0.5, slots=1, preload=(), pool=pool)
+    with first:
+        run_all(first, [stage(work, "a", 1.5, gpus=0.5)])
+        mine = first.gpu_usage()
+    assert mine is not None and mine["samples"] >= 4 and mine["busy_share"] == 1.0
+    second = LocalExecutor(gpus=0.5, slots=1, preload=(), pool=pool)
+    with second:
+        assert second.gpu_usage()["samples"] == 0  # type: ignore[index]  (no stage of its own yet)
+        before = pool.sampler().summary()["samples"]
+        run_all(second, [stage(work, "b", 1.0, gpus=0.5)])
+        theirs = second.gpu_usage()
+    assert theirs is not None and 0 < theirs["samples"] <= pool.sampler().summary()["samples"] - before  # type: ignore[operator]
+    pool.sampler().close()
+
+
 def test_a_cuda_oom_on_a_shared_gpu_runs_again_with_the_gpu_alone(work: Path) -> None:
     pool = GpuPool(["0"])
     with LocalExecutor(gpus=0.5, slots=2, preload=(), pool=pool) as ex:
@@ -121,6 +151,26 @@ def test_a_cuda_oom_on_a_shared_gpu_runs_again_with_the_gpu_alone(work: Path) ->
     spans = {n: json.loads((work / f"{n}.json").read_text()) for n in results}
     assert spans["greedy"]["start"] >= spans["neighbour"]["end"]  # the rerun had the GPU alone
     assert "running this stage again with the GPU alone" in (work / "logs" / "greedy.log").read_text()
+
+
+def test_a_stage_lost_with_its_warm_worker_is_booked_for_the_gpu_it_held(work: Path) -> None:
+    """A stage whose warm worker died (killed here) comes back as the infrastructure's, with the
+    time it held its GPU share as its wall time: the GPU-hours lost to infrastructure (it was 0 s)."""
+    import os
+    import signal
+
+    with LocalExecutor(gpus=0.5, slots=1, preload=(), pool=GpuPool(["0"])) as ex:
+        ex.submit(stage(work, "victim", 30.0, gpus=0.5))
+        time.sleep(1.5)
+        assert ex._proc is not None
+        os.kill(ex._proc.pid, signal.SIGKILL)
+        results = []
+        deadline = time.monotonic() + 20
+        while not results and time.monotonic() < deadline:
+            results = ex.poll(0.5)
+    (res,) = results
+    assert res.status == "infra" and "warm worker died" in (res.detail or "")
+    assert res.wall_s >= 1.4 and res.extra["gpu_share"] == 0.5
 
 
 def test_a_cuda_oom_on_a_gpu_not_shared_is_the_methods_failure(work: Path) -> None:
@@ -192,17 +242,45 @@ def test_the_smoke_stage_waits_for_the_gpu_a_driver_stage_holds(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("gpus, ok", [("0.25", True), ("0.5", True), ("1", True), ("4", True), ("1.5", False),
-                                      ("9", False), ("-1", False)])
+                                      ("9", False), ("-1", False), ("0.001", False)])
 def test_gpus_is_a_share_or_whole_gpus(gpus: str, ok: bool, tmp_path: Path) -> None:
     make_lab(tmp_path)
     text = (tmp_path / CONFIG_NAME).read_text().replace("cpus = 1\n", f"cpus = 1\ngpus = {gpus}\n")
     if ok:
         run = parse_config(text, tmp_path / CONFIG_NAME).run
         assert run.gpus == float(gpus)
-        assert run.shm_size_mb() == 2048 * max(1, int(float(gpus)))  # NCCL's shared memory, per GPU
+        # NCCL's and DataLoader workers' shared memory, per GPU held: a quarter of one, a quarter of it
+        assert run.shm_size_mb() == int(2048 * float(gpus))
     else:
         with pytest.raises(LabConfigError, match="gpus"):
             parse_config(text, tmp_path / CONFIG_NAME)
+
+
+@pytest.mark.parametrize("name", ["CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"])
+def test_a_labs_env_may_not_name_which_gpus_a_stage_sees(name: str, tmp_path: Path) -> None:
+    """`[run] env` passes the driver's value of a variable to every stage; the GPUs a stage sees are
+    the executor's to name (the sandbox binds their device nodes from that name, on Ray too)."""
+    make_lab(tmp_path)
+    text = (tmp_path / CONFIG_NAME).read_text().replace('env = ["SLOW_S", ', f'env = ["{name}", "SLOW_S", ')
+    with pytest.raises(LabConfigError, match=f"a name other than {name}: the executor sets it"):
+        parse_config(text, tmp_path / CONFIG_NAME)
+
+
+def test_a_cpu_stage_and_the_warm_worker_see_no_gpu_whatever_the_driver_sees(work: Path, monkeypatch) -> None:
+    """A CPU lab on a GPU machine: with CUDA_VISIBLE_DEVICES unset in the driver, CUDA would show a
+    stage every GPU. It sees none; nor does the warm worker while it imports its preloads (a
+    library starting CUDA there would hand every forked stage open handles to every GPU)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    (work / "probe.py").write_text("import sys\nsys.modules.setdefault('probe', None)\n")
+    with LocalExecutor(slots=1, preload=()) as ex:
+        spec = ex.stage_spec(stage(work, "cpu", 0, gpus=0))
+        assert spec["env"]["CUDA_VISIBLE_DEVICES"] == ""  # type: ignore[index]
+        results = run_all(ex, [stage(work, "cpu", 0.1, gpus=0)])
+        assert results["cpu"].status == "ok"  # type: ignore[attr-defined]
+        assert ex._proc is not None
+        worker_env = Path(f"/proc/{ex._proc.pid}/environ").read_bytes().split(b"\0")
+    assert json.loads((work / "cpu.json").read_text())["cuda"] == ""
+    assert b"CUDA_VISIBLE_DEVICES=" in worker_env
 
 
 def test_stage_uids_do_not_repeat_and_lie_above_the_subordinate_ids(tmp_path: Path) -> None:
@@ -288,13 +366,17 @@ def test_the_driver_counts_gpu_hours_and_how_busy_the_gpu_was(work: Path, tmp_pa
 
 def test_prepare_and_score_get_a_gpu_only_when_the_lab_gives_them_one(tmp_path: Path, monkeypatch) -> None:
     """`isolation.run_once` (the harness's prepare and score): `[run] prepare_gpus`/`score_gpus` take
-    a share from the pool the slots take from, and the process sees that GPU and no rlimit; without
-    one it sees no GPU at all (CUDA_VISIBLE_DEVICES empty) and the CPU default rlimit."""
+    a share from the pool the slots take from, and the process sees that GPU and no rlimit, even with
+    `memory_mb` set (CUDA cannot start under one); without one it sees no GPU at all
+    (CUDA_VISIBLE_DEVICES empty) and `memory_mb` as its rlimit."""
     from pipeline import isolation
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\nprepare_gpus = 0.5\n')
+    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\nprepare_gpus = 0.5\nmemory_mb = 2048\n')
     assert lab.config.run.prepare_gpus == 0.5 and lab.config.run.score_gpus == 0
+    from pipeline.memory import memory_plan
+
+    assert memory_plan(lab.config.run).memory_mb is None  # the lab's stages: GPU ones, memory_mb or not
     (tmp_path / "stage.py").write_text(STAGE)
     pool = GpuPool.shared(["3"])
     seen, inner = {}, []
@@ -312,7 +394,8 @@ def test_prepare_and_score_get_a_gpu_only_when_the_lab_gives_them_one(tmp_path: 
     assert both.gpu_s > 0 and both.gpu_s == pytest.approx(sum(m.gpu_s for m in inner))
     assert both.cpu_s >= sum(m.cpu_s for m in inner)
     assert seen["with"]["cuda"] == "3" and seen["with"]["rlimit_as"] == resource.RLIM_INFINITY
-    assert seen["without"]["cuda"] == "" and seen["without"]["rlimit_as"] != resource.RLIM_INFINITY
+    assert seen["without"]["cuda"] == "" and 2048 << 20 <= seen["without"]["rlimit_as"] < 2304 << 20  # `memory_mb`
+    # (a python command runs in the child process: the rlimit adds what that process already maps)
     assert pool.used() == {"3": 0.0}
     assert pool.take("a-whole-gpu-stage", 1) == ["3"]
     try:  # the GPU is held whole: a prepare that needs a share of it waits, here past its timeout

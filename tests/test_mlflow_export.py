@@ -48,7 +48,7 @@ def check_matches_store(root: Path, uri: str) -> None:
     from mlflow.tracking import MlflowClient
 
     from agent.directions import direction_of, label
-    from agent.mlflow_export import HYP_TAG, RUN_TAG, changed_keys
+    from agent.mlflow_export import COMPUTE_TAG, HYP_TAG, RUN_TAG, changed_keys
 
     svc = services(root)
     client = MlflowClient(tracking_uri=uri)
@@ -57,6 +57,13 @@ def check_matches_store(root: Path, uri: str) -> None:
     parents = {r.data.tags[HYP_TAG]: r for r in runs if HYP_TAG in r.data.tags}
     hyps = svc.records.all()
     assert sorted(parents) == sorted(str(h.id) for h in hyps)
+    # the lab's compute, as `status` prints it: one run, its figures the store's
+    (compute,) = [r for r in runs if r.data.tags.get(COMPUTE_TAG) == "lab"]
+    spent = svc.store.goodput().as_dict()
+    assert spent["useful_cpu_s"] > 0 and spent["smoke_runs"] > 0 and spent["harness_calls"] > 0
+    for k in ("useful_cpu_s", "method_failed_cpu_s", "infra_lost_cpu_s", "useful_gpu_s", "infra_lost_gpu_s",
+              "smoke_runs", "smoke_cpu_s", "harness_calls", "harness_cpu_s", "goodput"):
+        assert math.isclose(compute.data.metrics[f"compute.{k}"], float(spent[k]), rel_tol=1e-12), k
     for h in hyps:
         r = parents[str(h.id)]
         tags = r.data.tags

@@ -287,9 +287,10 @@ class GpuSampler:
                                         else self.nvml.nvmlDeviceGetHandleByIndex(int(g)))
                 except Exception:
                     continue
-        self.samples = 0  # sampling instants
-        self.busy = 0  # instants at which any GPU was busy (utilisation > 0)
-        self.util_sum = 0.0  # of the GPUs' mean utilisation at each instant
+        # per GPU, as a Ray node counts them (`ray_task.GpuWatch`): one of 8 GPUs busy is 12.5 % busy
+        self.samples = 0  # GPU samples (a GPU's utilisation read at one instant)
+        self.busy = 0  # of them, with the GPU busy (utilisation > 0)
+        self.util_sum = 0.0  # of their utilisation
         self._stages: dict[str, StageUse] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -319,9 +320,9 @@ class GpuSampler:
         if not utils:
             return
         with self._lock:
-            self.samples += 1
-            self.busy += any(u > 0 for u in utils.values())
-            self.util_sum += sum(utils.values()) / len(utils)
+            self.samples += len(utils)
+            self.busy += sum(u > 0 for u in utils.values())
+            self.util_sum += sum(utils.values())
             for g, u in utils.items():
                 for holder in self.pool.holders_of(g):
                     use = self._stages.setdefault(holder, StageUse())

@@ -94,6 +94,7 @@ class LocalExecutor:
         self.base_env = scrub_env(os.environ) | thread_env(cpus)
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_at = time.time()  # names this executor's GPU samples in the store, with host and pid
+        self._usage_from: dict[str, float | int | None] | None = None  # the pool sampler's totals then
         self.worker_threads: list[str] = []  # the warm worker's threads when it was ready (one: fork-safe)
         self._buf = b""
         self._running: dict[str, StageJob] = {}  # submitted: sent to the worker, or waiting for GPUs
@@ -112,6 +113,9 @@ class LocalExecutor:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         env = self.base_env | thread_env(1)  # no thread pool started before a fork (zygote.py)
+        # no GPU while it imports its preloads: a library that starts CUDA there would hold every GPU's
+        # device open, inherited by each stage it forks (a stage sets its own GPUs before it starts CUDA)
+        env["CUDA_VISIBLE_DEVICES"] = ""
         root = _package_root()
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         stderr = open(self.worker_log, "ab") if self.worker_log else None
@@ -181,6 +185,8 @@ class LocalExecutor:
             held = self.pool.give_back(result.job_id)
             if held is not None:  # the GPUs it held: its share, or a whole GPU when it ran alone
                 extra["gpu_share"] = held.share * len(held.ids)
+                if not result.wall_s:  # lost with the worker, or cancelled: it held them until now
+                    result = JobResult(**{**result.__dict__, "wall_s": time.monotonic() - held.since})
             use = self.pool.sampler().stage_done(result.job_id)
             if use is not None and use.util is not None:
                 extra["gpu_util"], extra["gpu_samples"] = use.util, use.samples
@@ -214,7 +220,9 @@ class LocalExecutor:
                 if self.pool is None:
                     self._finish(JobResult(job.job_id, "infra", detail="no GPU on this executor", host=self.host))
                     continue
-                self.pool.sampler()  # sampling from the first GPU stage on (idle without NVML)
+                sampler = self.pool.sampler()  # sampling from the first GPU stage on (idle without NVML)
+                if self._usage_from is None:  # ours are the samples from now on
+                    self._usage_from = sampler.summary()
                 # first come, first served: no GPU stage overtakes one that waits
                 if self._waiting or self.pool.take(job.job_id, job.gpus, alone=alone, keep=self.reserve,
                                                    yield_to_waiters=not self.priority, wait=self.priority) is None:
@@ -262,7 +270,7 @@ class LocalExecutor:
                 raise InfrastructureFailure(f"no GPU taken for job {job.job_id}")
             self._gpu_of[job.job_id] = held.ids
             env["CUDA_VISIBLE_DEVICES"] = ",".join(held.ids)
-        elif self.gpu_ids or "CUDA_VISIBLE_DEVICES" in env:
+        else:  # a CPU stage sees no GPU, whether the driver's environment names them or not
             env["CUDA_VISIBLE_DEVICES"] = ""
         sandbox = None
         if job.sandbox is not None:
@@ -327,10 +335,17 @@ class LocalExecutor:
         return True
 
     def gpu_usage(self, wait: bool = False) -> dict[str, object] | None:
+        """The GPU samples taken since this executor's first GPU stage (the pool's sampler serves the
+        whole process: a second driver's executor must not book the first one's samples again)."""
         if self.pool is None or not self.pool.sampler().available:
             return None
-        return {**self.pool.sampler().summary(), "holder": f"{self.host}:{os.getpid()}:{self._started_at:.3f}",
-                "gpus": list(self.pool.ids)}
+        now = self.pool.sampler().summary()
+        if self._usage_from is None:
+            self._usage_from = now
+        n, busy, util = (now[k] - self._usage_from[k] for k in ("samples", "busy", "util_sum"))  # type: ignore[operator]
+        return {"samples": n, "busy": busy, "util_sum": util, "busy_share": busy / n if n else None,
+                "mean_util": util / n if n else None,
+                "holder": f"{self.host}:{os.getpid()}:{self._started_at:.3f}", "gpus": list(self.pool.ids)}
 
     def cancel(self, job_id: str) -> None:
         waiting = [w for w in self._waiting if w[0].job_id == job_id]

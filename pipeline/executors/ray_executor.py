@@ -156,6 +156,7 @@ class RayExecutor:
         self._crowded: set[str] = set()  # jobs whose GPU another of our stages used while they ran
         self._alone: dict[str, set[str]] = {}  # a CUDA OOM's retry → the GPUs it holds whole, first come first
         self._retried: dict[str, dict[str, float]] = {}  # its first attempt, booked as lost
+        self._began: dict[str, float] = {}  # job → when it was sent to its slot (monotonic)
         self._usage = [0, 0, 0.0]  # every GPU's samples, busy samples, utilisation sum (gpu_usage)
         self._usage_gpus: set[str] = set()
         self._usage_asked: dict[Any, tuple[_Slot, float]] = {}  # take_usage's answers to come
@@ -314,6 +315,7 @@ class RayExecutor:
                     self._cancelled.append(self._forget(job.job_id, "infra", f"cannot start the stage: {e}"))
                     continue
                 self._refs[job.job_id] = (ref, job, slot)
+                self._began[job.job_id] = time.monotonic()
 
     def _forget(self, job_id: str, status: str, detail: str) -> JobResult:
         """The result of a job that ends without running (again): its retry's state dropped, a lost
@@ -322,7 +324,8 @@ class RayExecutor:
             self._alone.pop(job_id, None)
         self._crowded.discard(job_id)
         lost = self._retried.pop(job_id, None)
-        return JobResult(job_id, status, detail=detail,  # type: ignore[arg-type]
+        began = self._began.pop(job_id, None)  # a stage lost with its actor held its slot's GPUs until now
+        return JobResult(job_id, status, detail=detail, wall_s=time.monotonic() - began if began else 0.0,  # type: ignore[arg-type]
                          extra={"gpu_oom_retried_alone": lost} if lost else {})
 
     def poll(self, timeout: float = 0.0) -> list[JobResult]:
@@ -390,6 +393,7 @@ class RayExecutor:
             res: dict[str, Any] = ray.get(ref)
         except ray.exceptions.RayError as e:  # the actor or its node died, an object was lost
             return self._forget(job_id, "infra", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"), False
+        self._began.pop(job_id, None)
         slot.gpus = list(res.get("gpus") or slot.gpus)
         extra: dict[str, object] = {}
         if res.get("gpu_util") is not None:

@@ -216,12 +216,13 @@ class Queue:
             return res.rowcount == 1
 
     def reconcile(self, stale_s: float = 120.0, *, max_requeues: int = 5, reclaim: Owner | None = None,
-                  heartbeat_s: float = 5.0) -> list[int]:
+                  heartbeat_s: float = 5.0, gpus: float = 0.0) -> list[int]:
         """Take back runs left "running" by a dead driver: re-queue them under the same key.
 
         Dead means: on this host, the owner process is gone (or its pid was recycled); on another
         host, its heartbeat is older than `stale_s`. Their unfinished stage executions become
-        "lost", counted as compute lost to infrastructure from their start to the driver's death: at
+        "lost" (GPU-seconds: `gpus`, the lab's share, × that time),
+        counted as compute lost to infrastructure from their start to the driver's death: at
         most the first heartbeat it missed (`heartbeat_s` after its last), which is the figure kept.
         A run lost more than `max_requeues`
         times is failed as an infrastructure failure instead of looping forever (a stage that
@@ -251,6 +252,7 @@ class Queue:
                     ex.finished_at = max(ex.started_at, min(t, max(last, ex.started_at) + heartbeat_s))
                     ex.wall_s = ex.finished_at - ex.started_at
                     ex.cpu_s = ex.wall_s
+                    ex.gpu_s = ex.wall_s * gpus  # the lab's `[run] gpus`, held all along
                     lo = max(0.0, last - ex.started_at)
                     ex.detail = (f"driver {owner.host}:{owner.pid} died: {lo:.1f}-{ex.wall_s:.1f} s of work lost "
                                  "(between its last heartbeat and the one it missed; cpu_s = the upper bound)")
