@@ -293,6 +293,54 @@ def test_stage_uids_do_not_repeat_and_lie_above_the_subordinate_ids(tmp_path: Pa
     assert stage_uid(4194303, ()) < 2**32 - 1 and uid_base(()) >= 1 << 30
 
 
+SYSFS_PROBE = textwrap.dedent("""
+    import json, os, sys
+    seen = {"sys": os.path.isdir("/sys"), "fs": os.path.exists("/sys/fs/cgroup"), "write": None, "real": []}
+    if os.path.isdir("/sys/class/pci_bus"):
+        for bus in sorted(os.listdir("/sys/class/pci_bus"))[:2]:  # what NCCL resolves for each GPU
+            seen["real"].append(os.path.realpath(f"/sys/class/pci_bus/{bus}/device"))
+        try:
+            open("/sys/bus/pci/rescan", "w").write("1")
+            seen["write"] = "written"
+        except OSError as e:
+            seen["write"] = e.strerror
+    json.dump(seen, open(os.path.join(sys.argv[1], "sys.json"), "w"))
+""")
+
+
+@pytest.mark.parametrize("sysfs", [True, False])
+def test_a_multi_gpu_stage_sees_the_device_tree_read_only_and_others_see_none(sysfs: bool, tmp_path: Path) -> None:
+    """NCCL finds how a stage's GPUs connect through `realpath(/sys/class/pci_bus/…)` and fails
+    without /sys: a stage of 2 GPUs or more (`needs_sysfs`) gets `/sys/devices`, `/sys/class` and
+    `/sys/bus` read-only, nothing else of /sys (no cgroup tree); any other stage no /sys at all. A
+    real sandbox; the GPU count is stood in for by the spec's `sysfs` (no GPU node here)."""
+    from pipeline.executors.sandbox import needs_sysfs
+
+    assert needs_sysfs({"gpus": 2}) and needs_sysfs({"gpus": 8}) and not needs_sysfs({"gpus": 1})
+    assert not needs_sysfs({"gpus": 0.5}) and not needs_sysfs({})
+    from support.tiny import require_sandbox
+
+    require_sandbox()
+    code, out = tmp_path / "code", tmp_path / "out"
+    code.mkdir()
+    out.mkdir()
+    (code / "probe.py").write_text(SYSFS_PROBE)
+    job = StageJob(job_id="probe", argv=["python", "probe.py", str(out)], cwd=code, commit="0" * 40, out=out,
+                   log_path=tmp_path / "probe.log", timeout_s=60, cpus=1,
+                   sandbox={"ro": [str(code)], "rw": [], "out": str(out), "network": False, "sysfs": sysfs})
+    with LocalExecutor(cpus=1, slots=1, preload=()) as ex:
+        (res,) = run_all(ex, [job]).values()
+    assert res.status == "ok", (tmp_path / "probe.log").read_text()[-3000:]  # type: ignore[attr-defined]
+    seen = json.loads((out / "sys.json").read_text())
+    if not sysfs:
+        assert seen == {"sys": False, "fs": False, "write": None, "real": []}
+        return
+    assert seen["sys"] and not seen["fs"], seen
+    if Path("/sys/class/pci_bus").is_dir():  # a machine with a PCI bus (a VM may have none): as NCCL sees it
+        assert seen["real"] and all(r.startswith("/sys/devices/pci") for r in seen["real"]), seen
+        assert seen["write"] in ("Read-only file system", "Permission denied"), seen
+
+
 TORCHRUN = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     dist.init_process_group("gloo")

@@ -34,16 +34,24 @@ def _package_root() -> str:
     return str(Path(pipeline.__file__).resolve().parent.parent)
 
 
+_LISTED: list[str] = []  # what nvidia-smi listed, once per process (the pool is keyed by it)
+
+
 def visible_gpus() -> list[str]:
-    """GPU ids this process may use: CUDA_VISIBLE_DEVICES if set, else what nvidia-smi lists."""
+    """GPU ids this process may use: CUDA_VISIBLE_DEVICES if set, else what nvidia-smi lists (asked
+    once per process: a later answer that differs, or none after a timeout, would make a second
+    pool of the same GPUs, and each `prepare`/`score` would wait for nvidia-smi)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [g for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    if _LISTED:
+        return list(_LISTED)
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+    _LISTED[:] = [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+    return list(_LISTED)
 
 
 def inside_gpu_ids(gpu_ids: list[str], fallback: str) -> str:
