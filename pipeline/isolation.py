@@ -109,6 +109,7 @@ class Completed:
     timed_out: bool
     cpu_s: float
     wall_s: float
+    interrupted: bool = False  # ended early: a `stopping` event was set (its process group killed)
 
 
 @dataclass(eq=False)  # each block's own: found on the stack by identity
@@ -141,6 +142,39 @@ def metered() -> Iterator[Meter]:
             stack.remove(meter)
         meter.cpu_s += time.thread_time() - cpu0
         meter.wall_s = time.monotonic() - wall0
+
+
+_stopping = threading.local()  # this thread's open `stopping` blocks' events
+
+
+class _AnySet:
+    """Set when any of `events` is (what `GpuPool.wait_take` reads as its `stop`)."""
+
+    def __init__(self, events: list[threading.Event]):
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
+
+
+@contextmanager
+def stopping(stop: threading.Event | None) -> Iterator[None]:
+    """Inside the block, a `run_once` of this thread ends when `stop` is set: it stops waiting for a
+    GPU, or kills its process group, and raises `Interrupted` (what the call spent is still metered).
+    So a loop that stops (a signal, `--hours`, a lost lease) does not wait for a long `prepare`, a
+    scorer or a smoke stage run once."""
+    stack = _stopping.__dict__.setdefault("stack", [])
+    if stop is not None:
+        stack.append(stop)
+    try:
+        yield
+    finally:
+        if stop is not None and stop in stack:
+            stack.remove(stop)
+
+
+def _stop_now() -> _AnySet:
+    return _AnySet(list(getattr(_stopping, "stack", ())))
 
 
 def _spent(done: "Completed", gpus: float) -> None:
@@ -179,28 +213,40 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
     from pipeline.executors import gpus as gpu_pool
     from pipeline.executors.local import inside_gpu_ids, visible_gpus
 
+    from pipeline.errors import Interrupted
+
     cpus = lab.config.run.cpus
     env = scrub_env(os.environ, lab.config.run.env) | thread_env(cpus)
     sandbox = spec_for(lab, ro=[cwd, *ro], out=out, rw=rw)
     env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU unless given one below
+    stop = _stop_now()
+    abandoned = f"stopping: {Path(argv[0]).name} abandoned"
+    if stop.is_set():
+        raise Interrupted(abandoned)
     if not gpus:
-        done = _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, 0), timeout_s)
+        done = _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, 0), timeout_s, stop)
         _spent(done, 0)
+        if done.interrupted:
+            raise Interrupted(abandoned)
         return done
     ids = visible_gpus()
     if gpu_pool.capacity(gpus, len(ids)) < 1:
         raise UserError(f"{argv[0]} is given {gpus:g} GPU(s) ([run]) but {len(ids)} are visible here")
     pool, holder = gpu_pool.GpuPool.shared(ids), f"once-{os.getpid()}-{time.monotonic_ns()}"
-    held = pool.wait_take(holder, gpus, timeout=timeout_s, reserved=reserved)
+    held = pool.wait_take(holder, gpus, timeout=timeout_s, reserved=reserved, stop=stop)  # type: ignore[arg-type]
     if held is None:
+        if stop.is_set():
+            raise Interrupted(abandoned)
         raise InfrastructureFailure(f"no GPU came free for {argv[0]} in {timeout_s:.0f} s")
     try:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(held)
         if sandbox is not None:
             sandbox |= {"gpus": gpus, "gpu_ids": held}
             env["CUDA_VISIBLE_DEVICES"] = inside_gpu_ids(held, env["CUDA_VISIBLE_DEVICES"])
-        done = _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, gpus), timeout_s)
+        done = _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, gpus), timeout_s, stop)
         _spent(done, gpus)
+        if done.interrupted:
+            raise Interrupted(abandoned)
         return done
     finally:
         pool.give_back(holder)
@@ -214,7 +260,7 @@ def _once_spec(lab: Any, argv: list[str], cwd: Path, env: dict[str, str], log: P
             "stdout": str(stdout) if stdout else None, "sandbox": sandbox}
 
 
-def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:
+def _run_child(spec: dict[str, Any], timeout_s: float, stop: _AnySet | None = None) -> Completed:
     """`python -m pipeline.executors.child SPEC`: the same set-up the executors use, in a fresh process."""
     from pipeline.executors.child import _die_with_parent
     from pipeline.executors.zygote import group_cpu_s
@@ -227,7 +273,7 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.executors.child", json.dumps(spec)],
                             start_new_session=True, env=env, cwd=root, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-    timed_out = False
+    timed_out = interrupted = False
     cpu_at_kill = 0.0  # a killed process's time is never reaped: read it (all it started) first, once
     killed_at = 0.0
     try:
@@ -236,10 +282,12 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:
             if pid:
                 break
             now = time.monotonic()
-            if not timed_out and now - started > timeout_s:
-                timed_out = True
-                cpu_at_kill = group_cpu_s(proc.pid)
-            if timed_out and now - killed_at >= 1.0:  # the kill again each second, never the scan
+            if not (timed_out or interrupted):
+                timed_out = now - started > timeout_s
+                interrupted = not timed_out and stop is not None and stop.is_set()
+                if timed_out or interrupted:
+                    cpu_at_kill = group_cpu_s(proc.pid)
+            if (timed_out or interrupted) and now - killed_at >= 1.0:  # the kill again each second, never the scan
                 killed_at = now
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -254,4 +302,5 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> Completed:
     proc.returncode = 0  # reaped by wait4 above
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-    return Completed(code, sig, timed_out, max(ru.ru_utime + ru.ru_stime, cpu_at_kill), time.monotonic() - started)
+    return Completed(code, sig, timed_out, max(ru.ru_utime + ru.ru_stime, cpu_at_kill), time.monotonic() - started,
+                     interrupted=interrupted)

@@ -222,12 +222,20 @@ class Driver(Scoring, GpuAccounting):
         None (returns when the queue is empty and nothing is in flight). `stop` ends early
         (graceful stop); `timeout_s` bounds the wall time.
         """
+        from pipeline.errors import Interrupted
+
         self.start()
         ids = None if until is None or callable(until) else set(until)
         t_end = None if timeout_s is None else time.monotonic() + timeout_s
         finished: list[int] = []
         while True:
-            finished += self.step(poll_s)
+            try:
+                with isolation.stopping(stop):  # a long `prepare` or scorer ends when `stop` is set
+                    finished += self.step(poll_s)
+            except Interrupted:
+                if stop is None or not stop.is_set():
+                    raise
+                break  # its run is left active: `close` gives it back to the queue
             if stop is not None and stop.is_set():
                 break
             if t_end is not None and time.monotonic() > t_end:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pipeline.disk import open_regular
+from pipeline.errors import Interrupted
 from pipeline.harness import MethodFailure
 from pipeline.harness.base import HOLDOUT_SPLIT
 from pipeline.outcomes import ResultOutcome
@@ -67,6 +68,8 @@ class Scoring:
             kind = "nan" if _has_nonfinite(predictions) else "predictions"
             self._finish(run_id, ResultOutcome.METHOD_FAILURE, None, kind, str(e))
             return
+        except Interrupted:  # the driver stops: the run stays active, given back to the queue at `close`
+            raise
         except Exception as e:  # a scorer bug is not the method's failure; retrying would not help
             log.exception("scorer failed for run %s", run_id)
             self._finish(run_id, ResultOutcome.INFRA_FAILURE, None, "scorer", f"{type(e).__name__}: {e}")

@@ -292,6 +292,12 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
     the editable ones only those its `inputs` declare, in the same sandbox. Each stage may take
     `timeout_s`, by default `smoke_timeout(lab)`. What the stages spend is added to `cost`.
     """
+    with isolation.stopping(stop):  # its `prepare`, `score` and any stage run once end at `stop` too
+        return _smoke_run(lab, base, files, timeout_s, stop, runner, cost)
+
+
+def _smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | None,
+               stop: threading.Event | None, runner: SmokeRunner | None, cost: SmokeCost | None) -> float:
     timeout_s = smoke_timeout(lab) if timeout_s is None else timeout_s
     cost = cost if cost is not None else SmokeCost()
     bench = lab.config.benchmark

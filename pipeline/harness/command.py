@@ -158,8 +158,13 @@ class CommandHarness(Harness):
             log = logs / f"prepare-{did}.log"
             argv = render(lab.config.benchmark.prepare or "", {"data_seed": str(data_seed), "data": str(pub),
                                                                "sealed": str(seal), "smoke": "1" if smoke else "0"})
-            done = run_once(lab, argv, cwd=view, log=log, timeout_s=lab.config.run.timeout_s, ro=[], rw=[pub, seal],
-                            gpus=lab.config.run.prepare_gpus, reserved=True)
+            try:
+                done = run_once(lab, argv, cwd=view, log=log, timeout_s=lab.config.run.timeout_s, ro=[],
+                                rw=[pub, seal], gpus=lab.config.run.prepare_gpus, reserved=True)
+            except BaseException:  # e.g. `Interrupted`: the loop stops; nothing half-made is left
+                shutil.rmtree(pub, ignore_errors=True)
+                shutil.rmtree(seal, ignore_errors=True)
+                raise
             if done.returncode != 0:
                 shutil.rmtree(pub, ignore_errors=True)
                 shutil.rmtree(seal, ignore_errors=True)
