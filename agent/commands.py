@@ -168,10 +168,11 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
 
 
 def gpu_facts(lab: Any) -> dict[str, Any]:
-    """The lab's GPU share per stage and whether CUDA MPS runs here (stages of a share then run as
-    MPS clients: their kernels overlap instead of taking turns)."""
+    """The lab's GPU share per stage and whether CUDA MPS runs here (unsandboxed stages of a share then
+    run as MPS clients: their kernels overlap instead of taking turns; a sandboxed stage's /tmp is
+    its own, so it never finds MPS's pipe directory and its GPU is time-sliced)."""
 
-    return {"lab_gpus": lab.config.run.gpus, "mps": mps_running()}
+    return {"lab_gpus": lab.config.run.gpus, "mps": mps_running(), "sandboxed": lab.config.run.sandbox != "off"}
 
 
 def _notify_status(store: Any) -> dict[str, Any]:

@@ -35,7 +35,9 @@ def gpu_line(c: dict[str, Any], gpu: dict[str, Any] | None = None) -> str | None
     else:
         line += "; utilisation not sampled (NVML: pip install 'autoresearch[gpu]')"
     if gpu.get("mps"):
-        line += "; CUDA MPS is running"
+        line += "; CUDA MPS is running" + (
+            " (sandboxed stages do not reach it: their /tmp is private, so a shared GPU is time-sliced;"
+            " on GPUs in EXCLUSIVE_PROCESS mode they cannot start)" if gpu.get("sandboxed") else "")
     return line
 
 

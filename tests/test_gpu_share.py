@@ -370,6 +370,29 @@ def test_torchrun_with_two_gloo_processes_runs_inside_the_sandbox(tmp_path: Path
     assert (out / "sum.txt").read_text() == "3 2"  # ranks 1 + 2, two processes
 
 
+def test_status_says_when_cuda_mps_runs_and_that_sandboxed_stages_do_not_reach_it(tmp_path: Path) -> None:
+    """`mps_running` finds MPS's control daemon or server among the processes (a fake /proc here);
+    the GPU line says so, and for a sandboxed lab that its stages cannot reach it (their /tmp, where
+    its pipe directory lies, is their own)."""
+    from agent import views
+    from pipeline.executors.gpus import mps_running
+
+    proc = tmp_path / "proc"
+    for pid, comm in (("1", "systemd"), ("77", "python3")):
+        (proc / pid).mkdir(parents=True)
+        (proc / pid / "comm").write_text(comm + "\n")
+    (proc / "self").mkdir()
+    assert not mps_running(str(proc))
+    (proc / "4242").mkdir()
+    (proc / "4242" / "comm").write_text("nvidia-cuda-mps-control\n")
+    assert mps_running(str(proc))
+    c = {"useful_gpu_s": 3600.0}
+    assert views.gpu_line(c, {"lab_gpus": 0.25, "mps": True, "sandboxed": False}).endswith("; CUDA MPS is running")  # type: ignore[union-attr]
+    line = views.gpu_line(c, {"lab_gpus": 0.25, "mps": True, "sandboxed": True})
+    assert line is not None and "CUDA MPS is running (sandboxed stages do not reach it" in line
+    assert "MPS" not in views.gpu_line(c, {"lab_gpus": 0.25, "mps": False, "sandboxed": True})  # type: ignore[operator]
+
+
 def test_the_driver_counts_gpu_hours_and_how_busy_the_gpu_was(work: Path, tmp_path: Path, monkeypatch) -> None:
     """Real runs of the tiny lab through the driver on a fake GPU (a share of 0.5 each) with the fake
     NVML at 40 %: GPU-seconds are share × wall, every stage has its sampled utilisation, the sampler's
