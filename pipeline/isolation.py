@@ -173,6 +173,27 @@ def stopping(stop: threading.Event | None) -> Iterator[None]:
             stack.remove(stop)
 
 
+_gpu_runners = threading.local()  # this thread's open `gpu_runner` blocks
+
+
+@contextmanager
+def gpu_runner(runner: Any) -> Iterator[None]:
+    """Inside the block, a `run_once` of this thread given a GPU runs through `runner` (the Ray
+    executor's `run_harness`: on the cluster, on a share held for `prepare`/`score`) instead of on
+    this machine. None: no change (a block that needs no runner)."""
+    stack = _gpu_runners.__dict__.setdefault("stack", [])
+    stack.append(runner)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _gpu_runner() -> Any:
+    stack = getattr(_gpu_runners, "stack", ())
+    return next((r for r in reversed(stack) if r is not None), None)
+
+
 def _stop_now() -> _AnySet:
     return _AnySet(list(getattr(_stopping, "stack", ())))
 
@@ -226,6 +247,22 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
     if not gpus:
         done = _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, 0), timeout_s, stop)
         _spent(done, 0)
+        if done.interrupted:
+            raise Interrupted(abandoned)
+        return done
+    remote = _gpu_runner()
+    if remote is not None:  # on the cluster's share for prepare/score (`gpu_runner`)
+        from pipeline.executors.base import lab_env
+
+        if sandbox is not None:
+            sandbox |= {"gpus": gpus}  # the node binds the GPUs Ray gave its actor
+        # as a Ray stage's: the node's own allow-listed environment (its CUDA_VISIBLE_DEVICES, Ray's
+        # choice), the thread counts and the lab's `[run] env`
+        done = Completed(**remote(argv, cwd=cwd, ro=list(ro), rw=list(rw), out=out, stdout=stdout, log=log,
+                                  timeout_s=timeout_s, sandbox=sandbox, env=thread_env(cpus) | lab_env(lab.config.run.env),
+                                  gpus=gpus, stop=stop, cpus=cpus, memory_mb=once_memory_mb(lab, with_out=out is not None,
+                                                                                            gpus=gpus)))
+        _spent(done, gpus)
         if done.interrupted:
             raise Interrupted(abandoned)
         return done

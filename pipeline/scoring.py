@@ -30,11 +30,11 @@ class Scoring:
         """`call()`, a call of the harness, booked with what it spent (`isolation.metered`): kept here
         and written with the driver's other periodic books (`_write_harness_books`), not a transaction
         per run. A `prepare` that found its dataset made (no process, no CPU to speak of) is not booked."""
-        from pipeline.isolation import metered
+        from pipeline.isolation import gpu_runner, metered
 
         started, ok = time.time(), False
         try:
-            with metered() as meter:
+            with metered() as meter, gpu_runner(harness_runner(self.executor)):
                 value = call()
             ok = True
             return value
@@ -111,6 +111,12 @@ class Scoring:
                 self.store.holdout_put(run.id, run.commit, run.task, run.seed, float(value))
         except Exception as e:  # the holdout is a report: its failure never fails the run
             log.warning("holdout not scored for run %s: %s: %s", run.id, type(e).__name__, e)
+
+
+def harness_runner(executor: Any) -> Any:
+    """Where a harness command given a GPU runs: the executor's `run_harness` if it holds a GPU share
+    for it (Ray: on the cluster), else None (on this machine, from its GPU pool)."""
+    return executor.run_harness if getattr(executor, "harness_gpus", 0) else None
 
 
 NONFINITE_SCAN_BYTES = 16 << 20  # how much of a rejected predictions file is read to tell "nan" from "predictions"

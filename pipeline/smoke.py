@@ -292,7 +292,11 @@ def smoke_run(lab: Lab, base: str, files: dict[str, str], timeout_s: float | Non
     the editable ones only those its `inputs` declare, in the same sandbox. Each stage may take
     `timeout_s`, by default `smoke_timeout(lab)`. What the stages spend is added to `cost`.
     """
-    with isolation.stopping(stop):  # its `prepare`, `score` and any stage run once end at `stop` too
+    from pipeline.scoring import harness_runner
+
+    # its `prepare`, `score` and any stage run once end at `stop` too; given a GPU, the first two run
+    # where the driver's run theirs (on a Ray cluster: the executor's share for them)
+    with isolation.stopping(stop), isolation.gpu_runner(harness_runner(runner.lender) if runner else None):
         return _smoke_run(lab, base, files, timeout_s, stop, runner, cost)
 
 

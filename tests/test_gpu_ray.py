@@ -356,3 +356,40 @@ def test_a_smoke_stages_cuda_oom_beside_a_queued_stage_runs_again_with_the_gpu_a
     cost.add_result(got["smoke"], 0.5)
     first = extra["gpu_oom_retried_alone"]
     assert cost.stages == 2 and cost.gpu_s == pytest.approx(got["smoke"].wall_s * 1.0 + first["wall_s"] * 0.5)
+
+
+def test_prepare_and_score_given_a_gpu_run_on_the_clusters_share_from_a_driver_without_one(
+        ray_gpu: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lab whose `prepare` and `score` need a GPU (`prepare_gpus`, `score_gpus`: a scorer that runs a
+    model on the sealed data) on a cluster whose head has none: the executor holds a share of the
+    cluster's GPU for them (placed before its slots, which are one fewer), and `run_once` sends them
+    there through `isolation.gpu_runner`, the trusted files and the sealed data with them; the
+    prepared folders and the scorer's stdout come back. Without the runner they refuse in one line."""
+    import numpy as np
+
+    from pipeline import isolation
+    from pipeline.errors import UserError
+    from pipeline.executors.ray_executor import RayExecutor
+    from pipeline.scoring import harness_runner
+    from test_stop_once import command_lab
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the loop's machine: no GPU
+    lab = command_lab(tmp_path / "lab", extra="\nprepare_gpus = 0.25\nscore_gpus = 0.25")
+    harness, bench = lab.harness(), lab.config.benchmark
+    with pytest.raises(UserError, match="given 0.25 GPU"):
+        harness.prepare(lab.state, bench.suite, bench.data_seed)
+    with RayExecutor(cpus=1, gpus=0.5, preload=(), harness_gpus=0.25) as ex:
+        assert ex.slots == 1  # one GPU: a stage of 0.5 beside the harness's 0.25 (a second would leave it no room)
+        assert harness_runner(ex) is not None
+        with isolation.gpu_runner(harness_runner(ex)), isolation.metered() as meter:
+            prepared = harness.prepare(lab.state, bench.suite, bench.data_seed)
+            ids = np.load(prepared.sealed / "test_labels.npz")["id"]
+            (tmp_path / "preds").mkdir()
+            preds = tmp_path / "preds" / "predictions.csv"
+            preds.write_text("id,score\n" + "".join(f"{int(i)},0.5\n" for i in ids))
+            value = harness.score(prepared, lab.tasks()[0], preds, bench.metric)
+        results = run_all(ex, [stage(tmp_path, "after", 0.1)])  # the slots still run stages
+    assert value == pytest.approx(float(np.log(2)), rel=1e-9)  # log-loss of 0.5 everywhere
+    assert (prepared.public / "train.npz").is_file() and (prepared.public / ".prepared").is_file()
+    assert meter.processes == 2 and meter.gpu_s > 0  # both on the books, with their GPU share
+    assert results["after"].status == "ok"  # type: ignore[attr-defined]

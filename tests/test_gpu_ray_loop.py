@@ -64,3 +64,33 @@ def test_run_on_a_ray_cluster_of_gpu_nodes_measures_a_gpu_labs_hypothesis_from_a
     summary = (root / "runs" / "summaries" / f"{h['id']}.md").read_text()
     runs_line = next(line for line in summary.splitlines() if line.startswith("- **Runs:** "))
     assert " GPU-h" in runs_line and "before them, 1 smoke run on tiny data" in runs_line, runs_line
+
+
+def test_a_lab_whose_scorer_needs_a_gpu_is_measured_on_a_ray_cluster_from_a_driver_without_one(
+        tmp_path: Path) -> None:
+    """`[run] score_gpus` on a cluster whose head has no GPU (before: refused in one line, so a lab
+    whose scorer runs a model could not run on Ray at all). The executor holds a share of the node's
+    GPU for `prepare`/`score`; the smoke run's scorer and every run's are sent there, each booked with
+    its GPU-seconds, and the hypothesis is measured and decided."""
+    from agent.labinit import init_lab
+    from support import cli, cli_env, cli_json
+    from support.lab import set_research
+
+    root = init_lab(tmp_path / "lab", harness="command")
+    set_research(root, 'sandbox = "auto"', 'sandbox = "off"\ngpus = 0.5\nscore_gpus = 0.25')
+    config = (root / "config.toml").read_text()
+    spec = tmp_path / "h.json"
+    spec.write_text(json.dumps({"title": "more epochs", "edits": [
+        {"path": "config.toml", "content": config.replace("epochs = 60", "epochs = 90")}]}))
+    assert cli(root, "seed", "--file", str(spec)).returncode == 0
+    with ray_exclusive(), RayCluster(head_cpus=2, worker_cpus=0, head_gpus=2) as cluster:
+        run = cli(root, "run", "--offline", "--max-hypotheses", "1", "--executor", "ray", "--ray-address",
+                  cluster.address, env=cli_env(**ENV, CUDA_VISIBLE_DEVICES=""), timeout=400)
+    assert run.returncode == 0, run.stderr[-4000:]
+    st = cli_json(root, "status", "--json")
+    (h,) = st["hypotheses"]
+    assert h["status"] == "done" and h["verdict"] not in (None, "smoke_failed"), (h, run.stderr[-3000:])
+    c = st["compute"]
+    assert c["smoke_runs"] == 1 and c["smoke_rejected"] == 0, c
+    assert c["harness_gpu_s"] > 0 and c["harness_calls"] > 1, c  # its scores, with their GPU share
+    assert c["useful_gpu_s"] > 0 and c["infra_retries"] == 0, c

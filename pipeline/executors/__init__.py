@@ -87,7 +87,7 @@ def _ray(lab: "Lab", opts: ExecutorOptions) -> Executor:
 
     return RayExecutor(address=opts.address, cpus=run.cpus, gpus=run.gpus,
                        slots=opts.workers, preload=_preload(run, opts.preload, DEFAULT_PRELOAD),
-                       memory_mb=run.memory_mb)
+                       memory_mb=run.memory_mb, harness_gpus=max(run.prepare_gpus, run.score_gpus))
 
 
 # name → factory: `--executor NAME`. A new executor is one module and one line here.

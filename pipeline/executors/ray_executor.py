@@ -112,7 +112,8 @@ class RayExecutor:
 
     def __init__(self, *, address: str | None = None, cpus: int = 1, gpus: float = 0,
                  slots: int | None = None, init_kwargs: dict[str, Any] | None = None,
-                 preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD, memory_mb: int | None = None):
+                 preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD, memory_mb: int | None = None,
+                 harness_gpus: float = 0.0):
         try:
             import ray
         except ImportError:
@@ -135,8 +136,15 @@ class RayExecutor:
         ray.cloudpickle.register_pickle_by_value(ray_task)  # nodes need Ray, not our package
         resources = ray.cluster_resources()
         by_cpu = int(resources.get("CPU", 1)) // cpus
+        self.harness_gpus = harness_gpus
         if gpus:  # a share (num_gpus = 0.25: Ray packs four on a GPU) or whole GPUs
-            by_cpu = min(by_cpu, capacity(gpus, int(resources.get("GPU", 0) + 1e-6)))
+            n_gpus = int(resources.get("GPU", 0) + 1e-6)
+            if harness_gpus and capacity(gpus, n_gpus) >= 1 > capacity(gpus, n_gpus, keep=harness_gpus):
+                from pipeline.errors import UserError
+
+                raise UserError(f"[run] gpus = {gpus:g} on the cluster's {n_gpus} GPU(s) leaves no room for "
+                                f"prepare_gpus/score_gpus = {harness_gpus:g}; lower one of them")
+            by_cpu = min(by_cpu, capacity(gpus, n_gpus, keep=harness_gpus))
         self._slots = slots if slots is not None else max(1, by_cpu)
         self._sources = node_sources()
         self._preload = list(preload)
@@ -163,9 +171,14 @@ class RayExecutor:
         self._reporter: dict[str, _Slot] = {}  # GPU → the one slot whose samples of it are counted
         self._fresh: set[_Slot] = set()  # reporters whose first answer (their whole life so far) is not counted
         self._started_at = time.time()
+        # `prepare`/`score` given a GPU run on the cluster, on a share of their own held for the
+        # executor's life (placed first): the driver's thread runs them between its stages and cannot
+        # wait for a slot only it frees. One at a time (`_harness_lock`), from any thread.
+        self._harness: _Slot | None = _Slot(self._new_worker(gpus=harness_gpus, cpus=0)) if harness_gpus else None
+        self._harness_lock = threading.Lock()
         self._idle: deque[_Slot] = deque(_Slot(self._new_worker()) for _ in range(self._slots))
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
-            slots = list(self._idle)
+            slots = [*([self._harness] if self._harness else []), *self._idle]
             for slot, ready in zip(slots, ray.get([w.actor.warm.remote() for w in slots], timeout=WARM_TIMEOUT_S)):
                 slot.gpus = list(ready.get("gpus") or [])
         except ray.exceptions.GetTimeoutError:
@@ -174,12 +187,14 @@ class RayExecutor:
                 f"the cluster did not start {self._slots} warm worker(s) of {cpus} CPU / {gpus:g} GPU each in "
                 f"{WARM_TIMEOUT_S:.0f} s (resources: {dict(resources)}); lower --workers or [run] cpus/gpus") from None
 
-    def _new_worker(self) -> Any:
+    def _new_worker(self, gpus: float | None = None, cpus: int | None = None) -> Any:
         """A warm worker actor: it holds `run.cpus` CPUs and `run.gpus` GPUs of a node (Ray sets the
-        actor's CUDA_VISIBLE_DEVICES, which its stages inherit) for as long as the executor lives."""
-        options: dict[str, Any] = {"num_cpus": self.cpus, "num_gpus": self.gpus, "max_restarts": 0,
+        actor's CUDA_VISIBLE_DEVICES, which its stages inherit) for as long as the executor lives
+        (the harness's: `gpus` and `cpus` of its own)."""
+        options: dict[str, Any] = {"num_cpus": self.cpus if cpus is None else cpus,
+                                   "num_gpus": self.gpus if gpus is None else gpus, "max_restarts": 0,
                                    "max_concurrency": 3}  # a cancel, or `take_usage`, while a stage runs
-        if self.memory_mb:
+        if self.memory_mb and gpus is None:
             options["memory"] = self.memory_mb * 2**20
         return self._actor_cls.options(**options).remote(self._sources, self._preload, sorted(STAGE_ENV),
                                                           list(STAGE_ENV_PREFIXES))
@@ -442,6 +457,80 @@ class RayExecutor:
                 self._idle.append(_Slot(actor, pending=actor.warm.remote()))
                 self._lock.notify_all()
 
+    def run_harness(self, argv: list[str], *, cwd: Path, ro: list[Path | str], rw: list[Path | str],
+                    out: Path | None, stdout: Path | None, log: Path, timeout_s: float,
+                    sandbox: dict[str, Any] | None, env: dict[str, str], gpus: float, stop: Any = None,
+                    cpus: int = 1, memory_mb: int | None = None) -> dict[str, Any]:
+        """A harness command (`prepare`, `score`) given a GPU, run on the cluster on the executor's
+        harness share (`isolation.run_once` calls it where the loop's machine has no GPU for it).
+
+        `cwd` (the trusted files) and the folders of `ro` travel as input trees; `rw` and `out` are
+        folders it writes, sent back and unpacked into them, as `stdout` and `log` are written here.
+        Returns `isolation.Completed`'s fields; `stop` (anything with `is_set`) cancels it."""
+        if self._harness is None:
+            raise InfrastructureFailure("this Ray executor holds no GPU for prepare/score "
+                                        "([run] prepare_gpus/score_gpus are 0)")
+        if gpus > self.harness_gpus + 1e-9:
+            raise InfrastructureFailure(f"{argv[0]} asks {gpus:g} GPU but the executor holds {self.harness_gpus:g} "
+                                        "for prepare/score")
+        with self._harness_lock:
+            return self._run_harness(argv, cwd, ro, rw, out, stdout, log, timeout_s, sandbox, env, stop, cpus,
+                                     memory_mb, gpus)
+
+    def _run_harness(self, argv: list[str], cwd: Path, ro: list[Path | str], rw: list[Path | str],
+                     out: Path | None, stdout: Path | None, log: Path, timeout_s: float,
+                     sandbox: dict[str, Any] | None, env: dict[str, str], stop: Any, cpus: int,
+                     memory_mb: int | None, gpus: float) -> dict[str, Any]:
+        import tempfile
+        import uuid
+
+        assert self._harness is not None
+        job_id = f"harness-{uuid.uuid4().hex}"
+        writes = [Path(p) for p in rw] + ([Path(out)] if out is not None else [])
+        mounts, seen = [], {str(Path(cwd)), *map(str, writes)}
+        for path in ro:  # a file travels in its folder (the predictions file: its stage's output)
+            folder = Path(path) if Path(path).is_dir() else Path(path).parent
+            if str(folder) not in seen:
+                seen.add(str(folder))
+                ident, ref = self._input(folder, keep=False)  # any thread: nothing pinned
+                mounts.append((str(folder), ident, [ref]))
+        tree_id, tree_ref = self._input(Path(cwd), keep=False)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".harness-out-", dir=log.parent) as tmp:
+            spec = {
+                "job_id": job_id, "tree_id": tree_id, "argv": argv, "cwd": str(cwd), "sandbox": sandbox, "gpus": gpus,
+                "out": tmp, "outs": {str(w): f"w{i}" for i, w in enumerate(writes)}, "stdout": stdout is not None,
+                "timeout_s": timeout_s, "cpus": cpus, "memory_mb": memory_mb, "env": env,
+                "env_allow": sorted(STAGE_ENV), "env_prefixes": list(STAGE_ENV_PREFIXES),
+            }
+            started = time.monotonic()
+            ref = self._harness.actor.run.remote(spec, [tree_ref], mounts)
+            interrupted = False
+            while not self.ray.wait([ref], timeout=0.2)[0]:
+                if stop is not None and stop.is_set() and not interrupted:
+                    interrupted = True
+                    self._harness.actor.cancel.remote(job_id)
+            try:
+                res: dict[str, Any] = self.ray.get(ref)
+            except self.ray.exceptions.RayError as e:  # the actor or its node died: a fresh one for the next call
+                self._kill(self._harness)
+                self._harness = _Slot(self._new_worker(gpus=self.harness_gpus, cpus=0))
+                first = str(e).splitlines()[0][:300] if str(e) else ""
+                raise InfrastructureFailure(f"{Path(argv[0]).name} on the Ray cluster: {type(e).__name__}: {first}") from None
+            log.write_bytes(res.get("log") or b"")
+            if stdout is not None:
+                Path(stdout).write_bytes(res.get("stdout") or b"")
+            if res["status"] == "ok":  # no entry written through a link; a link, hard link or device refused
+                safefs.extract_tar(io.BytesIO(res["out"]), Path(tmp), what=f"{Path(argv[0]).name}'s output")
+                for i, w in enumerate(writes):  # into the folders the caller made
+                    got = Path(tmp) / f"w{i}"
+                    for entry in (got.iterdir() if got.is_dir() else ()):
+                        os.replace(entry, w / entry.name)
+        return {"returncode": res["exit_code"] if res["status"] in ("ok", "exit") else None,
+                "signal": res["signal"], "timed_out": res["status"] == "timeout", "cpu_s": float(res["cpu_s"]),
+                "wall_s": float(res["wall_s"]) or time.monotonic() - started,
+                "interrupted": interrupted or res["status"] == "cancelled"}
+
     def _kill(self, slot: _Slot) -> None:
         try:
             self.ray.kill(slot.actor)
@@ -496,8 +585,9 @@ class RayExecutor:
     def _ask_usage(self) -> None:
         """Ask each GPU's reporting slot for its samples since it was last asked (unless it has not
         answered yet). One slot per GPU reports it; a new reporter's first answer is not counted."""
-        with self._lock:
-            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent]
+        with self._lock:  # the harness's share counts too: allocated, idle between its calls
+            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent,
+                     *([self._harness] if self._harness else [])]
         alive = set(slots)
         for slot in slots:
             for key in slot.gpus:
@@ -655,7 +745,9 @@ class RayExecutor:
         with self._lock:  # a stage run ahead ends (cancelled) before Ray may go
             while any(self._lent.values()) and time.monotonic() < deadline:
                 self._lock.wait(0.2)
-            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent]
+            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent,
+                     *([self._harness] if self._harness else [])]
+            self._harness = None
             self._alone.clear()
             self._crowded.clear()
             self._retried.clear()

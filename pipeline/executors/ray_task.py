@@ -47,6 +47,7 @@ def _own_cache() -> None:
 
 
 MAX_LOG_BYTES = 8 << 20
+MAX_STDOUT_BYTES = 64 << 10  # a harness command's stdout: its last line is its answer
 SAMPLE_S = 0.5  # gpus.SAMPLE_S: how often an actor's GPUs are sampled
 # pipeline.lab's MEMORY_SHARE and SHM_MB (a sandbox spec names its own shm_max_mb): this module is standard library only, shipped by value
 MEMORY_SHARE = 0.8
@@ -309,7 +310,12 @@ class WarmWorker:
         out = os.path.join(work, "out")
         os.makedirs(out)
         path_map[job["out"]] = out
+        for driver_path, name in (job.get("outs") or {}).items():  # a harness command's folders to write
+            path_map[driver_path] = os.path.join(out, name)
+            os.makedirs(path_map[driver_path])
+            os.chmod(path_map[driver_path], 0o777)  # a sandboxed command runs as an unprivileged uid
         log = os.path.join(work, "stage.log")
+        stdout = os.path.join(work, "stdout") if job.get("stdout") else None
 
         def local(arg: str) -> str:
             for src in sorted(path_map, key=len, reverse=True):  # longest first: nested paths map right
@@ -330,7 +336,7 @@ class WarmWorker:
                 "cpus": job["cpus"], "strip_sys_path": [self.pkg],
                 "memory_mb": job["memory_mb"] if job["memory_mb"] is not None
                 else node_memory_mb(job["cpus"], job.get("gpus", 0), job.get("sandbox")),
-                "sandbox": sandbox}
+                "sandbox": sandbox, "stdout": stdout}
         self.current = job["job_id"]
         result: dict[str, Any] = {"cpu_s": 0.0, "wall_s": 0.0, "exit_code": None, "signal": None,
                                   "host": _host(), "status": "infra", "gpus": self.gpu_keys}
@@ -352,10 +358,11 @@ class WarmWorker:
         result["wall_s"] = result["wall_s"] or time.monotonic() - started
         result["out"] = pack(out) if result["status"] == "ok" else b""
         result["log"] = b""
-        if os.path.exists(log):
-            with open(log, "rb") as fh:
-                fh.seek(max(0, os.path.getsize(log) - MAX_LOG_BYTES))
-                result["log"] = fh.read()
+        for key, path, limit in (("log", log, MAX_LOG_BYTES), ("stdout", stdout, MAX_STDOUT_BYTES)):
+            if path is not None and os.path.exists(path):
+                with open(path, "rb") as fh:
+                    fh.seek(max(0, os.path.getsize(path) - limit))
+                    result[key] = fh.read()
         shutil.rmtree(work, ignore_errors=True)
         return result
 
