@@ -76,19 +76,20 @@ def require(lab: Any) -> None:
     """Raise `UserError` (one line) unless the lab opted out or the sandbox works here."""
     if not is_sandboxed(lab):
         return
-    problem = _probe()
+    problem = _probe(sysfs=sandbox.needs_sysfs({"gpus": lab.config.run.gpus}))
     if problem:
         raise UserError(f"the Linux sandbox cannot start here ({problem}); {sandbox.OFF_HINT}")
 
 
-@lru_cache(maxsize=1)
-def _probe() -> str | None:
-    """None if a sandboxed `true` runs here, else the reason (once per process)."""
+@lru_cache(maxsize=2)
+def _probe(sysfs: bool = False) -> str | None:
+    """None if a sandboxed `true` runs here (with the device tree a multi-GPU stage sees: `sysfs`),
+    else the reason (once per process)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="autoresearch-probe-") as tmp:
         log = Path(tmp) / "probe.log"
-        spec = {"ro": [], "rw": [], "out": None, "hidden": package_dirs()}
+        spec = {"ro": [], "rw": [], "out": None, "hidden": package_dirs(), "sysfs": sysfs}
         result = _run_child({"argv": ["true"], "cwd": "/", "env": {"PATH": "/usr/bin:/bin"}, "log": str(log),
                              "cpus": 1, "memory_mb": None, "sandbox": spec}, PROBE_TIMEOUT_S)
         if result.returncode == 0:

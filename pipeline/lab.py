@@ -79,6 +79,7 @@ NETWORK_WARNING = ("[run] network = true: stages share the host's network and ca
 MAX_GPUS = 8  # GPUs one stage may hold (one machine's)
 SHM_MB = 64  # a stage's private /dev/shm without a GPU (sandbox.DEFAULTS["shm_max_mb"]): tmpfs, so RAM
 MIN_GPU_SHARE = 0.01  # a finer share is a typo (and would make `capacity` count for ever)
+SHM_GPU_MIN_MB = 1024  # a stage given a share of a GPU: a DataLoader's batches still pass through it
 SHM_GPU_MB = 2048  # per GPU a stage holds: NCCL's shared-memory transport and DataLoader workers
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -125,11 +126,12 @@ class RunSection(_Strict):
 
     def shm_size_mb(self) -> int:
         """A stage's /dev/shm: `shm_mb`, else SHM_MB without a GPU and SHM_GPU_MB per GPU it holds
-        (0.25 of one: a quarter; NCCL and DataLoader workers pass tensors through it; tmpfs takes RAM
-        only as it fills, and four stages sharing a GPU must not take four GPUs' worth)."""
+        (a share of one: its part, at least SHM_GPU_MIN_MB; NCCL and DataLoader workers pass tensors
+        through it; tmpfs takes RAM only as it fills, and four stages sharing a GPU must not take four
+        GPUs' worth)."""
         if self.shm_mb is not None:
             return self.shm_mb
-        return SHM_MB if not self.gpus else max(SHM_MB, int(SHM_GPU_MB * self.gpus))
+        return SHM_MB if not self.gpus else max(SHM_GPU_MIN_MB, int(SHM_GPU_MB * self.gpus))
 
     @field_validator("env", mode="before")
     @classmethod

@@ -124,6 +124,7 @@ class Driver(Scoring, GpuAccounting):
         self.finished: list[int] = []
         self.to_score: list[int] = []
         self._prepared: Prepared | None = None
+        self._stop: threading.Event | None = None  # the last `drive`'s: `close` scores no more once it is set
         self._digests: dict[tuple[str, tuple[str, ...]], dict[str, str]] = {}
         self._worktree_of: dict[str, Path] = {}
         self._views: dict[tuple[str, str], Path] = {}
@@ -186,7 +187,13 @@ class Driver(Scoring, GpuAccounting):
         while self.flights and time.monotonic() < deadline:
             for res in self.executor.poll(0.2):
                 self._on_result(res)
-        self._score_pending()  # runs whose outputs are complete are finished, not re-queued
+        from pipeline.errors import Interrupted
+
+        try:  # runs whose outputs are complete are finished, not re-queued (unless the loop is stopping)
+            with isolation.stopping(self._stop):
+                self._score_pending()
+        except Interrupted:
+            pass  # those left are given back to the queue below
         for fl in list(self.flights.values()):
             self.store.stage_finished(fl.exec_id, "cancelled", detail="driver stopped")
             self.cache.discard(fl.tmp)
@@ -229,13 +236,15 @@ class Driver(Scoring, GpuAccounting):
         t_end = None if timeout_s is None else time.monotonic() + timeout_s
         finished: list[int] = []
         while True:
+            self._stop = stop
             try:
                 with isolation.stopping(stop):  # a long `prepare` or scorer ends when `stop` is set
                     finished += self.step(poll_s)
             except Interrupted:
                 if stop is None or not stop.is_set():
                     raise
-                break  # its run is left active: `close` gives it back to the queue
+                finished, self.finished = finished + self.finished, []
+                break  # its run waits in `to_score`: `close` gives it back to the queue
             if stop is not None and stop.is_set():
                 break
             if t_end is not None and time.monotonic() > t_end:
@@ -466,7 +475,7 @@ class Driver(Scoring, GpuAccounting):
             return
         fl = self.flights.pop(key)
         outcome, kind = classify(res)
-        gpus = float(res.extra.get("gpu_share", self.lab.config.run.gpus))  # a stage run alone held its GPU whole
+        gpus = float(res.extra.get("gpu_share", self.lab.config.run.gpus))  # as held: a stage run alone, its GPU (but the reserve)
         common = dict(cpu_s=res.cpu_s, wall_s=res.wall_s, gpu_s=res.wall_s * gpus, exit_code=res.exit_code,
                       signal=res.signal, host=res.host)
         name = fl.node.name

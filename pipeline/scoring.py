@@ -68,7 +68,8 @@ class Scoring:
             kind = "nan" if _has_nonfinite(predictions) else "predictions"
             self._finish(run_id, ResultOutcome.METHOD_FAILURE, None, kind, str(e))
             return
-        except Interrupted:  # the driver stops: the run stays active, given back to the queue at `close`
+        except Interrupted:  # the driver stops: the run waits to be scored again, or goes back to the queue
+            self.to_score.insert(0, run_id)
             raise
         except Exception as e:  # a scorer bug is not the method's failure; retrying would not help
             log.exception("scorer failed for run %s", run_id)
@@ -109,6 +110,8 @@ class Scoring:
                 prepared, run.task, predictions, self.lab.config.benchmark.metric, split=HOLDOUT_SPLIT))
             if math.isfinite(value):
                 self.store.holdout_put(run.id, run.commit, run.task, run.seed, float(value))
+        except Interrupted:  # the driver stops: the run is scored again by the next one
+            raise
         except Exception as e:  # the holdout is a report: its failure never fails the run
             log.warning("holdout not scored for run %s: %s: %s", run.id, type(e).__name__, e)
 

@@ -159,7 +159,8 @@ class SmokeRunner:
             logs.mkdir(parents=True, exist_ok=True)
             self._executor = LocalExecutor(cpus=run.cpus, gpus=self.gpus, slots=1, worker_log=logs / "smoke-worker.log",
                                            preload=DEFAULT_PRELOAD if run.preload is None else run.preload,
-                                           priority=True)  # the driver's executor yields it the next free share
+                                           priority=True,  # the driver's executor yields it the next free share
+                                           reserve=max(run.prepare_gpus, run.score_gpus))  # and `score`'s room kept
         return self._executor
 
     def job(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float, inputs: list[Path] = (),
@@ -247,9 +248,15 @@ class SmokeRunner:
     def _once(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float,
               inputs: list[Path], cost: SmokeCost) -> tuple[int, str]:
         """The stage in a fresh interpreter, with the same sandbox."""
-        done = isolation.run_once(self.lab, argv, cwd=cwd, log=log, timeout_s=timeout_s, ro=list(inputs), out=out,
-                                  gpus=self.gpus)
-        cost.add(done.cpu_s, done.wall_s, self.gpus)
+        meter = isolation.Meter()
+        try:
+            with isolation.metered() as meter:  # booked even when the loop's stop ends it (`Interrupted`)
+                done = isolation.run_once(self.lab, argv, cwd=cwd, log=log, timeout_s=timeout_s, ro=list(inputs),
+                                          out=out, gpus=self.gpus)
+        finally:
+            if meter.processes:  # its process's wall: the GPU-seconds over the share (the block's wall
+                wall = meter.gpu_s / self.gpus if self.gpus else meter.wall_s  # counts the wait for it too)
+                cost.add(meter.cpu_s, wall, self.gpus)
         tail = read_tail(log, TAIL_BYTES)[0]
         if done.timed_out:
             raise MethodFailure(f"timed out after {timeout_s:.0f} s on tiny data:\n{tail}")

@@ -249,8 +249,8 @@ def test_gpus_is_a_share_or_whole_gpus(gpus: str, ok: bool, tmp_path: Path) -> N
     if ok:
         run = parse_config(text, tmp_path / CONFIG_NAME).run
         assert run.gpus == float(gpus)
-        # NCCL's and DataLoader workers' shared memory, per GPU held: a quarter of one, a quarter of it
-        assert run.shm_size_mb() == int(2048 * float(gpus))
+        # NCCL's and DataLoader workers' shared memory, per GPU held: a share of one, its part (1 GB at least)
+        assert run.shm_size_mb() == max(1024, int(2048 * float(gpus)))
     else:
         with pytest.raises(LabConfigError, match="gpus"):
             parse_config(text, tmp_path / CONFIG_NAME)
@@ -295,7 +295,10 @@ def test_stage_uids_do_not_repeat_and_lie_above_the_subordinate_ids(tmp_path: Pa
 
 SYSFS_PROBE = textwrap.dedent("""
     import json, os, sys
-    seen = {"sys": os.path.isdir("/sys"), "fs": os.path.exists("/sys/fs/cgroup"), "write": None, "real": []}
+    seen = {"sys": os.path.isdir("/sys"), "fs": os.path.exists("/sys/fs/cgroup"), "write": None, "real": [],
+            "net": os.path.exists("/sys/class/net"), "ro": None}
+    if os.path.isdir("/sys/bus/pci"):
+        seen["ro"] = bool(os.statvfs("/sys/bus/pci").f_flag & os.ST_RDONLY)
     if os.path.isdir("/sys/class/pci_bus"):
         for bus in sorted(os.listdir("/sys/class/pci_bus"))[:2]:  # what NCCL resolves for each GPU
             seen["real"].append(os.path.realpath(f"/sys/class/pci_bus/{bus}/device"))
@@ -311,9 +314,9 @@ SYSFS_PROBE = textwrap.dedent("""
 @pytest.mark.parametrize("sysfs", [True, False])
 def test_a_multi_gpu_stage_sees_the_device_tree_read_only_and_others_see_none(sysfs: bool, tmp_path: Path) -> None:
     """NCCL finds how a stage's GPUs connect through `realpath(/sys/class/pci_bus/…)` and fails
-    without /sys: a stage of 2 GPUs or more (`needs_sysfs`) gets `/sys/devices`, `/sys/class` and
-    `/sys/bus` read-only, nothing else of /sys (no cgroup tree); any other stage no /sys at all. A
-    real sandbox; the GPU count is stood in for by the spec's `sysfs` (no GPU node here)."""
+    without /sys: a stage of 2 GPUs or more (`needs_sysfs`) gets the PCI tree and NUMA nodes of /sys,
+    read-only, nothing else (no cgroup tree, no network interfaces); any other stage no /sys at all.
+    A real sandbox; the GPU count is stood in for by the spec's `sysfs` (no GPU node here)."""
     from pipeline.executors.sandbox import needs_sysfs
 
     assert needs_sysfs({"gpus": 2}) and needs_sysfs({"gpus": 8}) and not needs_sysfs({"gpus": 1})
@@ -333,12 +336,12 @@ def test_a_multi_gpu_stage_sees_the_device_tree_read_only_and_others_see_none(sy
     assert res.status == "ok", (tmp_path / "probe.log").read_text()[-3000:]  # type: ignore[attr-defined]
     seen = json.loads((out / "sys.json").read_text())
     if not sysfs:
-        assert seen == {"sys": False, "fs": False, "write": None, "real": []}
+        assert seen == {"sys": False, "fs": False, "write": None, "real": [], "net": False, "ro": None}
         return
-    assert seen["sys"] and not seen["fs"], seen
+    assert seen["sys"] and not seen["fs"] and not seen["net"], seen
     if Path("/sys/class/pci_bus").is_dir():  # a machine with a PCI bus (a VM may have none): as NCCL sees it
         assert seen["real"] and all(r.startswith("/sys/devices/pci") for r in seen["real"]), seen
-        assert seen["write"] in ("Read-only file system", "Permission denied"), seen
+        assert seen["ro"] is True and seen["write"] in ("Read-only file system", "Permission denied"), seen
 
 
 TORCHRUN = textwrap.dedent("""
@@ -492,6 +495,15 @@ def test_a_waiter_from_outside_the_driver_gets_the_next_free_share_and_the_reser
     pool.give_back("stage-2")
     took = [pool.take(f"q{i}", 0.25, keep=0.25, yield_to_waiters=True) for i in range(4)]
     assert took == [["0"], ["0"], ["0"], None] and pool.take("score", 0.25) == ["0"]
+    for h in ("q0", "q1", "q2", "score"):
+        pool.give_back(h)
+    # the reserve and a waiter together: a stage that would leave room for one of them, not both, waits
+    assert [pool.take(f"d{i}", 0.25, keep=0.25, yield_to_waiters=True) for i in range(3)] == [["0"]] * 3
+    # a smoke stage keeps the reserve too (its executor's `reserve`): full but the reserve, it waits
+    assert pool.take("smoke", 0.25, keep=0.25, wait=True) is None
+    pool.give_back("d2")
+    assert pool.take("d3", 0.25, keep=0.25, yield_to_waiters=True) is None  # it yields to the smoke stage
+    assert pool.take("smoke", 0.25, keep=0.25, wait=True) == ["0"] and pool.take("score", 0.25, reserved=True) == ["0"]
     assert capacity(0.25, 1, keep=0.25) == 3 and capacity(1, 1, keep=0.25) == 0 and capacity(1, 2, keep=0.5) == 1
     from pipeline.errors import UserError
 

@@ -110,3 +110,44 @@ def test_a_stopping_driver_leaves_a_long_prepare_and_gives_its_runs_back(tmp_pat
     with store.session() as s:
         (call,) = s.exec(select(HarnessExec))
     assert (call.kind, call.outcome) == ("prepare", "failed") and call.wall_s >= 1.0  # booked for what it spent
+
+
+def test_a_stopping_driver_leaves_a_slow_scorer_and_gives_the_claimed_run_back(tmp_path: Path) -> None:
+    """A claimed run whose stages are done and whose scorer hangs: the stop ends the scorer, the run
+    goes back to the queue (not failed: the scorer is not the method), close scores nothing more, and
+    the scorer's time is booked. Its stage's output stays in the cache for the next driver."""
+    from sqlmodel import select
+
+    from pipeline import experiment, runner
+    from pipeline.executors import make_executor
+    from pipeline.store.tables import HarnessExec
+
+    marker = tmp_path / "scoring"
+    lab = command_lab(tmp_path / "lab", prepare=None)
+    research = Path(lab.root) / "research.toml"  # type: ignore[attr-defined]
+    score = f"""python -c 'import time; open("{marker}", "w"); time.sleep(120)' {{predictions}} {{sealed}}"""
+    text = research.read_text()
+    research.write_text(re.sub(r"^score = .*$", lambda _: f"score = '''{score}'''", text, flags=re.M))
+    from pipeline.lab import load_lab
+
+    lab = load_lab(lab.root)  # type: ignore[attr-defined]
+    store = experiment.open_store(lab)
+    ids = experiment.ensure_runs(store, lab, "autoresearch/baseline", lab.tasks()[:1], [0, 1])
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not marker.exists() and not stop.is_set():
+            time.sleep(0.05)
+        time.sleep(0.3)
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    with runner.Driver(lab, store, make_executor("local", lab)) as d:
+        d.drive(until=ids, stop=stop, timeout_s=200)
+        t_stop = time.monotonic()
+    assert marker.exists() and time.monotonic() - t_stop < 10  # closed without scoring the other run
+    assert {r.status for r in store.runs(ids)} == {"queued"}
+    assert all(r.requeues == 0 for r in store.runs(ids))  # given back, not counted as lost
+    with store.session() as s:
+        scores = [c for c in s.exec(select(HarnessExec)) if c.kind == "score"]
+    assert scores and all(c.outcome == "failed" for c in scores) and scores[0].wall_s >= 0.2

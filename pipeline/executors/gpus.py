@@ -146,8 +146,11 @@ class GpuPool:
             for ids, each in options:
                 after = _after(self._used, (ids, each))
                 shut = set(self._closed) | (set(ids) if alone else set())
-                if keep and not _fits(after, [keep]):  # `prepare`/`score` may use a closed GPU's room
-                    continue
+                if keep:  # placed first (`prepare`/`score` may use a closed GPU's room), then the waiters
+                    kept = _place(after, keep)
+                    if kept is None:
+                        continue
+                    after = _after(after, kept)
                 if needs and not _fits(after, needs, shut):
                     continue
                 placed = (ids, each)

@@ -191,7 +191,7 @@ class LocalExecutor:
         extra = dict(result.extra)
         if self._gpu_of.pop(result.job_id, None) is not None and self.pool is not None:
             held = self.pool.give_back(result.job_id)
-            if held is not None:  # the GPUs it held: its share, or a whole GPU when it ran alone
+            if held is not None:  # the GPUs it held: its share, or its GPU (but the reserve) when it ran alone
                 extra["gpu_share"] = held.share * len(held.ids)
                 if not result.wall_s:  # lost with the worker, or cancelled: it held them until now
                     result = JobResult(**{**result.__dict__, "wall_s": time.monotonic() - held.since})

@@ -706,6 +706,7 @@ class RayExecutor:
         cancelled = False
         try:
             ref = slot.actor.run.remote(item[1], item[2], item[3])
+            self._began[job.job_id] = time.monotonic()  # lost with its actor: booked for the time it held the GPU
             while not ray.wait([ref], timeout=0.2)[0]:
                 if stopped():  # again each pass: one sent while the node still unpacks is not heard
                     slot.actor.cancel.remote(job.job_id)
@@ -751,6 +752,7 @@ class RayExecutor:
             self._alone.clear()
             self._crowded.clear()
             self._retried.clear()
+            self._began.clear()
         for slot in slots:
             self._kill(slot)
         self._refs.clear()

@@ -25,8 +25,8 @@ The outer process builds a new root on a tmpfs and the stage pivots into it (the
 - a private `/tmp` (tmpfs of `tmp_max_mb`) and `/dev/shm` (`shm_max_mb`, 64 MB: tmpfs is RAM no
   rlimit counts, see pipeline.memory.MemoryPlan), a minimal `/dev` (with `gpus`: the NVIDIA control nodes
   and only the stage's own `/dev/nvidia<N>`, see `gpu_plan`), a fresh `/proc`; for a stage of two
-  GPUs or more, the device tree (`/sys/devices`, `/sys/class`, `/sys/bus`) read-only, where NCCL
-  reads how its GPUs connect (`needs_sysfs`).
+  GPUs or more, the PCI tree and the NUMA nodes of /sys read-only, where NCCL reads how its GPUs
+  connect (`needs_sysfs`, `sysfs_paths`; not the network, block devices or cgroups).
 
 Nothing else exists inside: not the lab's `runs/` (seal, store, cache, worktrees, logs), not
 `$HOME`. The stage then drops every capability, becomes an unprivileged uid (a fresh one per stage
@@ -66,7 +66,9 @@ SYSTEM_RO = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/e
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 GPU_CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")  # no GPU's own
 NVIDIA_PROC = "/proc/driver/nvidia/gpus"  # one folder per GPU, by PCI bus id: its minor and UUID
-SYSFS = ("/sys/devices", "/sys/class", "/sys/bus")  # a multi-GPU stage's view of the device tree (`needs_sysfs`)
+# a multi-GPU stage's view of the device tree (`needs_sysfs`): the PCI tree (and each root complex
+# under /sys/devices), the NUMA nodes; not the network, block devices, DMI, hwmon, the cgroups
+SYSFS = ("/sys/devices/system/node", "/sys/class/pci_bus", "/sys/bus/pci")
 NEWROOT_CANDIDATES = ("/mnt", "/srv", "/media", "/boot", "/var/tmp", "/opt")
 OWN_PACKAGES = ("pipeline", "agent")
 MAX_OUT_FILES = 100_000
@@ -349,6 +351,15 @@ def stage_gpu_ids(spec: dict[str, Any]) -> list[str]:
     return [str(g).strip() for g in ids if str(g).strip() and str(g).strip() != "-1"]
 
 
+def sysfs_paths() -> list[str]:
+    """What of /sys a multi-GPU stage sees, read-only: `SYSFS` and the PCI root complexes (those present)."""
+    try:
+        roots = sorted(f"/sys/devices/{n}" for n in os.listdir("/sys/devices") if n.startswith("pci"))
+    except OSError:
+        roots = []
+    return [p for p in (*roots, *SYSFS) if os.path.isdir(p)]
+
+
 def needs_sysfs(spec: dict[str, Any]) -> bool:
     """Whether the stage sees the machine's device tree (`SYSFS`, read-only): `spec["sysfs"]`, by
     default a stage of 2 GPUs or more (NCCL reads the PCI topology there, and fails without it)."""
@@ -388,9 +399,8 @@ def _build_root(spec: dict[str, Any]) -> str:
         os.symlink(target, f"{dev}/{link}")
     _mount("tmpfs", _makedirs_in(root, "/dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={int(spec['shm_max_mb'])}m")
     if needs_sysfs(spec):  # NCCL finds how the GPUs connect there (realpath of /sys/class/pci_bus/…)
-        for path in SYSFS:
-            if os.path.isdir(path):
-                _bind(path, _makedirs_in(root, path), readonly=True)
+        for path in sysfs_paths():
+            _bind(path, _makedirs_in(root, path), readonly=True)
     _mount("tmpfs", _makedirs_in(root, "/tmp"), "tmpfs", MS_NOSUID | MS_NODEV,
            f"mode=1777,size={int(spec['tmp_max_mb'])}m")
     for path in env:
