@@ -278,6 +278,7 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
         raise InfrastructureFailure(f"no GPU came free for {argv[0]} in {timeout_s:.0f} s")
     try:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(held)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # indices as nvidia-smi and the pool number them
         if sandbox is not None:
             sandbox |= {"gpus": gpus, "gpu_ids": held}
             env["CUDA_VISIBLE_DEVICES"] = inside_gpu_ids(held, env["CUDA_VISIBLE_DEVICES"])

@@ -205,6 +205,7 @@ def test_a_gpu_labs_smoke_stage_gets_its_gpu_node_and_no_rlimit(tmp_path: Path, 
     finally:
         runner.close()
     assert spec["memory_mb"] is None and spec["sandbox"]["gpus"] == 1 and spec["sandbox"]["gpu_ids"] == ["0"]
+    assert spec["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # index 0 is nvidia-smi's GPU 0, not CUDA's fastest
     dev, proc = fake_dev(tmp_path), fake_proc(tmp_path, [0, 1, 2, 3])
     bound = device_nodes(spec["sandbox"], str(dev), str(proc))
     assert "nvidia0" in bound and "nvidiactl" in bound and "nvidia1" not in bound

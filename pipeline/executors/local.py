@@ -278,6 +278,8 @@ class LocalExecutor:
                 raise InfrastructureFailure(f"no GPU taken for job {job.job_id}")
             self._gpu_of[job.job_id] = held.ids
             env["CUDA_VISIBLE_DEVICES"] = ",".join(held.ids)
+            # indices as nvidia-smi, NVML and the pool number them (CUDA's own default puts the fastest first)
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         else:  # a CPU stage sees no GPU, whether the driver's environment names them or not
             env["CUDA_VISIBLE_DEVICES"] = ""
         sandbox = None
