@@ -404,6 +404,21 @@ class Experiment:
     def finished(self, ids: list[int]) -> bool:
         return all(RunStatus(r.status).is_finished() for r in self.store.runs(ids))
 
+    def ran_alone(self, base_commit: str, commit: str) -> str | None:
+        """Why a challenger's gain is held for a human because its stages ran alone on their GPU more
+        often than its baseline's, or None. A stage that ran out of CUDA memory beside another is run
+        again with the GPU alone (a neighbour must not fail a hypothesis); the out-of-memory is read
+        from the stage's log, which branch code writes, and a lab whose training is bounded by time
+        gets more compute alone. So a challenger with such runs, at more than twice its baseline's
+        rate, is never promoted without a human."""
+        sha, base = resolve_commit(self.lab, commit), resolve_commit(self.lab, base_commit)
+        k, n = self.store.alone_retries(sha)
+        j, m = self.store.alone_retries(base)
+        if not k or not n or (m and j and k / n <= 2 * j / m):
+            return None
+        return (f"{k} of its {n} runs ran a stage again alone on its GPU after a CUDA out-of-memory beside "
+                f"another stage (its baseline: {j} of {m}); alone, a stage that trains for a fixed time gets more compute")
+
     def judge_look(self, base_commit: str, commit: str, look: int, *, record_as: str | None = None) -> GateResult:
         """The gate's result at a look, from the store's results (never from the policy). With
         `record_as`, it is recorded as that key's gate record at this look (the agent's hypothesis

@@ -11,6 +11,9 @@ from typing import Any
 from pipeline.outcomes import StageOutcome
 
 
+OOM_ALONE_DETAIL = "CUDA out of memory on a GPU shared with other stages; run again alone"  # the lost attempt's row
+
+
 class GpuAccounting:
     """`pipeline.runner.Driver`'s GPU accounting (its `executor`, `store`, `_gpu_usage_*` counters)."""
 
@@ -47,4 +50,4 @@ class GpuAccounting:
                                            log_path=str(fl.job.log_path))
             self.store.stage_finished(eid, StageOutcome.INFRA, cpu_s=lost["cpu_s"], wall_s=lost["wall_s"],
                                       gpu_s=lost["gpu_s"], host=res.host,
-                                      detail="CUDA out of memory on a GPU shared with other stages; run again alone")
+                                      detail=OOM_ALONE_DETAIL)

@@ -179,9 +179,9 @@ _gpu_runners = threading.local()  # this thread's open `gpu_runner` blocks
 
 @contextmanager
 def gpu_runner(runner: Any) -> Iterator[None]:
-    """Inside the block, a `run_once` of this thread given a GPU runs through `runner` (the Ray
-    executor's `run_harness`: on the cluster, on a share held for `prepare`/`score`) instead of on
-    this machine. None: no change (a block that needs no runner)."""
+    """Inside the block, a `run_once` of this thread for `prepare` or `score` (`reserved`) given a GPU
+    runs through `runner` (the Ray executor's `run_harness`: on the cluster, on a share held for
+    them) instead of on this machine. None: no change (a block that needs no runner)."""
     stack = _gpu_runners.__dict__.setdefault("stack", [])
     stack.append(runner)
     try:
@@ -251,8 +251,8 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
         if done.interrupted:
             raise Interrupted(abandoned)
         return done
-    remote = _gpu_runner()
-    if remote is not None:  # on the cluster's share for prepare/score (`gpu_runner`)
+    remote = _gpu_runner() if reserved else None
+    if remote is not None:  # `prepare`/`score` on the cluster's share for them (`gpu_runner`); never branch code
         from pipeline.executors.base import lab_env
 
         if sandbox is not None:

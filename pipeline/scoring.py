@@ -32,14 +32,18 @@ class Scoring:
         per run. A `prepare` that found its dataset made (no process, no CPU to speak of) is not booked."""
         from pipeline.isolation import gpu_runner, metered
 
-        started, ok = time.time(), False
+        started, ok, stopped = time.time(), False, False
         try:
             with metered() as meter, gpu_runner(harness_runner(self.executor)):
                 value = call()
             ok = True
             return value
+        except Interrupted:
+            stopped = True
+            raise
         finally:
-            if not (ok and kind == "prepare" and not meter.processes and meter.cpu_s < FOUND_MADE_CPU_S):
+            found_made = ok and kind == "prepare" and not meter.processes and meter.cpu_s < FOUND_MADE_CPU_S
+            if not found_made and not (stopped and not meter.processes):  # stopped before it started: nothing ran
                 self._harness_books.append(dict(
                     kind=kind, run_id=run_id, ok=ok, cpu_s=meter.cpu_s, gpu_s=meter.gpu_s, wall_s=meter.wall_s,
                     started_at=started))

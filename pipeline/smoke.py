@@ -153,6 +153,7 @@ class SmokeRunner:
     def executor(self) -> Any:
         if self._executor is None:
             from pipeline.executors.local import DEFAULT_PRELOAD, LocalExecutor
+            from pipeline.scoring import harness_runner
 
             run = self.lab.config.run
             logs = self.lab.state / "logs"
@@ -160,7 +161,8 @@ class SmokeRunner:
             self._executor = LocalExecutor(cpus=run.cpus, gpus=self.gpus, slots=1, worker_log=logs / "smoke-worker.log",
                                            preload=DEFAULT_PRELOAD if run.preload is None else run.preload,
                                            priority=True,  # the driver's executor yields it the next free share
-                                           reserve=max(run.prepare_gpus, run.score_gpus))  # and `score`'s room kept
+                                           # and `score`'s room kept, unless they run on the cluster
+                                           reserve=0.0 if harness_runner(self.lender) else max(run.prepare_gpus, run.score_gpus))
         return self._executor
 
     def job(self, argv: list[str], cwd: Path, out: Path, log: Path, timeout_s: float, inputs: list[Path] = (),

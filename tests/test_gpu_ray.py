@@ -388,8 +388,22 @@ def test_prepare_and_score_given_a_gpu_run_on_the_clusters_share_from_a_driver_w
             preds = tmp_path / "preds" / "predictions.csv"
             preds.write_text("id,score\n" + "".join(f"{int(i)},0.5\n" for i in ids))
             value = harness.score(prepared, lab.tasks()[0], preds, bench.metric)
+            # what such a process sees on the node: the GPU Ray gave the harness's actor
+            seen = tmp_path / "seen.txt"
+            done = isolation.run_once(lab, ["python", "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"],
+                                      cwd=tmp_path / "preds", log=tmp_path / "seen.log", timeout_s=60, ro=[],
+                                      stdout=seen, gpus=0.25, reserved=True)
+            assert done.returncode == 0 and seen.read_text().strip() not in ("", "-1"), seen.read_text()
+            # a stop ends a call on the cluster too: `Interrupted`, in seconds, not the sleeper's 120 s
+            stop = threading.Event()
+            threading.Timer(1.0, stop.set).start()
+            t0 = time.monotonic()
+            with isolation.stopping(stop), pytest.raises(Interrupted):
+                isolation.run_once(lab, ["python", "-c", "import time; time.sleep(120)"], cwd=tmp_path / "preds",
+                                   log=tmp_path / "sleep.log", timeout_s=300, ro=[], gpus=0.25, reserved=True)
+            assert time.monotonic() - t0 < 20
         results = run_all(ex, [stage(tmp_path, "after", 0.1)])  # the slots still run stages
     assert value == pytest.approx(float(np.log(2)), rel=1e-9)  # log-loss of 0.5 everywhere
     assert (prepared.public / "train.npz").is_file() and (prepared.public / ".prepared").is_file()
-    assert meter.processes == 2 and meter.gpu_s > 0  # both on the books, with their GPU share
+    assert meter.processes == 4 and meter.gpu_s > 0  # all on the books, with their GPU share
     assert results["after"].status == "ok"  # type: ignore[attr-defined]

@@ -658,3 +658,51 @@ def test_smoke_runs_are_booked_with_their_cpu_and_gpu_time(work: Path, tmp_path:
     assert store.goodput(since=ok.started_at + 1e-3).smoke_runs == 1  # `digest`'s period: the later one only
     assert views.smoke_line(c).startswith("smoke runs: 2 (1 rejected), ") and "GPU-h" in views.smoke_line(c)
     assert f"smoke runs {c['smoke_gpu_s'] / 3600:.3f} h" in views.gpu_line(c)
+
+
+def test_a_gain_measured_with_more_stages_run_alone_than_its_baselines_is_held_for_a_human(tmp_path: Path) -> None:
+    """A CUDA OOM beside another stage buys a stage a rerun with its GPU alone, and the OOM is read from
+    a log branch code writes: a challenger could print one to get a GPU to itself, which in a lab that
+    trains for a fixed time is more compute than its baseline had. A challenger with such runs at
+    more than twice its baseline's rate is never promoted without a human (`Experiment.ran_alone`,
+    the decide node's hold); at the baseline's rate, or with none, nothing is said."""
+    from pipeline import experiment
+    from pipeline.gpu_accounting import OOM_ALONE_DETAIL
+    from pipeline.labrepo import resolve_commit
+    from pipeline.lease import Owner
+    from pipeline.outcomes import StageOutcome
+    from pipeline.store.tables import Result
+    from support.lab import git
+
+    lab = gpu_lab(tmp_path / "lab", 'sandbox = "off"\n', gpus="0.5")
+    store = experiment.open_store(lab)
+    exp = experiment.Experiment(lab, store)
+    root = Path(lab.root)  # type: ignore[attr-defined]
+    base = resolve_commit(lab, "autoresearch/baseline")
+    tree = git(root, "rev-parse", f"{base}^{{tree}}").strip()
+    challenger = git(root, "commit-tree", tree, "-p", base, "-m", "a challenger").strip()
+
+    def measured(commit: str, alone: int, runs: int = 6) -> None:
+        store.ensure_arm(commit)
+        store.enqueue(commit, [("a", s) for s in range(runs)])
+        for i, claim in enumerate(store.claim(Owner.current(), runs)):
+            if i < alone:  # its first attempt's row, as `_record_gpu_extra` books it
+                eid = store.stage_started(claim.run.id, "pretrain", "k" * 64, executor="local", log_path=None)
+                store.stage_finished(eid, StageOutcome.INFRA, detail=OOM_ALONE_DETAIL)
+            store.finish(claim, Result(run_id=claim.run.id, commit=commit, task="a", seed=claim.run.seed, value=0.5))
+
+    measured(base, 0)
+    assert exp.ran_alone("autoresearch/baseline", challenger) is None  # nothing measured of it yet
+    measured(challenger, 2)
+    why = exp.ran_alone("autoresearch/baseline", challenger)
+    assert why is not None and why.startswith("2 of its 6 runs ran a stage again alone") and "baseline: 0 of 6" in why
+    assert store.alone_retries(challenger) == (2, 6) and store.alone_retries(base) == (0, 6)
+    from sqlmodel import select
+
+    with store.session() as s:  # a baseline that ran alone as often: no hold
+        rows = list(s.exec(select(Result).where(Result.commit == base)))
+    for r in rows[:2]:
+        eid = store.stage_started(r.run_id, "pretrain", "k" * 64, executor="local", log_path=None)
+        store.stage_finished(eid, StageOutcome.INFRA, detail=OOM_ALONE_DETAIL)
+    assert exp.ran_alone("autoresearch/baseline", challenger) is None
+    exp.close()

@@ -218,7 +218,8 @@ class Nodes(Implement):
     def _too_good(self, h: Hypothesis, verdict: Verdict | None) -> str | None:
         if verdict != Verdict.improvement:
             return None
-        return implausible(self.svc.records.latest_verdict(h.id), self.svc.lab.config)
+        why = implausible(self.svc.records.latest_verdict(h.id), self.svc.lab.config)
+        return why or (self.svc.experiment.ran_alone(h.base_commit, h.commit) if h.commit else None)
 
     def _choice(self, h: Hypothesis, look: int, verdict: Verdict | None, allowed: list[Decision]) -> Choice:
         """The policy's choice at this look, within `allowed`; stored before any side effect, so a

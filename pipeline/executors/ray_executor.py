@@ -59,6 +59,7 @@ from pipeline.executors.local import DEFAULT_PRELOAD
 
 MAX_PINNED_INPUTS = 256  # input folders kept in the object store for reuse by later stages
 USAGE_GIVE_UP_S = 60.0  # an actor that has not answered `take_usage` in this long is asked no more
+HARNESS_GRACE_S = 30.0  # past its timeout (or a stop), a harness call the node does not end is lost
 WARM_TIMEOUT_S = 300.0  # a node importing torch and peft takes seconds; a worker Ray cannot place, for ever
 AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
              "RAY_AUTH_MODE=disabled, or give both the same token")
@@ -137,13 +138,20 @@ class RayExecutor:
         resources = ray.cluster_resources()
         by_cpu = int(resources.get("CPU", 1)) // cpus
         self.harness_gpus = harness_gpus
-        if gpus:  # a share (num_gpus = 0.25: Ray packs four on a GPU) or whole GPUs
-            n_gpus = int(resources.get("GPU", 0) + 1e-6)
-            if harness_gpus and capacity(gpus, n_gpus) >= 1 > capacity(gpus, n_gpus, keep=harness_gpus):
-                from pipeline.errors import UserError
+        n_gpus = int(resources.get("GPU", 0) + 1e-6)
+        no_room = None
+        if harness_gpus and not capacity(harness_gpus, n_gpus):
+            no_room = f"prepare_gpus/score_gpus = {harness_gpus:g} but the cluster has {n_gpus} GPU(s)"
+        elif harness_gpus and gpus and capacity(gpus, n_gpus) >= 1 > capacity(gpus, n_gpus, keep=harness_gpus):
+            no_room = (f"[run] gpus = {gpus:g} on the cluster's {n_gpus} GPU(s) leaves no room for "
+                       f"prepare_gpus/score_gpus = {harness_gpus:g}; lower one of them")
+        if no_room:
+            from pipeline.errors import UserError
 
-                raise UserError(f"[run] gpus = {gpus:g} on the cluster's {n_gpus} GPU(s) leaves no room for "
-                                f"prepare_gpus/score_gpus = {harness_gpus:g}; lower one of them")
+            if self._owns_ray:
+                ray.shutdown()
+            raise UserError(no_room)
+        if gpus:  # a share (num_gpus = 0.25: Ray packs four on a GPU) or whole GPUs
             by_cpu = min(by_cpu, capacity(gpus, n_gpus, keep=harness_gpus))
         self._slots = slots if slots is not None else max(1, by_cpu)
         self._sources = node_sources()
@@ -176,6 +184,7 @@ class RayExecutor:
         # wait for a slot only it frees. One at a time (`_harness_lock`), from any thread.
         self._harness: _Slot | None = _Slot(self._new_worker(gpus=harness_gpus, cpus=0)) if harness_gpus else None
         self._harness_lock = threading.Lock()
+        self._harness_inputs: dict[str, tuple[str, Any]] = {}  # its folders' (id, ref), oldest first
         self._idle: deque[_Slot] = deque(_Slot(self._new_worker()) for _ in range(self._slots))
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
             slots = [*([self._harness] if self._harness else []), *self._idle]
@@ -203,6 +212,16 @@ class RayExecutor:
     def slots(self) -> int:
         return self._slots
 
+    @staticmethod
+    def _ident(folder: Path) -> str:
+        """A folder's id on the nodes: its path, and its entries' names, sizes and mtimes."""
+        key = str(folder.resolve())
+        h = hashlib.sha256(key.encode())
+        for p in sorted(folder.rglob("*")):
+            st = p.lstat()  # a symlink (even a dangling one) counts as itself
+            h.update(f"{p.relative_to(folder)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        return h.hexdigest()[:24]
+
     def _input(self, folder: Path, keep: bool = True) -> tuple[str, Any]:
         """(id, ref) for an input folder. Folders the driver hands out (dataset by id, cache entries
         by key) never change once written; the id still hashes names, sizes and mtimes, so a node's
@@ -212,11 +231,7 @@ class RayExecutor:
         if keep and key in self._inputs:
             self._inputs.move_to_end(key)
             return self._inputs[key]
-        h = hashlib.sha256(key.encode())
-        for p in sorted(folder.rglob("*")):
-            st = p.lstat()  # a symlink (even a dangling one) counts as itself
-            h.update(f"{p.relative_to(folder)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        got = (h.hexdigest()[:24], self.ray.put(ray_task.pack(key)))
+        got = (self._ident(folder), self.ray.put(ray_task.pack(key)))
         if keep:
             self._inputs[key] = got
             while len(self._inputs) > MAX_PINNED_INPUTS:  # a job in flight holds its own refs
@@ -462,74 +477,118 @@ class RayExecutor:
                     sandbox: dict[str, Any] | None, env: dict[str, str], gpus: float, stop: Any = None,
                     cpus: int = 1, memory_mb: int | None = None) -> dict[str, Any]:
         """A harness command (`prepare`, `score`) given a GPU, run on the cluster on the executor's
-        harness share (`isolation.run_once` calls it where the loop's machine has no GPU for it).
+        harness share (`isolation.run_once` calls it inside `isolation.gpu_runner`, which the driver
+        and the smoke run open when this executor holds such a share).
 
-        `cwd` (the trusted files) and the folders of `ro` travel as input trees; `rw` and `out` are
-        folders it writes, sent back and unpacked into them, as `stdout` and `log` are written here.
-        Returns `isolation.Completed`'s fields; `stop` (anything with `is_set`) cancels it."""
-        if self._harness is None:
-            raise InfrastructureFailure("this Ray executor holds no GPU for prepare/score "
-                                        "([run] prepare_gpus/score_gpus are 0)")
+        `cwd` (the trusted files) and the folders of `ro` travel as input trees, unpacked in the
+        job's own folder on the node and removed with it (a file of `ro` travels alone: the
+        predictions, not the rest of their stage's output); `rw` and `out` are folders it writes,
+        sent back and unpacked into them, as `stdout` and `log` are written here. Returns
+        `isolation.Completed`'s fields; `stop` (anything with `is_set`) or `close` cancels it
+        (`Interrupted`), a node or actor lost is `InfrastructureFailure`."""
         if gpus > self.harness_gpus + 1e-9:
             raise InfrastructureFailure(f"{argv[0]} asks {gpus:g} GPU but the executor holds {self.harness_gpus:g} "
                                         "for prepare/score")
         with self._harness_lock:
-            return self._run_harness(argv, cwd, ro, rw, out, stdout, log, timeout_s, sandbox, env, stop, cpus,
-                                     memory_mb, gpus)
+            if self._closed or self._harness is None:
+                raise Interrupted(f"stopping: {Path(argv[0]).name} abandoned (the Ray executor is closed)")
+            return self._run_harness(self._harness, argv, cwd, ro, rw, out, stdout, log, timeout_s, sandbox, env,
+                                     stop, cpus, memory_mb, gpus)
 
-    def _run_harness(self, argv: list[str], cwd: Path, ro: list[Path | str], rw: list[Path | str],
+    def _harness_input(self, folder: Path) -> tuple[str, Any]:
+        """`_input` for the harness's own folders (the trusted files, the sealed data: they do not
+        change), kept for its later calls (under `_harness_lock`)."""
+        ident = self._ident(folder)
+        got = self._harness_inputs.get(str(folder))
+        if got is None or got[0] != ident:
+            got = self._input(folder, keep=False)
+            self._harness_inputs[str(folder)] = got
+            while len(self._harness_inputs) > 8:
+                self._harness_inputs.pop(next(iter(self._harness_inputs)))
+        return got
+
+    def _run_harness(self, slot: _Slot, argv: list[str], cwd: Path, ro: list[Path | str], rw: list[Path | str],
                      out: Path | None, stdout: Path | None, log: Path, timeout_s: float,
                      sandbox: dict[str, Any] | None, env: dict[str, str], stop: Any, cpus: int,
                      memory_mb: int | None, gpus: float) -> dict[str, Any]:
         import tempfile
         import uuid
 
-        assert self._harness is not None
+        ray = self.ray
+        name = Path(argv[0]).name
+        self._learn(slot)
         job_id = f"harness-{uuid.uuid4().hex}"
         writes = [Path(p) for p in rw] + ([Path(out)] if out is not None else [])
-        mounts, seen = [], {str(Path(cwd)), *map(str, writes)}
-        for path in ro:  # a file travels in its folder (the predictions file: its stage's output)
-            folder = Path(path) if Path(path).is_dir() else Path(path).parent
-            if str(folder) not in seen:
-                seen.add(str(folder))
-                ident, ref = self._input(folder, keep=False)  # any thread: nothing pinned
-                mounts.append((str(folder), ident, [ref]))
-        tree_id, tree_ref = self._input(Path(cwd), keep=False)
         log.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".harness-out-", dir=log.parent) as tmp:
+        with tempfile.TemporaryDirectory(prefix=".harness-", dir=log.parent) as tmp:
+            mounts, seen = [], {str(Path(cwd)), *map(str, writes)}
+            for i, path in enumerate(map(Path, ro)):
+                folder = path if path.is_dir() else path.parent
+                if str(folder) in seen:
+                    continue
+                seen.add(str(folder))
+                if path.is_dir():
+                    ident, ref = self._harness_input(path)
+                else:  # the file alone, in a folder of its own standing for its folder on the node
+                    alone = Path(tmp) / f"file{i}"
+                    alone.mkdir()
+                    shutil.copyfile(path, alone / path.name, follow_symlinks=False)
+                    ident, ref = self._input(alone, keep=False)
+                mounts.append((str(folder), ident, [ref]))
+            tree_id, tree_ref = self._harness_input(Path(cwd))
+            back = Path(tmp) / "out"
             spec = {
                 "job_id": job_id, "tree_id": tree_id, "argv": argv, "cwd": str(cwd), "sandbox": sandbox, "gpus": gpus,
-                "out": tmp, "outs": {str(w): f"w{i}" for i, w in enumerate(writes)}, "stdout": stdout is not None,
-                "timeout_s": timeout_s, "cpus": cpus, "memory_mb": memory_mb, "env": env,
+                "out": str(back), "outs": {str(w): f"w{i}" for i, w in enumerate(writes)}, "stdout": stdout is not None,
+                "private": True, "timeout_s": timeout_s, "cpus": cpus, "memory_mb": memory_mb, "env": env,
                 "env_allow": sorted(STAGE_ENV), "env_prefixes": list(STAGE_ENV_PREFIXES),
             }
             started = time.monotonic()
-            ref = self._harness.actor.run.remote(spec, [tree_ref], mounts)
-            interrupted = False
-            while not self.ray.wait([ref], timeout=0.2)[0]:
-                if stop is not None and stop.is_set() and not interrupted:
-                    interrupted = True
-                    self._harness.actor.cancel.remote(job_id)
+            deadline = started + timeout_s + HARNESS_GRACE_S  # the node kills it at timeout_s; past this, it is lost
+            ref = slot.actor.run.remote(spec, [tree_ref], mounts)
+            asked: float | None = None
+            while not ray.wait([ref], timeout=0.2)[0]:
+                if self._closed or (stop is not None and stop.is_set()):
+                    asked = asked or time.monotonic()
+                    slot.actor.cancel.remote(job_id)  # again each pass: one sent while the node unpacks is not heard
+                    if time.monotonic() - asked > HARNESS_GRACE_S:
+                        self._replace_harness(slot)
+                        raise Interrupted(f"stopping: {name} abandoned")
+                elif time.monotonic() > deadline:
+                    self._replace_harness(slot)
+                    raise InfrastructureFailure(f"{name} on the Ray cluster did not answer in {timeout_s:.0f} s")
             try:
-                res: dict[str, Any] = self.ray.get(ref)
-            except self.ray.exceptions.RayError as e:  # the actor or its node died: a fresh one for the next call
-                self._kill(self._harness)
-                self._harness = _Slot(self._new_worker(gpus=self.harness_gpus, cpus=0))
+                res: dict[str, Any] = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                if self._closed or asked:
+                    raise Interrupted(f"stopping: {name} abandoned") from None
+                if isinstance(e, ray.exceptions.RayActorError):  # the actor or its node died: a fresh one
+                    self._replace_harness(slot)
                 first = str(e).splitlines()[0][:300] if str(e) else ""
-                raise InfrastructureFailure(f"{Path(argv[0]).name} on the Ray cluster: {type(e).__name__}: {first}") from None
+                raise InfrastructureFailure(f"{name} on the Ray cluster: {type(e).__name__}: {first}") from None
             log.write_bytes(res.get("log") or b"")
             if stdout is not None:
                 Path(stdout).write_bytes(res.get("stdout") or b"")
-            if res["status"] == "ok":  # no entry written through a link; a link, hard link or device refused
-                safefs.extract_tar(io.BytesIO(res["out"]), Path(tmp), what=f"{Path(argv[0]).name}'s output")
+            status = res["status"]
+            if status == "infra" or (status == "cancelled" and not asked):  # the node's doing, not the harness's
+                raise InfrastructureFailure(f"{name} on the Ray cluster: {res.get('detail') or status}")
+            if status == "ok":  # no entry written through a link; a link, hard link or device refused
+                back.mkdir()
+                safefs.extract_tar(io.BytesIO(res["out"]), back, what=f"{name}'s output")
                 for i, w in enumerate(writes):  # into the folders the caller made
-                    got = Path(tmp) / f"w{i}"
+                    got = back / f"w{i}"
                     for entry in (got.iterdir() if got.is_dir() else ()):
                         os.replace(entry, w / entry.name)
-        return {"returncode": res["exit_code"] if res["status"] in ("ok", "exit") else None,
-                "signal": res["signal"], "timed_out": res["status"] == "timeout", "cpu_s": float(res["cpu_s"]),
-                "wall_s": float(res["wall_s"]) or time.monotonic() - started,
-                "interrupted": interrupted or res["status"] == "cancelled"}
+        return {"returncode": res["exit_code"] if status in ("ok", "exit") else None,
+                "signal": res["signal"], "timed_out": status == "timeout", "cpu_s": float(res["cpu_s"]),
+                "wall_s": float(res["wall_s"]) or time.monotonic() - started, "interrupted": bool(asked)}
+
+    def _replace_harness(self, slot: _Slot) -> None:
+        """A fresh actor for the harness's share (under `_harness_lock`), unless the executor closed."""
+        self._kill(slot)
+        if self._harness is slot and not self._closed:
+            actor = self._new_worker(gpus=self.harness_gpus, cpus=0)
+            self._harness = _Slot(actor, pending=actor.warm.remote())
 
     def _kill(self, slot: _Slot) -> None:
         try:

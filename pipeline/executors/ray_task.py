@@ -100,12 +100,14 @@ def unpack(data: bytes, dest: str, safefs: Any, what: str = "the tree") -> str:
     return dest
 
 
-def _materialise(kind: str, ident: str, ref_box: list[Any], safefs: Any) -> str:
-    """Unpack an archive into the node cache unless a previous stage on this node already did."""
+def _materialise(kind: str, ident: str, ref_box: list[Any], safefs: Any, under: str | None = None) -> str:
+    """Unpack an archive into the node cache unless a previous stage on this node already did; with
+    `under` (a harness job's own folder, removed at its end), there, afresh: the sealed data and the
+    trusted files are never left on a node, nor taken from what another process there could edit."""
     import ray
 
-    dest = os.path.join(NODE_CACHE, kind, ident)
-    if os.path.isdir(dest):
+    dest = os.path.join(under or NODE_CACHE, kind, ident)
+    if under is None and os.path.isdir(dest):
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     return unpack(ray.get(ref_box[0]), dest, safefs, what=f"the {'code view' if kind == 'tree' else 'input'} {ident}")
@@ -297,13 +299,16 @@ class WarmWorker:
         so Ray does not fetch archives this node already unpacked."""
         started = time.monotonic()
         proc = self._start()
+        private = os.path.join(NODE_CACHE, "jobs", job["job_id"], "in") if job.get("private") else None
         try:
-            cwd = _materialise("tree", job["tree_id"], tree, self.safefs)
+            cwd = _materialise("tree", job["tree_id"], tree, self.safefs, private)
             path_map = {job["cwd"]: cwd}
             for driver_path, ident, box in mounts:
-                path_map[driver_path] = _materialise("input", ident, box, self.safefs)
+                path_map[driver_path] = _materialise("input", ident, box, self.safefs, private)
         except self.safefs.UnsafeTree as e:  # never run: the stage's failure, said in its log
             why = f"ray node: {e}"
+            if private is not None:
+                shutil.rmtree(os.path.dirname(private), ignore_errors=True)
             return {"cpu_s": 0.0, "wall_s": time.monotonic() - started, "exit_code": 1, "signal": None,
                     "host": _host(), "status": "exit", "detail": why[:300], "out": b"", "log": f"{why}\n".encode()}
         work = os.path.join(NODE_CACHE, "jobs", job["job_id"])

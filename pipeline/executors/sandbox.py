@@ -26,7 +26,7 @@ The outer process builds a new root on a tmpfs and the stage pivots into it (the
   rlimit counts, see pipeline.memory.MemoryPlan), a minimal `/dev` (with `gpus`: the NVIDIA control nodes
   and only the stage's own `/dev/nvidia<N>`, see `gpu_plan`), a fresh `/proc`; for a stage of two
   GPUs or more, the PCI tree and the NUMA nodes of /sys read-only, where NCCL reads how its GPUs
-  connect (`needs_sysfs`, `sysfs_paths`; not the network, block devices or cgroups).
+  connect (`needs_sysfs`, `sysfs_paths`; not /sys/class's other views, DMI or the cgroups).
 
 Nothing else exists inside: not the lab's `runs/` (seal, store, cache, worktrees, logs), not
 `$HOME`. The stage then drops every capability, becomes an unprivileged uid (a fresh one per stage
@@ -66,8 +66,9 @@ SYSTEM_RO = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/e
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 GPU_CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")  # no GPU's own
 NVIDIA_PROC = "/proc/driver/nvidia/gpus"  # one folder per GPU, by PCI bus id: its minor and UUID
-# a multi-GPU stage's view of the device tree (`needs_sysfs`): the PCI tree (and each root complex
-# under /sys/devices), the NUMA nodes; not the network, block devices, DMI, hwmon, the cgroups
+# a multi-GPU stage's view of the device tree (`needs_sysfs`): the PCI tree (each root complex under
+# /sys/devices: every device on the bus, network and storage controllers too), the NUMA nodes; not
+# /sys/class's other views, DMI, the cgroups
 SYSFS = ("/sys/devices/system/node", "/sys/class/pci_bus", "/sys/bus/pci")
 NEWROOT_CANDIDATES = ("/mnt", "/srv", "/media", "/boot", "/var/tmp", "/opt")
 OWN_PACKAGES = ("pipeline", "agent")

@@ -141,6 +141,18 @@ class Reads:
             rows = s.exec(q).all()
         return {int(r): (float(g), float(u) if u is not None else None) for r, g, u in rows if g}
 
+    def alone_retries(self, commit: str) -> tuple[int, int]:
+        """(runs of `commit` with a stage run again alone on its GPU after a CUDA OOM beside another
+        stage, runs of `commit` with a result)."""
+        from pipeline.gpu_accounting import OOM_ALONE_DETAIL
+
+        with self.session() as s:
+            alone = s.exec(select(func.count(func.distinct(StageExec.run_id)))  # type: ignore[call-overload]
+                           .join(Run, Run.id == StageExec.run_id)  # type: ignore[arg-type]
+                           .where(Run.commit == commit, StageExec.detail == OOM_ALONE_DETAIL)).one()
+            runs = s.exec(select(func.count(Result.id)).where(Result.commit == commit)).one()  # type: ignore[call-overload]
+        return int(alone), int(runs)
+
     def goodput(self, since: float | None = None) -> Goodput:
         with self.session() as s:
             q = select(StageExec.outcome, func.sum(StageExec.cpu_s), func.sum(StageExec.saved_cpu_s),  # type: ignore[call-overload]
