@@ -70,6 +70,8 @@ LOOK_RANK = 100  # queue priority: a look's place in the schedule outranks the c
 FROZEN_HISTORIES = 256  # frozen histories kept per Experiment (a few per hypothesis in flight)
 
 
+ALONE_HOLD_MIN = 2  # runs re-run alone after a CUDA OOM before a gain is held for it (`Experiment.ran_alone`)
+
 class TaskReverification(TypedDict):
     task: str
     fresh: float  # the champion's mean on its fresh seeds
@@ -410,11 +412,12 @@ class Experiment:
         again with the GPU alone (a neighbour must not fail a hypothesis); the out-of-memory is read
         from the stage's log, which branch code writes, and a lab whose training is bounded by time
         gets more compute alone. So a challenger with such runs, at more than twice its baseline's
-        rate, is never promoted without a human."""
+        rate (and `ALONE_HOLD_MIN` of them at least: one genuine out-of-memory is no pattern), is never
+        promoted without a human."""
         sha, base = resolve_commit(self.lab, commit), resolve_commit(self.lab, base_commit)
         k, n = self.store.alone_retries(sha)
         j, m = self.store.alone_retries(base)
-        if not k or not n or (m and j and k / n <= 2 * j / m):
+        if k < ALONE_HOLD_MIN or not n or (m and j and k / n <= 2 * j / m):
             return None
         return (f"{k} of its {n} runs ran a stage again alone on its GPU after a CUDA out-of-memory beside "
                 f"another stage (its baseline: {j} of {m}); alone, a stage that trains for a fixed time gets more compute")

@@ -259,10 +259,15 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
             sandbox |= {"gpus": gpus}  # the node binds the GPUs Ray gave its actor
         # as a Ray stage's: the node's own allow-listed environment (its CUDA_VISIBLE_DEVICES, Ray's
         # choice), the thread counts and the lab's `[run] env`
-        done = Completed(**remote(argv, cwd=cwd, ro=list(ro), rw=list(rw), out=out, stdout=stdout, log=log,
-                                  timeout_s=timeout_s, sandbox=sandbox, env=thread_env(cpus) | lab_env(lab.config.run.env),
-                                  gpus=gpus, stop=stop, cpus=cpus, memory_mb=once_memory_mb(lab, with_out=out is not None,
-                                                                                            gpus=gpus)))
+        began = time.monotonic()
+        try:
+            done = Completed(**remote(argv, cwd=cwd, ro=list(ro), rw=list(rw), out=out, stdout=stdout, log=log,
+                                      timeout_s=timeout_s, sandbox=sandbox,
+                                      env=thread_env(cpus) | lab_env(lab.config.run.env), gpus=gpus, stop=stop,
+                                      cpus=cpus, memory_mb=once_memory_mb(lab, with_out=out is not None, gpus=gpus)))
+        except (Interrupted, InfrastructureFailure):  # abandoned or lost there: it held its share until now
+            _spent(Completed(None, None, False, 0.0, time.monotonic() - began, interrupted=True), gpus)
+            raise
         _spent(done, gpus)
         if done.interrupted:
             raise Interrupted(abandoned)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pipeline.disk import open_regular
-from pipeline.errors import Interrupted
+from pipeline.errors import InfrastructureFailure, Interrupted
 from pipeline.harness import MethodFailure
 from pipeline.harness.base import HOLDOUT_SPLIT
 from pipeline.outcomes import ResultOutcome
@@ -75,6 +75,15 @@ class Scoring:
         except Interrupted:  # the driver stops: the run waits to be scored again, or goes back to the queue
             self.to_score.insert(0, run_id)
             raise
+        except InfrastructureFailure as e:  # the machinery's (a node lost, no GPU came free): scored again
+            a.infra_failures += 1
+            retries = self.lab.config.run.retries
+            if a.infra_failures <= retries:
+                log.warning("scoring run %s again: %s", run_id, e)
+                self.to_score.append(run_id)
+                return
+            self._finish(run_id, ResultOutcome.INFRA_FAILURE, None, "scorer", f"{e}; {retries} retries exhausted")
+            return
         except Exception as e:  # a scorer bug is not the method's failure; retrying would not help
             log.exception("scorer failed for run %s", run_id)
             self._finish(run_id, ResultOutcome.INFRA_FAILURE, None, "scorer", f"{type(e).__name__}: {e}")

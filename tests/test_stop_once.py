@@ -151,3 +151,39 @@ def test_a_stopping_driver_leaves_a_slow_scorer_and_gives_the_claimed_run_back(t
     with store.session() as s:
         scores = [c for c in s.exec(select(HarnessExec)) if c.kind == "score"]
     assert scores and all(c.outcome == "failed" for c in scores) and scores[0].wall_s >= 0.2
+
+
+def test_a_scorer_lost_to_the_machinery_is_run_again_then_failed_as_infrastructure(tmp_path: Path) -> None:
+    """A scorer that fails for the machinery's reason (`InfrastructureFailure`: a node lost, no GPU
+    came free) is not the method's failure nor final at once: the run is scored again, up to
+    `[run] retries` times, then recorded as the infrastructure's."""
+    from pipeline import experiment, runner
+    from pipeline.errors import InfrastructureFailure
+    from pipeline.executors.local import LocalExecutor
+    from support.tiny import TASKS, TinyHarness, make_lab, open_tiny_lab
+
+    class Flaky(TinyHarness):
+        def __init__(self, fail: int) -> None:
+            super().__init__()
+            self.fail, self.calls = fail, 0
+
+        def score(self, *a, **kw):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            if self.calls <= self.fail:
+                raise InfrastructureFailure("the scorer's node was lost")
+            return super().score(*a, **kw)
+
+    make_lab(tmp_path / "lab")
+    lab = open_tiny_lab(tmp_path / "lab")
+    store = experiment.open_store(lab)
+    retries = lab.config.run.retries
+    for fail, outcome in ((retries, "ok"), (10, "infra_failure")):
+        harness = Flaky(fail)
+        ids = experiment.ensure_runs(store, lab, "autoresearch/baseline", TASKS[:1], [fail], harness=harness)
+        with runner.Driver(lab, store, LocalExecutor(slots=1, preload=()), harness=harness) as d:
+            d.drive(until=ids, timeout_s=120)
+        (row,) = [r for r in store.results_for(experiment.resolve_commit(lab, "autoresearch/baseline"), TASKS[:1])
+                  if r.seed == fail]
+        assert row.outcome == outcome and harness.calls == retries + 1, (row.outcome, row.detail, harness.calls)
+        if outcome == "infra_failure":
+            assert row.kind == "scorer" and "retries exhausted" in (row.detail or "")

@@ -490,9 +490,11 @@ class RayExecutor:
             raise InfrastructureFailure(f"{argv[0]} asks {gpus:g} GPU but the executor holds {self.harness_gpus:g} "
                                         "for prepare/score")
         with self._harness_lock:
-            if self._closed or self._harness is None:
+            with self._lock:  # `close` sets both
+                slot = None if self._closed else self._harness
+            if slot is None:
                 raise Interrupted(f"stopping: {Path(argv[0]).name} abandoned (the Ray executor is closed)")
-            return self._run_harness(self._harness, argv, cwd, ro, rw, out, stdout, log, timeout_s, sandbox, env,
+            return self._run_harness(slot, argv, cwd, ro, rw, out, stdout, log, timeout_s, sandbox, env,
                                      stop, cpus, memory_mb, gpus)
 
     def _harness_input(self, folder: Path) -> tuple[str, Any]:
@@ -545,18 +547,25 @@ class RayExecutor:
             }
             started = time.monotonic()
             deadline = started + timeout_s + HARNESS_GRACE_S  # the node kills it at timeout_s; past this, it is lost
-            ref = slot.actor.run.remote(spec, [tree_ref], mounts)
             asked: float | None = None
-            while not ray.wait([ref], timeout=0.2)[0]:
-                if self._closed or (stop is not None and stop.is_set()):
-                    asked = asked or time.monotonic()
-                    slot.actor.cancel.remote(job_id)  # again each pass: one sent while the node unpacks is not heard
-                    if time.monotonic() - asked > HARNESS_GRACE_S:
+            try:
+                ref = slot.actor.run.remote(spec, [tree_ref], mounts)
+                while not ray.wait([ref], timeout=0.2)[0]:
+                    if self._closed or (stop is not None and stop.is_set()):
+                        asked = asked or time.monotonic()
+                        slot.actor.cancel.remote(job_id)  # again each pass: one sent while the node unpacks is not heard
+                        if time.monotonic() - asked > HARNESS_GRACE_S:
+                            self._replace_harness(slot)
+                            raise Interrupted(f"stopping: {name} abandoned")
+                    elif time.monotonic() > deadline:
                         self._replace_harness(slot)
-                        raise Interrupted(f"stopping: {name} abandoned")
-                elif time.monotonic() > deadline:
-                    self._replace_harness(slot)
-                    raise InfrastructureFailure(f"{name} on the Ray cluster did not answer in {timeout_s:.0f} s")
+                        raise InfrastructureFailure(f"{name} on the Ray cluster did not answer in {timeout_s:.0f} s")
+            except (Interrupted, InfrastructureFailure):
+                raise
+            except Exception as e:  # Ray going away under `close`, or an actor lost before it answered
+                if self._closed:
+                    raise Interrupted(f"stopping: {name} abandoned (the Ray executor is closed)") from None
+                raise InfrastructureFailure(f"{name} on the Ray cluster: {type(e).__name__}: {e}") from None
             try:
                 res: dict[str, Any] = ray.get(ref)
             except ray.exceptions.RayError as e:
@@ -586,9 +595,11 @@ class RayExecutor:
     def _replace_harness(self, slot: _Slot) -> None:
         """A fresh actor for the harness's share (under `_harness_lock`), unless the executor closed."""
         self._kill(slot)
-        if self._harness is slot and not self._closed:
-            actor = self._new_worker(gpus=self.harness_gpus, cpus=0)
-            self._harness = _Slot(actor, pending=actor.warm.remote())
+        self._harness_inputs.clear()  # refs that may have gone with it
+        with self._lock:
+            if self._harness is slot and not self._closed:
+                actor = self._new_worker(gpus=self.harness_gpus, cpus=0)
+                self._harness = _Slot(actor, pending=actor.warm.remote())
 
     def _kill(self, slot: _Slot) -> None:
         try:
@@ -814,6 +825,9 @@ class RayExecutor:
             self._began.clear()
         for slot in slots:
             self._kill(slot)
+        if self._harness_lock.acquire(timeout=HARNESS_GRACE_S):  # a harness call ends (`Interrupted`) first
+            self._harness_lock.release()
+        self._harness_inputs.clear()
         self._refs.clear()
         self._idle.clear()
         self._usage_asked.clear()

@@ -230,6 +230,7 @@ class WarmWorker:
         self.gpu_ids = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
         self.gpu_keys = [f"{_host()}:{g}" for g in self.gpu_ids]  # this node's GPUs, as the executor names them
         self.watch = GpuWatch(self.gpu_ids)
+        _sweep_harness_jobs()
 
     def _start(self) -> subprocess.Popen[bytes]:
         """The warm worker, started (and waited for: its "ready") unless it runs. The actor is threaded
@@ -296,7 +297,15 @@ class WarmWorker:
 
     def run(self, job: dict[str, Any], tree: list[Any], mounts: list[tuple[str, str, list[Any]]]) -> dict[str, Any]:
         """Run one stage on this node. `tree` and each mount carry an ObjectRef in a one-item list,
-        so Ray does not fetch archives this node already unpacked."""
+        so Ray does not fetch archives this node already unpacked. A harness job (`private`) leaves
+        nothing on the node, whatever ends it (its folder holds the sealed data)."""
+        try:
+            return self._run(job, tree, mounts)
+        finally:
+            if job.get("private"):
+                shutil.rmtree(os.path.join(NODE_CACHE, "jobs", job["job_id"]), ignore_errors=True)
+
+    def _run(self, job: dict[str, Any], tree: list[Any], mounts: list[tuple[str, str, list[Any]]]) -> dict[str, Any]:
         started = time.monotonic()
         proc = self._start()
         private = os.path.join(NODE_CACHE, "jobs", job["job_id"], "in") if job.get("private") else None
@@ -307,8 +316,6 @@ class WarmWorker:
                 path_map[driver_path] = _materialise("input", ident, box, self.safefs, private)
         except self.safefs.UnsafeTree as e:  # never run: the stage's failure, said in its log
             why = f"ray node: {e}"
-            if private is not None:
-                shutil.rmtree(os.path.dirname(private), ignore_errors=True)
             return {"cpu_s": 0.0, "wall_s": time.monotonic() - started, "exit_code": 1, "signal": None,
                     "host": _host(), "status": "exit", "detail": why[:300], "out": b"", "log": f"{why}\n".encode()}
         work = os.path.join(NODE_CACHE, "jobs", job["job_id"])
@@ -374,6 +381,25 @@ class WarmWorker:
     def cancel(self, job_id: str) -> None:
         if self.current == job_id and self.proc is not None and self.proc.poll() is None:
             self._send({"op": "cancel", "id": job_id})
+
+
+HARNESS_JOB_MAX_AGE_S = 86400.0
+
+
+def _sweep_harness_jobs() -> None:
+    """Remove harness job folders a killed actor left on this node (older than a day: none runs so long)."""
+    jobs = os.path.join(NODE_CACHE, "jobs")
+    try:
+        names = [n for n in os.listdir(jobs) if n.startswith("harness-")]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(jobs, name)
+        try:
+            if time.time() - os.stat(path).st_mtime > HARNESS_JOB_MAX_AGE_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _host() -> str:

@@ -142,15 +142,16 @@ class Reads:
         return {int(r): (float(g), float(u) if u is not None else None) for r, g, u in rows if g}
 
     def alone_retries(self, commit: str) -> tuple[int, int]:
-        """(runs of `commit` with a stage run again alone on its GPU after a CUDA OOM beside another
-        stage, runs of `commit` with a result)."""
+        """(measured runs of `commit` with a stage run again alone on its GPU after a CUDA OOM beside
+        another stage, measured runs of `commit`)."""
         from pipeline.gpu_accounting import OOM_ALONE_DETAIL
 
-        with self.session() as s:
+        measured = (Result.commit == commit, Result.outcome == ResultOutcome.OK)
+        with self.session() as s:  # both of the runs measured (a result, ok): none in flight or failed
             alone = s.exec(select(func.count(func.distinct(StageExec.run_id)))  # type: ignore[call-overload]
-                           .join(Run, Run.id == StageExec.run_id)  # type: ignore[arg-type]
-                           .where(Run.commit == commit, StageExec.detail == OOM_ALONE_DETAIL)).one()
-            runs = s.exec(select(func.count(Result.id)).where(Result.commit == commit)).one()  # type: ignore[call-overload]
+                           .join(Result, Result.run_id == StageExec.run_id)  # type: ignore[arg-type]
+                           .where(*measured, StageExec.detail == OOM_ALONE_DETAIL)).one()
+            runs = s.exec(select(func.count(Result.id)).where(*measured)).one()  # type: ignore[call-overload]
         return int(alone), int(runs)
 
     def goodput(self, since: float | None = None) -> Goodput:
