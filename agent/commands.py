@@ -172,7 +172,7 @@ def gpu_facts(lab: Any) -> dict[str, Any]:
     run as MPS clients: their kernels overlap instead of taking turns; a sandboxed stage's /tmp is
     its own, so it never finds MPS's pipe directory and its GPU is time-sliced)."""
 
-    return {"lab_gpus": lab.config.run.gpus, "mps": mps_running(), "sandboxed": lab.config.run.sandbox != "off"}
+    return {"lab_gpus": lab.config.run.gpus, "mps": mps_running(), "sandboxed": is_sandboxed(lab)}
 
 
 def _notify_status(store: Any) -> dict[str, Any]:

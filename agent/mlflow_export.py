@@ -194,10 +194,7 @@ class Exporter:
         try:
             self.export_compute()
         except (MlflowException, requests.RequestException) as e:  # as a hypothesis's refused run
-            refused = isinstance(e, MlflowException) and e.get_http_status_code() in REJECTED_HTTP
-            if not refused and not self._reachable():
-                raise InfrastructureFailure(f"cannot reach the MLflow tracking server: {_first_line(e)}") from None
-            failed.append({"hypothesis": None, "error": f"the lab's compute run: {_first_line(e)}"})
+            failed.append({"hypothesis": None, "error": str(self._refused(e, "the lab's compute run"))})
             log.warning("MLflow export: %s", failed[-1]["error"])
         return {"created": self.created, "updated": self.updated, "failed": failed}
 
@@ -211,7 +208,8 @@ class Exporter:
         values = {f"compute.{k}": float(v) for k, v in self.store.goodput().as_dict().items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         run = self._find(COMPUTE_TAG, "lab")
-        if run is None:
+        fresh = run is None
+        if fresh:
             run = self.client.create_run(self.experiment_id, run_name="lab compute",
                                          tags={COMPUTE_TAG: "lab", LAB_TAG: self.lab.config.lab.name})
             self.client.set_terminated(run.info.run_id)
@@ -219,12 +217,11 @@ class Exporter:
             have: dict[str, float] = {}
         else:
             have = run.data.metrics
-            if any(have.get(k) != v for k, v in values.items()):
-                self.updated += 1
         now = _ms()
         stale = [Metric(k, v, now, 0) for k, v in values.items() if have.get(k) != v]
         if stale:
             self._log(run.info.run_id, metrics=stale)
+            self.updated += not fresh
         return run.info.run_id
 
     def _find(self, key: str, value: str, parent: str | None = None) -> Any | None:
@@ -246,10 +243,17 @@ class Exporter:
         try:
             return self._export(h)
         except (MlflowException, requests.RequestException) as e:
-            refused = isinstance(e, MlflowException) and e.get_http_status_code() in REJECTED_HTTP
-            if refused or self._reachable():  # this hypothesis's run, not the server
-                raise AgentError(f"the MLflow tracking server refused #{h.id}: {_first_line(e)}") from None
-            raise InfrastructureFailure(f"cannot reach the MLflow tracking server: {_first_line(e)}") from None
+            raise self._refused(e, f"#{h.id}") from None
+
+    def _refused(self, e: Exception, what: str) -> AgentError:
+        """The error of a request the tracking server failed: `what`'s refusal (`AgentError`, to report
+        and try again next time), or, when the server does not answer, `InfrastructureFailure` (raised)."""
+        from mlflow.exceptions import MlflowException
+
+        refused = isinstance(e, MlflowException) and e.get_http_status_code() in REJECTED_HTTP
+        if refused or self._reachable():  # this run's, not the server's
+            return AgentError(f"the MLflow tracking server refused {what}: {_first_line(e)}")
+        raise InfrastructureFailure(f"cannot reach the MLflow tracking server: {_first_line(e)}") from None
 
     def _log(self, run_id: str, metrics: Sequence[Any] = (), params: Sequence[Any] = (),
              tags: Sequence[Any] = ()) -> None:

@@ -72,6 +72,7 @@ FROZEN_HISTORIES = 256  # frozen histories kept per Experiment (a few per hypoth
 
 ALONE_HOLD_MIN = 2  # runs re-run alone after a CUDA OOM before a gain is held for it (`Experiment.ran_alone`)
 
+
 class TaskReverification(TypedDict):
     task: str
     fresh: float  # the champion's mean on its fresh seeds

@@ -159,35 +159,32 @@ class _AnySet:
 
 
 @contextmanager
-def stopping(stop: threading.Event | None) -> Iterator[None]:
-    """Inside the block, a `run_once` of this thread ends when `stop` is set: it stops waiting for a
-    GPU, or kills its process group, and raises `Interrupted` (what the call spent is still metered).
-    So a loop that stops (a signal, `--hours`, a lost lease) does not wait for a long `prepare`, a
-    scorer or a smoke stage run once."""
-    stack = _stopping.__dict__.setdefault("stack", [])
-    if stop is not None:
-        stack.append(stop)
+def _pushed(blocks: threading.local, item: Any) -> Iterator[None]:
+    """`item` on this thread's stack of `blocks` for the block's duration."""
+    stack = blocks.__dict__.setdefault("stack", [])
+    stack.append(item)
     try:
         yield
     finally:
-        if stop is not None and stop in stack:
-            stack.remove(stop)
+        stack.pop()
+
+
+def stopping(stop: threading.Event | None) -> Any:
+    """Inside the block, a `run_once` of this thread ends when `stop` is set: it stops waiting for a
+    GPU, or kills its process group, and raises `Interrupted` (what the call spent is still metered).
+    So a loop that stops (a signal, `--hours`, a lost lease) does not wait for a long `prepare`, a
+    scorer or a smoke stage run once. None: no change."""
+    return _pushed(_stopping, stop)
 
 
 _gpu_runners = threading.local()  # this thread's open `gpu_runner` blocks
 
 
-@contextmanager
-def gpu_runner(runner: Any) -> Iterator[None]:
+def gpu_runner(runner: Any) -> Any:
     """Inside the block, a `run_once` of this thread for `prepare` or `score` (`reserved`) given a GPU
     runs through `runner` (the Ray executor's `run_harness`: on the cluster, on a share held for
     them) instead of on this machine. None: no change (a block that needs no runner)."""
-    stack = _gpu_runners.__dict__.setdefault("stack", [])
-    stack.append(runner)
-    try:
-        yield
-    finally:
-        stack.pop()
+    return _pushed(_gpu_runners, runner)
 
 
 def _gpu_runner() -> Any:
@@ -196,7 +193,7 @@ def _gpu_runner() -> Any:
 
 
 def _stop_now() -> _AnySet:
-    return _AnySet(list(getattr(_stopping, "stack", ())))
+    return _AnySet([e for e in getattr(_stopping, "stack", ()) if e is not None])
 
 
 def _spent(done: "Completed", gpus: float) -> None:
@@ -204,6 +201,16 @@ def _spent(done: "Completed", gpus: float) -> None:
         meter.processes += 1
         meter.cpu_s += done.cpu_s
         meter.gpu_s += gpus * done.wall_s
+
+
+def _ended(done: "Completed", gpus: float, abandoned: str) -> "Completed":
+    """`done`, booked (`_spent`); `Interrupted` if a stop ended it."""
+    from pipeline.errors import Interrupted
+
+    _spent(done, gpus)
+    if done.interrupted:
+        raise Interrupted(abandoned)
+    return done
 
 
 def once_memory_mb(lab: Any, with_out: bool = True, gpus: float = 0) -> int | None:
@@ -233,9 +240,8 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
     driver's `prepare` or `score`, for which the executor keeps room (`GpuPool.take`).
     """
     from pipeline.executors import gpus as gpu_pool
-    from pipeline.executors.local import inside_gpu_ids, visible_gpus
-
     from pipeline.errors import Interrupted
+    from pipeline.executors.local import inside_gpu_ids, visible_gpus
 
     cpus = lab.config.run.cpus
     env = scrub_env(os.environ, lab.config.run.env) | thread_env(cpus)
@@ -246,11 +252,8 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
     if stop.is_set():
         raise Interrupted(abandoned)
     if not gpus:
-        done = _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, 0), timeout_s, stop)
-        _spent(done, 0)
-        if done.interrupted:
-            raise Interrupted(abandoned)
-        return done
+        return _ended(_run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, 0), timeout_s, stop),
+                      0, abandoned)
     remote = _gpu_runner() if reserved else None
     if remote is not None:  # `prepare`/`score` on the cluster's share for them (`gpu_runner`); never branch code
         from pipeline.executors.base import lab_env
@@ -268,10 +271,7 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
         except (Interrupted, InfrastructureFailure):  # abandoned or lost there: it held its share until now
             _spent(Completed(None, None, False, 0.0, time.monotonic() - began, interrupted=True), gpus)
             raise
-        _spent(done, gpus)
-        if done.interrupted:
-            raise Interrupted(abandoned)
-        return done
+        return _ended(done, gpus, abandoned)
     ids = visible_gpus()
     if gpu_pool.capacity(gpus, len(ids)) < 1:
         raise UserError(f"{argv[0]} is given {gpus:g} GPU(s) ([run]) but {len(ids)} are visible here")
@@ -287,11 +287,8 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
         if sandbox is not None:
             sandbox |= {"gpus": gpus, "gpu_ids": held}
             env["CUDA_VISIBLE_DEVICES"] = inside_gpu_ids(held, env["CUDA_VISIBLE_DEVICES"])
-        done = _run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, gpus), timeout_s, stop)
-        _spent(done, gpus)
-        if done.interrupted:
-            raise Interrupted(abandoned)
-        return done
+        return _ended(_run_child(_once_spec(lab, argv, cwd, env, log, out, stdout, sandbox, gpus), timeout_s, stop),
+                      gpus, abandoned)
     finally:
         pool.give_back(holder)
         pool.sampler().stage_done(holder)

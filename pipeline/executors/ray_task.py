@@ -303,12 +303,13 @@ class WarmWorker:
             return self._run(job, tree, mounts)
         finally:
             if job.get("private"):
-                shutil.rmtree(os.path.join(NODE_CACHE, "jobs", job["job_id"]), ignore_errors=True)
+                shutil.rmtree(_job_dir(job["job_id"]), ignore_errors=True)
 
     def _run(self, job: dict[str, Any], tree: list[Any], mounts: list[tuple[str, str, list[Any]]]) -> dict[str, Any]:
         started = time.monotonic()
         proc = self._start()
-        private = os.path.join(NODE_CACHE, "jobs", job["job_id"], "in") if job.get("private") else None
+        work = _job_dir(job["job_id"])
+        private = os.path.join(work, "in") if job.get("private") else None
         try:
             cwd = _materialise("tree", job["tree_id"], tree, self.safefs, private)
             path_map = {job["cwd"]: cwd}
@@ -318,7 +319,6 @@ class WarmWorker:
             why = f"ray node: {e}"
             return {"cpu_s": 0.0, "wall_s": time.monotonic() - started, "exit_code": 1, "signal": None,
                     "host": _host(), "status": "exit", "detail": why[:300], "out": b"", "log": f"{why}\n".encode()}
-        work = os.path.join(NODE_CACHE, "jobs", job["job_id"])
         out = os.path.join(work, "out")
         os.makedirs(out)
         path_map[job["out"]] = out
@@ -386,9 +386,14 @@ class WarmWorker:
 HARNESS_JOB_MAX_AGE_S = 86400.0
 
 
+def _job_dir(job_id: str) -> str:
+    """A job's own folder on this node: its output, log and stdout (and a harness job's inputs)."""
+    return os.path.join(NODE_CACHE, "jobs", job_id)
+
+
 def _sweep_harness_jobs() -> None:
     """Remove harness job folders a killed actor left on this node (older than a day: none runs so long)."""
-    jobs = os.path.join(NODE_CACHE, "jobs")
+    jobs = os.path.join(NODE_CACHE, "jobs")  # where `_job_dir` puts them
     try:
         names = [n for n in os.listdir(jobs) if n.startswith("harness-")]
     except OSError:
