@@ -22,9 +22,8 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import Column, Text, func, inspect, text
+from sqlalchemy import Column, Text, func
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError, ProgrammingError
 from sqlmodel import Field, Session, SQLModel, select
 
 from pipeline.api import create_schema
@@ -93,22 +92,7 @@ class Ledger:
     def __init__(self, engine: Engine):
         self.engine = engine
         # Only our table: the ledger must not depend on which other models happen to be imported.
-        create_schema(engine, [LLMCall.__table__])
-        self._add_new_columns()
-
-    def _add_new_columns(self) -> None:
-        """A store written before a column of `LLMCall` existed gets it, empty (NULL). Two processes
-        opening the store at once: the second finds the column there and goes on."""
-        have = {c["name"] for c in inspect(self.engine).get_columns(LLMCall.__tablename__)}
-        for column in LLMCall.__table__.columns:  # type: ignore[attr-defined]
-            if column.name in have:
-                continue
-            kind = column.type.compile(dialect=self.engine.dialect)
-            try:
-                with self.engine.begin() as conn:
-                    conn.execute(text(f"ALTER TABLE {LLMCall.__tablename__} ADD COLUMN {column.name} {kind}"))
-            except (OperationalError, ProgrammingError):  # added meanwhile by another process
-                pass
+        create_schema(engine, [LLMCall.__table__])  # adds the columns an older version's table lacks
 
     def record(self, call: LLMCall) -> LLMCall:
         """Insert one call and return it with its id."""

@@ -117,6 +117,25 @@ def test_a_failing_pretraining_fails_every_dependent_run_once(lab) -> None:
     assert executed(store, more)[("pretrain", "method")] == 2  # seed 1 ran once; seed 0 not again
 
 
+def test_a_failure_recorded_in_an_older_stage_environment_is_run_again_once(lab) -> None:
+    """A method failure an older version of the tool recorded may have been the tool's own doing (a
+    limit CUDA cannot start under, too small a /dev/shm): after an upgrade its key runs once more
+    instead of failing every run that needs it; a failure in this environment still stands."""
+    from sqlalchemy import text
+
+    store = experiment.open_store(lab)
+    branch = commit_change(lab.root, "hyp/4-broken", "model.py", "SCALE = 1.0", "SCALE = 1 / 0")
+    first = run_batch(lab, store, branch, TASKS[:1], [0])
+    assert executed(store, first)[("pretrain", "method")] == 1
+    with store.engine.begin() as c:  # as recorded by a version that kept no environment
+        c.execute(text("update stage_exec set env = null"))
+    second = run_batch(lab, store, branch, TASKS[1:2], [0])
+    assert executed(store, second)[("pretrain", "method")] == 1  # the old record not trusted: ran again
+    third = run_batch(lab, store, branch, TASKS[2:], [0])
+    assert executed(store, third)[("pretrain", "method")] == 0  # this environment's record stands
+    assert executed(store, third)[("pretrain", "upstream_failed")] == len(TASKS[2:])
+
+
 def test_infrastructure_failures_retry_with_the_same_seed(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("SLOW_S", "2")
     lab = make_lab(tmp_path / "lab", retries=1)

@@ -269,3 +269,93 @@ def test_a_pooled_connection_the_server_dropped_while_idle_is_replaced_not_raise
             assert sess.execute(text("select pg_backend_pid()")).scalar() != pid  # a new connection
     finally:
         s.dispose()
+
+
+def test_a_database_an_older_version_made_gains_the_new_columns_and_keeps_its_rows(db) -> None:
+    """Upgrading the tool on a lab with a store: a table an older version created lacks the columns
+    added since (SQLModel's create_all never adds one). Opening it adds each, with the code's default
+    for the rows already there, and its index; an older version's writer can still insert."""
+    import sqlalchemy as sa
+    from sqlmodel import select
+
+    from pipeline.store.tables import SmokeExec
+
+    url, schema = db
+    engine = create_engine(url, connect_args={"options": f"-csearch_path={schema}"} if schema else {})
+    added = ("executor", "stages", "gpu_s", "started_at", "gpu_from")
+    old = sa.MetaData()  # smoke_exec as a version before those columns made it
+    sa.Table("smoke_exec", old, *[c._copy() for c in SmokeExec.__table__.columns if c.name not in added])
+    old.create_all(engine)
+    with engine.begin() as c:
+        c.execute(text("insert into smoke_exec (hypothesis, base, outcome, cpu_s, wall_s, gpu_to) "
+                       "values ('h-old', 'abc', 'ok', 3.5, 9.0, null)"))
+
+    store = Store(url, schema=schema)
+    try:
+        cols = {c["name"] for c in sa.inspect(engine).get_columns("smoke_exec")}
+        assert set(added) <= cols
+        assert "ix_smoke_exec_started_at" in {i["name"] for i in sa.inspect(engine).get_indexes("smoke_exec")}
+        with store.session() as s:
+            row = s.exec(select(SmokeExec).where(SmokeExec.hypothesis == "h-old")).one()
+            # the code's scalar defaults for the old row; None where the code computes its default
+            assert (row.executor, row.stages, row.gpu_s, row.cpu_s) == ("here", 0, 0.0, 3.5)
+            assert row.started_at is None and row.gpu_from is None
+            s.add(SmokeExec(hypothesis="h-new", base="def", outcome="method", stages=2, gpu_from=1.0, gpu_to=2.0))
+            s.commit()
+        with engine.begin() as c:  # an older version of the tool, still writing to the same database
+            c.execute(text("insert into smoke_exec (hypothesis, base, outcome, cpu_s, wall_s) "
+                           "values ('h-older', 'abc', 'infra', 1, 1)"))
+        Store(url, schema=schema).dispose()  # opened again: nothing left to add, nothing lost
+        with store.session() as s:
+            rows = {r.hypothesis: r for r in s.exec(select(SmokeExec))}
+        assert set(rows) == {"h-old", "h-new", "h-older"}
+        assert (rows["h-new"].stages, rows["h-new"].gpu_from) == (2, 1.0)
+        assert rows["h-older"].executor == "here"
+        assert store.goodput().smoke_runs == 3
+    finally:
+        store.dispose()
+        engine.dispose()
+
+
+def test_tables_of_past_versions_are_made_fit_for_this_one(db) -> None:
+    """Three real past shapes: `gpu_usage` when `holder` was unique (one row a process; now one an
+    interval, so a second write failed and stopped a GPU lab's loop), `smoke_exec` when `executor`
+    was called `where`, and a column this version dropped that is NOT NULL with no default (it would
+    refuse every insert). Each is fixed on open, and no row is lost."""
+    import sqlalchemy as sa
+
+    from pipeline.store.tables import GpuUsage, SmokeExec
+
+    url, schema = db
+    engine = create_engine(url, connect_args={"options": f"-csearch_path={schema}"} if schema else {})
+    old = sa.MetaData()
+    gpu = [c._copy() for c in GpuUsage.__table__.columns]
+    for c in gpu:
+        if c.name == "holder":
+            c.index, c.unique = None, True
+    sa.Table("gpu_usage", old, *gpu)
+    smoke = [c._copy() for c in SmokeExec.__table__.columns if c.name not in ("gpu_from", "gpu_to")]
+    for c in smoke:
+        if c.name == "executor":
+            c.name = c.key = "where"
+    sa.Table("smoke_exec", old, *smoke, sa.Column("retired", sa.String, nullable=False))
+    old.create_all(engine)
+    with engine.begin() as c:
+        c.execute(text("insert into gpu_usage (holder, gpus, started_at, updated_at, samples, busy, util_sum) "
+                       "values ('h:1:0', '0', 1, 2, 10, 5, 50)"))
+        c.execute(text('insert into smoke_exec (hypothesis, base, outcome, "where", stages, cpu_s, gpu_s, wall_s, '
+                       "started_at, retired) values ('h-1', 'abc', 'ok', 'ray', 3, 1, 2, 3, 4, 'x')"))
+
+    store = Store(url, schema=schema)
+    try:
+        store.gpu_usage_add("h:1:0", ["0"], 2.0, samples=4, busy=4, util_sum=40.0)  # the second interval
+        store.smoke_finished("def", "method", hypothesis="h-2", executor="here", stages=0, cpu_s=0, gpu_s=0,
+                             wall_s=1, started_at=5)
+        with engine.connect() as c:
+            assert c.execute(text("select count(*), sum(samples) from gpu_usage where holder = 'h:1:0'")).one() == (2, 14)
+            rows = c.execute(text("select hypothesis, executor, stages from smoke_exec order by hypothesis")).all()
+        assert [tuple(r) for r in rows] == [("h-1", "ray", 3), ("h-2", "here", 0)]
+        Store(url, schema=schema).dispose()  # opened again: nothing to change
+    finally:
+        store.dispose()
+        engine.dispose()

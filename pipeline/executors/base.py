@@ -35,6 +35,15 @@ STAGE_ENV_PREFIXES = ("LC_",)  # locale
 # signals the machinery sends (OOM killer, node shutdown, a human's kill): not the method's fault
 INFRA_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
 
+# The stage environment's version. Raise it with any change to what a stage process sees or may do
+# (the sandbox's binds, limits, /dev/shm, GPU variables, thread pools) that can make the same code
+# fail where it passed or pass where it failed. Each execution records it (`StageExec.env`), and a
+# method failure recorded under another version is not trusted (`Store.method_failures`): after an
+# upgrade that fixed a crash of the tool's own making, the stage runs again instead of failing every
+# run that needs its key. Raising it re-runs only recorded failures; the cache keys stay.
+# 2026-12-07: GPU stages without RLIMIT_AS, /dev/shm by share, /sys for multi-GPU stages, a Ray CUDA OOM retried.
+STAGE_ENV_VERSION = "stage-env-2026-12-07"
+
 
 def scrub_env(env: dict[str, str] | os._Environ[str], keep: Iterable[str] = ()) -> dict[str, str]:
     """The part of `env` a stage may see: the allow-list `STAGE_ENV` (and `LC_*`), plus the names in

@@ -12,15 +12,17 @@ one engine.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import event, text
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DisconnectionError, OperationalError
+from sqlalchemy import MetaData, UniqueConstraint, event, inspect, literal, text
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 from sqlmodel import Session, SQLModel, create_engine
 
 from pipeline.errors import InfrastructureFailure, UserError
@@ -50,29 +52,142 @@ from pipeline.store.tables import (  # noqa: F401 (re-exported: `from pipeline.s
 if TYPE_CHECKING:
     from pipeline.lab import Lab
 
+log = logging.getLogger(__name__)
+
 
 _SCHEMA_LOCK_KEY = 7_272_741  # PostgreSQL advisory lock: one process at a time creates tables
 
 
+# columns a later version renamed: (table, old name) -> new name; the rows keep their values
+RENAMED_COLUMNS = {("smoke_exec", "where"): "executor"}
+
+
+def _upgrade(conn: Connection, tables: list[Any] | None) -> list[str]:
+    """Bring tables an older version of the tool created up to this version's shape, keeping every row:
+    - a column the code renamed since is renamed (`RENAMED_COLUMNS`);
+    - a column the code has and the table lacks is added, with the code's scalar default as its SQL
+      default, so the rows already there read that value (None where the code computes its default,
+      as a timestamp's), and nullable, so an older version writing to the same database still can;
+    - an index the code declares is made where missing (a new column's) or of the wrong kind (a
+      unique index the code no longer wants unique is made again plain);
+    - a column the code no longer has stays, unread, unless it is NOT NULL with no default, which
+      would refuse this version's inserts: PostgreSQL drops the NOT NULL, SQLite (no ALTER COLUMN)
+      the column.
+    Nothing is retyped. Returns what it did, one phrase each, for the log."""
+    inspector = inspect(conn)
+    dialect = conn.dialect
+    quote = dialect.identifier_preparer.quote
+    done: list[str] = []
+    wanted = tables if tables is not None else SQLModel.metadata.sorted_tables
+    names = [t.name for t in wanted]
+    existing = {name: cols for (_schema, name), cols in inspector.get_multi_columns(filter_names=names).items()}
+    indexes = {name: ix for (_schema, name), ix in inspector.get_multi_indexes(filter_names=names).items()}
+    constraints = {name: u for (_schema, name), u in
+                   inspector.get_multi_unique_constraints(filter_names=names).items()}
+    for table in wanted:
+        if table.name not in existing:
+            continue
+        qtable = dialect.identifier_preparer.format_table(table)
+        have = {c["name"]: c for c in existing[table.name]}
+        for (tname, old_name), new_name in RENAMED_COLUMNS.items():
+            if tname == table.name and old_name in have and new_name not in have:
+                conn.execute(text(f"ALTER TABLE {qtable} RENAME COLUMN {quote(old_name)} TO {quote(new_name)}"))
+                have[new_name] = have.pop(old_name)
+                done.append(f"renamed {table.name}.{old_name} to {new_name}")
+        missing = [c for c in table.columns if c.name not in have]
+        for col in missing:
+            ddl = f"{quote(col.name)} {col.type.compile(dialect=dialect)}"
+            default = col.default
+            if default is not None and getattr(default, "is_scalar", False) and default.arg is not None:
+                value = default.arg.value if isinstance(default.arg, Enum) else default.arg
+                literal_sql = literal(value, col.type).compile(dialect=dialect, compile_kwargs={"literal_binds": True})
+                ddl += f" DEFAULT {literal_sql}"
+            conn.execute(text(f"ALTER TABLE {qtable} ADD COLUMN {ddl}"))
+            done.append(f"added {table.name}.{col.name}")
+        for name, col in have.items():
+            if name in table.columns or col["nullable"] or col.get("default") is not None:
+                continue
+            if dialect.name == "sqlite":
+                conn.execute(text(f"ALTER TABLE {qtable} DROP COLUMN {quote(name)}"))
+                done.append(f"dropped {table.name}.{name} (NOT NULL, no default, unknown to this version)")
+            else:
+                conn.execute(text(f"ALTER TABLE {qtable} ALTER COLUMN {quote(name)} DROP NOT NULL"))
+                done.append(f"made {table.name}.{name} nullable (unknown to this version)")
+        uniques = {frozenset(c.name for c in u.columns) for u in table.constraints if isinstance(u, UniqueConstraint)}
+        uniques |= {frozenset(c.name for c in ix.columns) for ix in table.indexes if ix.unique}
+        stale = [u for u in constraints.get(table.name, []) if frozenset(u["column_names"]) not in uniques]
+        if stale and dialect.name == "sqlite":  # SQLite cannot drop a constraint: the table is made again
+            done.append(_rebuild_sqlite(conn, table, [*have, *(c.name for c in missing)]))
+            continue
+        for u in stale:
+            conn.execute(text(f"ALTER TABLE {qtable} DROP CONSTRAINT {quote(u['name'])}"))
+            done.append(f"dropped {table.name}'s unique constraint on {', '.join(u['column_names'])}")
+        in_db = {ix["name"]: ix for ix in indexes.get(table.name, [])}
+        for index in table.indexes:
+            found = in_db.get(index.name)
+            if found is not None and bool(found["unique"]) == bool(index.unique):
+                continue
+            if found is not None:
+                conn.execute(text(f"DROP INDEX {dialect.identifier_preparer.format_index(index)}"))
+            index.create(conn)
+            done.append(f"{'remade' if found is not None else 'made'} index {index.name}")
+    return done
+
+
+def _rebuild_sqlite(conn: Connection, table: Any, have: list[str]) -> str:
+    """Make a SQLite table again as the code declares it (SQLite alters no constraint in place), with
+    every row of the columns both versions have: the new table under a scratch name, the rows copied,
+    the old one dropped, the new one renamed, its indexes made. Refused for a table other tables'
+    foreign keys point at (dropping it would cascade to them): the caller's insert then fails as before."""
+    if any(fk.column.table is table for other in SQLModel.metadata.tables.values() if other is not table
+           for fk in other.foreign_keys):
+        return f"left {table.name} as it was (other tables refer to it)"
+    scratch = f"{table.name}__upgrade"
+    copy = table.to_metadata(MetaData(), name=scratch)
+    for index in list(copy.indexes):
+        copy.indexes.discard(index)
+    common = ", ".join(f'"{c.name}"' for c in table.columns if c.name in have)
+    try:
+        with conn.begin_nested():  # all or nothing: rows an older version left NULL may not fit
+            copy.create(conn)
+            conn.execute(text(f'INSERT INTO "{scratch}" ({common}) SELECT {common} FROM "{table.name}"'))
+            conn.execute(text(f'DROP TABLE "{table.name}"'))
+            conn.execute(text(f'ALTER TABLE "{scratch}" RENAME TO "{table.name}"'))
+            for index in table.indexes:
+                index.create(conn)
+    except DBAPIError as e:
+        return f"left {table.name} as it was (its rows do not fit this version's: {str(e.orig).strip()[:120]})"
+    return f"made {table.name} again (a unique constraint this version no longer has)"
+
+
 def create_schema(engine: Engine, tables: list[Any] | None = None) -> None:
-    """Create the missing tables (all registered ones, or `tables`), safely when several processes
-    start at the same instant: under an advisory lock on PostgreSQL, a file lock beside a SQLite
-    file. An unreachable database is `InfrastructureFailure`: one line, not a traceback."""
+    """Create the missing tables (all registered ones, or `tables`) and add the columns a table made
+    by an older version of the tool lacks (`_upgrade`), safely when several processes start at the
+    same instant: under an advisory lock on PostgreSQL, a file lock beside a SQLite file. An
+    unreachable database is `InfrastructureFailure`: one line, not a traceback."""
+    def build(conn: Connection) -> None:
+        SQLModel.metadata.create_all(conn, tables=tables)
+        done = _upgrade(conn, tables)
+        if done:
+            log.warning("store upgraded to this version: %s", "; ".join(done))
+
     try:
         if engine.dialect.name == "postgresql":
             with engine.begin() as conn:
                 conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SCHEMA_LOCK_KEY})
-                SQLModel.metadata.create_all(conn, tables=tables)
-            return
-        path = engine.url.database
-        if not path or path == ":memory:":
-            SQLModel.metadata.create_all(engine, tables=tables)
-            return
-        import fcntl
+                build(conn)
+        else:
+            path = engine.url.database
+            if not path or path == ":memory:":
+                with engine.begin() as conn:
+                    build(conn)
+                return
+            import fcntl
 
-        with open(f"{path}.schema-lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            SQLModel.metadata.create_all(engine, tables=tables)
+            with open(f"{path}.schema-lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                with engine.begin() as conn:
+                    build(conn)
     except OperationalError as e:
         raise InfrastructureFailure(f"cannot reach the store at {engine.url.render_as_string(hide_password=True)}: "
                                f"{str(e.orig).strip().splitlines()[0] if e.orig else e}") from None

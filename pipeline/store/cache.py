@@ -12,6 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
 from pipeline.errors import InfrastructureFailure
+from pipeline.executors.base import STAGE_ENV_VERSION
 from pipeline.store.tables import (METHOD_OUTCOMES, SMOKE_OUTCOMES, CacheEntry, CacheUse, GpuUsage, Run, RunStatus,
                                    HarnessExec, SmokeExec, StageExec, StageGpu, StageOutcome, now)
 
@@ -22,7 +23,7 @@ class CacheRows:
     def stage_started(self, run_id: int, stage: str, key: str, *, executor: str, log_path: str | None) -> int:
         with self.session() as s:
             ex = StageExec(run_id=run_id, stage=stage, key=key, executor=executor, host=socket.gethostname(),
-                           log_path=log_path)
+                           log_path=log_path, env=STAGE_ENV_VERSION)
             s.add(ex)
             s.commit()
             return int(ex.id)  # type: ignore[arg-type]
@@ -169,20 +170,14 @@ class CacheRows:
             return entry.cpu_s if entry else 0.0
 
     def method_failures(self) -> dict[str, StageExec]:
-        """Every stage key with a recorded method failure, its first (the driver reads them once)."""
+        """Every stage key with a method failure recorded in this stage environment
+        (`STAGE_ENV_VERSION`: one an older version of the tool recorded may have been its own
+        doing), its first (the driver reads them once)."""
         out: dict[str, StageExec] = {}
         with self.session() as s:
-            for ex in s.exec(select(StageExec).where(StageExec.outcome.in_(METHOD_OUTCOMES))  # type: ignore[attr-defined]
+            for ex in s.exec(select(StageExec).where(StageExec.outcome.in_(METHOD_OUTCOMES),  # type: ignore[attr-defined]
+                                                     StageExec.env == STAGE_ENV_VERSION)
                              .order_by(StageExec.id)):
                 out.setdefault(ex.key, ex)
         return out
 
-    def method_failure_of(self, key: str) -> StageExec | None:
-        """A recorded method failure for this stage key: the same inputs fail the same way, so a
-        stage that failed in branch code is not re-executed for every run that needs it."""
-        with self.session() as s:
-            return s.exec(
-                select(StageExec)
-                .where(StageExec.key == key, StageExec.outcome.in_(METHOD_OUTCOMES))  # type: ignore[attr-defined]
-                .order_by(StageExec.id)
-            ).first()

@@ -91,6 +91,7 @@ class StageExec(SQLModel, table=True):
     log_path: str | None = None
     started_at: float = Field(default_factory=now)
     finished_at: float | None = None
+    env: str | None = None  # its stage environment (executors.base.STAGE_ENV_VERSION); None: not kept then
 
 
 class StageGpu(SQLModel, table=True):
