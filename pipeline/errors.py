@@ -74,7 +74,12 @@ class PromotionConflict(PipelineError):
 
 class Interrupted(PipelineError):
     """The loop was asked to stop during a smoke run: nothing is recorded against the hypothesis (its
-    compute is booked, `SmokeExec`), and the next start redoes it."""
+    compute is booked, `SmokeExec`), and the next start redoes it. `started` False: it was stopped
+    before it held anything (a wait for a share), so it spent nothing."""
+
+    def __init__(self, *args: object, started: bool = True):
+        super().__init__(*args)
+        self.started = started
 
 
 class UnsafeTree(PipelineError, OSError):

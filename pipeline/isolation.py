@@ -268,8 +268,9 @@ def run_once(lab: Any, argv: list[str], *, cwd: Path, log: Path, timeout_s: floa
                                       timeout_s=timeout_s, sandbox=sandbox,
                                       env=thread_env(cpus) | lab_env(lab.config.run.env), gpus=gpus, stop=stop,
                                       cpus=cpus, memory_mb=once_memory_mb(lab, with_out=out is not None, gpus=gpus)))
-        except (Interrupted, InfrastructureFailure):  # abandoned or lost there: it held its share until now
-            _spent(Completed(None, None, False, 0.0, time.monotonic() - began, interrupted=True), gpus)
+        except (Interrupted, InfrastructureFailure) as e:  # abandoned or lost there: it held its share until now
+            if getattr(e, "started", True):
+                _spent(Completed(None, None, False, 0.0, time.monotonic() - began, interrupted=True), gpus)
             raise
         return _ended(done, gpus, abandoned)
     ids = visible_gpus()

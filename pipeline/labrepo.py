@@ -200,6 +200,15 @@ def _tags_state(root: str) -> Any:
     return names, packed
 
 
+def root_commits(root: Path) -> set[str]:
+    """The first commits of the history of the lab's checked-out branch: the lab's identity, the same
+    in every clone of it and on every branch made from it (empty: a repository with no commit)."""
+    try:
+        return set(git.Repo(root).git.rev_list("--max-parents=0", "HEAD").split())
+    except (git.GitCommandError, git.InvalidGitRepositoryError, git.NoSuchPathError, ValueError):
+        return set()
+
+
 _local = threading.local()  # per thread: a git.Repo's helper processes are not to be shared between threads
 _FULL_SHA = re.compile(r"[0-9a-f]{40}")
 

@@ -402,6 +402,30 @@ def test_prepare_and_score_given_a_gpu_run_on_the_clusters_share_from_a_driver_w
                 isolation.run_once(lab, ["python", "-c", "import time; time.sleep(120)"], cwd=tmp_path / "preds",
                                    log=tmp_path / "sleep.log", timeout_s=300, ro=[], gpus=0.25, reserved=True)
             assert time.monotonic() - t0 < 20
+            # a stop also ends a wait for the share behind another call (one call at a time)
+            first_stop, caught = threading.Event(), []
+
+            def first() -> None:
+                with isolation.gpu_runner(harness_runner(ex)), isolation.stopping(first_stop):
+                    try:
+                        isolation.run_once(lab, ["python", "-c", "import time; time.sleep(120)"], cwd=tmp_path / "preds",
+                                           log=tmp_path / "first.log", timeout_s=300, ro=[], gpus=0.25, reserved=True)
+                    except Interrupted as e:
+                        caught.append(e)
+
+            holder = threading.Thread(target=first)
+            holder.start()
+            time.sleep(1.0)
+            stop = threading.Event()
+            threading.Timer(1.0, stop.set).start()
+            t0 = time.monotonic()
+            with isolation.stopping(stop), pytest.raises(Interrupted, match="waited"):
+                isolation.run_once(lab, ["python", "-c", "print(1)"], cwd=tmp_path / "preds",
+                                   log=tmp_path / "second.log", timeout_s=300, ro=[], gpus=0.25, reserved=True)
+            assert time.monotonic() - t0 < 10 and holder.is_alive()
+            first_stop.set()
+            holder.join(60)
+            assert not holder.is_alive() and caught
         results = run_all(ex, [stage(tmp_path, "after", 0.1)])  # the slots still run stages
     assert value == pytest.approx(float(np.log(2)), rel=1e-9)  # log-loss of 0.5 everywhere
     assert (prepared.public / "train.npz").is_file() and (prepared.public / ".prepared").is_file()

@@ -489,13 +489,19 @@ class RayExecutor:
         if gpus > self.harness_gpus + 1e-9:
             raise InfrastructureFailure(f"{argv[0]} asks {gpus:g} GPU but the executor holds {self.harness_gpus:g} "
                                         "for prepare/score")
-        with self._harness_lock:
+        while not self._harness_lock.acquire(timeout=0.2):  # another call holds the share: a stop ends the wait
+            if self._closed or (stop is not None and stop.is_set()):
+                raise Interrupted(f"stopping: {Path(argv[0]).name} abandoned while it waited for the harness's share",
+                                  started=False)
+        try:
             with self._lock:  # `close` sets both
                 slot = None if self._closed else self._harness
             if slot is None:
                 raise Interrupted(f"stopping: {Path(argv[0]).name} abandoned (the Ray executor is closed)")
             return self._run_harness(slot, argv, cwd, ro, rw, out, stdout, log, timeout_s, sandbox, env,
                                      stop, cpus, memory_mb, gpus)
+        finally:
+            self._harness_lock.release()
 
     def _harness_input(self, folder: Path) -> tuple[str, Any]:
         """`_input` for the harness's own folders (the trusted files, the sealed data: they do not

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import MetaData, UniqueConstraint, event, inspect, literal, text
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, OperationalError
 from sqlmodel import Session, SQLModel, create_engine
 
 from pipeline.errors import InfrastructureFailure, UserError
@@ -46,6 +46,7 @@ from pipeline.store.tables import (  # noqa: F401 (re-exported: `from pipeline.s
     RunStatus,
     StageExec,
     StageOutcome,
+    StoreLab,
     now,
 )
 
@@ -264,7 +265,40 @@ class Store(Queue, CacheRows, Reads):
 
     @classmethod
     def for_lab(cls, lab: "Lab", url: str | None = None) -> "Store":
-        return cls(url or default_url(lab))
+        """The store of `lab` at `url` (default: SQLite in its `runs/`). A store that holds another
+        lab's state (a database given to two labs) is refused in one line (`UserError`)."""
+        store = cls(url or default_url(lab))
+        try:
+            store.claim_lab(lab)
+        except BaseException:
+            store.dispose()
+            raise
+        return store
+
+    def claim_lab(self, lab: "Lab") -> None:
+        """Record `lab` as the store's lab on first use; refuse one whose repository shares no first
+        commit with the one recorded (another lab, not a clone or a move of it)."""
+        from pipeline.labrepo import root_commits
+
+        roots = root_commits(lab.root)
+        if not roots:
+            return
+        for _ in range(3):
+            with self.session() as s:
+                row = s.get(StoreLab, 1)
+                if row is None:
+                    s.add(StoreLab(root_commit=min(roots), name=lab.root.name, path=str(lab.root)))
+                    try:
+                        s.commit()
+                        return
+                    except IntegrityError:  # another process claimed it at the same instant: read it
+                        continue
+            if row.root_commit in roots:
+                return
+            where = self.engine.url.render_as_string(hide_password=True)
+            raise UserError(f"the store {where} holds the state of another lab ({row.name!r} at {row.path}, "
+                            f"first commit {row.root_commit[:10]}), not of {lab.root}: give each lab its own "
+                            "database (--db or AUTORESEARCH_DB)")
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -13,6 +13,7 @@
 - `SmokeExec`: one smoke run (a candidate on tiny data before it is measured): what it spent, how it ended.
 - `CacheEntry`: what a cached stage output cost to compute, so a cache hit knows what it saved.
 - `GateRecord`: the gate's records (any JSON payload) keyed by hypothesis, look and kind.
+- `StoreLab`: the lab the store belongs to (a store holds one lab's state).
 
 Times are UNIX seconds (floats): comparable across SQLite and PostgreSQL and plain in JSON.
 """
@@ -251,6 +252,19 @@ class CacheUse(SQLModel, table=True):
     size_bytes: int = 0
     used_at: float = Field(default_factory=now, index=True)
     evicted_at: float | None = None
+
+
+class StoreLab(SQLModel, table=True):
+    """The lab whose state the store holds (one row): its repository's first commit, the same in every
+    clone of it, and its name and folder when the store was first opened, for the message that refuses
+    another lab. Two labs in one database would mix hypotheses, baselines and the one-driver lease."""
+
+    __tablename__ = "store_lab"
+    id: int = Field(default=1, primary_key=True)
+    root_commit: str = Field(max_length=64)
+    name: str
+    path: str
+    claimed_at: float = Field(default_factory=now)
 
 
 class GateRecord(SQLModel, table=True):
