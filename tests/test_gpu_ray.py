@@ -390,10 +390,12 @@ def test_prepare_and_score_given_a_gpu_run_on_the_clusters_share_from_a_driver_w
             value = harness.score(prepared, lab.tasks()[0], preds, bench.metric)
             # what such a process sees on the node: the GPU Ray gave the harness's actor
             seen = tmp_path / "seen.txt"
-            done = isolation.run_once(lab, ["python", "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"],
+            done = isolation.run_once(lab, ["python", "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], "
+                                            "os.environ.get('CUDA_DEVICE_ORDER'))"],
                                       cwd=tmp_path / "preds", log=tmp_path / "seen.log", timeout_s=60, ro=[],
                                       stdout=seen, gpus=0.25, reserved=True)
-            assert done.returncode == 0 and seen.read_text().strip() not in ("", "-1"), seen.read_text()
+            visible, order = seen.read_text().split()
+            assert done.returncode == 0 and visible not in ("", "-1") and order == "PCI_BUS_ID", seen.read_text()
             # a stop ends a call on the cluster too: `Interrupted`, in seconds, not the sleeper's 120 s
             stop = threading.Event()
             threading.Timer(1.0, stop.set).start()

@@ -337,6 +337,8 @@ class WarmWorker:
         env = scrub(dict(os.environ), job["env_allow"], job["env_prefixes"])
         env.pop("PYTHONPATH", None)
         env.update(job["env"])
+        if job.get("gpus", 0):  # Ray numbers a node's GPUs as NVML and nvidia-smi do, in PCI bus order;
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's own default would put the fastest first
         sandbox = job.get("sandbox")
         if sandbox is not None:  # the same mounts, at this node's copies
             sandbox = {**sandbox, "ro": [local(p) for p in sandbox["ro"]], "rw": [local(p) for p in sandbox["rw"]],
