@@ -706,3 +706,42 @@ def test_a_gain_measured_with_more_stages_run_alone_than_its_baselines_is_held_f
         store.stage_finished(eid, StageOutcome.INFRA, detail=OOM_ALONE_DETAIL)
     assert exp.ran_alone("autoresearch/baseline", challenger) is None
     exp.close()
+
+
+def test_the_decide_node_holds_a_gain_its_runs_bought_by_running_alone(tmp_path: Path) -> None:
+    """The hold above through the graph: the real decide node, given the gate's improvement for a
+    challenger whose measured runs re-ran stages alone after an OOM (and a baseline whose did not),
+    holds it for a human with the reason, where the same gain without them is promoted."""
+    from support.summary import BETTER, implemented, make_lab, measured, services
+
+    from agent.graph import Nodes
+    from pipeline.gpu_accounting import OOM_ALONE_DETAIL
+    from pipeline.labrepo import resolve_commit
+    from pipeline.lease import Owner
+    from pipeline.outcomes import StageOutcome
+    from pipeline.store.tables import Result
+
+    svc = services(make_lab(tmp_path / "lab"))
+    store = svc.store
+
+    def runs(commit: str, alone: int, n: int = 4) -> None:
+        store.ensure_arm(commit)
+        store.enqueue(commit, [("default_90d", 100 + s) for s in range(n)])
+        for i, claim in enumerate(store.claim(Owner.current(), n)):
+            if i < alone:  # its lost first attempt, as `_record_gpu_extra` books it
+                eid = store.stage_started(claim.run.id, "train", "k" * 64, executor="local", log_path=None)
+                store.stage_finished(eid, StageOutcome.INFRA, detail=OOM_ALONE_DETAIL)
+            store.finish(claim, Result(run_id=claim.run.id, commit=commit, task="default_90d", seed=claim.run.seed,
+                                       value=0.7))
+
+    fair, bought = implemented(svc), implemented(svc)
+    runs(resolve_commit(svc.lab, fair.base_commit), 0)
+    runs(fair.commit, 0)
+    runs(bought.commit, 3)
+    for h in (fair, bought):
+        measured(svc, h, BETTER)
+        Nodes(svc).decide({"hypothesis_id": h.id})
+    fair, bought = svc.records.get(fair.id), svc.records.get(bought.id)
+    assert (fair.decision, fair.status) == ("promote", "promoting")
+    assert (bought.decision, bought.status) == ("hold", "held")
+    assert "3 of its 4 runs ran a stage again alone" in bought.rationale_decision
