@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -79,7 +80,9 @@ def init_lab(directory: str | Path, suite: str | None = None, force: bool = Fals
             cw.set_value("user", "name", AUTHOR[0])
             cw.set_value("user", "email", AUTHOR[1])
     repo.git.add(A=True)
-    repo.index.commit(f"Lab from the {harness} template (suite {suite})")
+    # the lab's id makes its first commit its own: a store knows its lab by it (`Store.claim_lab`),
+    # and two labs made from one template in the same second would otherwise share it
+    repo.index.commit(f"Lab from the {harness} template (suite {suite})\n\nlab-id: {uuid.uuid4()}")
     if BASELINE_BRANCH in repo.heads:
         repo.heads[BASELINE_BRANCH].commit = repo.head.commit
     else:

@@ -200,13 +200,26 @@ def _tags_state(root: str) -> Any:
     return names, packed
 
 
-def root_commits(root: Path) -> set[str]:
+def root_commits(root: Path) -> set[str] | None:
     """The first commits of the history of the lab's checked-out branch: the lab's identity, the same
-    in every clone of it and on every branch made from it (empty: a repository with no commit)."""
+    in every clone of it and on every branch made from it; None where they cannot be known (no git
+    repository, no commit, a shallow clone: its first commit is where the clone was cut)."""
     try:
-        return set(git.Repo(root).git.rev_list("--max-parents=0", "HEAD").split())
+        repo = git.Repo(root)
+        if repo.git.rev_parse("--is-shallow-repository").strip() == "true":
+            return None
+        return set(repo.git.rev_list("--max-parents=0", "HEAD").split()) or None
     except (git.GitCommandError, git.InvalidGitRepositoryError, git.NoSuchPathError, ValueError):
-        return set()
+        return None
+
+
+def in_history(root: Path, commit: str) -> bool:
+    """Whether `commit` is in the history of the lab's checked-out branch."""
+    try:
+        git.Repo(root).git.merge_base("--is-ancestor", commit, "HEAD")
+        return True
+    except (git.GitCommandError, git.InvalidGitRepositoryError, git.NoSuchPathError, ValueError):
+        return False
 
 
 _local = threading.local()  # per thread: a git.Repo's helper processes are not to be shared between threads

@@ -318,13 +318,13 @@ def test_a_database_an_older_version_made_gains_the_new_columns_and_keeps_its_ro
 
 
 def test_tables_of_past_versions_are_made_fit_for_this_one(db) -> None:
-    """Three real past shapes: `gpu_usage` when `holder` was unique (one row a process; now one an
-    interval, so a second write failed and stopped a GPU lab's loop), `smoke_exec` when `executor`
-    was called `where`, and a column this version dropped that is NOT NULL with no default (it would
-    refuse every insert). Each is fixed on open, and no row is lost."""
+    """Real past shapes: `gpu_usage` when `holder` was unique (one row a process; now one an interval,
+    so a second write failed and stopped a GPU lab's loop), `smoke_exec` when `executor` was called
+    `where`; and a unique constraint dropped from a table with foreign keys (`result`, SQLite makes
+    it again). Each is fixed on open, and no row is lost."""
     import sqlalchemy as sa
 
-    from pipeline.store.tables import GpuUsage, SmokeExec
+    from pipeline.store.tables import Arm, GpuUsage, Run, SmokeExec
 
     url, schema = db
     engine = create_engine(url, connect_args={"options": f"-csearch_path={schema}"} if schema else {})
@@ -338,16 +338,24 @@ def test_tables_of_past_versions_are_made_fit_for_this_one(db) -> None:
     for c in smoke:
         if c.name == "executor":
             c.name = c.key = "where"
-    sa.Table("smoke_exec", old, *smoke, sa.Column("retired", sa.String, nullable=False))
+    sa.Table("smoke_exec", old, *smoke)
+    Arm.__table__.to_metadata(old)
+    Run.__table__.to_metadata(old)
+    Result.__table__.to_metadata(old).append_constraint(sa.UniqueConstraint("commit", name="uq_old_result_commit"))
     old.create_all(engine)
     with engine.begin() as c:
         c.execute(text("insert into gpu_usage (holder, gpus, started_at, updated_at, samples, busy, util_sum) "
                        "values ('h:1:0', '0', 1, 2, 10, 5, 50)"))
         c.execute(text('insert into smoke_exec (hypothesis, base, outcome, "where", stages, cpu_s, gpu_s, wall_s, '
-                       "started_at, retired) values ('h-1', 'abc', 'ok', 'ray', 3, 1, 2, 3, 4, 'x')"))
-
+                       "started_at) values ('h-1', 'abc', 'ok', 'ray', 3, 1, 2, 3, 4)"))
     store = Store(url, schema=schema)
     try:
+        store.ensure_arm("c1")
+        store.enqueue("c1", [("a", 0), ("a", 1)])
+        claims = store.claim(Owner.current(), 2)
+        for claim in claims:  # two results of one commit: the old constraint refused the second
+            store.finish(claim, Result(run_id=claim.run.id, commit="c1", task="a", seed=claim.run.seed, value=0.5))
+        assert len(store.results_for("c1")) == 2
         store.gpu_usage_add("h:1:0", ["0"], 2.0, samples=4, busy=4, util_sum=40.0)  # the second interval
         store.smoke_finished("def", "method", hypothesis="h-2", executor="here", stages=0, cpu_s=0, gpu_s=0,
                              wall_s=1, started_at=5)
@@ -359,3 +367,23 @@ def test_tables_of_past_versions_are_made_fit_for_this_one(db) -> None:
     finally:
         store.dispose()
         engine.dispose()
+
+
+def test_a_database_a_newer_version_made_is_refused_in_one_line_and_left_alone(db) -> None:
+    """A column this version does not know, required and with no default, would refuse every insert
+    of this version: the store is refused (UserError), and not altered (the newer version's data stays)."""
+    import sqlalchemy as sa
+
+    from pipeline.errors import UserError
+    from pipeline.store.tables import SmokeExec
+
+    url, schema = db
+    engine = create_engine(url, connect_args={"options": f"-csearch_path={schema}"} if schema else {})
+    newer = sa.MetaData()
+    sa.Table("smoke_exec", newer, *[c._copy() for c in SmokeExec.__table__.columns],
+             sa.Column("cost_usd", sa.Float, nullable=False))
+    newer.create_all(engine)
+    with pytest.raises(UserError, match="smoke_exec has cost_usd, required and unknown to this version"):
+        Store(url, schema=schema)
+    assert "cost_usd" in {c["name"] for c in sa.inspect(engine).get_columns("smoke_exec")}
+    engine.dispose()

@@ -22,8 +22,7 @@ pytestmark = pytest.mark.integration
 def test_a_store_is_refused_to_a_second_lab_and_kept_for_a_clone_of_the_first(db, tmp_path: Path) -> None:  # noqa: F811
     url, schema = db
     first = load_lab(init_lab(tmp_path / "first", harness="command"))
-    other = load_lab(init_lab(tmp_path / "other", harness="command"))  # the same files: another message, another first commit
-    subprocess.run(["git", "-C", str(other.root), "commit", "-q", "--amend", "-m", "another lab"], check=True)
+    other = load_lab(init_lab(tmp_path / "other", harness="command"))  # the same template, the same second
     if schema is not None:  # the private schema goes in the URL's options, as a user would give it
         url = f"{url}?options=-csearch_path%3D{schema}"
     store = experiment.open_store(first, url)
@@ -33,6 +32,11 @@ def test_a_store_is_refused_to_a_second_lab_and_kept_for_a_clone_of_the_first(db
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(first.root), str(clone)], check=True)
     experiment.open_store(load_lab(clone), url).dispose()  # the same lab, elsewhere
+    subprocess.run(["git", "-C", str(clone), "commit", "-q", "--allow-empty", "-m", "more"], check=True)
+    experiment.open_store(load_lab(clone), url).dispose()  # and after more commits
+    shallow = tmp_path / "shallow"  # a CI checkout: its first commit is where it was cut, so it is not checked
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{clone}", str(shallow)], check=True)
+    experiment.open_store(load_lab(shallow), url).dispose()
     out = cli(other.root, "--db", url, "status")
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()

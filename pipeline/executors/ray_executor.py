@@ -497,7 +497,8 @@ class RayExecutor:
             with self._lock:  # `close` sets both
                 slot = None if self._closed else self._harness
             if slot is None:
-                raise Interrupted(f"stopping: {Path(argv[0]).name} abandoned (the Ray executor is closed)")
+                raise Interrupted(f"stopping: {Path(argv[0]).name} abandoned (the Ray executor is closed)",
+                                  started=False)
             return self._run_harness(slot, argv, cwd, ro, rw, out, stdout, log, timeout_s, sandbox, env,
                                      stop, cpus, memory_mb, gpus)
         finally:

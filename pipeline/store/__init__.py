@@ -68,13 +68,15 @@ def _upgrade(conn: Connection, tables: list[Any] | None) -> list[str]:
     - a column the code renamed since is renamed (`RENAMED_COLUMNS`);
     - a column the code has and the table lacks is added, with the code's scalar default as its SQL
       default, so the rows already there read that value (None where the code computes its default,
-      as a timestamp's), and nullable, so an older version writing to the same database still can;
+      as a timestamp's), and nullable;
+    - a unique constraint the code no longer has is dropped (SQLite, which drops none, makes the
+      table again: `_rebuild_sqlite`);
     - an index the code declares is made where missing (a new column's) or of the wrong kind (a
-      unique index the code no longer wants unique is made again plain);
-    - a column the code no longer has stays, unread, unless it is NOT NULL with no default, which
-      would refuse this version's inserts: PostgreSQL drops the NOT NULL, SQLite (no ALTER COLUMN)
-      the column.
-    Nothing is retyped. Returns what it did, one phrase each, for the log."""
+      unique index the code no longer wants unique is made again plain).
+    A column the code does not know stays, unread; one that is NOT NULL with no default would refuse
+    this version's every insert, and is a newer version's (ours drop none but those renamed): the
+    store is refused in one line (`UserError`), never altered under that version. Nothing is retyped.
+    Returns what it did, one phrase each, for the log."""
     inspector = inspect(conn)
     dialect = conn.dialect
     quote = dialect.identifier_preparer.quote
@@ -105,21 +107,20 @@ def _upgrade(conn: Connection, tables: list[Any] | None) -> list[str]:
                 ddl += f" DEFAULT {literal_sql}"
             conn.execute(text(f"ALTER TABLE {qtable} ADD COLUMN {ddl}"))
             done.append(f"added {table.name}.{col.name}")
-        for name, col in have.items():
-            if name in table.columns or col["nullable"] or col.get("default") is not None:
-                continue
-            if dialect.name == "sqlite":
-                conn.execute(text(f"ALTER TABLE {qtable} DROP COLUMN {quote(name)}"))
-                done.append(f"dropped {table.name}.{name} (NOT NULL, no default, unknown to this version)")
-            else:
-                conn.execute(text(f"ALTER TABLE {qtable} ALTER COLUMN {quote(name)} DROP NOT NULL"))
-                done.append(f"made {table.name}.{name} nullable (unknown to this version)")
+        newer = [name for name, col in have.items()
+                 if name not in table.columns and not col["nullable"] and col.get("default") is None]
+        if newer:
+            raise UserError(f"the store's table {table.name} has {', '.join(newer)}, required and unknown to this "
+                            "version of autoresearch: a newer version made it; use that version, or another database")
         uniques = {frozenset(c.name for c in u.columns) for u in table.constraints if isinstance(u, UniqueConstraint)}
         uniques |= {frozenset(c.name for c in ix.columns) for ix in table.indexes if ix.unique}
         stale = [u for u in constraints.get(table.name, []) if frozenset(u["column_names"]) not in uniques]
         if stale and dialect.name == "sqlite":  # SQLite cannot drop a constraint: the table is made again
-            done.append(_rebuild_sqlite(conn, table, [*have, *(c.name for c in missing)]))
-            continue
+            rebuilt, what = _rebuild_sqlite(conn, table, [*have, *(c.name for c in missing)])
+            done.append(what)
+            if rebuilt:  # with every index the code declares
+                continue
+            stale = []
         for u in stale:
             conn.execute(text(f"ALTER TABLE {qtable} DROP CONSTRAINT {quote(u['name'])}"))
             done.append(f"dropped {table.name}'s unique constraint on {', '.join(u['column_names'])}")
@@ -135,16 +136,21 @@ def _upgrade(conn: Connection, tables: list[Any] | None) -> list[str]:
     return done
 
 
-def _rebuild_sqlite(conn: Connection, table: Any, have: list[str]) -> str:
+def _rebuild_sqlite(conn: Connection, table: Any, have: list[str]) -> tuple[bool, str]:
     """Make a SQLite table again as the code declares it (SQLite alters no constraint in place), with
     every row of the columns both versions have: the new table under a scratch name, the rows copied,
-    the old one dropped, the new one renamed, its indexes made. Refused for a table other tables'
-    foreign keys point at (dropping it would cascade to them): the caller's insert then fails as before."""
+    the old one dropped, the new one renamed, its indexes made; (whether it did, what it did). Not for
+    a table other tables' foreign keys point at (dropping it would cascade to them), nor where the
+    old rows do not fit: the table stays as it was, and the insert the constraint refuses with it."""
     if any(fk.column.table is table for other in SQLModel.metadata.tables.values() if other is not table
            for fk in other.foreign_keys):
-        return f"left {table.name} as it was (other tables refer to it)"
+        return False, f"left {table.name} as it was (other tables refer to it)"
     scratch = f"{table.name}__upgrade"
-    copy = table.to_metadata(MetaData(), name=scratch)
+    meta = MetaData()
+    for fk in table.foreign_keys:  # the tables its foreign keys name, for the copy's to resolve
+        if fk.column.table.name not in meta.tables:
+            fk.column.table.to_metadata(meta)
+    copy = table.to_metadata(meta, name=scratch)
     for index in list(copy.indexes):
         copy.indexes.discard(index)
     common = ", ".join(f'"{c.name}"' for c in table.columns if c.name in have)
@@ -157,24 +163,32 @@ def _rebuild_sqlite(conn: Connection, table: Any, have: list[str]) -> str:
             for index in table.indexes:
                 index.create(conn)
     except DBAPIError as e:
-        return f"left {table.name} as it was (its rows do not fit this version's: {str(e.orig).strip()[:120]})"
-    return f"made {table.name} again (a unique constraint this version no longer has)"
+        return False, f"left {table.name} as it was (its rows do not fit this version's: {str(e.orig).strip()[:120]})"
+    return True, f"made {table.name} again (a unique constraint this version no longer has)"
 
 
 def create_schema(engine: Engine, tables: list[Any] | None = None) -> None:
     """Create the missing tables (all registered ones, or `tables`) and add the columns a table made
     by an older version of the tool lacks (`_upgrade`), safely when several processes start at the
     same instant: under an advisory lock on PostgreSQL, a file lock beside a SQLite file. An
-    unreachable database is `InfrastructureFailure`: one line, not a traceback."""
+    unreachable database is `InfrastructureFailure`, an upgrade the database refuses `UserError`:
+    one line each, not a traceback. What the upgrade did is logged once it is committed."""
+    where = engine.url.render_as_string(hide_password=True)
+    done: list[str] = []
+
     def build(conn: Connection) -> None:
         SQLModel.metadata.create_all(conn, tables=tables)
-        done = _upgrade(conn, tables)
-        if done:
-            log.warning("store upgraded to this version: %s", "; ".join(done))
+        try:
+            done.extend(_upgrade(conn, tables))
+        except DBAPIError as e:
+            reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
+            raise UserError(f"the store at {where} could not be brought up to this version: {reason}") from None
 
     try:
         if engine.dialect.name == "postgresql":
             with engine.begin() as conn:
+                # a session idle inside a transaction on these tables must not hang every open
+                conn.execute(text("SET LOCAL lock_timeout = '60s'"))
                 conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SCHEMA_LOCK_KEY})
                 build(conn)
         else:
@@ -182,16 +196,18 @@ def create_schema(engine: Engine, tables: list[Any] | None = None) -> None:
             if not path or path == ":memory:":
                 with engine.begin() as conn:
                     build(conn)
-                return
-            import fcntl
+            else:
+                import fcntl
 
-            with open(f"{path}.schema-lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                with engine.begin() as conn:
-                    build(conn)
+                with open(f"{path}.schema-lock", "a") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    with engine.begin() as conn:
+                        build(conn)
     except OperationalError as e:
-        raise InfrastructureFailure(f"cannot reach the store at {engine.url.render_as_string(hide_password=True)}: "
-                               f"{str(e.orig).strip().splitlines()[0] if e.orig else e}") from None
+        raise InfrastructureFailure(f"cannot reach the store at {where}: "
+                                    f"{str(e.orig).strip().splitlines()[0] if e.orig else e}") from None
+    if done:
+        log.warning("store upgraded to this version: %s", "; ".join(done))
 
 
 def default_url(lab: "Lab") -> str:
@@ -276,14 +292,16 @@ class Store(Queue, CacheRows, Reads):
         return store
 
     def claim_lab(self, lab: "Lab") -> None:
-        """Record `lab` as the store's lab on first use; refuse one whose repository shares no first
-        commit with the one recorded (another lab, not a clone or a move of it)."""
-        from pipeline.labrepo import root_commits
+        """Record `lab` as the store's lab on first use; refuse one whose history does not hold the
+        first commit recorded (another lab, not a clone or a move of it). A lab whose first commit
+        cannot be known (a shallow clone) is neither recorded nor refused. Labs that share a history
+        (two made in one repository) are one lab to this check."""
+        from pipeline.labrepo import in_history, root_commits
 
         roots = root_commits(lab.root)
-        if not roots:
+        if roots is None:
             return
-        for _ in range(3):
+        for _ in range(5):
             with self.session() as s:
                 row = s.get(StoreLab, 1)
                 if row is None:
@@ -293,12 +311,13 @@ class Store(Queue, CacheRows, Reads):
                         return
                     except IntegrityError:  # another process claimed it at the same instant: read it
                         continue
-            if row.root_commit in roots:
+            if row.root_commit in roots or in_history(lab.root, row.root_commit):
                 return
             where = self.engine.url.render_as_string(hide_password=True)
             raise UserError(f"the store {where} holds the state of another lab ({row.name!r} at {row.path}, "
                             f"first commit {row.root_commit[:10]}), not of {lab.root}: give each lab its own "
                             "database (--db or AUTORESEARCH_DB)")
+        raise InfrastructureFailure(f"could not record the lab of the store at {self.engine.url.render_as_string(hide_password=True)}: claimed and gone 5 times")
 
     @contextmanager
     def session(self) -> Iterator[Session]:
