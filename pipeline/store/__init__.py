@@ -87,6 +87,13 @@ def _upgrade(conn: Connection, tables: list[Any] | None) -> list[str]:
     indexes = {name: ix for (_schema, name), ix in inspector.get_multi_indexes(filter_names=names).items()}
     constraints = {name: u for (_schema, name), u in
                    inspector.get_multi_unique_constraints(filter_names=names).items()}
+    for table in wanted:  # first, before anything is changed: a newer version's store is left as it is
+        renamed = {old for (tname, old) in RENAMED_COLUMNS if tname == table.name}
+        newer = [c["name"] for c in existing.get(table.name, []) if c["name"] not in table.columns
+                 and c["name"] not in renamed and not c["nullable"] and c.get("default") is None]
+        if newer:
+            raise UserError(f"the store's table {table.name} has {', '.join(newer)}, required and unknown to this "
+                            "version of autoresearch: a newer version made it; use that version, or another database")
     for table in wanted:
         if table.name not in existing:
             continue
@@ -107,11 +114,6 @@ def _upgrade(conn: Connection, tables: list[Any] | None) -> list[str]:
                 ddl += f" DEFAULT {literal_sql}"
             conn.execute(text(f"ALTER TABLE {qtable} ADD COLUMN {ddl}"))
             done.append(f"added {table.name}.{col.name}")
-        newer = [name for name, col in have.items()
-                 if name not in table.columns and not col["nullable"] and col.get("default") is None]
-        if newer:
-            raise UserError(f"the store's table {table.name} has {', '.join(newer)}, required and unknown to this "
-                            "version of autoresearch: a newer version made it; use that version, or another database")
         uniques = {frozenset(c.name for c in u.columns) for u in table.constraints if isinstance(u, UniqueConstraint)}
         uniques |= {frozenset(c.name for c in ix.columns) for ix in table.indexes if ix.unique}
         stale = [u for u in constraints.get(table.name, []) if frozenset(u["column_names"]) not in uniques]
