@@ -23,7 +23,6 @@ from typing import Any
 
 from agent.lifecycle import Decision, Status
 from agent.verdicts import latest_verdict
-from pipeline.api import RunStatus
 
 CONFIG_FILE = "config.toml"
 NO_CHANGE = "(no change)"
@@ -89,7 +88,10 @@ def fork_point(workspace: Any, base: str, commit: str) -> str | None:
 
 
 def direction_of(workspace: Any, h: Any) -> tuple[str, ...]:
-    """The sorted config keys and file paths the hypothesis's commit changed (see the module doc)."""
+    """The sorted config keys and file paths the hypothesis's commit changed (see the module doc);
+    a finished hypothesis's as recorded (`Records.keep_directions`)."""
+    if getattr(h, "direction", None):
+        return tuple(h.direction)
     if not (h.commit and h.base_commit):
         keys = tuple(sorted(str(k) for k in (h.change or {})))
         return keys or (NO_CHANGE,)
@@ -104,8 +106,8 @@ def direction_of(workspace: Any, h: Any) -> tuple[str, ...]:
         keys = changed_keys(workspace, fork, h.commit) if path == CONFIG_FILE else {}
         parts |= set(keys) if keys else {path}
     out = tuple(sorted(parts)) or (NO_CHANGE,)
-    if len(_CACHE) >= _CACHE_MAX:
-        _CACHE.clear()
+    while len(_CACHE) >= _CACHE_MAX:  # the oldest first (finished hypotheses keep theirs in the store)
+        _CACHE.pop(next(iter(_CACHE)))
     _CACHE[(h.base_commit, h.commit)] = out
     return out
 
@@ -131,19 +133,26 @@ class Group:
 
 
 def group_directions(workspace: Any, store: Any, records: Any) -> list[Group]:
-    """Every proposed hypothesis in its direction's group; groups in order of first appearance."""
+    """Every proposed hypothesis in its direction's group; groups in order of first appearance. A
+    finished hypothesis's direction is found once and recorded (git is asked nothing for it again),
+    and the runs of all of them are counted in one query: this runs at every proposal, over months
+    of hypotheses."""
 
     groups: dict[tuple[str, ...], Group] = {}
-    for h in records.all():
+    finished = store.finished_runs_by_commit()
+    found: dict[int, list[str]] = {}
+    for h in records.briefs():
         if not h.title:
             continue
         d = direction_of(workspace, h)
+        if h.direction is None and h.status == Status.DONE and h.commit:
+            found[h.id] = list(d)
         g = groups.setdefault(d, Group(d))
         g.hypotheses.append(h.id)
         g.verdicts[h.verdict or "not measured"] += 1
         g.decisions[h.decision or ("held" if h.status == Status.HELD else "in flight" if h.status != Status.DONE else "none")] += 1
         if h.commit:
-            g.runs += sum(RunStatus(r.status).is_finished() for r in store.runs(commit=h.commit))
+            g.runs += finished.get(h.commit, 0)
         if h.decision == Decision.PROMOTE:
             g.promoted += 1
             last = latest_verdict(store, h.id)
@@ -152,6 +161,7 @@ def group_directions(workspace: Any, store: Any, records: Any) -> list[Group]:
                 g.banked_sigma += float(delta)
         if h.decision or h.verdict:
             g.last = {"id": h.id, "title": h.title, "verdict": h.verdict, "decision": h.decision}
+    records.keep_directions(found)
     return list(groups.values())
 
 

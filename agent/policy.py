@@ -49,7 +49,8 @@ class Context:
     editable: list[str]
     baseline: str  # tag, commit, score line
     files: dict[str, str]  # the baseline's editable files
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)  # the latest decided (graph.context.HISTORY_ROWS)
+    history_left_out: dict[str, int] = field(default_factory=dict)  # the earlier ones not listed: decision -> count
     comments: list[str] = field(default_factory=list)
     search_space: dict[str, list[Any]] = field(default_factory=dict)
     tried_states: list[dict[str, Any]] = field(default_factory=list)  # the hypotheses' search values

@@ -77,11 +77,15 @@ def _md_files(files: dict[str, str]) -> str:
     return "\n\n".join(prompts.phrase("file_block", path=p, text=t) for p, t in sorted(files.items()))
 
 
-def history_table(history: list[dict[str, Any]]) -> str:
+def history_table(history: list[dict[str, Any]], left_out: dict[str, int] | None = None) -> str:
 
     if not history:
         return prompts.phrase("none_yet")
-    rows = [prompts.phrase("history_header")]
+    rows = []
+    if left_out:
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(left_out.items(), key=lambda kv: (-kv[1], kv[0])))
+        rows.append(prompts.phrase("history_left_out", n=sum(left_out.values()), counts=counts))
+    rows.append(prompts.phrase("history_header"))
     for h in history:
         rows.append(prompts.phrase("history_row", id=h["id"], title=h["title"], status=h["status"],
                                    verdict=h.get("verdict") or "-", decision=h.get("decision") or "-",
@@ -114,7 +118,7 @@ class LLMPolicy:
 
         msgs = self._messages(
             ctx, "propose", program=ctx.program, metric=ctx.metric, tasks=prompts.md_list(ctx.tasks),
-            baseline=ctx.baseline, files=_md_files(ctx.files), history=history_table(ctx.history),
+            baseline=ctx.baseline, files=_md_files(ctx.files), history=history_table(ctx.history, ctx.history_left_out),
             comments=prompts.md_list(ctx.comments) if ctx.comments else prompts.phrase("none"),
             plateau=prompts.phrase("plateau", n=ctx.plateau) if ctx.plateau else "",
             directions=prompts.md_list(ctx.directions) if ctx.directions else prompts.phrase("none_yet"),

@@ -73,6 +73,7 @@ class Hypothesis(SQLModel, table=True):
     # what to apply: a list of edit dicts (offline policy, --file seeds) or None (the LLM implements)
     plan: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON))
     change: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))  # search-space values
+    direction: list[str] | None = Field(default=None, sa_column=Column(JSON))  # agent.directions, kept once done
     status: Status = Field(default=Status.QUEUED, sa_type=EnumText(Status), index=True)
     branch: str | None = None
     base_commit: str | None = None
@@ -349,12 +350,25 @@ class Records:
             return list(s.exec(q))
 
     def briefs(self) -> list[Any]:
-        """Every hypothesis's id, title, status, verdict, decision, change and base commit, in id
-        order, without its texts (a context reads this at every decision: thousands of rows)."""
+        """Every hypothesis's id, title, status, verdict, decision, change, commits and direction, in
+        id order, without its texts (a context reads this at every decision: thousands of rows)."""
         with self.store.session() as s:
             q = select(Hypothesis.id, Hypothesis.title, Hypothesis.status, Hypothesis.verdict, Hypothesis.decision,
-                       Hypothesis.change, Hypothesis.base_commit).order_by(Hypothesis.id)
+                       Hypothesis.change, Hypothesis.base_commit, Hypothesis.commit,
+                       Hypothesis.direction).order_by(Hypothesis.id)
             return list(s.exec(q).all())
+
+    def keep_directions(self, found: dict[int, list[str]]) -> None:
+        """Record the directions of finished hypotheses (`agent.directions`: found once, not per call)."""
+        if not found:
+            return
+        with self.store.session() as s:
+            for hid, parts in found.items():
+                h = s.get(Hypothesis, hid)
+                if h is not None:
+                    h.direction = parts
+                    s.add(h)
+            s.commit()
 
     def since_promotion(self) -> int:
         """Measured hypotheses decided in a row since the last promotion (rejections before any run

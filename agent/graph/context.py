@@ -4,16 +4,23 @@ files, the history with each decided hypothesis's effect, the humans' comments."
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 from agent.config import agent_config
 from agent.graph.state import Services
-from agent.lifecycle import Status
+from agent.lifecycle import Decision, Status
 from agent.policy import Context
 from agent.verdicts import VERDICT
 from pipeline.api import BASELINE_BRANCH, GateResult, Lab, glob_match
 
 log = logging.getLogger("autoresearch.agent")
+
+# A prompt lists the latest decided hypotheses and the latest promoted ones, and counts the rest: a
+# table of every one grows ~30 tokens a hypothesis, past a 128k context in about 4,000 (weeks of a
+# busy lab), after which every proposal would be refused. The directions tried cover them all.
+HISTORY_ROWS = 60
+HISTORY_PROMOTED = 30
 
 
 def proposal_context(svc: Services) -> Context:
@@ -41,15 +48,22 @@ def build_context(svc: Services) -> Context:
     baseline_states = []
     base_commits = set()
     briefs = svc.records.briefs()
-    effects = _effect_summaries(svc, [h for h in briefs if h.status in (Status.DONE, Status.HELD)])
+    decided = [h for h in briefs if h.status in (Status.DONE, Status.HELD)]
+    promoted = [h.id for h in decided if h.decision == Decision.PROMOTE]
+    listed = {h.id for h in decided[-HISTORY_ROWS:]} | set(promoted[-HISTORY_PROMOTED:])
+    effects = _effect_summaries(svc, [h for h in decided if h.id in listed])
+    left_out: Counter[str] = Counter()
     for h in briefs:
         if h.change:
             tried_states.append(h.change)
         if h.base_commit:
             base_commits.add(h.base_commit)
         if h.status in (Status.DONE, Status.HELD):
-            history.append({"id": h.id, "title": h.title, "status": h.status, "verdict": h.verdict,
-                            "decision": h.decision, **effects.get(h.id, {})})
+            if h.id in listed:
+                history.append({"id": h.id, "title": h.title, "status": h.status, "verdict": h.verdict,
+                                "decision": h.decision, **effects.get(h.id, {})})
+            else:
+                left_out[str(h.decision or h.status)] += 1
     cfg = lab.config
     # every configuration a baseline ever had was measured too: going back to one is not a new idea
     if cfg.search_space:
@@ -77,6 +91,7 @@ def build_context(svc: Services) -> Context:
         baseline=prompts.phrase("baseline", tag=tag or BASELINE_BRANCH, commit=base[:10]),
         files=files,
         history=history,
+        history_left_out=dict(left_out),
         comments=comments,
         search_space=dict(cfg.search_space),
         tried_states=tried_states,

@@ -11,7 +11,7 @@ from sqlalchemy import case, func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
-from pipeline.outcomes import EXECUTED_OUTCOMES, ResultOutcome, INFRA_OUTCOMES, METHOD_OUTCOMES, SERVED_OUTCOMES
+from pipeline.outcomes import EXECUTED_OUTCOMES, ResultOutcome, INFRA_OUTCOMES, METHOD_OUTCOMES, SERVED_OUTCOMES, RunStatus
 from pipeline.store.tables import (
     BaselineCommit,
     Comparison,
@@ -32,6 +32,13 @@ from pipeline.store.tables import (
 
 class Reads:
     """The reads and the gate records of `Store`. Mixed into `Store`, whose `session()` each method uses."""
+
+    def finished_runs_by_commit(self) -> dict[str, int]:
+        """{commit: its finished runs (done or failed)}, in one query."""
+        with self.session() as s:
+            q = (select(Run.commit, func.count()).where(Run.status.in_((RunStatus.DONE, RunStatus.FAILED)))  # type: ignore[attr-defined]
+                 .group_by(Run.commit))
+            return {str(c): int(n) for c, n in s.exec(q)}
 
     def runs(self, ids: Iterable[int] | None = None, commit: str | None = None,
              status: str | None = None) -> list[Run]:

@@ -1,0 +1,79 @@
+"""Months of a busy lab: the proposal prompt lists the latest decided hypotheses and the latest
+promoted ones, and counts the rest, so it stops growing with the history (a table of every one
+passes a 128k context after about 4,000 hypotheses: every proposal would then be refused)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from support.summary import services
+
+from agent.graph import build_context
+from agent.graph.context import HISTORY_PROMOTED, HISTORY_ROWS
+from agent.policy_llm import history_table
+from agent.records import Hypothesis
+
+pytestmark = pytest.mark.integration
+
+
+def decided(svc, n: int, start: int) -> None:
+    """`n` decided hypotheses as the loop leaves them: one in 10 promoted, the rest abandoned."""
+    with svc.store.session() as s:
+        for i in range(start, start + n):
+            promote = i % 10 == 0
+            s.add(Hypothesis(title=f"Idea {i}", status="done", origin="offline",
+                             verdict="improvement" if promote else "no_effect",
+                             decision="promote" if promote else "abandon"))
+        s.commit()
+
+
+def test_the_proposal_history_stops_growing_and_counts_what_it_leaves_out(lab: Path) -> None:
+    svc = services(lab)
+    decided(svc, 40, 0)
+    few = build_context(svc)
+    assert len(few.history) == 40 and few.history_left_out == {}  # a short history: every row
+    assert "not listed" not in history_table(few.history, few.history_left_out)
+
+    decided(svc, 400, 40)
+    ctx = build_context(svc)
+    ids = [h["id"] for h in ctx.history]
+    latest = sorted(h.id for h in svc.records.briefs())[-HISTORY_ROWS:]
+    assert set(latest) <= set(ids) and ids == sorted(ids)
+    promoted = [h["id"] for h in ctx.history if h["decision"] == "promote"]
+    assert len(promoted) == HISTORY_PROMOTED and len(ids) < HISTORY_ROWS + HISTORY_PROMOTED
+    assert sum(ctx.history_left_out.values()) == 440 - len(ids)
+    assert ctx.history_left_out["promote"] == 44 - HISTORY_PROMOTED  # 44 promoted, the latest 30 listed
+    table = history_table(ctx.history, ctx.history_left_out)
+    assert f"{440 - len(ids)} earlier decided hypotheses are not listed" in table
+
+    decided(svc, 800, 440)
+    longer = history_table(*(lambda c: (c.history, c.history_left_out))(build_context(svc)))
+    assert len(longer) < 1.1 * len(table)  # three times the history, the same prompt
+
+
+def test_directions_are_found_once_for_finished_hypotheses_and_their_runs_counted_in_one_query(lab: Path) -> None:
+    """`group_directions` runs at every proposal over every hypothesis: a finished one's direction is
+    recorded the first time (git asked once), and grouping again asks git nothing for it."""
+    from support.summary import SAME, decided as decide, implemented, measured
+
+    from agent.directions import _CACHE, group_directions
+
+    svc = services(lab)
+    done = [decide(svc, measured(svc, implemented(svc), SAME)) for _ in range(2)]
+    svc.store.ensure_arm(done[0].commit)
+    svc.store.enqueue(done[0].commit, [("default_90d", 0), ("churn_60d", 0)])
+    from pipeline.lease import Owner
+    from pipeline.store import Result
+
+    for claim in svc.store.claim(Owner.current(), 2):
+        svc.store.finish(claim, Result(run_id=claim.run.id, commit=done[0].commit, task=claim.run.task,
+                                       seed=claim.run.seed, value=0.6))
+    first = group_directions(svc.workspace, svc.store, svc.records)
+    recorded = {h.id: h.direction for h in svc.records.briefs()}
+    assert all(recorded[h.id] for h in done)
+    _CACHE.clear()
+    again = group_directions(None, svc.store, svc.records)  # no workspace: nothing asked of git
+    assert [(g.label, g.hypotheses, g.runs) for g in again] == [(g.label, g.hypotheses, g.runs) for g in first]
+    assert sum(g.runs for g in again) == 2
