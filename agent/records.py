@@ -9,6 +9,7 @@ The tables are also what `status --json` and `report --json` print.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -91,7 +92,7 @@ class Hypothesis(SQLModel, table=True):
     summary_author: str | None = None
     created_at: float = Field(default_factory=now)
     updated_at: float = Field(default_factory=now)
-    finished_at: float | None = None
+    finished_at: float | None = Field(default=None, index=True)
 
 
 class DecisionRow(SQLModel, table=True):
@@ -370,12 +371,29 @@ class Records:
                     s.add(h)
             s.commit()
 
+    def done_newest_first(self, page: int = 200) -> Iterator[Any]:
+        """The finished hypotheses (done, with a finish time), newest first, without their texts
+        (id, finished_at, decision, reject_kind, verdict, promoted_tag), read a page at a time: the
+        loop's streak counts read back only as far as their streak goes, not months of history."""
+        cols = (Hypothesis.id, Hypothesis.finished_at, Hypothesis.decision, Hypothesis.reject_kind,
+                Hypothesis.verdict, Hypothesis.promoted_tag)
+        offset = 0
+        while True:
+            with self.store.session() as s:
+                rows = s.exec(select(*cols).where(Hypothesis.status == Status.DONE,
+                                                  Hypothesis.finished_at.is_not(None))  # type: ignore[union-attr]
+                              .order_by(Hypothesis.finished_at.desc(), Hypothesis.id.desc())  # type: ignore[union-attr]
+                              .offset(offset).limit(page)).all()
+            yield from rows
+            if len(rows) < page:
+                return
+            offset += page
+
     def since_promotion(self) -> int:
         """Measured hypotheses decided in a row since the last promotion (rejections before any run
         do not count: they measured nothing)."""
-        done = sorted((h for h in self.all((Status.DONE,)) if h.finished_at), key=lambda h: h.finished_at or 0)
         n = 0
-        for h in reversed(done):
+        for h in self.done_newest_first():
             if h.promoted_tag:
                 break
             if h.verdict is not None:

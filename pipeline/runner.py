@@ -80,6 +80,7 @@ class _Active:
     pending: set[str] = field(default_factory=set)  # stages queued, in flight or awaited
     cpu_s: float = 0.0
     infra_failures: int = 0
+    recorded_failures: dict[str, tuple[str, str]] = field(default_factory=dict)  # its keys' before this driver
 
 
 @dataclass
@@ -131,7 +132,6 @@ class Driver(Scoring, GpuAccounting):
         self.isolation = "sandbox" if isolation.is_sandboxed(lab) else "unsandboxed"
         self._started = False
         self._queue_empty_until = 0.0  # `_claim`: the last claim found nothing; not asked again before this
-        self._recorded_failures: dict[str, Any] | None = None  # stage keys failed before this driver started
         self._baselines: set[str] = set()  # commits known to be baselines
         self._not_baseline_at: dict[str, float] = {}  # commit -> when the store said it was none
         self._last_reconcile = 0.0
@@ -369,7 +369,10 @@ class Driver(Scoring, GpuAccounting):
         final = next(node for node in nodes if node.name not in needed)
         if run.dataset_id != prepared.dataset_id:  # claimed with it, unless claimed elsewhere
             self.store.set_dataset(run.id, claim.token, prepared.dataset_id)
-        self.active[run.id] = _Active(claim, worktree, nodes, final, infra_failures=run.infra_failures)
+        # its stages' method failures recorded before this driver, in one read of just these keys
+        recorded = self.store.method_failures([n.key for n in nodes if n.key not in self.failed_keys])
+        self.active[run.id] = _Active(claim, worktree, nodes, final, infra_failures=run.infra_failures,
+                                      recorded_failures=recorded)
         self._advance(run.id)
 
     def _advance(self, run_id: int) -> None:
@@ -382,7 +385,7 @@ class Driver(Scoring, GpuAccounting):
                 continue
             if any(n not in a.done for n in node.spec.needs):
                 continue
-            failure = self._known_failure(node.key)
+            failure = self._known_failure(node.key, a)
             if failure is not None:
                 outcome, kind, detail = failure
                 self.store.stage_served(run_id, node.name, node.key, StageOutcome.UPSTREAM_FAILED,
@@ -403,18 +406,17 @@ class Driver(Scoring, GpuAccounting):
         if a.final.name in a.done and run_id not in self.to_score:
             self.to_score.append(run_id)
 
-    def _known_failure(self, key: str) -> tuple[str, str, str] | None:
+    def _known_failure(self, key: str, a: _Active) -> tuple[str, str, str] | None:
         """A method failure recorded for this stage key, by this driver (`failed_keys`) or before it
-        (the store's, read once: one driver per lab, so a key that had none then has one later only
-        if this driver records it)."""
+        (the store's, read for the run's keys when it was activated: one driver per lab, so a key that
+        had none then has one later only if this driver records it). Not every failure the store
+        holds at start: a lab's year of them is hundreds of MB in a driver that never needs most."""
         if key not in self.failed_keys:
-            if self._recorded_failures is None:  # every one recorded before this driver, in one read
-                self._recorded_failures = self.store.method_failures()
-            ex = self._recorded_failures.get(key)
-            if ex is None:
+            recorded = a.recorded_failures.get(key)
+            if recorded is None:
                 return None
-            self.failed_keys[key] = (ex.outcome, "timeout" if ex.outcome == StageOutcome.TIMEOUT else "crash",
-                                     ex.detail or ex.outcome)
+            outcome, detail = recorded
+            self.failed_keys[key] = (outcome, "timeout" if outcome == StageOutcome.TIMEOUT else "crash", detail)
         return self.failed_keys[key]
 
     def _launch_or_attach(self, run_id: int, node: StageNode) -> None:

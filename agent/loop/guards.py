@@ -86,10 +86,9 @@ class Guards:
 
     def guard(self) -> None:
         """Back off after GUARD_STREAK hypotheses in a row that never produced evidence."""
-        done = [h for h in self.records.all((Status.DONE,)) if h.finished_at]
-        done.sort(key=lambda h: h.finished_at or 0)
-        streak = 0
-        for h in reversed(done):
+        streak, last = 0, None
+        for h in self.records.done_newest_first():
+            last = h.finished_at if last is None else last
             failed = h.decision == Decision.REJECT and h.reject_kind not in ("exhausted",)
             if not failed and h.verdict is not None:
                 fr = self._failure_report(h)
@@ -98,7 +97,7 @@ class Guards:
                 break
             streak += 1
         if streak >= GUARD_STREAK and time.time() >= self.backoff_until:
-            last = done[-1].finished_at or 0
+            last = last or 0
             if time.time() - last < GUARD_BACKOFF_S:
                 self.backoff_until = last + GUARD_BACKOFF_S
                 msg = (f"guard: {streak} hypotheses in a row were rejected or failed their runs; "

@@ -169,15 +169,19 @@ class CacheRows:
             entry = s.get(CacheEntry, key)
             return entry.cpu_s if entry else 0.0
 
-    def method_failures(self) -> dict[str, StageExec]:
-        """Every stage key with a method failure recorded in this stage environment
+    def method_failures(self, keys: list[str]) -> dict[str, tuple[str, str]]:
+        """Of these stage keys, those with a method failure recorded in this stage environment
         (`STAGE_ENV_VERSION`: one an older version of the tool recorded may have been its own
-        doing), its first (the driver reads them once)."""
-        out: dict[str, StageExec] = {}
+        doing): key → (outcome, detail) of its first."""
+        out: dict[str, tuple[str, str]] = {}
         with self.session() as s:
-            for ex in s.exec(select(StageExec).where(StageExec.outcome.in_(METHOD_OUTCOMES),  # type: ignore[attr-defined]
-                                                     StageExec.env == STAGE_ENV_VERSION)
-                             .order_by(StageExec.id)):
-                out.setdefault(ex.key, ex)
+            for i in range(0, len(keys), 500):  # under every database's bound-parameter limit
+                q = (select(StageExec.key, StageExec.outcome, StageExec.detail)
+                     .where(StageExec.key.in_(keys[i:i + 500]),  # type: ignore[attr-defined]
+                            StageExec.outcome.in_(METHOD_OUTCOMES),  # type: ignore[attr-defined]
+                            StageExec.env == STAGE_ENV_VERSION)
+                     .order_by(StageExec.id))
+                for key, outcome, detail in s.exec(q):
+                    out.setdefault(key, (outcome, detail or outcome))
         return out
 
