@@ -11,6 +11,8 @@ from typing import Any
 from pipeline.outcomes import StageOutcome
 
 
+GPU_USAGE_ROW_S = 60.0  # the sampler's intervals are added to one row of the store for this long
+
 OOM_ALONE_DETAIL = "CUDA out of memory on a GPU shared with other stages; run again alone"  # the lost attempt's row
 
 
@@ -35,8 +37,14 @@ class GpuAccounting:
         totals = (int(usage["samples"]), int(usage["busy"]), float(usage["util_sum"]))  # type: ignore[arg-type]
         last = self._gpu_usage_totals
         if totals[0] > last[0]:
-            self.store.gpu_usage_add(str(usage["holder"]), list(usage["gpus"]), self._gpu_usage_since,  # type: ignore[arg-type]
-                                     totals[0] - last[0], totals[1] - last[1], totals[2] - last[2])
+            # a row a minute, written every few seconds: a month of 5-s rows was 500k rows, 80 MB
+            row, since = self._gpu_usage_row
+            extend = row if row is not None and time.time() - since < GPU_USAGE_ROW_S else None
+            row_id = self.store.gpu_usage_add(str(usage["holder"]), list(usage["gpus"]),  # type: ignore[arg-type]
+                                              self._gpu_usage_since, totals[0] - last[0], totals[1] - last[1],
+                                              totals[2] - last[2], extend=extend)
+            if row_id != row:
+                self._gpu_usage_row = (row_id, self._gpu_usage_since)
             self._gpu_usage_totals, self._gpu_usage_since = totals, time.time()
 
     def _record_gpu_extra(self, fl: Any, res: Any) -> None:

@@ -139,6 +139,7 @@ class Driver(Scoring, GpuAccounting):
         self._harness_books: list[dict[str, Any]] = []  # harness calls booked, not written yet (`Scoring`)
         self._gpu_usage_totals: tuple[int, int, float] = (0, 0, 0.0)  # the sampler's, at the last row written
         self._gpu_usage_since = time.time()  # (GpuAccounting)
+        self._gpu_usage_row: tuple[int | None, float] = (None, 0.0)  # the row being added to, and its start
         self.heartbeat = heartbeat  # the process's (the loop's, with its lease), else one of its own in start()
         self._own_heartbeat: Heartbeat | None = None
 

@@ -411,13 +411,17 @@ def test_the_driver_counts_gpu_hours_and_how_busy_the_gpu_was(work: Path, tmp_pa
     store = experiment.open_store(lab)
     ids = experiment.ensure_runs(store, lab, "autoresearch/baseline", TASKS[:2], [0], harness=TinyHarness())
     ex = LocalExecutor(gpus=0.5, slots=2, preload=("numpy",), pool=GpuPool(["5"]))
+    monkeypatch.setattr(runner, "GPU_USAGE_EVERY_S", 0.3)  # written often: still one row a minute
     with runner.Driver(lab, store, ex, harness=TinyHarness()) as d:
         d.drive(until=ids, timeout_s=120)
     execs = [e for e in store.stage_execs(ids) if e.outcome == "ok"]
     assert execs and all(e.gpu_s == pytest.approx(e.wall_s * 0.5) for e in execs)
     from sqlmodel import select
 
-    from pipeline.store.tables import StageGpu
+    from pipeline.store.tables import GpuUsage, StageGpu
+    with store.session() as s:
+        usage = list(s.exec(select(GpuUsage)))
+    assert len(usage) == 1 and usage[0].samples >= 4 and usage[0].updated_at > usage[0].started_at
     with store.session() as s:
         utils = {row.exec_id: row.util for row in s.exec(select(StageGpu))}
     pretrains = {e.id for e in execs if e.stage == "pretrain"}  # 1.5 s each: three samples or so

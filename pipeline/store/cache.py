@@ -4,10 +4,11 @@ used last (see `pipeline.store`)."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import func
+from sqlalchemy import func, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
@@ -47,12 +48,23 @@ class CacheRows:
             s.commit()
 
     def gpu_usage_add(self, holder: str, gpus: list[str], started_at: float, samples: int, busy: int,
-                      util_sum: float) -> None:
-        """One interval of a process's GPU sampler (`GpuUsage`): the samples it took since `started_at`."""
+                      util_sum: float, extend: int | None = None) -> int:
+        """One interval of a process's GPU sampler (`GpuUsage`): the samples it took since `started_at`,
+        a row of its own, or added to the row `extend` (its end moved to now); the row's id."""
         with self.session() as s:
-            s.add(GpuUsage(holder=holder, gpus=",".join(gpus), started_at=started_at, samples=samples, busy=busy,
-                           util_sum=util_sum))
+            if extend is not None:
+                done = s.exec(update(GpuUsage).where(GpuUsage.id == extend)  # type: ignore[call-overload,arg-type]
+                              .values(samples=GpuUsage.samples + samples, busy=GpuUsage.busy + busy,
+                                      util_sum=GpuUsage.util_sum + util_sum, updated_at=time.time()))
+                if done.rowcount == 1:  # type: ignore[attr-defined]
+                    s.commit()
+                    return extend
+            row = GpuUsage(holder=holder, gpus=",".join(gpus), started_at=started_at, samples=samples, busy=busy,
+                           util_sum=util_sum)
+            s.add(row)
             s.commit()
+            assert row.id is not None
+            return row.id
 
     def smoke_finished(self, base: str, outcome: str, *, hypothesis: str | None, executor: str, stages: int,
                        cpu_s: float, gpu_s: float, wall_s: float, started_at: float,

@@ -122,8 +122,8 @@ class FdrTest(SQLModel, table=True):
 
 class GpuUsage(SQLModel, table=True):
     """What one process's GPU sampler (`pipeline.executors.gpus.GpuSampler`) saw over one interval
-    (a row per `runner.GPU_USAGE_EVERY_S` or so): its samples, taken every half second from its first
-    GPU stage on, and how many found a GPU busy."""
+    (written every `runner.GPU_USAGE_EVERY_S`, added to one row for `gpu_accounting.GPU_USAGE_ROW_S`):
+    its samples, taken every half second from its first GPU stage on, and how many found a GPU busy."""
 
     __tablename__ = "gpu_usage"
     id: int | None = Field(default=None, primary_key=True)
