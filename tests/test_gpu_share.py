@@ -421,7 +421,7 @@ def test_the_driver_counts_gpu_hours_and_how_busy_the_gpu_was(work: Path, tmp_pa
     from pipeline.store.tables import GpuUsage, StageGpu
     with store.session() as s:
         usage = list(s.exec(select(GpuUsage)))
-    assert len(usage) == 1 and usage[0].samples >= 4 and usage[0].updated_at > usage[0].started_at
+    assert len(usage) == 1 and usage[0].samples >= 2 and usage[0].updated_at > usage[0].started_at
     with store.session() as s:
         utils = {row.exec_id: row.util for row in s.exec(select(StageGpu))}
     pretrains = {e.id for e in execs if e.stage == "pretrain"}  # 1.5 s each: three samples or so
