@@ -388,3 +388,32 @@ def test_a_database_a_newer_version_made_is_refused_in_one_line_and_left_alone(d
     cols = {c["name"] for c in sa.inspect(engine).get_columns("smoke_exec")}
     assert "cost_usd" in cols and "gpu_to" not in cols
     engine.dispose()
+
+
+def test_a_years_reads_stay_within_the_databases_bounds_and_read_only_the_deepest_looks(store) -> None:
+    """A year of a busy lab compares more commits than PostgreSQL binds in one statement (65,535;
+    SQLite's usual build 32,766):
+    `results_of` still reads every one; `latest_gate_records` reads each hypothesis's deepest look
+    only, for every hypothesis or the ones asked for."""
+    from sqlalchemy import insert
+
+    from pipeline.store.tables import Arm
+
+    commits = [f"c{i:06d}" for i in range(66_000)]
+    with store.engine.begin() as c:
+        c.execute(insert(Arm), [{"commit": commit} for commit in commits])
+        c.execute(insert(Run), [{"commit": commit, "task": "a", "seed": 0, "status": "done"} for commit in commits])
+        c.execute(insert(Result), [{"run_id": i + 1, "commit": commit, "task": "a", "seed": 0, "value": float(i),
+                                    "outcome": "ok"} for i, commit in enumerate(commits)])
+    rows = store.results_of(commits + commits[:10], ["a"])
+    assert len(rows) == 66_000 and {r.commit for r in rows} == set(commits)
+    assert store.results_of(commits, ["b"]) == [] and store.results_of([]) == []
+
+    for hyp, look in (("1", 1), ("1", 2), ("1", 3), ("2", 1), ("3", 2)):
+        store.put_gate_record(hyp, look, {"look": look})
+    store.put_gate_record("3", 5, {"look": 5}, kind="rebase")  # another kind's deeper look: not the verdict's
+    store.put_gate_record("4", 1, {"look": 1}, kind="rebase")
+    latest = store.latest_gate_records("verdict")
+    assert {h: r.payload["look"] for h, r in latest.items()} == {"1": 3, "2": 1, "3": 2}
+    some = store.latest_gate_records("verdict", ["1", "4"])
+    assert {h: r.payload["look"] for h, r in some.items()} == {"1": 3}

@@ -139,7 +139,7 @@ def _effect_summaries(svc: Services, hs: list[Any]) -> dict[int, dict[str, Any]]
         else:
             missing.append(h)
     if len(missing) > 8:
-        recs = svc.store.latest_gate_records(VERDICT)
+        recs = svc.store.latest_gate_records(VERDICT, [str(h.id) for h in missing])
         verdicts = {h.id: GateResult.from_dict(recs[str(h.id)].payload) if str(h.id) in recs else None
                     for h in missing}
     else:

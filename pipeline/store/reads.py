@@ -96,7 +96,8 @@ class Reads:
 
     def results_of(self, commits: Iterable[str], tasks: Iterable[str] | None = None) -> list[Result]:
         """Every result row of several commits, in one session (a read per 500 commits: a year of
-        comparisons is more commits than SQLite binds in one statement, 32,766)."""
+        comparisons is more commits than PostgreSQL binds in one statement, 65,535; SQLite's usual
+        build, 32,766)."""
         commits = sorted(set(commits))
         out: list[Result] = []
         with self.session() as s:
@@ -310,11 +311,22 @@ class Reads:
                                                         GateRecord.kind.in_(kinds))))
             return rekey(s, GateRecord, rows, to, ("look", "kind"))
 
-    def latest_gate_records(self, kind: str) -> dict[str, GateRecord]:
-        """Every hypothesis's record of `kind` at its deepest look, in one read: {hypothesis: record}."""
+    def latest_gate_records(self, kind: str, hypotheses: Iterable[str] | None = None) -> dict[str, GateRecord]:
+        """Every hypothesis's (or these hypotheses') record of `kind` at its deepest look, {hypothesis:
+        record}: only the deepest looks are read (a year of hypotheses has several records each)."""
+        deepest = (select(GateRecord.hypothesis, func.max(GateRecord.look).label("look"))
+                   .where(GateRecord.kind == kind).group_by(GateRecord.hypothesis))
+        keys = None if hypotheses is None else sorted(set(hypotheses))
+        out: dict[str, GateRecord] = {}
         with self.session() as s:
-            rows = s.exec(select(GateRecord).where(GateRecord.kind == kind).order_by(GateRecord.look))
-            return {r.hypothesis: r for r in rows}
+            for i in range(0, 1 if keys is None else len(keys), 500):
+                q = deepest if keys is None else deepest.where(GateRecord.hypothesis.in_(keys[i:i + 500]))  # type: ignore[attr-defined]
+                sub = q.subquery()
+                rows = s.exec(select(GateRecord).join(sub, (GateRecord.hypothesis == sub.c.hypothesis)  # type: ignore[arg-type]
+                                                      & (GateRecord.look == sub.c.look))
+                              .where(GateRecord.kind == kind))
+                out.update((r.hypothesis, r) for r in rows)
+        return out
 
     def gate_records(self, hypothesis: str, kind: str | None = None) -> list[GateRecord]:
         with self.session() as s:
