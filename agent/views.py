@@ -125,8 +125,8 @@ def print_status(st: dict[str, Any]) -> None:
     pr = st.get("pairing")
     if pr and pr["median_pair_correlation"] is not None and pr["median_variance_ratio"] is not None:
         con.print(f"pairing: seed k of a challenger and of its baseline correlate at a median "
-                  f"{pr['median_pair_correlation']:.2f} over {pr['comparisons']} comparisons; the paired difference "
-                  f"has {pr['median_variance_ratio']:.2f}× the unpaired variance")
+                  f"{pr['median_pair_correlation']:.2f} over the latest {pr['comparisons']} comparisons; "
+                  f"the paired difference has {pr['median_variance_ratio']:.2f}× the unpaired variance")
     con.print(llm_line(st["llm"]), markup=False, highlight=False)
     if st["llm"].get("unreachable_since"):
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["llm"]["unreachable_since"]))

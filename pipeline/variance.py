@@ -120,12 +120,15 @@ def pairing(lab: Lab, store: Any, rev: str, runs: int, executor: ExecutorOptions
     }
 
 
+LAB_PAIRING_LATEST = 500  # `lab_pairing` reads the latest comparisons, not a year of them at every `status`
+
+
 def lab_pairing(lab: Lab, store: Any) -> dict[str, Any] | None:
-    """The pairing this lab's comparisons measured so far (no runs queued): the median over
-    (comparison, task) of the seed-k correlation and of the variance ratio, for `status`. None
-    before any comparison has 3 pairs on a task."""
+    """The pairing this lab's latest comparisons (LAB_PAIRING_LATEST) measured (no runs queued):
+    the median over (comparison, task) of the seed-k correlation and of the variance ratio, for
+    `status`. None before any comparison has 3 pairs on a task."""
     tasks = lab.tasks()
-    comps = store.comparisons()
+    comps = store.comparisons()[-LAB_PAIRING_LATEST:]
     rows: dict[str, dict[str, dict[int, float | None]]] = {}
     commits = {x for c in comps for x in c}
     for r in store.results_of(commits, tasks):

@@ -77,3 +77,31 @@ def test_directions_are_found_once_for_finished_hypotheses_and_their_runs_counte
     again = group_directions(None, svc.store, svc.records)  # no workspace: nothing asked of git
     assert [(g.label, g.hypotheses, g.runs) for g in again] == [(g.label, g.hypotheses, g.runs) for g in first]
     assert sum(g.runs for g in again) == 2
+
+
+def test_status_pairing_reads_the_latest_comparisons(lab: Path) -> None:
+    """`status` reports how well seed k pairs from the lab's latest LAB_PAIRING_LATEST comparisons,
+    not a year of them at every call: older comparisons that paired the other way are not read."""
+    from sqlalchemy import insert
+
+    from pipeline.api import lab_pairing
+    from pipeline.store.tables import Arm, Comparison, Result, Run
+    from pipeline.variance import LAB_PAIRING_LATEST
+
+    svc = services(lab)
+    tasks = svc.lab.tasks()
+    old, new = LAB_PAIRING_LATEST + 100, LAB_PAIRING_LATEST
+    base = [1.0, 2.0, 3.0]
+    arms = {"b0": base} | {f"old{i}": [3.0, 2.0, 1.0] for i in range(old)} \
+        | {f"new{i}": [1.1, 2.3, 3.2] for i in range(new)}  # the old ones anti-correlated, the latest paired
+    runs = [{"commit": c, "task": t, "seed": k, "status": "done"} for c in arms for t in tasks for k in range(3)]
+    with svc.store.engine.begin() as conn:
+        conn.execute(insert(Arm), [{"commit": c} for c in arms])
+        ids = conn.execute(insert(Run).returning(Run.id, Run.commit, Run.task, Run.seed), runs).all()
+        conn.execute(insert(Result), [{"run_id": i, "commit": c, "task": t, "seed": k, "value": arms[c][k],
+                                       "outcome": "ok"} for i, c, t, k in ids])
+        conn.execute(insert(Comparison), [{"challenger": c, "baseline": "b0", "created_at": n}
+                                          for n, c in enumerate(c for c in arms if c != "b0")])
+    pr = lab_pairing(svc.lab, svc.store)
+    assert pr is not None and pr["comparisons"] == LAB_PAIRING_LATEST
+    assert pr["median_pair_correlation"] > 0.9  # every one of the 600 older would say -1
