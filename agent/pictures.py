@@ -27,6 +27,7 @@ PostgreSQL: 85.5 % slot utilisation drawing in the loop's thread, 95.5 % not dra
 
 from __future__ import annotations
 
+import bisect
 import logging
 import multiprocessing
 import os
@@ -44,6 +45,7 @@ from agent.verdicts import latest_verdicts
 log = logging.getLogger("autoresearch.pictures")
 
 PROGRESS_NAME = "progress.png"
+PROGRESS_TAGS = 20  # champions named on the progress chart: the latest
 
 DECISION_COLORS = {
     "promote": "#2ca02c",
@@ -94,13 +96,22 @@ def _decision(h: Any) -> str:
     return h.decision if h.decision in DECISION_COLORS else "in flight"
 
 
+_DONE_POINTS: dict[tuple[str, int, float | None], Point] = {}  # (store, id, finished) → a finished one's point
+
+
 def progress_points(store: Any, records: Any) -> list[Point]:
-    """Every proposed hypothesis, in order, with its levels from its latest gate record."""
+    """Every proposed hypothesis, in order, with its levels from its latest gate record. A finished
+    hypothesis's point does not change: it is kept (`_DONE_POINTS`), and a long-running process (the
+    loop, the review page) reads the verdicts of the others only."""
 
     points = []
-    latest = latest_verdicts(store)
-    for h in records.all():
-        if not h.title:  # not proposed yet
+    where = f"{store.url}#{store.schema}"
+    briefs = [h for h in records.briefs() if h.title]  # untitled: not proposed yet
+    missing = [str(h.id) for h in briefs if (where, h.id, h.finished_at) not in _DONE_POINTS]
+    latest = latest_verdicts(store, missing) if missing else {}
+    for h in briefs:
+        if (where, h.id, h.finished_at) in _DONE_POINTS:
+            points.append(_DONE_POINTS[(where, h.id, h.finished_at)])
             continue
         r = latest.get(h.id)
         base = level = hd = None
@@ -113,6 +124,8 @@ def progress_points(store: Any, records: Any) -> list[Point]:
             hd, ci = r.horizontal.delta, (r.horizontal.ci_low, r.horizontal.ci_high)
         points.append(Point(h.id, h.title, _decision(h), h.verdict, base, level, hd, ci, h.promoted_tag,
                             h.finished_at))
+        if h.status == Status.DONE and h.finished_at is not None:
+            _DONE_POINTS[(where, h.id, h.finished_at)] = points[-1]
     return points
 
 
@@ -230,16 +243,19 @@ def draw_progress(points: list[Point], path: Path, lab_name: str, metric: str, h
                 label="baseline", zorder=1)
     seen: set[str] = set()
     groups: dict[tuple[str, str], tuple[list[float], list[float]]] = {}  # one scatter per (decision, marker)
+    steps = sorted(zip(xs, base))  # the baseline's level at each id: an unmeasured one is drawn on it
+    step_ids = [x for x, _ in steps]
+    tagged = [p.id for p in points if p.level is not None and p.tag]
+    named = set(tagged[-PROGRESS_TAGS:])  # a year's champions' names would cover the chart: the latest
     for p in points:
         seen.add(p.decision)
         if p.level is None:
-            y = next((b for x, b in zip(reversed(xs), reversed(base)) if x <= p.id), None)
-            if y is None:
-                y = measured[0].base if measured else 0.0
+            i = bisect.bisect_right(step_ids, p.id) - 1
+            y = steps[i][1] if i >= 0 else (measured[0].base if measured else 0.0)
             marker, level = "x", y
         else:
             marker, level = ("*" if p.decision == Decision.PROMOTE else "o"), p.level
-            if p.tag:
+            if p.tag and p.id in named:
                 ax.annotate(p.tag, xy=(p.id, p.level), xytext=(4, 6), textcoords="offset points", fontsize=8)
         gx, gy = groups.setdefault((p.decision, marker), ([], []))
         gx.append(p.id)

@@ -351,12 +351,14 @@ class Records:
             return list(s.exec(q))
 
     def briefs(self) -> list[Any]:
-        """Every hypothesis's id, title, status, verdict, decision, change, commits and direction, in
-        id order, without its texts (a context reads this at every decision: thousands of rows)."""
+        """Every hypothesis's id, title, origin, status, look, verdict, decision, reject kind, change,
+        commits, tag, review, direction and finish time, in id order, without its texts (a context
+        reads this at every decision, `status` and the chart at every call: a year is 20,000 rows)."""
         with self.store.session() as s:
-            q = select(Hypothesis.id, Hypothesis.title, Hypothesis.status, Hypothesis.verdict, Hypothesis.decision,
-                       Hypothesis.change, Hypothesis.base_commit, Hypothesis.commit,
-                       Hypothesis.direction).order_by(Hypothesis.id)
+            q = select(Hypothesis.id, Hypothesis.title, Hypothesis.origin, Hypothesis.status, Hypothesis.look,
+                       Hypothesis.verdict, Hypothesis.decision, Hypothesis.reject_kind, Hypothesis.change,
+                       Hypothesis.base_commit, Hypothesis.commit, Hypothesis.promoted_tag, Hypothesis.review,
+                       Hypothesis.direction, Hypothesis.finished_at).order_by(Hypothesis.id)
             return list(s.exec(q).all())
 
     def keep_directions(self, found: dict[int, list[str]]) -> None:

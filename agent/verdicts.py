@@ -88,12 +88,13 @@ def latest_verdict(store: Store, hid: int | str) -> GateResult | None:
     return GateResult.from_dict(recs[-1].payload)
 
 
-def latest_verdicts(store: Store) -> dict[int, GateResult]:
-    """Every hypothesis's latest verdict, in one read of the store ({id: result}; ids with none absent)."""
+def latest_verdicts(store: Store, hypotheses: list[str] | None = None) -> dict[int, GateResult]:
+    """Every hypothesis's (or these ids') latest verdict, in one read of the store ({id: result};
+    ids with none absent)."""
     from pipeline.api import GateResult
 
     out: dict[int, GateResult] = {}
-    for key, rec in store.latest_gate_records(VERDICT).items():
+    for key, rec in store.latest_gate_records(VERDICT, hypotheses).items():
         if key.isdigit():  # a moved-aside comparison is kept as "<id>@<old base>"
             out[int(key)] = GateResult.from_dict(rec.payload)
     return out

@@ -259,7 +259,7 @@ class Store(Queue, CacheRows, Reads):
     (`pipeline.store.reads`); the tables are in `pipeline.store.tables`."""
 
     def __init__(self, url: str, *, schema: str | None = None, create: bool = True):
-        self.url = url
+        self.url, self.schema = url, schema
         kwargs: dict[str, Any] = {}
         if url.startswith("sqlite"):
             path = url.split("///", 1)[-1]
