@@ -122,7 +122,7 @@ def status(repo: Path, db: str | None) -> dict[str, Any]:
 def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
     """`status` over a lab, store and records already open (the review page keeps them open)."""
 
-    hyps = rec.all()
+    hyps = rec.briefs()  # without their texts: a year's are hundreds of MB
     queue = store.queue_counts()
     running = [{"id": r.id, "commit": r.commit[:10], "task": r.task, "seed": r.seed}
                for r in store.runs(status=RunStatus.RUNNING)]

@@ -24,7 +24,7 @@ log = logging.getLogger("autoresearch.progress")
 def champions(records: Any) -> list[tuple[str, str, int | None]]:
     """(label, revision, hypothesis id) of the first baseline and of each promotion since, in the
     order of promotion (the tag's number: with hypotheses in flight together, ids need not be)."""
-    hyps = sorted((h for h in records.all() if h.base_commit), key=lambda h: h.id)
+    hyps = sorted((h for h in records.briefs() if h.base_commit), key=lambda h: h.id)
     if not hyps:
         return []
     promoted = [h for h in hyps if h.decision == Decision.PROMOTE and h.promoted_tag and h.commit]
@@ -51,7 +51,9 @@ def split_progress(lab: Any, store: Any, records: Any) -> dict[str, Any]:
 
     exp = Experiment(lab, store)
     points = []
-    for label, rev, hid in champions(records):
+    champs = champions(records)
+    exp.know_generations([rev for _, rev, _ in champs])
+    for label, rev, hid in champs:
         try:
             st = exp.standing(rev)
         except InfrastructureFailure as e:  # a tag deleted by hand, a commit not in this clone: no point for it

@@ -51,8 +51,10 @@ from pipeline.executors import Executor, ExecutorOptions
 from pipeline.lab import SEED_BLOCK, SEED_BLOCKS, Lab
 from pipeline.labrepo import (
     generation,  # noqa: F401 (re-exported: a baseline's generation)
+    generations,
     resolve_commit,
 )
+from pipeline.errors import InfrastructureFailure, UserError
 from pipeline.outcomes import ResultOutcome, RunStatus
 from pipeline.store import Store
 from pipeline.store.reads import by_task
@@ -211,6 +213,17 @@ class Experiment:
 
     def generation(self, commit: str) -> int:
         return generation(str(self.lab.root), commit)
+
+    def know_generations(self, revs: list[str]) -> None:
+        """Find the generations of many commits (or tags) in one walk of the history, before asking
+        `generation` of each (`status` asks it of every champion)."""
+        shas = []
+        for rev in revs:
+            try:
+                shas.append(resolve_commit(self.lab, rev))
+            except (InfrastructureFailure, UserError):  # a tag deleted by hand: the caller hears of it
+                continue
+        generations(str(self.lab.root), shas)
 
     def baseline_seeds(self, base_commit: str, n: int | None = None, *, gen: int | None = None) -> range:
         """A baseline's own seeds (`baseline_runs` of them unless `n`)."""

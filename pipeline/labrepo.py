@@ -10,6 +10,7 @@ hypotheses' branches and edits) is a `LabRepo`; `pipeline.worktrees.Worktrees` r
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import threading
@@ -178,6 +179,44 @@ def generation(root: str, commit: str) -> int:
             _generations.clear()
         _generations[key] = n
     return _generations[key]
+
+
+def generations(root: str, commits: list[str]) -> None:
+    """`generation` of many commits (full shas) at once, into its cache: one walk of their history
+    instead of a `git tag --merged` each (a year of promotions made that 150 ms a commit: a minute for
+    `status`). Each commit's baseline tags are found as a bit set, its parents' or-ed in, from the
+    oldest commit to the newest; what this cannot tell is left to `generation`."""
+    tags = _tags_state(root)
+    todo = sorted({c for c in commits if (root, c, tags) not in _generations})
+    if tags is None or not todo:
+        return
+    repo = git.Repo(root)
+    try:
+        bits: dict[str, int] = {}
+        refs = repo.git.for_each_ref("--format=%(objectname) %(*objectname) %(refname)",
+                                     "refs/tags/" + BASELINE_TAG_PREFIX.rsplit("/", 1)[0])
+        for i, line in enumerate(refs.splitlines()):
+            obj, *peeled_name = line.split(" ")
+            peeled, name = (peeled_name if len(peeled_name) == 2 else ("", peeled_name[-1]))
+            if fnmatch.fnmatchcase(name.removeprefix("refs/tags/"), BASELINE_TAGS):
+                sha = peeled or obj  # an annotated tag's commit, else the tag's own
+                bits[sha] = bits.get(sha, 0) | (1 << i)
+        reach: dict[str, int] = {}
+        for line in repo.git.rev_list("--topo-order", "--reverse", "--parents", *todo).splitlines():
+            sha, *parents = line.split()
+            r = bits.get(sha, 0)
+            for p in parents:
+                r |= reach.get(p, 0)
+            reach[sha] = r
+    except git.GitCommandError:
+        return  # a commit not in this clone: `generation` says so, one at a time
+    finally:
+        repo.close()
+    if len(_generations) + len(todo) > 10_000:
+        _generations.clear()
+    for c in todo:
+        if c in reach:
+            _generations[(root, c, tags)] = reach[c].bit_count()
 
 
 def _tags_state(root: str) -> Any:

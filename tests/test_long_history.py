@@ -105,3 +105,45 @@ def test_status_pairing_reads_the_latest_comparisons(lab: Path) -> None:
     pr = lab_pairing(svc.lab, svc.store)
     assert pr is not None and pr["comparisons"] == LAB_PAIRING_LATEST
     assert pr["median_pair_correlation"] > 0.9  # every one of the 600 older would say -1
+
+
+def test_generations_of_many_commits_in_one_walk_agree_with_one_at_a_time(tmp_path: Path) -> None:
+    """`status` asks the generation of every champion: found in one walk of the history (a bit set of
+    baseline tags per commit), the answer is `git tag --merged`'s, with lightweight and annotated
+    tags, a merge, a side branch, other tags, and a commit tagged twice."""
+    import subprocess
+
+    from pipeline import labrepo
+
+    root = tmp_path / "repo"
+    root.mkdir()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout.strip()
+
+    def commit(msg: str) -> str:
+        git("commit", "-q", "--allow-empty", "-m", msg)
+        return git("rev-parse", "HEAD")
+
+    git("init", "-q", "-b", "main")
+    git("config", "user.email", "t@t"), git("config", "user.name", "t")
+    shas = [commit("start")]
+    git("tag", "baseline/v1")
+    shas.append(commit("a"))
+    git("tag", "-a", "baseline/v2", "-m", "annotated")
+    git("tag", "other/v9")  # not a baseline tag
+    git("checkout", "-q", "-b", "side")
+    side = commit("side")
+    git("tag", "baseline/v3")
+    git("checkout", "-q", "main")
+    shas.append(commit("b"))
+    git("tag", "baseline/v4"), git("tag", "baseline/v5")  # one commit, two tags
+    git("merge", "-q", "--no-ff", "-m", "merge", "side")
+    shas += [git("rev-parse", "HEAD"), side, commit("c")]
+    labrepo._generations.clear()
+    one_at_a_time = {c: labrepo.generation(str(root), c) for c in shas}
+    assert one_at_a_time[shas[0]] == 1 and one_at_a_time[side] == 3 and one_at_a_time[shas[-1]] == 5
+    labrepo._generations.clear()
+    labrepo.generations(str(root), shas)
+    state = labrepo._tags_state(str(root))
+    assert {c: labrepo._generations[(str(root), c, state)] for c in shas} == one_at_a_time
