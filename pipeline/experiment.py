@@ -519,11 +519,16 @@ class Experiment:
                 "next_alpha": lond_alpha(tests + 1, found, gate.fdr, gate.alpha)}
 
     def pairs(self, challenger: str, baseline: str, tasks: list[str],
-              rows: dict[str, list[Any]] | None = None) -> dict[str, list[float | None]]:
-        """{task: [challenger_k - baseline_k]} over the seeds both arms measured (None: a failed run)."""
-        if rows is None:
-            rows = {c: self.store.results_for(c, tasks) for c in (challenger, baseline)}
-        chal, base = by_task(rows[challenger], tasks), by_task(rows[baseline], tasks)
+              rows: dict[str, list[Any]] | None = None,
+              tables: dict[str, dict[str, dict[int, float | None]]] | None = None) -> dict[str, list[float | None]]:
+        """{task: [challenger_k - baseline_k]} over the seeds both arms measured (None: a failed run);
+        from the arms' result `rows`, or their `by_task` `tables` made once for many comparisons."""
+        if tables is not None:
+            chal, base = tables[challenger], tables[baseline]
+        else:
+            if rows is None:
+                rows = {c: self.store.results_for(c, tasks) for c in (challenger, baseline)}
+            chal, base = by_task(rows[challenger], tasks), by_task(rows[baseline], tasks)
         out: dict[str, list[float | None]] = {}
         for t in tasks:
             common = sorted(set(chal.get(t, {})) & set(base.get(t, {})))
@@ -567,7 +572,7 @@ class Experiment:
             return [], []
         commits = {x for c in comps for x in c}
         rows: dict[str, list[Any]] = {c: [] for c in commits}
-        for r in self.store.results_of(commits, tasks):
+        for r in self.store.result_rows(commits, tasks):
             if cutoff is None or r.created_at < cutoff:
                 rows[r.commit].append(r)
         if dataset is None:
@@ -576,15 +581,16 @@ class Experiment:
             dataset = latest.dataset_id if latest is not None else None
         if dataset is not None:
             rows = {c: [r for r in rs if r.dataset_id in (None, dataset)] for c, rs in rows.items()}
+        tables = {c: by_task(rs, tasks) for c, rs in rows.items()}  # once per commit: a baseline is in thousands
         out = []
         for chal, base in comps:
-            d = self.pairs(chal, base, tasks, rows)
+            d = self.pairs(chal, base, tasks, tables=tables)
             if any(len(v) >= 2 for v in d.values()):
                 out.append(d)
         skip = set(exclude or ())
         arms = []
         for commit in sorted(commits - skip):
-            by = by_task(rows[commit], tasks)
+            by = tables[commit]
             seeds = sorted({s for t in tasks for s in by.get(t, {})})
             if len(seeds) >= 2:
                 arms.append({t: [by.get(t, {}).get(k) for k in seeds] for t in tasks})
