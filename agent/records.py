@@ -391,6 +391,14 @@ class Records:
                 return
             offset += page
 
+    def exhausted(self, origin: str, base: str) -> bool:
+        """Whether `origin`'s policy said it had nothing untried around the baseline `base` (a done
+        hypothesis rejected as `exhausted`): one indexed question, not a read of every hypothesis."""
+        with self.store.session() as s:
+            q = select(Hypothesis.id).where(Hypothesis.status == Status.DONE, Hypothesis.reject_kind == "exhausted",
+                                            Hypothesis.origin == origin, Hypothesis.base_commit == base).limit(1)
+            return s.exec(q).first() is not None
+
     def since_promotion(self) -> int:
         """Measured hypotheses decided in a row since the last promotion (rejections before any run
         do not count: they measured nothing)."""

@@ -53,7 +53,17 @@ class LabRepo:
             raise UserError(f"unknown branch or commit {rev!r} in {self.root}") from None
 
     def tree(self, rev: str) -> str:
-        return self.repo.commit(rev).tree.hexsha
+        """The tree of `rev`; a full sha's is kept (a commit's tree never changes: the check that a
+        candidate was not measured before compares it with every earlier hypothesis's)."""
+        key = (str(self.root), rev)
+        if key in _trees:
+            return _trees[key]
+        tree = self.repo.commit(rev).tree.hexsha
+        if _FULL_SHA.fullmatch(rev):
+            if len(_trees) >= 100_000:
+                _trees.clear()
+            _trees[key] = tree
+        return tree
 
     # -------------------------------------------------------------- the baseline
 
@@ -161,6 +171,7 @@ class LabRepo:
 # ----------------------------------------------------------------------------- generations
 
 _generations: dict[tuple[str, str, Any], int] = {}
+_trees: dict[tuple[str, str], str] = {}  # (root, full sha) → its tree (`LabRepo.tree`)
 
 
 def generation(root: str, commit: str) -> int:

@@ -186,7 +186,7 @@ def check_not_measured(svc: Services, h: Hypothesis, tree: str) -> None:
     (the same files, byte for byte, whatever the proposal's words). Repeating it would spend runs on
     a known answer; the history the policy reads says what that answer was."""
     ws = svc.workspace
-    for other in svc.records.all():
+    for other in svc.records.briefs():
         if other.id != h.id and other.commit and ws.tree(other.commit) == tree:
             raise EditRejected("duplicate", f"the same code as #{other.id} ({other.title!r}, verdict "
                                             f"{other.verdict or other.status}): measured already")

@@ -124,8 +124,7 @@ class Guards:
         if held or self.llm_blocked():
             return None
         base = self.svc.workspace.baseline_head()
-        if any(x.reject_kind == "exhausted" and x.origin == self.policy.name and x.base_commit == base
-               for x in self.records.all((Status.DONE,))):
+        if self.records.exhausted(self.policy.name, base):
             return None  # nothing untried around this baseline; wait for human seeds or a new baseline
         return open_proposal(self.records, self.policy.name)  # an empty one: its thread proposes
 
