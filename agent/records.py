@@ -70,7 +70,7 @@ class Hypothesis(SQLModel, table=True):
     priority: int = 0
     seed_text: str | None = Field(default=None, sa_column=Column(Text))
     seed_branch: str | None = None
-    parent_id: int | None = None
+    parent_id: int | None = Field(default=None, index=True)
     # what to apply: a list of edit dicts (offline policy, --file seeds) or None (the LLM implements)
     plan: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON))
     change: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))  # search-space values
@@ -390,6 +390,11 @@ class Records:
             if len(rows) < page:
                 return
             offset += page
+
+    def children(self, hid: int) -> list[Hypothesis]:
+        """The hypotheses that refine `hid` (its `refine` decision's follow-ups), oldest first."""
+        with self.store.session() as s:
+            return list(s.exec(select(Hypothesis).where(Hypothesis.parent_id == hid).order_by(Hypothesis.id)))
 
     def exhausted(self, origin: str, base: str) -> bool:
         """Whether `origin`'s policy said it had nothing untried around the baseline `base` (a done

@@ -189,8 +189,9 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         st = commands.status_of(lab, store, rec)
 
         ws = Workspace(lab)
-        history = [{"tag": t, "commit": ws.repo.commit(t).hexsha[:10],
-                    "when": ws.repo.commit(t).committed_date} for t in ws.baseline_tags()]
+        tags = sorted(ws.baseline_tags(), key=tag_number)  # the latest few: the timeline has every one
+        history = [{"tag": t, "commit": c.hexsha[:10], "when": c.committed_date}
+                   for t in tags[-OVERVIEW_BASELINES:] for c in [ws.repo.commit(t)]]
         recent = [h for h in st["hypotheses"] if h["verdict"]][-10:][::-1]
         flying = []  # each hypothesis in flight: its challenger runs so far, done of queued
         for hid in st["in_flight"]:
@@ -200,13 +201,14 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
                            "done": sum(RunStatus(r.status).is_finished() for r in runs), "total": len(runs),
                            "running": sum(r.status == RunStatus.RUNNING for r in runs)})
 
-        return page(request, "overview.html", st=st, history=history[::-1], recent=recent, flying=flying,
+        return page(request, "overview.html", st=st, history=history[::-1], baselines=len(tags), recent=recent,
+                    flying=flying,
                     chart=progress_path(lab).is_file(), refresh=10)
 
     def hypotheses(request: Request) -> Response:
         _lab, _store, rec = lab_store()
         q = request.query_params
-        rows = rec.all()
+        rows = rec.briefs()  # without their texts
         if q.get("status"):
             rows = [h for h in rows if h.status == q["status"]]
         if q.get("decision"):
@@ -232,7 +234,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
             failed = [e for e in store.stage_execs(ids) if StageOutcome(e.outcome).is_failure() and e.log_path]
         comments = rec.comments(hid, limit=50)
         related = ([("parent", h.parent_id)] if h.parent_id else []) + [
-            ("refinement", c.id) for c in rec.all() if c.parent_id == h.id]
+            ("refinement", c.id) for c in rec.children(h.id)]
         return page(request, "hypothesis.html", h=h, summary=html, looks=looks, last=looks[-1] if looks else None,
                     diff=diff, diff_note=diff_note, failed=failed, comments=comments, related=related,
                     forest=forest_path(lab, hid).is_file() and f"{hid}.forest.png" not in html,
@@ -280,7 +282,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         start = own.get("start")
         sign = 1.0 if lab.config.benchmark.higher_is_better else -1.0
         promotions, prev = [], start
-        for h in sorted((h for h in rec.all() if h.decision == Decision.PROMOTE and h.promoted_tag),
+        for h in sorted((h for h in rec.briefs() if h.decision == Decision.PROMOTE and h.promoted_tag),
                         key=lambda h: (tag_number(h.promoted_tag), h.id)):
             latest = rec.latest_verdict(h.id)
             last = latest.to_json() if latest is not None else {}
@@ -388,6 +390,9 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "::1"]))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={Exception: error_page, HTTPException: error_page})
+
+
+OVERVIEW_BASELINES = 12  # the overview's latest baselines (a year holds hundreds: /timeline lists them)
 
 
 def tag_number(tag: str) -> int:

@@ -256,3 +256,25 @@ def test_off_loopback_a_token_is_required(lab: Path) -> None:
         assert given.get("/").status == 200
     finally:
         given.stop()
+
+
+def test_the_overview_lists_the_latest_baselines_in_order_and_the_timeline_every_one(lab: Path) -> None:
+    """A year of promotions is hundreds of baseline tags: the overview (redrawn every 10 s) lists the
+    latest, by number (v10 after v9, not after v1), and points to the timeline for the rest."""
+    import re
+    import subprocess
+
+    from agent.web import OVERVIEW_BASELINES
+
+    n = OVERVIEW_BASELINES + 3
+    for k in range(1, n + 1):
+        subprocess.run(["git", "tag", "-f", f"baseline/v{k}", "autoresearch/baseline"], cwd=lab, check=True,
+                       capture_output=True)
+    server = Server(lab).wait()
+    try:
+        page = server.get("/").read().decode()
+    finally:
+        server.stop()
+    listed = [int(t) for t in re.findall(r"<td>baseline/v(\d+)</td>", page)]
+    assert listed == list(range(n, n - OVERVIEW_BASELINES, -1))  # newest first, by number
+    assert f"the latest {OVERVIEW_BASELINES} of {n} baselines" in page and 'href="/timeline"' in page

@@ -13,9 +13,8 @@ from agent.workspace import EditRejected, PromotionConflict, slugify
 
 def queue_refinement(svc: Services, h: Hypothesis, follow_up: str) -> Hypothesis:
     """The child hypothesis a `refine` decision asks for, once (a re-run finds it queued)."""
-    for child in svc.records.all():
-        if child.parent_id == h.id:
-            return child
+    for child in svc.records.children(h.id):
+        return child
     first = follow_up.strip().splitlines()[0].lstrip("# ").strip()
     return svc.records.add(Hypothesis(
         title=first[:120], seed_text=follow_up.strip(), parent_id=h.id, origin=svc.policy.name, priority=h.priority,
