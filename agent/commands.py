@@ -234,7 +234,7 @@ def review(repo: Path, db: str | None, hid: int | None, approve: bool, reject: b
     if hid is None:
         if approve or reject or comment:
             raise UserError("give the hypothesis ID to approve, reject or comment on")
-        pending = [h for h in rec.all() if h.review == Review.PENDING]
+        pending = [h for h in rec.briefs() if h.review == Review.PENDING]
         return {"pending": [{"id": h.id, "title": h.title, "status": h.status, "decision": h.decision,
                              "verdict": h.verdict, "summary": str(lab.state / "summaries" / f"{h.id}.md")}
                             for h in pending]}
@@ -259,7 +259,8 @@ def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
     lab, store, rec = open_lab_store(repo, db)
 
     t0 = time.time() - parse_duration(since)
-    hyps = [h for h in rec.all() if (h.finished_at or h.updated_at) >= t0]
+    briefs = rec.briefs()  # without their texts
+    hyps = [h for h in briefs if (h.finished_at or h.updated_at) >= t0]
     done = [h for h in hyps if h.status == Status.DONE]
     return {
         "since": since,
@@ -268,7 +269,7 @@ def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
         "abandoned": [{"id": h.id, "title": h.title, "verdict": h.verdict} for h in done if h.decision in (Decision.ABANDON, Decision.REFINE)],
         "rejected": [{"id": h.id, "title": h.title, "why": h.reject_kind} for h in done if h.decision == Decision.REJECT],
         "in_flight": [{"id": h.id, "title": h.title, "status": h.status} for h in hyps if h.status in ACTIVE],
-        "awaiting_review": [h.id for h in rec.all() if h.review == Review.PENDING],
+        "awaiting_review": [h.id for h in briefs if h.review == Review.PENDING],
         "plateau": _plateau(lab, rec),
         "compute": Experiment(lab, store).goodput(since=t0).as_dict(),
         "gpu": gpu_facts(lab),

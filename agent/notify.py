@@ -151,7 +151,7 @@ class Outbox:
 def digest_text(records: Records, store: Any, since: float) -> str:
     """The daily digest, in a few lines (`autoresearch digest` has the full one)."""
 
-    hyps = records.all()
+    hyps = records.briefs()
     recent = [h for h in hyps if (h.finished_at or h.updated_at) >= since]
     done = [h for h in recent if h.status == Status.DONE]
     lines = [f"The last 24 h: {len(recent)} hypotheses tried."]

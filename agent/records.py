@@ -352,13 +352,13 @@ class Records:
 
     def briefs(self) -> list[Any]:
         """Every hypothesis's id, title, origin, status, look, verdict, decision, reject kind, change,
-        commits, tag, review, direction and finish time, in id order, without its texts (a context
+        commits, tag, review, direction, finish and update times, in id order, without its texts (a context
         reads this at every decision, `status` and the chart at every call: a year is 20,000 rows)."""
         with self.store.session() as s:
             q = select(Hypothesis.id, Hypothesis.title, Hypothesis.origin, Hypothesis.status, Hypothesis.look,
                        Hypothesis.verdict, Hypothesis.decision, Hypothesis.reject_kind, Hypothesis.change,
                        Hypothesis.base_commit, Hypothesis.commit, Hypothesis.promoted_tag, Hypothesis.review,
-                       Hypothesis.direction, Hypothesis.finished_at).order_by(Hypothesis.id)
+                       Hypothesis.direction, Hypothesis.finished_at, Hypothesis.updated_at).order_by(Hypothesis.id)
             return list(s.exec(q).all())
 
     def keep_directions(self, found: dict[int, list[str]]) -> None:

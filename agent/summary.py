@@ -449,7 +449,7 @@ def digest_extras(lab: Any, store: Any, records: Any, since: float) -> dict[str,
 
     points = pictures.progress_points(store, records)
     splits = split_progress(lab, store, records)
-    hyps = {h.id: h for h in records.all()}
+    hyps = {h.id: h for h in records.briefs()}
     promotions = []
     for p in points:
         h = hyps[p.id]
