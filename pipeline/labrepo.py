@@ -75,7 +75,11 @@ class LabRepo:
 
     def baseline_tag(self, commit: str) -> str | None:
         """The newest `baseline/vN` tag at `commit` (None if it was never a promoted baseline)."""
-        at = [t.name for t in self.repo.tags if baseline_number(t.name) is not None and t.commit.hexsha == commit]
+        try:  # git's own filter: reading every tag object was a quarter second at a year of promotions
+            names = self.repo.git.tag("--points-at", commit, "--list", BASELINE_TAGS).split()
+        except git.GitCommandError:  # not a commit of this repository
+            return None
+        at = [name for name in names if baseline_number(name) is not None]
         return max(at, key=lambda name: baseline_number(name) or 0, default=None)
 
     def baseline_name(self, commit: str) -> str:

@@ -147,3 +147,6 @@ def test_generations_of_many_commits_in_one_walk_agree_with_one_at_a_time(tmp_pa
     labrepo.generations(str(root), shas)
     state = labrepo._tags_state(str(root))
     assert {c: labrepo._generations[(str(root), c, state)] for c in shas} == one_at_a_time
+    repo = labrepo.LabRepo(root)  # the newest baseline tag at a commit, by git's own filter
+    assert [repo.baseline_tag(c) for c in shas] == ["baseline/v1", "baseline/v2", "baseline/v5", None,
+                                                   "baseline/v3", None]
