@@ -47,17 +47,16 @@ def split_progress(lab: Any, store: Any, records: Any) -> dict[str, Any]:
     has none; a champion whose own runs are not all in yet has no point (the gains then run to the
     latest champion that has one).
     """
-    from pipeline.api import Experiment, InfrastructureFailure
+    from pipeline.api import Experiment
 
     exp = Experiment(lab, store)
     points = []
     champs = champions(records)
-    exp.know_generations([rev for _, rev, _ in champs])
+    known = exp.standings([rev for _, rev, _ in champs])  # in one read each, not a few per champion
     for label, rev, hid in champs:
-        try:
-            st = exp.standing(rev)
-        except InfrastructureFailure as e:  # a tag deleted by hand, a commit not in this clone: no point for it
-            log.warning("progress: %s (%s) left out: %s", label, rev, e)
+        st = known[rev]
+        if isinstance(st, Exception):  # a tag deleted by hand, a commit not in this clone: no point for it
+            log.warning("progress: %s (%s) left out: %s", label, rev, st)
             st = None
         if st is None:
             if label == "start":  # gains "since the first baseline" need the first baseline

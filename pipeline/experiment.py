@@ -214,16 +214,6 @@ class Experiment:
     def generation(self, commit: str) -> int:
         return generation(str(self.lab.root), commit)
 
-    def know_generations(self, revs: list[str]) -> None:
-        """Find the generations of many commits (or tags) in one walk of the history, before asking
-        `generation` of each (`status` asks it of every champion)."""
-        shas = []
-        for rev in revs:
-            try:
-                shas.append(resolve_commit(self.lab, rev))
-            except (InfrastructureFailure, UserError):  # a tag deleted by hand: the caller hears of it
-                continue
-        generations(str(self.lab.root), shas)
 
     def baseline_seeds(self, base_commit: str, n: int | None = None, *, gen: int | None = None) -> range:
         """A baseline's own seeds (`baseline_runs` of them unless `n`)."""
@@ -651,12 +641,35 @@ class Experiment:
         """A baseline commit measured on its own runs (its own block, never the runs it was selected
         on): the mean over tasks on the gate split and, on the same runs, on the sealed holdout
         (None without one). For status, the digest and the chart only: nothing that decides reads it."""
-        lab = self.lab
-        sha = resolve_commit(lab, commit)
-        tasks = lab.tasks()
+        sha = resolve_commit(self.lab, commit)
+        tasks = self.lab.tasks()
+        return self._standing(sha, tasks, results(self.store, None, sha, tasks), self.store.holdout_scores(sha))
+
+    def standings(self, revs: list[str]) -> dict[str, dict[str, Any] | None | Exception]:
+        """`standing` of many baselines (commits or tags) at once: their results and holdout scores
+        in one read each and their generations in one walk of the history (`status` asks it of every
+        champion: a year's are hundreds). A revision that cannot be resolved (a tag deleted by hand)
+        maps to the error."""
+        out: dict[str, dict[str, Any] | None | Exception] = {}
+        shas: dict[str, str] = {}
+        for rev in revs:
+            try:
+                shas[rev] = resolve_commit(self.lab, rev)
+            except (InfrastructureFailure, UserError) as e:
+                out[rev] = e
+        generations(str(self.lab.root), list(shas.values()))
+        tasks = self.lab.tasks()
+        rows: dict[str, list[Any]] = {}
+        for r in self.store.result_rows(shas.values(), tasks):
+            rows.setdefault(r.commit, []).append(r)
+        hold = self.store.holdout_scores_of(shas.values())
+        for rev, sha in shas.items():
+            out[rev] = self._standing(sha, tasks, by_task(rows.get(sha, []), tasks), hold.get(sha, {}))
+        return out
+
+    def _standing(self, sha: str, tasks: list[str], gate: dict[str, dict[int, float | None]],
+                  hold: dict[str, dict[int, float]]) -> dict[str, Any] | None:
         block = seed_block(self.generation(sha))
-        gate = results(self.store, lab, sha, tasks)
-        hold = self.store.holdout_scores(sha)
         g_means, h_means, runs = [], [], 0
         for t in tasks:
             seeds = [s for s, v in gate.get(t, {}).items() if s in block and v is not None]

@@ -150,3 +150,28 @@ def test_generations_of_many_commits_in_one_walk_agree_with_one_at_a_time(tmp_pa
     repo = labrepo.LabRepo(root)  # the newest baseline tag at a commit, by git's own filter
     assert [repo.baseline_tag(c) for c in shas] == ["baseline/v1", "baseline/v2", "baseline/v5", None,
                                                    "baseline/v3", None]
+
+
+def test_the_champions_standings_in_one_read_equal_each_ones_and_a_deleted_tag_is_left_out(lab_template,
+                                                                                        tmp_path: Path) -> None:
+    """`status` and the chart ask the standing of every champion: read for all at once, each is what
+    `standing` says of it alone; a tag deleted by hand is an error for that revision only, and the
+    progress leaves that champion out instead of failing."""
+    import subprocess
+
+    from agent.progress import champions, split_progress
+    from pipeline.experiment import Experiment
+    from support.views import build_views_lab
+
+    root = build_views_lab(lab_template, tmp_path / "lab")["lab"]
+    svc = services(root)
+    exp = Experiment(svc.lab, svc.store)
+    revs = [rev for _, rev, _ in champions(svc.records)]
+    assert "baseline/v1" in revs and len(revs) >= 2
+    together = exp.standings(revs)
+    assert together == {rev: exp.standing(rev) for rev in revs}
+    assert together["baseline/v1"] is not None and together["baseline/v1"]["holdout"] is not None
+    subprocess.run(["git", "tag", "-d", "baseline/v1"], cwd=root, check=True, capture_output=True)
+    assert isinstance(exp.standings(revs)["baseline/v1"], Exception)
+    split = split_progress(svc.lab, svc.store, svc.records)
+    assert "baseline/v1" not in [p["label"] for p in split["points"]]

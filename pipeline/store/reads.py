@@ -142,6 +142,18 @@ class Reads:
                 out.setdefault(r.task, {})[r.seed] = r.value
         return out
 
+    def holdout_scores_of(self, commits: Iterable[str]) -> dict[str, dict[str, dict[int, float]]]:
+        """`holdout_scores` of several commits in one session: {commit: {task: {seed: score}}}."""
+        commits = sorted(set(commits))
+        out: dict[str, dict[str, dict[int, float]]] = {}
+        with self.session() as s:
+            for i in range(0, len(commits), 500):
+                q = select(HoldoutScore.commit, HoldoutScore.task, HoldoutScore.seed, HoldoutScore.value).where(
+                    HoldoutScore.commit.in_(commits[i:i + 500]))  # type: ignore[attr-defined]
+                for commit, task, seed, value in s.exec(q):
+                    out.setdefault(commit, {}).setdefault(task, {})[seed] = value
+        return out
+
     def stage_exec(self, eid: int) -> StageExec | None:
         """One stage execution by its id (the web page's log link)."""
         with self.session() as s:
