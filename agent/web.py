@@ -37,6 +37,7 @@ from __future__ import annotations
 import errno
 import hmac
 import ipaddress
+import math
 import os
 import re
 import secrets
@@ -172,8 +173,14 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
 
     def page(request: Request, name: str, status_code: int = 200, **ctx: Any) -> Response:
         csrf = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(24)
+        t0 = getattr(request.state, "t0", None)
+        took_ms = round((time.monotonic() - t0) * 1000, 1) if t0 is not None else None
+        if ctx.get("refresh") and took_ms is not None:  # a slow page refreshes less often: an open tab
+            ctx["refresh"] = max(int(ctx["refresh"]), math.ceil(took_ms / 1000 * REFRESH_COST))  # costs ≤ 1/10
         resp = templates.TemplateResponse(request, name, {"csrf": csrf, **ctx}, status_code=status_code)
         resp.set_cookie(CSRF_COOKIE, csrf, httponly=True, samesite="strict")
+        if took_ms is not None:
+            resp.headers["Server-Timing"] = f"page;dur={took_ms}"
         return resp
 
     opened: list[tuple[Any, Any, Any]] = []
@@ -362,6 +369,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
     async def gate(request: Request, call_next: Any) -> Response:
         """Every request carries the token: `?token=` once (answered with the cookie and a redirect to
         the same page without it, so it stays out of history and Referers), then the cookie."""
+        request.state.t0 = time.monotonic()  # `page`: how long the page took
         cookie = f"{TOKEN_COOKIE}_{request.url.port or ''}"  # cookies ignore ports: one per server
         given = request.query_params.get("token")
         if not hmac.compare_digest((given or request.cookies.get(cookie) or "").encode(), token.encode()):
@@ -392,6 +400,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
                      exception_handlers={Exception: error_page, HTTPException: error_page})
 
 
+REFRESH_COST = 10  # a page that took t s to make refreshes after 10 t s at the earliest (its base period else)
 OVERVIEW_BASELINES = 12  # the overview's latest baselines (a year holds hundreds: /timeline lists them)
 
 

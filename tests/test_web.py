@@ -278,3 +278,27 @@ def test_the_overview_lists_the_latest_baselines_in_order_and_the_timeline_every
     listed = [int(t) for t in re.findall(r"<td>baseline/v(\d+)</td>", page)]
     assert listed == list(range(n, n - OVERVIEW_BASELINES, -1))  # newest first, by number
     assert f"the latest {OVERVIEW_BASELINES} of {n} baselines" in page and 'href="/timeline"' in page
+
+
+def test_a_page_that_takes_long_to_make_refreshes_less_often(lab: Path, monkeypatch) -> None:
+    """An open overview refreshes every 10 s; a page that took t s to make (a year-old lab's status)
+    refreshes after REFRESH_COST × t s instead, so one open tab keeps the server busy a tenth of the
+    time at most; the time is in the Server-Timing header."""
+    import math
+    import re
+
+    from starlette.testclient import TestClient
+
+    from agent import web
+
+    def refresh_and_took(resp) -> tuple[int, float]:
+        assert resp.status_code == 200
+        took = float(resp.headers["server-timing"].split("dur=")[1])
+        return int(re.search(r'http-equiv="refresh" content="(\d+)"', resp.text).group(1)), took
+
+    with TestClient(web.make_app(lab, None, "tok"), base_url="http://127.0.0.1") as client:
+        refresh, took = refresh_and_took(client.get("/?token=tok"))
+        assert refresh == max(10, math.ceil(took / 1000 * web.REFRESH_COST))
+        monkeypatch.setattr(web, "REFRESH_COST", 1_000_000)  # as if the page were slow
+        refresh, took = refresh_and_took(client.get("/"))
+        assert refresh == math.ceil(took / 1000 * 1_000_000) > 10
