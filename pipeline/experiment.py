@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 
 LOOK_RANK = 100  # queue priority: a look's place in the schedule outranks the caller's rank (0-99)
 FROZEN_HISTORIES = 256  # frozen histories kept per Experiment (a few per hypothesis in flight)
+HISTORY_COMPARISONS = 1000  # `histories` reads the lab's latest comparisons
 
 
 ALONE_HOLD_MIN = 2  # runs re-run alone after a CUDA OOM before a gain is held for it (`Experiment.ran_alone`)
@@ -534,7 +535,9 @@ class Experiment:
                   ) -> tuple[list[dict[str, list[float | None]]], list[dict[str, list[float | None]]]]:
         """The lab's earlier comparisons, from one read of the store: their paired differences (the
         `paired` protocol's futility prior) and the runs of every arm in them by seed, each commit
-        once and neither commit of `exclude` (the unpaired bound on the paired variance, and σ_task).
+        once and neither commit of `exclude` (the unpaired bound on the paired variance, and σ_task);
+        the latest HISTORY_COMPARISONS of them (thousands of seeds per task already: more would only
+        make a hypothesis's first look read a year of results).
 
         Frozen for `exclude`'s comparison: only comparisons recorded before it and result rows
         created before it, so the prior and σ_task do not move between its looks (the boundaries are
@@ -558,6 +561,7 @@ class Experiment:
                    cutoff: float | None, dataset: str | None
                    ) -> tuple[list[dict[str, list[float | None]]], list[dict[str, list[float | None]]]]:
         comps = [(c, b) for c, b, t in timed if (c, b) != exclude and (cutoff is None or t < cutoff)]
+        comps = comps[-HISTORY_COMPARISONS:]  # the latest: a year's are 16,000 (and the lab's noise drifts)
         if not comps:
             return [], []
         commits = {x for c in comps for x in c}

@@ -175,3 +175,28 @@ def test_the_champions_standings_in_one_read_equal_each_ones_and_a_deleted_tag_i
     assert isinstance(exp.standings(revs)["baseline/v1"], Exception)
     split = split_progress(svc.lab, svc.store, svc.records)
     assert "baseline/v1" not in [p["label"] for p in split["points"]]
+
+
+def test_a_first_look_reads_the_latest_comparisons_of_the_lab(lab: Path, monkeypatch) -> None:
+    """The paired gate's prior and σ_task come from the lab's earlier comparisons: the latest
+    HISTORY_COMPARISONS of them (a year's would be 16,000, read at every hypothesis's first look)."""
+    from sqlalchemy import insert
+
+    from pipeline import experiment
+    from pipeline.store.tables import Arm, Comparison, Result, Run
+
+    svc = services(lab)
+    tasks = svc.lab.tasks()
+    monkeypatch.setattr(experiment, "HISTORY_COMPARISONS", 3)
+    arms = {"b0": 0.0} | {f"c{i}": float(i) for i in range(6)}  # challenger i is the baseline + i
+    runs = [{"commit": c, "task": t, "seed": k, "status": "done"} for c in arms for t in tasks for k in range(3)]
+    with svc.store.engine.begin() as conn:
+        conn.execute(insert(Arm), [{"commit": c} for c in arms])
+        ids = conn.execute(insert(Run).returning(Run.id, Run.commit, Run.task, Run.seed), runs).all()
+        conn.execute(insert(Result), [{"run_id": i, "commit": c, "task": t, "seed": k, "value": 0.5 + k + arms[c],
+                                       "outcome": "ok"} for i, c, t, k in ids])
+        conn.execute(insert(Comparison), [{"challenger": f"c{i}", "baseline": "b0", "created_at": float(i)}
+                                          for i in range(6)])
+    pairs, arm_rows = experiment.Experiment(svc.lab, svc.store).histories(tasks)
+    assert [d[tasks[0]] for d in pairs] == [[3.0] * 3, [4.0] * 3, [5.0] * 3]  # c3, c4, c5: the latest three
+    assert len(arm_rows) == 4  # b0 and those three
