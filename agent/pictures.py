@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import multiprocessing
 import os
 import threading
@@ -40,11 +41,12 @@ from typing import Any
 
 from agent.lifecycle import Decision, Status
 from agent.progress import split_progress
-from agent.verdicts import latest_verdicts
+from agent.verdicts import VERDICT
 
 log = logging.getLogger("autoresearch.pictures")
 
 PROGRESS_NAME = "progress.png"
+POINTS_READ = 1000  # verdicts read at a time for the chart
 PROGRESS_TAGS = 20  # champions named on the progress chart: the latest
 
 DECISION_COLORS = {
@@ -102,31 +104,44 @@ _DONE_POINTS: dict[tuple[str, int, float | None], Point] = {}  # (store, id, fin
 def progress_points(store: Any, records: Any) -> list[Point]:
     """Every proposed hypothesis, in order, with its levels from its latest gate record. A finished
     hypothesis's point does not change: it is kept (`_DONE_POINTS`), and a long-running process (the
-    loop, the review page) reads the verdicts of the others only."""
+    loop, the review page) reads the verdicts of the others only, POINTS_READ at a time (a year's
+    records at once held 600 MB)."""
 
-    points = []
     where = f"{store.url}#{store.schema}"
     briefs = [h for h in records.briefs() if h.title]  # untitled: not proposed yet
-    missing = [str(h.id) for h in briefs if (where, h.id, h.finished_at) not in _DONE_POINTS]
-    latest = latest_verdicts(store, missing) if missing else {}
-    for h in briefs:
-        if (where, h.id, h.finished_at) in _DONE_POINTS:
-            points.append(_DONE_POINTS[(where, h.id, h.finished_at)])
-            continue
-        r = latest.get(h.id)
-        base = level = hd = None
-        ci: tuple[float | None, float | None] = (None, None)
-        if r is not None:
-            pairs = [(t.baseline_mean, t.delta) for t in r.tasks if t.baseline_mean is not None and t.delta is not None]
-            if pairs:
-                base = sum(b for b, _ in pairs) / len(pairs)
-                level = base + sum(d for _, d in pairs) / len(pairs)
-            hd, ci = r.horizontal.delta, (r.horizontal.ci_low, r.horizontal.ci_high)
-        points.append(Point(h.id, h.title, _decision(h), h.verdict, base, level, hd, ci, h.promoted_tag,
-                            h.finished_at))
-        if h.status == Status.DONE and h.finished_at is not None:
-            _DONE_POINTS[(where, h.id, h.finished_at)] = points[-1]
-    return points
+    missing = [h for h in briefs if (where, h.id, h.finished_at) not in _DONE_POINTS]
+    made: dict[int, Point] = {}
+    for i in range(0, len(missing), POINTS_READ):
+        chunk = missing[i:i + POINTS_READ]
+        recs = store.latest_gate_records(VERDICT, [str(h.id) for h in chunk])
+        for h in chunk:
+            rec = recs.get(str(h.id))
+            made[h.id] = _point(h, rec.payload if rec is not None else None)
+            if h.status == Status.DONE and h.finished_at is not None:
+                _DONE_POINTS[(where, h.id, h.finished_at)] = made[h.id]
+    return [made[h.id] if h.id in made else _DONE_POINTS[(where, h.id, h.finished_at)] for h in briefs]
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _point(h: Any, verdict: dict[str, Any] | None) -> Point:
+    """A hypothesis's point from its latest verdict's record as stored (`GateResult.to_json`): the
+    baseline's level (mean over tasks of the baseline means), its own (plus the mean Δ), the
+    horizontal Δ and interval; read from the JSON, not validated into a `GateResult` (a year's are
+    thousands)."""
+    base = level = hd = None
+    ci: tuple[float | None, float | None] = (None, None)
+    if verdict is not None:
+        pairs = [(b, d) for t in verdict.get("tasks") or []
+                 if (b := _num(t.get("baseline_mean"))) is not None and (d := _num(t.get("delta"))) is not None]
+        if pairs:
+            base = sum(b for b, _ in pairs) / len(pairs)
+            level = base + sum(d for _, d in pairs) / len(pairs)
+        hor = verdict.get("horizontal") or {}
+        hd, ci = _num(hor.get("delta")), (_num(hor.get("ci_low")), _num(hor.get("ci_high")))
+    return Point(h.id, h.title, _decision(h), h.verdict, base, level, hd, ci, h.promoted_tag, h.finished_at)
 
 
 # ----------------------------------------------------------------------------- drawing

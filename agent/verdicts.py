@@ -88,18 +88,6 @@ def latest_verdict(store: Store, hid: int | str) -> GateResult | None:
     return GateResult.from_dict(recs[-1].payload)
 
 
-def latest_verdicts(store: Store, hypotheses: list[str] | None = None) -> dict[int, GateResult]:
-    """Every hypothesis's (or these ids') latest verdict, in one read of the store ({id: result};
-    ids with none absent)."""
-    from pipeline.api import GateResult
-
-    out: dict[int, GateResult] = {}
-    for key, rec in store.latest_gate_records(VERDICT, hypotheses).items():
-        if key.isdigit():  # a moved-aside comparison is kept as "<id>@<old base>"
-            out[int(key)] = GateResult.from_dict(rec.payload)
-    return out
-
-
 def verdict_at(store: Store, hid: int | str, look: int) -> GateResult | None:
     for r in store.gate_records(_key(hid), kind=VERDICT):
         if r.look == look:

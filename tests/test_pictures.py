@@ -45,19 +45,19 @@ def lab(tmp_path):
 
 
 @pytest.mark.parametrize("painted", [False, True], ids=["here", "painter"])
-def test_progress_chart_and_forest_plots_from_the_gates_records(lab, painted):
+def test_progress_chart_and_forest_plots_from_the_gates_records(lab, painted, monkeypatch):
     """Drawn in this process, or by the loop's `Painter` in a process of its own: the same pictures,
     linked from the same summaries."""
     svc = services(lab)
     svc.painter = Painter() if painted else None
     try:
-        _pictures_from_the_gates_records(lab, svc)
+        _pictures_from_the_gates_records(lab, svc, monkeypatch)
     finally:
         if svc.painter is not None:
             svc.painter.close()
 
 
-def _pictures_from_the_gates_records(lab, svc):
+def _pictures_from_the_gates_records(lab, svc, monkeypatch):
     def drawn():
         if svc.painter is not None:
             svc.painter.flush()
@@ -89,6 +89,13 @@ def _pictures_from_the_gates_records(lab, svc):
     assert pts[1].base == pytest.approx(level(BETTER))  # the line steps up after the promotion
     assert pts[2].base is None and pts[2].level is None
     assert pts[0].tag == "baseline/v1" and pts[0].horizontal_delta > 0
+    gate = svc.records.latest_verdict(promoted.id).horizontal  # the points are read from the stored JSON
+    assert (pts[0].horizontal_delta, *pts[0].horizontal_ci) == pytest.approx((gate.delta, gate.ci_low, gate.ci_high))
+    from agent import pictures
+
+    pictures._DONE_POINTS.clear()
+    monkeypatch.setattr(pictures, "POINTS_READ", 1)  # read a verdict at a time: the same points
+    assert progress_points(svc.store, svc.records) == pts == progress_points(svc.store, svc.records)  # then kept
 
     chart = pixels(progress_path(svc.lab))
     for decision in ("promote", "abandon", "reject"):
