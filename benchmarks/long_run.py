@@ -1197,6 +1197,8 @@ def main() -> int:
                           check=False).stdout.strip()
     dirty = [line[3:] for line in subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                                  capture_output=True, text=True, check=False).stdout.splitlines()]
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="longrun-", dir=args.workdir))
     from agent.config import open_lab
     from agent.labinit import init_lab
