@@ -110,6 +110,9 @@ def progress_points(store: Any, records: Any) -> list[Point]:
     where = f"{store.url}#{store.schema}"
     briefs = [h for h in records.briefs() if h.title]  # untitled: not proposed yet
     missing = [h for h in briefs if (where, h.id, h.finished_at) not in _DONE_POINTS]
+    if len(_DONE_POINTS) + len(missing) > 200_000:  # years of several labs in one process: start again
+        _DONE_POINTS.clear()
+        missing = briefs
     made: dict[int, Point] = {}
     for i in range(0, len(missing), POINTS_READ):
         chunk = missing[i:i + POINTS_READ]

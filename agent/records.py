@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
-from sqlalchemy import JSON, Column, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Column, String, Text, UniqueConstraint, and_, or_
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel, select
 
@@ -379,17 +379,19 @@ class Records:
         loop's streak counts read back only as far as their streak goes, not months of history."""
         cols = (Hypothesis.id, Hypothesis.finished_at, Hypothesis.decision, Hypothesis.reject_kind,
                 Hypothesis.verdict, Hypothesis.promoted_tag)
-        offset = 0
-        while True:
+        after: tuple[float, int] | None = None  # the last row read: the next page starts below it
+        while True:  # by key, not OFFSET: one finishing between two pages must not shift them
+            q = select(*cols).where(Hypothesis.status == Status.DONE, Hypothesis.finished_at.is_not(None))  # type: ignore[union-attr]
+            if after is not None:
+                q = q.where(or_(Hypothesis.finished_at < after[0],
+                                and_(Hypothesis.finished_at == after[0], Hypothesis.id < after[1])))  # type: ignore[arg-type,operator]
             with self.store.session() as s:
-                rows = s.exec(select(*cols).where(Hypothesis.status == Status.DONE,
-                                                  Hypothesis.finished_at.is_not(None))  # type: ignore[union-attr]
-                              .order_by(Hypothesis.finished_at.desc(), Hypothesis.id.desc())  # type: ignore[union-attr]
-                              .offset(offset).limit(page)).all()
+                rows = s.exec(q.order_by(Hypothesis.finished_at.desc(), Hypothesis.id.desc())  # type: ignore[union-attr]
+                              .limit(page)).all()
             yield from rows
             if len(rows) < page:
                 return
-            offset += page
+            after = (rows[-1].finished_at, rows[-1].id)
 
     def children(self, hid: int) -> list[Hypothesis]:
         """The hypotheses that refine `hid` (its `refine` decision's follow-ups), oldest first."""

@@ -215,7 +215,6 @@ class Experiment:
     def generation(self, commit: str) -> int:
         return generation(str(self.lab.root), commit)
 
-
     def baseline_seeds(self, base_commit: str, n: int | None = None, *, gen: int | None = None) -> range:
         """A baseline's own seeds (`baseline_runs` of them unless `n`)."""
         g = self.generation(base_commit) if gen is None else gen

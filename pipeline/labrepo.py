@@ -56,8 +56,9 @@ class LabRepo:
         """The tree of `rev`; a full sha's is kept (a commit's tree never changes: the check that a
         candidate was not measured before compares it with every earlier hypothesis's)."""
         key = (str(self.root), rev)
-        if key in _trees:
-            return _trees[key]
+        known = _trees.get(key)  # (never a check then a read: another thread may clear it between)
+        if known is not None:
+            return known
         tree = self.repo.commit(rev).tree.hexsha
         if _FULL_SHA.fullmatch(rev):
             if len(_trees) >= 100_000:
@@ -208,14 +209,12 @@ def generations(root: str, commits: list[str]) -> None:
     repo = git.Repo(root)
     try:
         bits: dict[str, int] = {}
-        refs = repo.git.for_each_ref("--format=%(objectname) %(*objectname) %(refname)",
-                                     "refs/tags/" + BASELINE_TAG_PREFIX.rsplit("/", 1)[0])
-        for i, line in enumerate(refs.splitlines()):
-            obj, *peeled_name = line.split(" ")
-            peeled, name = (peeled_name if len(peeled_name) == 2 else ("", peeled_name[-1]))
-            if fnmatch.fnmatchcase(name.removeprefix("refs/tags/"), BASELINE_TAGS):
-                sha = peeled or obj  # an annotated tag's commit, else the tag's own
-                bits[sha] = bits.get(sha, 0) | (1 << i)
+        refs = repo.git.for_each_ref("--format=%(refname)", "refs/tags/" + BASELINE_TAG_PREFIX.rsplit("/", 1)[0])
+        names = [r for r in refs.splitlines() if fnmatch.fnmatchcase(r.removeprefix("refs/tags/"), BASELINE_TAGS)]
+        # each tag's commit, through any tags of tags, in one call
+        targets = repo.git.rev_parse(*(f"{name}^{{commit}}" for name in names)).split() if names else []
+        for i, sha in enumerate(targets):
+            bits[sha] = bits.get(sha, 0) | (1 << i)
         reach: dict[str, int] = {}
         for line in repo.git.rev_list("--topo-order", "--reverse", "--parents", *todo).splitlines():
             sha, *parents = line.split()

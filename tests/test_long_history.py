@@ -150,6 +150,13 @@ def test_generations_of_many_commits_in_one_walk_agree_with_one_at_a_time(tmp_pa
     repo = labrepo.LabRepo(root)  # the newest baseline tag at a commit, by git's own filter
     assert [repo.baseline_tag(c) for c in shas] == ["baseline/v1", "baseline/v2", "baseline/v5", None,
                                                    "baseline/v3", None]
+    last = commit("d")  # a tag of a tag (a person's doing): counted through both, as git does
+    git("tag", "-a", "inner", "-m", "inner"), git("tag", "baseline/v6", "inner")
+    labrepo._generations.clear()
+    assert labrepo.generation(str(root), last) == 6
+    labrepo._generations.clear()
+    labrepo.generations(str(root), [last])
+    assert labrepo._generations[(str(root), last, labrepo._tags_state(str(root)))] == 6
 
 
 def test_the_champions_standings_in_one_read_equal_each_ones_and_a_deleted_tag_is_left_out(lab_template,
@@ -200,3 +207,22 @@ def test_a_first_look_reads_the_latest_comparisons_of_the_lab(lab: Path, monkeyp
     pairs, arm_rows = experiment.Experiment(svc.lab, svc.store).histories(tasks)
     assert [d[tasks[0]] for d in pairs] == [[3.0] * 3, [4.0] * 3, [5.0] * 3]  # c3, c4, c5: the latest three
     assert len(arm_rows) == 4  # b0 and those three
+
+
+def test_finished_hypotheses_newest_first_by_pages_never_repeat_one(lab: Path) -> None:
+    """The loop's streak counts read finished hypotheses newest first a page at a time: by key, so
+    one finishing between two pages shifts nothing (with OFFSET it was read twice), ties included."""
+    svc = services(lab)
+    with svc.store.session() as s:
+        for i, t in enumerate([10.0, 20.0, 20.0, 30.0, 40.0]):
+            s.add(Hypothesis(title=f"h{i}", status="done", origin="offline", finished_at=t, decision="abandon"))
+        s.commit()
+    pages = svc.records.done_newest_first(page=2)
+    seen = [next(pages).id, next(pages).id]
+    with svc.store.session() as s:  # a hypothesis finishes while the loop reads
+        s.add(Hypothesis(title="new", status="done", origin="offline", finished_at=50.0, decision="abandon"))
+        s.commit()
+    seen += [h.id for h in pages]
+    times = {h.id: h.finished_at for h in svc.records.done_newest_first()}
+    assert len(seen) == len(set(seen)) == 5 and [times[i] for i in seen] == [40.0, 30.0, 20.0, 20.0, 10.0]
+    assert [h.finished_at for h in svc.records.done_newest_first(page=1)] == [50.0, 40.0, 30.0, 20.0, 20.0, 10.0]

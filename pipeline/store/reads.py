@@ -99,12 +99,13 @@ class Reads:
         comparisons is more commits than PostgreSQL binds in one statement, 65,535; SQLite's usual
         build, 32,766)."""
         commits = sorted(set(commits))
+        tasks = list(tasks) if tasks is not None else None  # once: every chunk asks for them
         out: list[Result] = []
         with self.session() as s:
             for i in range(0, len(commits), 500):
                 q = select(Result).where(Result.commit.in_(commits[i:i + 500]))  # type: ignore[attr-defined]
                 if tasks is not None:
-                    q = q.where(Result.task.in_(list(tasks)))  # type: ignore[attr-defined]
+                    q = q.where(Result.task.in_(tasks))  # type: ignore[attr-defined]
                 out.extend(s.exec(q))
         return out
 
@@ -115,12 +116,13 @@ class Reads:
         commits = sorted(set(commits))
         cols = (Result.commit, Result.task, Result.seed, Result.value, Result.outcome, Result.dataset_id,
                 Result.created_at)
+        tasks = list(tasks) if tasks is not None else None  # once: every chunk asks for them
         out: list[Any] = []
         with self.session() as s:
             for i in range(0, len(commits), 500):
                 q = select(*cols).where(Result.commit.in_(commits[i:i + 500]))  # type: ignore[attr-defined]
                 if tasks is not None:
-                    q = q.where(Result.task.in_(list(tasks)))  # type: ignore[attr-defined]
+                    q = q.where(Result.task.in_(tasks))  # type: ignore[attr-defined]
                 out.extend(s.exec(q).all())
         return out
 
