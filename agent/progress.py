@@ -21,10 +21,12 @@ from pipeline.api import baseline_number
 log = logging.getLogger("autoresearch.progress")
 
 
-def champions(records: Any) -> list[tuple[str, str, int | None]]:
+def champions(records: Any, briefs: list[Any] | None = None) -> list[tuple[str, str, int | None]]:
     """(label, revision, hypothesis id) of the first baseline and of each promotion since, in the
-    order of promotion (the tag's number: with hypotheses in flight together, ids need not be)."""
-    hyps = sorted((h for h in records.briefs() if h.base_commit), key=lambda h: h.id)
+    order of promotion (the tag's number: with hypotheses in flight together, ids need not be);
+    from `briefs` where the caller read them already."""
+    hyps = sorted((h for h in (records.briefs() if briefs is None else briefs) if h.base_commit),
+                  key=lambda h: h.id)
     if not hyps:
         return []
     promoted = [h for h in hyps if h.decision == Decision.PROMOTE and h.promoted_tag and h.commit]
@@ -38,7 +40,7 @@ def champions(records: Any) -> list[tuple[str, str, int | None]]:
     return start + [(h.promoted_tag, h.promoted_tag, h.id) for h in sorted(promoted, key=number)]
 
 
-def split_progress(lab: Any, store: Any, records: Any) -> dict[str, Any]:
+def split_progress(lab: Any, store: Any, records: Any, briefs: list[Any] | None = None) -> dict[str, Any]:
     """The champions' levels on both splits and the cumulative gains since the first baseline.
 
     A champion's level is the mean over tasks of its own runs (its seed block: the fresh runs it
@@ -51,7 +53,7 @@ def split_progress(lab: Any, store: Any, records: Any) -> dict[str, Any]:
 
     exp = Experiment(lab, store)
     points = []
-    champs = champions(records)
+    champs = champions(records, briefs)
     known = exp.standings([rev for _, rev, _ in champs])  # in one read each, not a few per champion
     for label, rev, hid in champs:
         st = known[rev]
