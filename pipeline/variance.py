@@ -131,7 +131,7 @@ def lab_pairing(lab: Lab, store: Any) -> dict[str, Any] | None:
     comps = store.comparisons()[-LAB_PAIRING_LATEST:]
     rows: dict[str, dict[str, dict[int, float | None]]] = {}
     commits = {x for c in comps for x in c}
-    for r in store.results_of(commits, tasks):
+    for r in store.result_rows(commits, tasks):
         if ResultOutcome(r.outcome).counts():
             rows.setdefault(r.commit, {}).setdefault(r.task, {})[r.seed] = r.value
     corr, ratio, used = [], [], 0

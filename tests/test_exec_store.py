@@ -393,7 +393,7 @@ def test_a_database_a_newer_version_made_is_refused_in_one_line_and_left_alone(d
 def test_a_years_reads_stay_within_the_databases_bounds_and_read_only_the_deepest_looks(store) -> None:
     """A year of a busy lab compares more commits than PostgreSQL binds in one statement (65,535;
     SQLite's usual build 32,766):
-    `results_of` still reads every one; `latest_gate_records` reads each hypothesis's deepest look
+    `result_rows` still reads every one; `latest_gate_records` reads each hypothesis's deepest look
     only, for every hypothesis or the ones asked for."""
     from sqlalchemy import insert
 
@@ -405,9 +405,9 @@ def test_a_years_reads_stay_within_the_databases_bounds_and_read_only_the_deepes
         c.execute(insert(Run), [{"commit": commit, "task": "a", "seed": 0, "status": "done"} for commit in commits])
         c.execute(insert(Result), [{"run_id": i + 1, "commit": commit, "task": "a", "seed": 0, "value": float(i),
                                     "outcome": "ok"} for i, commit in enumerate(commits)])
-    rows = store.results_of(commits + commits[:10], ["a"])
+    rows = store.result_rows(commits + commits[:10], ["a"])
     assert len(rows) == 66_000 and {r.commit for r in rows} == set(commits)
-    assert store.results_of(commits, ["b"]) == [] and store.results_of([]) == []
+    assert store.result_rows(commits, ["b"]) == [] and store.result_rows([]) == []
 
     for hyp, look in (("1", 1), ("1", 2), ("1", 3), ("2", 1), ("3", 2)):
         store.put_gate_record(hyp, look, {"look": look})

@@ -13,7 +13,8 @@ from agent.workspace import EditRejected, PromotionConflict, slugify
 
 def queue_refinement(svc: Services, h: Hypothesis, follow_up: str) -> Hypothesis:
     """The child hypothesis a `refine` decision asks for, once (a re-run finds it queued)."""
-    for child in svc.records.children(h.id):
+    child = next(iter(svc.records.children(h.id)), None)
+    if child is not None:
         return child
     first = follow_up.strip().splitlines()[0].lstrip("# ").strip()
     return svc.records.add(Hypothesis(

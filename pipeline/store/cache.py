@@ -14,6 +14,7 @@ from sqlmodel import select
 
 from pipeline.errors import InfrastructureFailure
 from pipeline.executors.base import STAGE_ENV_VERSION
+from pipeline.store.reads import in_chunks
 from pipeline.store.tables import (METHOD_OUTCOMES, SMOKE_OUTCOMES, CacheEntry, CacheUse, GpuUsage, Run, RunStatus,
                                    HarnessExec, SmokeExec, StageExec, StageGpu, StageOutcome, now)
 
@@ -187,9 +188,9 @@ class CacheRows:
         doing): key → (outcome, detail) of its first."""
         out: dict[str, tuple[str, str]] = {}
         with self.session() as s:
-            for i in range(0, len(keys), 500):  # under every database's bound-parameter limit
+            for chunk in in_chunks(keys):
                 q = (select(StageExec.key, StageExec.outcome, StageExec.detail)
-                     .where(StageExec.key.in_(keys[i:i + 500]),  # type: ignore[attr-defined]
+                     .where(StageExec.key.in_(chunk),  # type: ignore[attr-defined]
                             StageExec.outcome.in_(METHOD_OUTCOMES),  # type: ignore[attr-defined]
                             StageExec.env == STAGE_ENV_VERSION)
                      .order_by(StageExec.id))

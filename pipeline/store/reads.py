@@ -4,7 +4,7 @@ records (see `pipeline.store`)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from sqlalchemy import case, func
@@ -94,33 +94,18 @@ class Reads:
             return [(c.challenger, c.baseline, c.created_at)
                     for c in s.exec(select(Comparison).order_by(Comparison.created_at))]
 
-    def results_of(self, commits: Iterable[str], tasks: Iterable[str] | None = None) -> list[Result]:
-        """Every result row of several commits, in one session (a read per 500 commits: a year of
-        comparisons is more commits than PostgreSQL binds in one statement, 65,535; SQLite's usual
-        build, 32,766)."""
-        commits = sorted(set(commits))
-        tasks = list(tasks) if tasks is not None else None  # once: every chunk asks for them
-        out: list[Result] = []
-        with self.session() as s:
-            for i in range(0, len(commits), 500):
-                q = select(Result).where(Result.commit.in_(commits[i:i + 500]))  # type: ignore[attr-defined]
-                if tasks is not None:
-                    q = q.where(Result.task.in_(tasks))  # type: ignore[attr-defined]
-                out.extend(s.exec(q))
-        return out
-
     def result_rows(self, commits: Iterable[str], tasks: Iterable[str] | None = None) -> list[Any]:
-        """`results_of`'s rows as plain tuples of what a comparison reads (commit, task, seed, value,
-        outcome, dataset_id, created_at; by attribute), not ORM objects: the lab's histories read a
-        year of results (380,000 rows) at a hypothesis's first look."""
-        commits = sorted(set(commits))
+        """The result rows of several commits, in one session, as plain tuples of what a comparison
+        reads (commit, task, seed, value, outcome, dataset_id, created_at; by attribute), not ORM
+        objects: the lab's histories read a year of results (380,000 rows) at a hypothesis's first
+        look, more commits than one statement binds (`in_chunks`)."""
         cols = (Result.commit, Result.task, Result.seed, Result.value, Result.outcome, Result.dataset_id,
                 Result.created_at)
         tasks = list(tasks) if tasks is not None else None  # once: every chunk asks for them
         out: list[Any] = []
         with self.session() as s:
-            for i in range(0, len(commits), 500):
-                q = select(*cols).where(Result.commit.in_(commits[i:i + 500]))  # type: ignore[attr-defined]
+            for chunk in in_chunks(commits):
+                q = select(*cols).where(Result.commit.in_(chunk))  # type: ignore[attr-defined]
                 if tasks is not None:
                     q = q.where(Result.task.in_(tasks))  # type: ignore[attr-defined]
                 out.extend(s.exec(q).all())
@@ -146,12 +131,11 @@ class Reads:
 
     def holdout_scores_of(self, commits: Iterable[str]) -> dict[str, dict[str, dict[int, float]]]:
         """`holdout_scores` of several commits in one session: {commit: {task: {seed: score}}}."""
-        commits = sorted(set(commits))
         out: dict[str, dict[str, dict[int, float]]] = {}
         with self.session() as s:
-            for i in range(0, len(commits), 500):
+            for chunk in in_chunks(commits):
                 q = select(HoldoutScore.commit, HoldoutScore.task, HoldoutScore.seed, HoldoutScore.value).where(
-                    HoldoutScore.commit.in_(commits[i:i + 500]))  # type: ignore[attr-defined]
+                    HoldoutScore.commit.in_(chunk))  # type: ignore[attr-defined]
                 for commit, task, seed, value in s.exec(q):
                     out.setdefault(commit, {}).setdefault(task, {})[seed] = value
         return out
@@ -346,11 +330,10 @@ class Reads:
         record}: only the deepest looks are read (a year of hypotheses has several records each)."""
         deepest = (select(GateRecord.hypothesis, func.max(GateRecord.look).label("look"))
                    .where(GateRecord.kind == kind).group_by(GateRecord.hypothesis))
-        keys = None if hypotheses is None else sorted(set(hypotheses))
         out: dict[str, GateRecord] = {}
         with self.session() as s:
-            for i in range(0, 1 if keys is None else len(keys), 500):
-                q = deepest if keys is None else deepest.where(GateRecord.hypothesis.in_(keys[i:i + 500]))  # type: ignore[attr-defined]
+            for chunk in [None] if hypotheses is None else in_chunks(hypotheses):
+                q = deepest if chunk is None else deepest.where(GateRecord.hypothesis.in_(chunk))  # type: ignore[attr-defined]
                 sub = q.subquery()
                 rows = s.exec(select(GateRecord).join(sub, (GateRecord.hypothesis == sub.c.hypothesis)  # type: ignore[arg-type]
                                                       & (GateRecord.look == sub.c.look))
@@ -364,6 +347,17 @@ class Reads:
             if kind is not None:
                 q = q.where(GateRecord.kind == kind)
             return list(s.exec(q))
+
+
+IN_CHUNK = 500  # values bound in one IN list: far under PostgreSQL's 65,535 and SQLite's usual 32,766
+
+
+def in_chunks(values: Iterable[str], n: int = IN_CHUNK) -> Iterator[list[str]]:
+    """The distinct `values`, sorted, `n` at a time: a year of commits or hypotheses is more than one
+    statement binds."""
+    distinct = sorted(set(values))
+    for i in range(0, len(distinct), n):
+        yield distinct[i:i + n]
 
 
 def by_task(rows: Iterable[Result], tasks: Iterable[str] | None = None) -> dict[str, dict[int, float | None]]:
