@@ -159,12 +159,24 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
         "rejected": dict(sorted(Counter(h.reject_kind or "?" for h in hyps if h.decision == Decision.REJECT).items())),
         "compute": Experiment(lab, store).goodput().as_dict(),
         "gpu": gpu_facts(lab),
+        "environment": environment_status(lab, store),
         "pairing": lab_pairing(lab, store),  # what the shared seeds buy, from this lab's comparisons
         "stream": Experiment(lab, store).stream(),  # [gate] online_fdr: the stream's tests and its next α
         "llm": {**llm_use(lab, ledger), "unreachable_since": llm_unreachable_since(rec)},
         "events": [{"kind": e.kind, "message": e.message, "at": e.created_at} for e in rec.events(5)],
         "notify": _notify_status(store),
     }
+
+
+def environment_status(lab: Any, store: Any) -> dict[str, Any]:
+    """The measurement environment here (`pipeline.environment`) and, when the baseline's runs were
+    measured in another, what changed (the loop re-measures it at its next start)."""
+    from pipeline.environment import here
+
+    now = lab.config.run.environment_of(here())
+    changed = Experiment(lab, store).environment_change(now)
+    return {"id": now.id, "here": now.brief(), "changed_since_baseline": changed[1] if changed else None,
+            "remeasure_on_change": lab.config.run.remeasure_on_change}
 
 
 def gpu_facts(lab: Any) -> dict[str, Any]:

@@ -62,7 +62,7 @@ class AgentSection(_Strict):
 
 # `[notify]`: plain data, checked here; the sending is the agent's (agent/notify.py)
 NOTIFY_EVENTS = ("hold", "promote", "abandon", "plateau", "llm_down", "llm_up", "guard", "takeover", "disk",
-                 "digest")
+                 "environment", "digest")
 NOTIFY_OPTIONAL_EVENTS = ("budget", "reverified", "error", "notify_dead")  # not sent unless listed
 
 

@@ -122,6 +122,14 @@ def print_status(st: dict[str, Any]) -> None:
     if fdr := st.get("stream"):
         con.print(f"stream: {fdr['procedure'].upper()} at FDR {fdr['fdr']:.0%}: {fdr['tests']} comparisons tested, "
                   f"{fdr['discoveries']} discoveries; the next comparison gets α {fdr['next_alpha']:.2g}")
+    env = st.get("environment")
+    if env:
+        con.print(f"environment: {env['here']} ({env['id']})", markup=False, highlight=False)
+        if env["changed_since_baseline"]:
+            then = ("the loop re-measures it at its next start" if env["remeasure_on_change"]
+                    else "gains across the change are held for a human ([run] remeasure_on_change = false)")
+            con.print(f"[bold yellow]the baseline was measured in another environment[/bold yellow] "
+                      f"({escape(env['changed_since_baseline'])}): {then}")
     pr = st.get("pairing")
     if pr and pr["median_pair_correlation"] is not None and pr["median_variance_ratio"] is not None:
         con.print(f"pairing: seed k of a challenger and of its baseline correlate at a median "

@@ -40,8 +40,9 @@ from pipeline.tomlview import toml_tables
 if TYPE_CHECKING:
     from pipeline.worktrees import Worktrees
 
-KEY_VERSION = "autoresearch-stage-v3"  # v2: stages see only their declared inputs, in a sandbox;
-# v3: a stage that names a TOML file by tables sees only those tables (v2 outputs saw the whole file)
+KEY_VERSION = "autoresearch-stage-v4"  # v2: stages see only their declared inputs, in a sandbox;
+# v3: a stage that names a TOML file by tables sees only those tables (v2 outputs saw the whole file);
+# v4: the measurement environment's software (`pipeline.environment`) is part of the key
 
 
 
@@ -92,14 +93,17 @@ def input_digests(worktrees: "Worktrees", commit: str, patterns: list[str]) -> d
 
 
 def cache_key(spec: StageSpec, inputs: Mapping[str, str], scope: Mapping[str, object],
-              upstream: Mapping[str, str], dataset_id: str, isolation: str = "sandbox") -> str:
+              upstream: Mapping[str, str], dataset_id: str, isolation: str = "sandbox", software: str = "") -> str:
     """The content address of a stage output (sha256 hex).
 
     `isolation` is "sandbox" or "unsandboxed": an output made where the stage could read anything
-    never serves a sandboxed lab.
+    never serves a sandboxed lab. `software` is the measurement environment's software id
+    (`Environment.software_id`): an output made with another torch never serves this one, and a
+    failure recorded under it is not this one's.
     """
     doc = {
         "isolation": isolation,
+        "software": software,
         "v": KEY_VERSION,
         "stage": {"name": spec.name, "run": spec.run, "scope": spec.scope,
                   "needs": sorted(spec.needs), "inputs": list(spec.inputs)},
@@ -112,7 +116,7 @@ def cache_key(spec: StageSpec, inputs: Mapping[str, str], scope: Mapping[str, ob
 
 
 def plan_run(stages: list[StageSpec], commit: str, task: str, seed: int, dataset_id: str,
-             digests: InputDigest, isolation: str = "sandbox") -> list[StageNode]:
+             digests: InputDigest, isolation: str = "sandbox", software: str = "") -> list[StageNode]:
     """The run's stages in dependency order, each with its cache key."""
     order = check_stage_graph(list(stages))
     keys: dict[str, str] = {}
@@ -120,7 +124,7 @@ def plan_run(stages: list[StageSpec], commit: str, task: str, seed: int, dataset
     for spec in order:
         scope: dict[str, object] = {"seed": seed} if spec.scope == "seed" else {"task": task, "seed": seed}
         upstream = {n: keys[n] for n in spec.needs}
-        key = cache_key(spec, digests(commit, list(spec.inputs)), scope, upstream, dataset_id, isolation)
+        key = cache_key(spec, digests(commit, list(spec.inputs)), scope, upstream, dataset_id, isolation, software)
         keys[spec.name] = key
         nodes.append(StageNode(spec, key, upstream))
     return nodes

@@ -55,6 +55,7 @@ from pipeline.labrepo import (
     resolve_commit,
 )
 from pipeline.errors import InfrastructureFailure, UserError
+from pipeline.labnames import BASELINE_BRANCH
 from pipeline.outcomes import ResultOutcome, RunStatus
 from pipeline.store import Store
 from pipeline.store.reads import by_task
@@ -425,6 +426,49 @@ class Experiment:
             return None
         return (f"{k} of its {n} runs ran a stage again alone on its GPU after a CUDA out-of-memory beside "
                 f"another stage (its baseline: {j} of {m}); alone, a stage that trains for a fixed time gets more compute")
+
+    def mixed_environments(self, base_commit: str, commit: str, look: int) -> str | None:
+        """Why a challenger's gain at `look` is held for a human because its pairs were measured in
+        different environments one way (`environment.imbalance`: the baseline's runs under one torch
+        or GPU, the challenger's under another), or None. The gain may be the environment's."""
+        from pipeline.environment import IMBALANCE_HOLD, change, imbalance
+
+        tasks = self.lab.tasks()
+        seeds = set(challenger_seeds(look, self.generation(base_commit)))
+        base_sha, sha = resolve_commit(self.lab, base_commit), resolve_commit(self.lab, commit)
+        arms: dict[str, dict[Any, str | None]] = {base_sha: {}, sha: {}}
+        for r in self.store.result_rows([base_sha, sha], tasks):
+            if r.seed in seeds and r.value is not None:
+                arms[r.commit][(r.task, r.seed)] = r.env_id
+        moved = imbalance(arms[base_sha], arms[sha])
+        if moved is None or moved[0] <= IMBALANCE_HOLD:
+            return None
+        share, old, new, n, pairs = moved
+        envs = self.store.envs([old, new])
+        what = change(envs[old], envs[new]) if old in envs and new in envs else f"{old} → {new}"
+        return (f"{n} more of its {pairs} pairs had the baseline's run in one measurement environment and its own "
+                f"in another than the other way round ({what}): the gain may be the environment's")
+
+    def environment_change(self, current: Any) -> tuple[str, str] | None:
+        """(the baseline's head, what changed) when the environment its own runs were mostly measured
+        in is not `current` (an `Environment`: the driver's), else None. Only the software counts
+        where `current` knows no GPU (a driver whose stages run on a cluster's nodes)."""
+        from collections import Counter
+
+        from pipeline.environment import change
+
+        head = resolve_commit(self.lab, BASELINE_BRANCH)
+        ids = Counter(r.env_id for r in self.store.result_rows([head], self.lab.tasks())
+                      if r.value is not None and r.env_id)
+        if not ids:
+            return None
+        usual = ids.most_common(1)[0][0]
+        old = self.store.envs([usual]).get(usual)
+        if old is None or usual == current.id:
+            return None
+        if old.software_id == current.software_id and (not current.gpus or old.gpus == current.gpus):
+            return None
+        return head, change(old, current) or "the environment changed"
 
     def judge_look(self, base_commit: str, commit: str, look: int, *, record_as: str | None = None) -> GateResult:
         """The gate's result at a look, from the store's results (never from the policy). With

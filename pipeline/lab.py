@@ -11,7 +11,7 @@ import glob
 import re
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
@@ -22,6 +22,7 @@ from pipeline.tomlview import Seen
 
 if TYPE_CHECKING:
     from pipeline.harness import Harness
+    from pipeline.environment import Environment
 
 BUILTIN_PLACEHOLDERS = {"data", "task", "seed", "out"}
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -106,6 +107,18 @@ class RunSection(_Strict):
     env: tuple[str, ...] = ()
     # the modules a warm worker imports once, before it forks stages (None: numpy, torch and peft)
     preload: list[str] | None = None
+    # the distributions whose versions make the measurement environment (`pipeline.environment`);
+    # None: the numerical stack (`DEFAULT_PACKAGES`), ["*"]: every installed distribution
+    environment: list[Annotated[str, Field(min_length=1)]] | None = None
+    # re-measure the baseline when the loop starts in another environment than its runs' (an empty commit)
+    remeasure_on_change: StrictBool = True
+
+    def environment_of(self, facts: dict[str, Any]) -> "Environment":
+        """The measurement environment `facts` (`environment.node_facts`) make for this lab."""
+        from pipeline.environment import DEFAULT_PACKAGES, Environment
+
+        gpu = max(self.gpus, self.prepare_gpus, self.score_gpus) > 0
+        return Environment.of(facts, DEFAULT_PACKAGES if self.environment is None else self.environment, gpu=gpu)
 
     @field_validator("preload")
     @classmethod

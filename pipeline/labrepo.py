@@ -145,6 +145,21 @@ class LabRepo:
         self.repo.git.update_ref(f"refs/heads/{BASELINE_BRANCH}", commit, head)
         return commit, self._next_baseline_tag(commit, message)
 
+    def remeasure(self, head: str, message: str) -> str:
+        """Move the baseline branch from `head` to a new commit with `head`'s tree (an empty commit):
+        the same code, measured again from its first run (results are per commit), in the
+        environment the loop runs in now. Only from `head` (`git update-ref NEW OLD`): a baseline
+        that moved since is refused (`PromotionConflict`). Its generation is `head`'s (no tag), so
+        its runs and its challengers' keep the seed block."""
+        tree = self.repo.commit(head).tree.hexsha
+        commit = self.repo.git.commit_tree(tree, "-p", head, "-m", message)
+        try:
+            self.repo.git.update_ref(f"refs/heads/{BASELINE_BRANCH}", commit, head)
+        except git.GitCommandError as e:
+            raise PromotionConflict(f"the baseline moved from {head[:10]} while it was to be re-measured: "
+                                    f"{str(e).splitlines()[-1][:200]}") from None
+        return commit
+
     def merge_onto(self, head: str, commit: str, message: str) -> str:
         """`commit` merged onto `head` without a working tree (`git merge-tree`): a merge commit whose
         first parent is `head` (so `commit` stays in its history), or `commit` itself when it already

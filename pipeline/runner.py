@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import threading
 import time
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import isolation
+from pipeline import environment, isolation
 from pipeline.dag import Cache, StageNode, check_not_sealed, input_digests, plan_run, render
 from pipeline.disk import DiskKeeper
 from pipeline.executors import Executor, ExecutorOptions, StageJob, classify, make_executor
@@ -81,6 +82,7 @@ class _Active:
     cpu_s: float = 0.0
     infra_failures: int = 0
     recorded_failures: dict[str, tuple[str, str]] = field(default_factory=dict)  # its keys' before this driver
+    env_id: str | None = None  # where its final stage's output was made (a MeasureEnv; None: unknown)
 
 
 @dataclass
@@ -130,6 +132,10 @@ class Driver(Scoring, GpuAccounting):
         self._worktree_of: dict[str, Path] = {}
         self._views: dict[tuple[str, str], Path] = {}
         self.isolation = "sandbox" if isolation.is_sandboxed(lab) else "unsandboxed"
+        # what this driver's stages measure with: its software is in every cache key (`pipeline.environment`)
+        self.environment = lab.config.run.environment_of(environment.here())
+        self.env_id: str | None = None  # recorded at `start`
+        self._node_envs: dict[str, str] = {}  # a Ray node's facts (as JSON) → their MeasureEnv id
         self._started = False
         self._queue_empty_until = 0.0  # `_claim`: the last claim found nothing; not asked again before this
         self._baselines: set[str] = set()  # commits known to be baselines
@@ -157,6 +163,7 @@ class Driver(Scoring, GpuAccounting):
             return
         isolation.require(self.lab)  # refuse to run branch code where the sandbox cannot start
         self._started = True
+        self.env_id = self.store.put_env(self.environment)
         requeued = self.store.reconcile(self.stale_s, reclaim=self.owner, heartbeat_s=self.heartbeat_s,
                                        gpus=self.lab.config.run.gpus)
         if requeued:
@@ -365,7 +372,7 @@ class Driver(Scoring, GpuAccounting):
             self._record(claim, ResultOutcome.INFRA_FAILURE, None, "worktree", str(e), cpu_s=0.0)
             return
         nodes = plan_run(self.stages, run.commit, run.task, run.seed, prepared.dataset_id, self._digest,
-                         self.isolation)
+                         self.isolation, self.environment.software_id)
         needed = {n for node in nodes for n in node.spec.needs}
         final = next(node for node in nodes if node.name not in needed)
         if run.dataset_id != prepared.dataset_id:  # claimed with it, unless claimed elsewhere
@@ -394,8 +401,11 @@ class Driver(Scoring, GpuAccounting):
                 self._finish(run_id, ResultOutcome.METHOD_FAILURE, None, kind, f"{node.name}: {detail}")
                 return
             if self.cache.has(node.key):
+                saved_cpu_s, made_in = self.store.cache_hit_facts(node.key)
                 self.store.stage_served(run_id, node.name, node.key, StageOutcome.CACHE_HIT, executor=self.executor.name,
-                                        saved_cpu_s=self.store.cache_cost(node.key))
+                                        saved_cpu_s=saved_cpu_s)
+                if node is a.final:
+                    a.env_id = made_in
                 self.disk.used(node.key)
                 a.done[node.name] = self.cache.path(node.key)
                 continue
@@ -487,12 +497,15 @@ class Driver(Scoring, GpuAccounting):
         if outcome is StageOutcome.OK:
             final = self.cache.publish(fl.tmp, key)
             self.store.stage_finished(fl.exec_id, StageOutcome.OK, **common)
+            made_in = self._env_of(res)
             self.store.cache_published(key, name, fl.job.commit, res.cpu_s, res.wall_s,
-                                       size_bytes=self.disk.published(key))
+                                       size_bytes=self.disk.published(key), env_id=made_in)
             for rid in live:
                 a = self.active[rid]
                 a.pending.discard(name)
                 a.done[name] = final
+                if name == a.final.name:
+                    a.env_id = made_in
                 if rid == fl.lead:
                     a.cpu_s += res.cpu_s
                 else:
@@ -543,15 +556,28 @@ class Driver(Scoring, GpuAccounting):
         for fl in self.flights.values():
             if run_id in fl.waiters:
                 fl.waiters = [r for r in fl.waiters if r != run_id]
-        self._record(a.claim, outcome, value, kind, detail, cpu_s=a.cpu_s)
+        self._record(a.claim, outcome, value, kind, detail, cpu_s=a.cpu_s, env_id=a.env_id)
+
+    def _env_of(self, res: Any) -> str | None:
+        """Where a stage ran: the Ray node's environment when it sent its facts, else this driver's."""
+        facts = res.extra.get("env")
+        if not isinstance(facts, dict):
+            return self.env_id
+        k = json.dumps(facts, sort_keys=True)
+        if k not in self._node_envs:
+            self._node_envs[k] = self.store.put_env(self.lab.config.run.environment_of(facts))
+        return self._node_envs[k]
 
     def _record(self, claim: Claim, outcome: ResultOutcome, value: float | None, kind: str | None, detail: str | None,
-                *, cpu_s: float) -> None:
+                *, cpu_s: float, env_id: str | None = None) -> None:
+        """A run's result. `env_id`: where its predictions were made (a scored run); a run that
+        failed before them was this driver's."""
         run = claim.run
         assert run.id is not None
         result = Result(run_id=run.id, commit=run.commit, task=run.task, seed=run.seed, value=value,
                         outcome=outcome, kind=kind, detail=detail,
-                        dataset_id=self._prepared.dataset_id if self._prepared else None, cpu_s=cpu_s)
+                        dataset_id=self._prepared.dataset_id if self._prepared else None, cpu_s=cpu_s,
+                        env_id=env_id if env_id is not None or value is not None else self.env_id)
         if self.store.finish(claim, result, outcome.run_status()):
             self.finished.append(run.id)
         else:

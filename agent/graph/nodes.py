@@ -95,7 +95,7 @@ class Nodes(Implement):
         verdict = verdict_of(state, h)
         looks = svc.lab.config.gate.looks
         allowed = allowed_decisions(verdict, look, looks, svc.supervised)
-        too_good = self._too_good(h, verdict)
+        too_good = self._too_good(h, verdict, look)
         if too_good:  # never promoted automatically, whatever --supervised says
             allowed = [Decision.HOLD]
         choice = self._choice(h, look, verdict, allowed)
@@ -215,11 +215,14 @@ class Nodes(Implement):
                         rationale_decision=f"Not promoted: the gate's improvement was {r['reason']}. "
                                            f"{h.rationale_decision or ''}".strip())
 
-    def _too_good(self, h: Hypothesis, verdict: Verdict | None) -> str | None:
+    def _too_good(self, h: Hypothesis, verdict: Verdict | None, look: int) -> str | None:
         if verdict != Verdict.improvement:
             return None
         why = implausible(self.svc.records.latest_verdict(h.id), self.svc.lab.config)
-        return why or (self.svc.experiment.ran_alone(h.base_commit, h.commit) if h.commit else None)
+        if why or not h.commit:
+            return why
+        exp = self.svc.experiment
+        return exp.ran_alone(h.base_commit, h.commit) or exp.mixed_environments(h.base_commit, h.commit, look)
 
     def _choice(self, h: Hypothesis, look: int, verdict: Verdict | None, allowed: list[Decision]) -> Choice:
         """The policy's choice at this look, within `allowed`; stored before any side effect, so a

@@ -99,6 +99,33 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
             conn.close()
         self._release_lease()
 
+    def remeasure_baseline(self, env: Any) -> str | None:
+        """Re-measure the baseline when the loop runs in another measurement environment than the one
+        its runs were measured in (`pipeline.environment`): a new commit with its tree on the baseline
+        branch, so its runs are made again here and the challengers from now on are compared within
+        one environment (`[run] remeasure_on_change`; off, a gain across the change is held for a
+        human instead). The new commit, or None."""
+        from pipeline.api import PromotionConflict
+
+        changed = self.svc.experiment.environment_change(env)
+        if changed is None:
+            return None
+        head, what = changed
+        if not self.lab.config.run.remeasure_on_change:
+            self.say(f"the environment changed since the baseline was measured ({what}); "
+                     "[run] remeasure_on_change = false: gains across the change are held for a human")
+            return None
+        try:
+            commit = self.svc.workspace.remeasure(head, f"Re-measure the baseline in environment {env.id}: {what}")
+        except PromotionConflict as e:
+            self.say(f"baseline not re-measured: {e}")
+            return None
+        msg = (f"the environment changed since the baseline {head[:10]} was measured ({what}): "
+               f"its code is measured again as {commit[:10]}")
+        self.records.event("environment", msg)
+        self.say(msg)
+        return commit
+
     # -------------------------------------------------------------- main loop
 
     def room_for_another(self, in_flight: list[Hypothesis], slots: int) -> bool:
@@ -123,6 +150,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
         worker = self.driver_thread = DriverThread(driver, self.stop)
         try:
             driver.start()  # here: a sandbox that cannot start is one line before any thread runs
+            self.remeasure_baseline(driver.environment)
             worker.start()
             resumed = self.records.all(ACTIVE)
             for h in resumed:

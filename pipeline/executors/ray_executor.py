@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import safefs
+from pipeline import environment, safefs
 from pipeline.disk import read_tail
 from pipeline.errors import InfrastructureFailure, Interrupted
 from pipeline.executors import child, ray_task, sandbox, zygote
@@ -84,7 +84,8 @@ class _Slot:
 def node_sources() -> dict[str, str]:
     """The modules a node's warm worker runs from, as source (`ray_task.WarmWorker`'s `sources`)."""
     return {"child": inspect.getsource(child), "sandbox": inspect.getsource(sandbox),
-            "zygote": inspect.getsource(zygote), "safefs": inspect.getsource(safefs)}
+            "zygote": inspect.getsource(zygote), "safefs": inspect.getsource(safefs),
+            "environment": inspect.getsource(environment)}
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -428,6 +429,8 @@ class RayExecutor:
         extra: dict[str, object] = {}
         if res.get("gpu_util") is not None:
             extra["gpu_util"], extra["gpu_samples"] = float(res["gpu_util"]), int(res.get("gpu_samples") or 0)
+        if isinstance(res.get("env"), dict):  # the node's measurement environment (`environment.node_facts`)
+            extra["env"] = res["env"]
         with self._lock:
             alone = self._alone.pop(job_id, None)
         if alone is not None:

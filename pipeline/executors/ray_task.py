@@ -199,7 +199,7 @@ class GpuWatch:
 class WarmWorker:
     """One slot of the cluster: a warm worker process on this node, fed one stage at a time.
 
-    `sources`: {"child", "sandbox", "zygote", "safefs"} → module source, written once per node and version;
+    `sources`: {"child", "sandbox", "zygote", "safefs", "environment"} → module source, written once per node and version;
     `preload`: modules the warm worker imports (those missing on this node are skipped)."""
 
     def __init__(self, sources: dict[str, str], preload: list[str], env_allow: list[str] | None = None,
@@ -220,6 +220,7 @@ class WarmWorker:
             except OSError:
                 shutil.rmtree(tmp, ignore_errors=True)
         self.safefs = _load(self.pkg, "safefs")  # the driver's link-safe extraction, on this node
+        self.facts = _load(self.pkg, "environment").node_facts()  # what this node measures with, sent with each result
         self.preload = preload
         self.env_allow = None if env_allow is None else (list(env_allow), list(env_prefixes))
         self.lock = threading.Lock()
@@ -353,7 +354,7 @@ class WarmWorker:
                 "sandbox": sandbox, "stdout": stdout}
         self.current = job["job_id"]
         result: dict[str, Any] = {"cpu_s": 0.0, "wall_s": 0.0, "exit_code": None, "signal": None,
-                                  "host": _host(), "status": "infra", "gpus": self.gpu_keys}
+                                  "host": _host(), "status": "infra", "gpus": self.gpu_keys, "env": self.facts}
         self.watch.stage_start()
         try:
             self._send({"op": "run", "id": job["job_id"], "spec": spec, "timeout_s": float(job["timeout_s"])})

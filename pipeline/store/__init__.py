@@ -40,6 +40,7 @@ from pipeline.store.tables import (  # noqa: F401 (re-exported: `from pipeline.s
     GateRecord,
     Goodput,
     HoldoutScore,
+    MeasureEnv,
     Owner,
     Result,
     Run,

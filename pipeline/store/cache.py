@@ -101,12 +101,12 @@ class CacheRows:
             s.commit()
 
     def cache_published(self, key: str, stage: str, commit: str, cpu_s: float, wall_s: float,
-                        size_bytes: int | None = None) -> None:
-        """A stage output entered the cache: what it cost, and (with `size_bytes`) its first use and
-        size for the LRU bound, in one transaction."""
+                        size_bytes: int | None = None, env_id: str | None = None) -> None:
+        """A stage output entered the cache: what it cost, where it was made (`env_id`, a
+        MeasureEnv), and (with `size_bytes`) its first use and size for the LRU bound, in one transaction."""
         with self.session() as s:
             if s.get(CacheEntry, key) is None:
-                s.add(CacheEntry(key=key, stage=stage, commit=commit, cpu_s=cpu_s, wall_s=wall_s))
+                s.add(CacheEntry(key=key, stage=stage, commit=commit, cpu_s=cpu_s, wall_s=wall_s, env_id=env_id))
                 if size_bytes is not None:  # both rows in one commit, the usual case
                     s.add(self._use(s, key, size_bytes, now()))
                 try:
@@ -177,10 +177,11 @@ class CacheRows:
             q = select(Run.commit).where(Run.status.in_((RunStatus.QUEUED, RunStatus.RUNNING))).distinct()  # type: ignore[attr-defined]
             return set(s.exec(q))
 
-    def cache_cost(self, key: str) -> float:
+    def cache_hit_facts(self, key: str) -> tuple[float, str | None]:
+        """A cache entry's compute and the measurement environment it was made in (None: unknown)."""
         with self.session() as s:
             entry = s.get(CacheEntry, key)
-            return entry.cpu_s if entry else 0.0
+            return (entry.cpu_s, entry.env_id) if entry else (0.0, None)
 
     def method_failures(self, keys: list[str]) -> dict[str, tuple[str, str]]:
         """Of these stage keys, those with a method failure recorded in this stage environment

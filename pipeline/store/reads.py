@@ -22,6 +22,7 @@ from pipeline.store.tables import (
     HarnessExec,
     StageGpu,
     HoldoutScore,
+    MeasureEnv,
     Result,
     Run,
     SmokeExec,
@@ -96,11 +97,11 @@ class Reads:
 
     def result_rows(self, commits: Iterable[str], tasks: Iterable[str] | None = None) -> list[Any]:
         """The result rows of several commits, in one session, as plain tuples of what a comparison
-        reads (commit, task, seed, value, outcome, dataset_id, created_at; by attribute), not ORM
+        reads (commit, task, seed, value, outcome, dataset_id, created_at, env_id; by attribute), not ORM
         objects: the lab's histories read a year of results (380,000 rows) at a hypothesis's first
         look, more commits than one statement binds (`in_chunks`)."""
         cols = (Result.commit, Result.task, Result.seed, Result.value, Result.outcome, Result.dataset_id,
-                Result.created_at)
+                Result.created_at, Result.env_id)
         tasks = list(tasks) if tasks is not None else None  # once: every chunk asks for them
         out: list[Any] = []
         with self.session() as s:
@@ -109,6 +110,29 @@ class Reads:
                 if tasks is not None:
                     q = q.where(Result.task.in_(tasks))  # type: ignore[attr-defined]
                 out.extend(s.exec(q).all())
+        return out
+
+    def put_env(self, env: Any) -> str:
+        """Record a measurement environment (`pipeline.environment.Environment`) once; its id."""
+        key = env.id
+        with self.session() as s:
+            if s.get(MeasureEnv, key) is None:
+                s.add(MeasureEnv(id=key, software_id=env.software_id, doc=json.dumps(env.doc(), sort_keys=True)))
+                try:
+                    s.commit()
+                except IntegrityError:  # another process recorded it first
+                    s.rollback()
+        return key
+
+    def envs(self, ids: Iterable[str]) -> dict[str, Any]:
+        """{id: Environment} of the recorded measurement environments among `ids`."""
+        from pipeline.environment import Environment
+
+        out: dict[str, Any] = {}
+        with self.session() as s:
+            for chunk in in_chunks(sorted(set(ids))):
+                for row in s.exec(select(MeasureEnv).where(MeasureEnv.id.in_(chunk))):  # type: ignore[attr-defined]
+                    out[row.id] = Environment.from_doc(json.loads(row.doc))
         return out
 
     def is_baseline(self, commit: str) -> bool:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import JSON, Column, UniqueConstraint
+from sqlalchemy import JSON, Column, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 
@@ -196,8 +196,20 @@ class Result(SQLModel, table=True):
     kind: str | None = None  # crash, timeout, signal, predictions, nan, memory, infra
     detail: str | None = None
     dataset_id: str | None = None
+    env_id: str | None = Field(default=None, max_length=32)  # its measurement environment (MeasureEnv); None: unknown
     cpu_s: float = 0.0  # compute executed for this run (cache hits excluded)
     created_at: float = Field(default_factory=now)
+
+
+class MeasureEnv(SQLModel, table=True):
+    """A measurement environment (`pipeline.environment`): the Python, the distributions that count
+    and the GPU models a result was measured with (`doc`, JSON), by its id."""
+
+    __tablename__ = "measure_env"
+    id: str = Field(primary_key=True, max_length=32)
+    software_id: str = Field(max_length=32)
+    doc: str = Field(sa_column=Column(Text, nullable=False))
+    first_seen: float = Field(default_factory=now)
 
 
 class BaselineCommit(SQLModel, table=True):
@@ -242,6 +254,7 @@ class CacheEntry(SQLModel, table=True):
     cpu_s: float = 0.0
     wall_s: float = 0.0
     created_at: float = Field(default_factory=now)
+    env_id: str | None = Field(default=None, max_length=32)  # where it was made (MeasureEnv); None: unknown
 
 
 class CacheUse(SQLModel, table=True):

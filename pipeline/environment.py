@@ -1,0 +1,212 @@
+"""The measurement environment: the software and the GPU model a run's numbers were made with.
+
+A paired comparison reads the challenger's Δ against the baseline's runs on the same seeds, and the
+baseline's runs are measured lazily, perhaps weeks before the challenger's. If the environment
+changed in between (a torch upgrade, another CUDA, a node with another GPU model), every challenger
+carries the change's effect as its own: bf16 kernels, default TF32, a new data loader's order can
+move a metric by more than the effects the gate looks for. So the environment is part of what a
+measurement is:
+
+- **The cache key** holds the software's id (`Environment.software_id`): an output trained with
+  one torch never serves a run under another, and a stage that crashed under the old one is run again.
+- **Each result** records its environment (`Result.env_id`, the `measure_env` table holds what it is).
+- **The gate** holds for a human a gain whose two arms were measured in different environments
+  (`Experiment.mixed_environments`), and names what changed.
+- **The loop** re-measures its baseline when the environment it runs in is not the one the
+  baseline's runs were measured in (an empty commit on the baseline: `LabRepo.remeasure`), so the
+  challengers after an upgrade are compared within one environment again.
+
+What counts: the Python implementation and version, the machine's architecture, the versions of the
+installed distributions whose names match the lab's `[run] environment` patterns (by default the
+numerical stack: `DEFAULT_PACKAGES`; `["*"]` for every one), and, for a lab whose stages get a GPU,
+the GPU models. Not the driver version, the host name, or this tool's own version (an upgrade of the
+tool changes the sandbox, which `STAGE_ENV_VERSION` covers).
+
+Standard library only: a Ray node's warm worker loads this file on its own (`node_facts`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import platform
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+# Distributions whose versions change a model's numbers: array and tensor libraries, their CUDA
+# libraries and kernels, training and fine-tuning frameworks, classic ML. A lab adds its own.
+DEFAULT_PACKAGES = (
+    "torch", "torchvision", "torchaudio", "triton", "nvidia-*", "cupy*", "jax", "jaxlib", "tensorflow*",
+    "numpy", "scipy", "pandas", "polars", "pyarrow", "scikit-learn", "xgboost", "lightgbm", "catboost",
+    "peft", "transformers", "accelerate", "tokenizers", "datasets", "safetensors", "deepspeed", "xformers",
+    "flash-attn", "flash_attn", "bitsandbytes", "apex", "onnxruntime*", "numba", "einops", "timm",
+)
+NVIDIA_PROC = "/proc/driver/nvidia/gpus"  # one folder per GPU; its `information` names the model
+
+
+def normalise(name: str) -> str:
+    """A distribution's name as PEP 503 compares them: lower case, runs of `-_.` as one `-`."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed() -> dict[str, str]:
+    """Every distribution this interpreter can import: normalised name → version."""
+    from importlib import metadata
+
+    out: dict[str, str] = {}
+    for dist in metadata.distributions():
+        name = dist.metadata["Name"] if dist.metadata else None
+        if name:
+            out.setdefault(normalise(name), dist.version)  # the first on sys.path is the one imported
+    return dict(sorted(out.items()))
+
+
+def gpu_models(proc_dir: str = NVIDIA_PROC) -> list[str]:
+    """The models of this machine's GPUs, as the driver names them ("NVIDIA H200"), sorted and
+    without repeats; [] where the driver says nothing (no GPU, or not an NVIDIA one)."""
+    models = set()
+    try:
+        buses = os.listdir(proc_dir)
+    except OSError:
+        return []
+    for bus in buses:
+        try:
+            with open(os.path.join(proc_dir, bus, "information")) as fh:
+                for line in fh:
+                    key, _, value = line.partition(":")
+                    if key.strip() == "Model" and value.strip():
+                        models.add(value.strip())
+        except OSError:
+            continue
+    return sorted(models)
+
+
+def node_facts(proc_dir: str = NVIDIA_PROC) -> dict[str, Any]:
+    """What this process's machine measures with, unfiltered (a Ray node sends it to the driver)."""
+    return {"python": f"{platform.python_implementation()} {platform.python_version()}",
+            "machine": platform.machine(), "packages": installed(), "gpus": gpu_models(proc_dir)}
+
+
+@dataclass(frozen=True)
+class Environment:
+    """One measurement environment. `packages`: (name, version) of the distributions that count;
+    `gpus`: the GPU models, () for a lab that runs on CPUs."""
+
+    python: str
+    machine: str
+    packages: tuple[tuple[str, str], ...]
+    gpus: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, facts: dict[str, Any], patterns: Iterable[str] = DEFAULT_PACKAGES, *, gpu: bool = False
+           ) -> "Environment":
+        """The environment `facts` (`node_facts`) describe for a lab counting `patterns`, with its
+        GPU models when the lab's stages get a GPU (`gpu`)."""
+        pats = [normalise(p) for p in patterns]
+        packages = tuple(sorted((n, v) for n, v in dict(facts.get("packages") or {}).items()
+                                if any(fnmatch.fnmatchcase(n, p) for p in pats)))
+        gpus = tuple(sorted(set(facts.get("gpus") or ()))) if gpu else ()
+        return cls(str(facts.get("python", "?")), str(facts.get("machine", "?")), packages, gpus)
+
+    def software_doc(self) -> dict[str, Any]:
+        return {"python": self.python, "machine": self.machine, "packages": [f"{n}=={v}" for n, v in self.packages]}
+
+    def doc(self) -> dict[str, Any]:
+        return {**self.software_doc(), "gpus": list(self.gpus)}
+
+    @property
+    def software_id(self) -> str:
+        """The software's id (no GPU): part of every stage's cache key."""
+        return _digest(self.software_doc())
+
+    @property
+    def id(self) -> str:
+        """The environment's id: the software's and the GPU models'."""
+        return _digest(self.doc())
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> "Environment":
+        packages = tuple(tuple(p.split("==", 1)) for p in doc.get("packages", []) if "==" in p)
+        return cls(str(doc.get("python", "?")), str(doc.get("machine", "?")),
+                   tuple(sorted((n, v) for n, v in packages)), tuple(doc.get("gpus", [])))
+
+    def brief(self) -> str:
+        """One line: Python, the first few packages that count, the GPUs."""
+        pk = ", ".join(f"{n} {v}" for n, v in self.packages[:6])
+        more = f" (+{len(self.packages) - 6})" if len(self.packages) > 6 else ""
+        gpus = f"; {', '.join(self.gpus)}" if self.gpus else ""
+        return f"{self.python} {self.machine}" + (f", {pk}{more}" if pk else "") + gpus
+
+
+def _digest(doc: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def change(old: Environment, new: Environment, limit: int = 6) -> str:
+    """What differs from `old` to `new`, in one line ("torch 2.11.0 → 2.12.0, numba added; GPU
+    NVIDIA A100 → NVIDIA H100"); "" when nothing that counts does."""
+    parts = []
+    if old.python != new.python:
+        parts.append(f"{old.python} → {new.python}")
+    if old.machine != new.machine:
+        parts.append(f"{old.machine} → {new.machine}")
+    a, b = dict(old.packages), dict(new.packages)
+    for name in sorted(set(a) | set(b)):
+        if a.get(name) != b.get(name):
+            parts.append(f"{name} added ({b[name]})" if name not in a else
+                         f"{name} removed" if name not in b else f"{name} {a[name]} → {b[name]}")
+    if old.gpus != new.gpus:
+        parts.append(f"GPU {', '.join(old.gpus) or 'none'} → {', '.join(new.gpus) or 'none'}")
+    if len(parts) > limit:
+        parts = parts[:limit] + [f"{len(parts) - limit} more"]
+    return ", ".join(parts)
+
+
+# A gain is held for a human when more of its compared pairs had the baseline's run in one
+# environment and the challenger's in another than the other way round, by this share of the pairs:
+# such pairs carry the change's effect as the challenger's (random placement on a mixed cluster
+# puts about as many one way as the other; an upgrade between the arms puts them all one way).
+IMBALANCE_HOLD = 0.25
+
+
+def imbalance(base: dict[Any, str | None], chal: dict[Any, str | None]) -> tuple[float, str, str, int, int] | None:
+    """The compared pairs' largest one-way move between environments: (its share of the pairs, the
+    baseline's environment, the challenger's, how many pairs moved that way, the pairs with both
+    environments known); None when no pair moved. `base` and `chal`: a pair's key (task, seed) →
+    the environment id of that arm's run (None: unknown, left out)."""
+    keys = [k for k in base if k in chal and base[k] and chal[k]]
+    moved: dict[tuple[str, str], int] = {}
+    for k in keys:
+        b, c = base[k], chal[k]
+        if b != c:
+            moved[(b, c)] = moved.get((b, c), 0) + 1  # type: ignore[index]
+    if not moved:
+        return None
+    (b, c), n = max(moved.items(), key=lambda kv: kv[1] - moved.get((kv[0][1], kv[0][0]), 0))
+    net = n - moved.get((c, b), 0)
+    return net / len(keys), b, c, net, len(keys)
+
+
+_FACTS: dict[str, dict[str, Any]] = {}
+
+
+def here(proc_dir: str = NVIDIA_PROC) -> dict[str, Any]:
+    """`node_facts` of this process, read once (a driver installs nothing while it runs: a
+    package changed under a running driver counts from its next start)."""
+    if proc_dir not in _FACTS:
+        _FACTS[proc_dir] = node_facts(proc_dir)
+    return _FACTS[proc_dir]
+
+
+def forget() -> None:
+    """Read the facts again at the next `here` (tests; a long-lived process that installed something)."""
+    _FACTS.clear()
+
+
+if __name__ == "__main__":  # what a node reports: `python -m pipeline.environment`
+    json.dump(node_facts(), sys.stdout, indent=1)
+    print()

@@ -1,0 +1,247 @@
+"""The measurement environment: what it counts, the cache key, each result's record, the gate's hold
+on a gain measured across a change, and the loop's re-measuring of its baseline after one. Real
+installed distributions, a real lab repo and driver, SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import copy
+import json
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from support.tiny import TASKS, TinyHarness, commit_change, make_lab
+from pipeline import environment, experiment, runner
+from pipeline.dag import cache_key
+from pipeline.environment import Environment, change, gpu_models, imbalance, node_facts
+from pipeline.executors.local import LocalExecutor
+from pipeline.lab import RunSection, StageSpec
+from pipeline.labrepo import LabRepo
+from pipeline.store import CacheEntry, Result, Store
+from test_exec_store import db  # noqa: F401  (SQLite and PostgreSQL, a private schema each)
+
+BASE = "autoresearch/baseline"
+
+
+def facts_with(**versions: str) -> dict:
+    """This machine's facts with some distributions at other versions (an upgrade, as the driver sees it)."""
+    facts = copy.deepcopy(node_facts())
+    facts["packages"].update(versions)
+    return facts
+
+
+def test_the_facts_are_this_interpreters_installed_distributions() -> None:
+    facts = node_facts()
+    assert facts["packages"]["numpy"] == metadata.version("numpy")
+    assert facts["packages"]["gitpython"] == metadata.version("GitPython")  # names normalised as PEP 503 does
+    assert facts["python"].split()[1].startswith("3.") and facts["machine"]
+
+
+def test_the_numerical_stack_counts_by_default_every_distribution_with_a_star() -> None:
+    facts = node_facts()
+    default = RunSection().environment_of(facts)
+    names = dict(default.packages)
+    assert names["numpy"] == metadata.version("numpy") and "gitpython" not in names and "typer" not in names
+    every = RunSection(environment=["*"]).environment_of(facts)
+    assert dict(every.packages) == facts["packages"]
+    own = RunSection(environment=["numpy", "GitPython"]).environment_of(facts)  # a lab's own list, any spelling
+    assert sorted(dict(own.packages)) == ["gitpython", "numpy"]
+    assert len({default.id, every.id, own.id}) == 3
+
+
+def test_ids_are_stable_and_the_record_reads_back_as_the_same_environment() -> None:
+    env = RunSection().environment_of(node_facts())
+    again = Environment.from_doc(json.loads(json.dumps(env.doc())))
+    assert again == env and again.id == env.id and again.software_id == env.software_id
+    upgraded = RunSection().environment_of(facts_with(numpy="9.9.9"))
+    assert upgraded.software_id != env.software_id
+    # a distribution outside the lab's list changes nothing
+    assert RunSection().environment_of(facts_with(typer="0.0.1")).id == env.id
+
+
+def fake_gpus(root: Path, models: list[str]) -> str:
+    for i, model in enumerate(models):
+        d = root / f"0000:{i:02x}:00.0"
+        d.mkdir(parents=True)
+        (d / "information").write_text(f"Model: \t\t {model}\nIRQ:   \t\t 42\nGPU UUID: \t GPU-{i}\n"
+                                       f"Device Minor: \t {i}\n")
+    return str(root)
+
+
+def test_a_gpu_lab_counts_the_gpu_models_a_cpu_lab_does_not(tmp_path: Path) -> None:
+    proc = fake_gpus(tmp_path / "gpus", ["NVIDIA H200", "NVIDIA H200", "NVIDIA A100-SXM4-80GB"])
+    assert gpu_models(proc) == ["NVIDIA A100-SXM4-80GB", "NVIDIA H200"]
+    assert gpu_models(str(tmp_path / "none")) == []
+    facts = node_facts(proc)
+    gpu_lab = RunSection(gpus=0.25).environment_of(facts)
+    assert gpu_lab.gpus == ("NVIDIA A100-SXM4-80GB", "NVIDIA H200")
+    assert RunSection(score_gpus=1).environment_of(facts).gpus == gpu_lab.gpus  # a GPU scorer counts too
+    assert RunSection().environment_of(facts).gpus == ()
+    other = RunSection(gpus=0.25).environment_of({**facts, "gpus": ["NVIDIA H100 80GB HBM3"]})
+    assert other.software_id == gpu_lab.software_id and other.id != gpu_lab.id
+    assert "GPU NVIDIA A100-SXM4-80GB, NVIDIA H200 → NVIDIA H100 80GB HBM3" in change(gpu_lab, other)
+
+
+def test_the_change_says_what_moved() -> None:
+    old = Environment("CPython 3.11.7", "x86_64", (("numpy", "2.0.0"), ("scipy", "1.13.0"), ("torch", "2.11.0")))
+    new = Environment("CPython 3.12.1", "x86_64", (("numpy", "2.0.0"), ("torch", "2.12.0"), ("triton", "3.1.0")))
+    assert change(old, new) == "CPython 3.11.7 → CPython 3.12.1, scipy removed, torch 2.11.0 → 2.12.0, triton added (3.1.0)"
+    assert change(old, old) == ""
+    many = Environment(old.python, old.machine, tuple((f"p{i}", "2") for i in range(10)))
+    assert change(Environment(old.python, old.machine, tuple((f"p{i}", "1") for i in range(10))), many).endswith("4 more")
+
+
+def test_imbalance_is_the_net_one_way_move_between_the_arms() -> None:
+    keys = [(t, s) for t in "abc" for s in range(10)]
+    assert imbalance({k: "A" for k in keys}, {k: "A" for k in keys}) is None
+    share, b, c, n, pairs = imbalance({k: "A" for k in keys}, {k: "B" for k in keys})  # an upgrade between the arms
+    assert (share, b, c, n, pairs) == (1.0, "A", "B", 30, 30)
+    # a mixed cluster: as many pairs one way as the other, whatever the arm
+    mixed_b = {k: "AB"[i % 2] for i, k in enumerate(keys)}
+    mixed_c = {k: "AB"[(i // 2) % 2] for i, k in enumerate(keys)}
+    got = imbalance(mixed_b, mixed_c)
+    assert got is not None and got[0] <= environment.IMBALANCE_HOLD
+    # unknown environments (results made before they were recorded) are left out
+    assert imbalance({k: None for k in keys}, {k: "B" for k in keys}) is None
+
+
+def test_the_software_is_part_of_every_stage_key() -> None:
+    spec = StageSpec(name="train", run="python train.py --out {out}", inputs=["train.py"])
+    k = [cache_key(spec, {"train.py": "blob"}, {"seed": 0}, {}, "ds", "sandbox", software)
+         for software in ("aaaa", "bbbb", "aaaa")]
+    assert k[0] == k[2] != k[1]
+
+
+# --------------------------------------------------------------- a real driver, SQLite and PostgreSQL
+
+def drive(lab, store, commit: str, seeds: list[int], facts: dict | None, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Run the tiny lab's runs of `commit` on `seeds` with a driver that sees `facts` (None: this machine's)."""
+    monkeypatch.setattr(environment, "_FACTS", {environment.NVIDIA_PROC: facts} if facts is not None else {})
+    harness = TinyHarness()
+    ids = experiment.ensure_runs(store, lab, commit, TASKS, seeds, harness=harness)
+    with runner.Driver(lab, store, LocalExecutor(preload=("numpy",), slots=2), harness=harness) as d:
+        d.drive(until=ids, timeout_s=120)
+    return ids
+
+
+@pytest.mark.integration
+def test_results_record_where_they_were_measured_and_an_upgrade_runs_every_stage_again(
+        tmp_path: Path, db, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    lab = make_lab(tmp_path / "lab")
+    store = Store(db[0], schema=db[1])
+    drive(lab, store, BASE, [0, 1], None, monkeypatch)
+    here = RunSection().environment_of(node_facts())
+    with store.session() as s:
+        results = list(s.exec(Result.__table__.select()))  # type: ignore[attr-defined]
+        entries = list(s.exec(CacheEntry.__table__.select()))  # type: ignore[attr-defined]
+    assert len(results) == 6 and {r.env_id for r in results} == {here.id}
+    assert entries and {e.env_id for e in entries} == {here.id}
+    assert store.envs([here.id]) == {here.id: here}
+    # a fine-tuning change in the same environment reuses the pretrained models ...
+    same = commit_change(lab.root, "h1", "config.toml", "shrink = 0.1", "shrink = 0.2")
+    served = drive(lab, store, same, [0], None, monkeypatch)
+    assert {e.outcome for e in store.stage_execs(served) if e.stage == "pretrain"} <= {"cache_hit", "shared"}
+    # ... after numpy was "upgraded", nothing made before serves a run: pretraining runs again
+    upgraded = facts_with(numpy="9.9.9")
+    new_env = lab.config.run.environment_of(upgraded)
+    other = commit_change(lab.root, "h2", "config.toml", "shrink = 0.1", "shrink = 0.3")
+    ran = drive(lab, store, other, [0], upgraded, monkeypatch)
+    assert {e.outcome for e in store.stage_execs(ran) if e.stage == "pretrain"} <= {"ok", "shared"}
+    assert any(e.outcome == "ok" for e in store.stage_execs(ran) if e.stage == "pretrain")
+    rows = store.result_rows([experiment.resolve_commit(lab, c) for c in (BASE, same, other)], TASKS)
+    assert {r.env_id for r in rows if r.commit == other} == {new_env.id}
+    assert {r.env_id for r in rows if r.commit != other} == {here.id}
+    with store.session() as s:
+        made = {e.env_id for e in s.exec(CacheEntry.__table__.select())}  # type: ignore[attr-defined]
+    assert made == {here.id, new_env.id}
+
+
+@pytest.fixture
+def tiny_registered():
+    from pipeline.harness import HARNESSES
+
+    HARNESSES.register("tiny", TinyHarness)  # what a plugin does (the lab names it): `Lab.tasks` reads it
+    yield
+    HARNESSES.unregister("tiny")
+
+
+@pytest.mark.integration
+def test_a_gain_measured_across_an_upgrade_is_held_and_the_loop_remeasures_its_baseline(
+        tmp_path: Path, db, monkeypatch: pytest.MonkeyPatch, tiny_registered) -> None:  # noqa: F811
+    lab = make_lab(tmp_path / "lab")
+    store = Store(db[0], schema=db[1])
+    exp = experiment.Experiment(lab, store)
+    base = experiment.resolve_commit(lab, BASE)
+    drive(lab, store, base, [0, 1], None, monkeypatch)
+    here = lab.config.run.environment_of(node_facts())
+    assert exp.environment_change(here) is None
+    # a challenger measured within the same environment: no hold
+    same = commit_change(lab.root, "h1", "model.py", "SCALE = 1.0", "SCALE = 1.01")
+    drive(lab, store, same, [0, 1], None, monkeypatch)
+    assert exp.mixed_environments(base, same, 2) is None
+    # numpy "upgraded" between the arms: every pair moved one way
+    upgraded = facts_with(numpy="9.9.9")
+    after = commit_change(lab.root, "h2", "model.py", "SCALE = 1.0", "SCALE = 1.02")
+    drive(lab, store, after, [0, 1], upgraded, monkeypatch)
+    why = exp.mixed_environments(base, after, 2)
+    assert why is not None and f"numpy {node_facts()['packages']['numpy']} → 9.9.9" in why and "6 more of its 6 pairs" in why
+    # the loop, started in the upgraded environment, re-measures the baseline: the same tree on a new commit
+    new_env = lab.config.run.environment_of(upgraded)
+    head, what = exp.environment_change(new_env)
+    assert head == base and "numpy" in what
+    repo = LabRepo(lab.root)
+    commit = repo.remeasure(head, f"Re-measure the baseline: {what}")
+    assert repo.baseline_head() == commit and commit != base
+    assert repo.repo.commit(commit).tree == repo.repo.commit(base).tree
+    assert repo.repo.commit(commit).parents[0].hexsha == base
+    assert exp.generation(commit) == exp.generation(base)  # the same seed block
+    from pipeline.errors import PromotionConflict
+
+    with pytest.raises(PromotionConflict):  # only from the head it read
+        repo.remeasure(base, "again")
+    drive(lab, store, commit, [0, 1], upgraded, monkeypatch)
+    assert exp.mixed_environments(commit, after, 2) is None  # compared within one environment now
+    assert exp.environment_change(new_env) is None
+
+
+@pytest.mark.integration
+def test_the_loop_started_after_an_upgrade_remeasures_its_baseline_once_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_registered) -> None:
+    from agent.loop import Loop, LoopOptions
+    from pipeline.api import ExecutorOptions
+
+    lab = make_lab(tmp_path / "lab")
+    store = experiment.open_store(lab)
+    base = experiment.resolve_commit(lab, BASE)
+    drive(lab, store, base, [0, 1], None, monkeypatch)
+    said: list[str] = []
+
+    def loop() -> Loop:
+        return Loop(lab, LoopOptions(offline=True, smoke=False, executor=ExecutorOptions(workers=1)), progress=said.append)
+
+    first = loop()
+    try:  # the same environment: nothing to do
+        assert first.remeasure_baseline(lab.config.run.environment_of(node_facts())) is None
+    finally:
+        first.close()
+    upgraded = lab.config.run.environment_of(facts_with(numpy="9.9.9"))
+    second = loop()
+    try:
+        commit = second.remeasure_baseline(upgraded)
+        assert commit is not None and LabRepo(lab.root).baseline_head() == commit
+        events = second.records.events()
+        assert events[0].kind == "environment" and "numpy" in events[0].message and commit[:10] in events[0].message
+        assert second.remeasure_baseline(upgraded) is None  # the new head has no runs yet: nothing to compare
+    finally:
+        second.close()
+    # a lab that asks for no re-measuring: the branch stays, the loop says what gains will be held for
+    off = lab.config.model_copy(update={"run": lab.config.run.model_copy(update={"remeasure_on_change": False})})
+    monkeypatch.setattr(lab, "config", off)
+    drive(lab, store, commit, [0], None, monkeypatch)  # the re-measured head, in this machine's environment
+    third = loop()
+    try:
+        assert third.remeasure_baseline(upgraded) is None and LabRepo(lab.root).baseline_head() == commit
+        assert "remeasure_on_change = false" in said[-1]
+    finally:
+        third.close()
