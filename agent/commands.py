@@ -171,9 +171,9 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
 def environment_status(lab: Any, store: Any) -> dict[str, Any]:
     """The measurement environment here (`pipeline.environment`) and, when the baseline's runs were
     measured in another, what changed (the loop re-measures it at its next start)."""
-    from pipeline.environment import here
+    from pipeline.api import environment_here
 
-    now = lab.config.run.environment_of(here())
+    now = lab.config.run.environment_of(environment_here())
     changed = Experiment(lab, store).environment_change(now)
     return {"id": now.id, "here": now.brief(), "changed_since_baseline": changed[1] if changed else None,
             "remeasure_on_change": lab.config.run.remeasure_on_change}

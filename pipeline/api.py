@@ -47,6 +47,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     **{n: ("pipeline.experiment", n) for n in ("Experiment", "Reverification", "generation",
                                                "harness_suites", "open_store", "seed_block")},
     "memory_plan": ("pipeline.memory", "memory_plan"),
+    "environment_here": ("pipeline.environment", "here"),  # this machine's facts (`RunSection.environment_of`)
     "ExecutorOptions": ("pipeline.executors", "ExecutorOptions"),
     "variance_study": ("pipeline.variance", "study"),
     "pairing_study": ("pipeline.variance", "pairing"),
@@ -119,6 +120,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         UserError,
     )
     from pipeline.executors import ExecutorOptions, check_executor  # noqa: F401
+    from pipeline.environment import here as environment_here  # noqa: F401
     from pipeline.executors.gpus import mps_running  # noqa: F401
     from pipeline.experiment import (  # noqa: F401
         Experiment,

@@ -45,6 +45,7 @@ DEFAULT_PACKAGES = (
     "peft", "transformers", "accelerate", "tokenizers", "datasets", "safetensors", "deepspeed", "xformers",
     "flash-attn", "flash_attn", "bitsandbytes", "apex", "onnxruntime*", "numba", "einops", "timm",
 )
+BRIEF_FIRST = ("torch", "jax", "tensorflow", "numpy", "transformers", "peft", "nvidia-cuda-runtime-cu12")
 NVIDIA_PROC = "/proc/driver/nvidia/gpus"  # one folder per GPU; its `information` names the model
 
 
@@ -134,10 +135,12 @@ class Environment:
         return cls(str(doc.get("python", "?")), str(doc.get("machine", "?")),
                    tuple(sorted((n, v) for n, v in packages)), tuple(doc.get("gpus", [])))
 
-    def brief(self) -> str:
-        """One line: Python, the first few packages that count, the GPUs."""
-        pk = ", ".join(f"{n} {v}" for n, v in self.packages[:6])
-        more = f" (+{len(self.packages) - 6})" if len(self.packages) > 6 else ""
+    def brief(self, shown: int = 4) -> str:
+        """One line: Python, the packages that count (the frameworks first), the GPUs."""
+        rank = {n: i for i, n in enumerate(BRIEF_FIRST)}
+        first = sorted(self.packages, key=lambda p: (rank.get(p[0], len(rank)), p[0]))
+        pk = ", ".join(f"{n} {v}" for n, v in first[:shown])
+        more = f" (+{len(self.packages) - shown} more)" if len(self.packages) > shown else ""
         gpus = f"; {', '.join(self.gpus)}" if self.gpus else ""
         return f"{self.python} {self.machine}" + (f", {pk}{more}" if pk else "") + gpus
 
