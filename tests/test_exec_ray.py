@@ -62,6 +62,7 @@ def test_the_same_batch_gives_the_same_metrics_on_local_and_ray(local_ray, tmp_p
     ray_lab = open_tiny_lab(tmp_path / "ray")
     out: dict[str, dict[str, dict[int, float | None]]] = {}
     kinds: dict[str, dict[tuple[str, int], str | None]] = {}
+    envs_of: dict[str, set[str | None]] = {}
     for name, the_lab in (("local", lab), ("ray", ray_lab)):
         store = experiment.open_store(the_lab)
         ids = experiment.ensure_runs(store, the_lab, BASE, tasks, seeds, harness=TinyHarness())
@@ -75,7 +76,10 @@ def test_the_same_batch_gives_the_same_metrics_on_local_and_ray(local_ray, tmp_p
         out[name] = experiment.results(store, the_lab, BASE, tasks)
         kinds[name] = {(r.task, r.seed): r.kind for r in store.results_for(labrepo.resolve_commit(the_lab, BASE))}
         assert all(e.executor == name for e in store.stage_execs(ids))
+        envs_of[name] = {r.env_id for r in store.results_for(labrepo.resolve_commit(the_lab, BASE)) if r.value is not None}
     assert out["local"] == out["ray"]
+    # the node sent its measurement environment with each stage (the same machine and interpreter here)
+    assert envs_of["ray"] == envs_of["local"] and None not in envs_of["ray"] and len(envs_of["ray"]) == 1
     assert all(isinstance(v, float) for t in ("a", "b", "env") for v in out["ray"][t].values())
     assert kinds["ray"] == kinds["local"]
     assert kinds["ray"][("crash", 0)] == "crash" and kinds["ray"][("hang", 1)] == "timeout"

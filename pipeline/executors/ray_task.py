@@ -427,6 +427,7 @@ def _load(pkg: str, name: str) -> Any:
     spec = importlib.util.spec_from_file_location(f"_ar_{name}", os.path.join(pkg, f"_ar_{name}.py"))
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # as an import does: a dataclass looks its module up there
     spec.loader.exec_module(mod)
     return mod
 
