@@ -174,7 +174,10 @@ def environment_status(lab: Any, store: Any) -> dict[str, Any]:
     from pipeline.api import environment_here
 
     now = lab.config.run.environment_of(environment_here())
-    changed = Experiment(lab, store).environment_change(now)
+    try:
+        changed = Experiment(lab, store).environment_change(now)
+    except UserError:  # no baseline branch yet
+        changed = None
     return {"id": now.id, "here": now.brief(), "changed_since_baseline": changed[1] if changed else None,
             "remeasure_on_change": lab.config.run.remeasure_on_change}
 

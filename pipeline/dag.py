@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 KEY_VERSION = "autoresearch-stage-v4"  # v2: stages see only their declared inputs, in a sandbox;
 # v3: a stage that names a TOML file by tables sees only those tables (v2 outputs saw the whole file);
-# v4: the measurement environment's software (`pipeline.environment`) is part of the key
+# v4: the measurement environment (`pipeline.environment`) is part of the key
 
 
 
@@ -93,17 +93,17 @@ def input_digests(worktrees: "Worktrees", commit: str, patterns: list[str]) -> d
 
 
 def cache_key(spec: StageSpec, inputs: Mapping[str, str], scope: Mapping[str, object],
-              upstream: Mapping[str, str], dataset_id: str, isolation: str = "sandbox", software: str = "") -> str:
+              upstream: Mapping[str, str], dataset_id: str, isolation: str = "sandbox", environment: str = "") -> str:
     """The content address of a stage output (sha256 hex).
 
     `isolation` is "sandbox" or "unsandboxed": an output made where the stage could read anything
-    never serves a sandboxed lab. `software` is the measurement environment's software id
-    (`Environment.software_id`): an output made with another torch never serves this one, and a
-    failure recorded under it is not this one's.
+    never serves a sandboxed lab. `environment` is the measurement environment's id
+    (`Environment.id`: the software, and a GPU lab's GPU models): an output made with another torch
+    or on another GPU model never serves this one, and a failure recorded under it is not this one's.
     """
     doc = {
         "isolation": isolation,
-        "software": software,
+        "environment": environment,
         "v": KEY_VERSION,
         "stage": {"name": spec.name, "run": spec.run, "scope": spec.scope,
                   "needs": sorted(spec.needs), "inputs": list(spec.inputs)},
@@ -116,7 +116,7 @@ def cache_key(spec: StageSpec, inputs: Mapping[str, str], scope: Mapping[str, ob
 
 
 def plan_run(stages: list[StageSpec], commit: str, task: str, seed: int, dataset_id: str,
-             digests: InputDigest, isolation: str = "sandbox", software: str = "") -> list[StageNode]:
+             digests: InputDigest, isolation: str = "sandbox", environment: str = "") -> list[StageNode]:
     """The run's stages in dependency order, each with its cache key."""
     order = check_stage_graph(list(stages))
     keys: dict[str, str] = {}
@@ -124,7 +124,7 @@ def plan_run(stages: list[StageSpec], commit: str, task: str, seed: int, dataset
     for spec in order:
         scope: dict[str, object] = {"seed": seed} if spec.scope == "seed" else {"task": task, "seed": seed}
         upstream = {n: keys[n] for n in spec.needs}
-        key = cache_key(spec, digests(commit, list(spec.inputs)), scope, upstream, dataset_id, isolation, software)
+        key = cache_key(spec, digests(commit, list(spec.inputs)), scope, upstream, dataset_id, isolation, environment)
         keys[spec.name] = key
         nodes.append(StageNode(spec, key, upstream))
     return nodes

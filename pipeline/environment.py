@@ -7,8 +7,9 @@ carries the change's effect as its own: bf16 kernels, default TF32, a new data l
 move a metric by more than the effects the gate looks for. So the environment is part of what a
 measurement is:
 
-- **The cache key** holds the software's id (`Environment.software_id`): an output trained with
-  one torch never serves a run under another, and a stage that crashed under the old one is run again.
+- **The cache key** holds the environment's id (`Environment.id`): an output trained with one
+  torch or on one GPU model never serves a run under another, and a stage that crashed under the
+  old one is run again. (A re-measured baseline's runs are then made afresh, never served.)
 - **Each result** records its environment (`Result.env_id`, the `measure_env` table holds what it is).
 - **The gate** holds for a human a gain whose two arms were measured in different environments
   (`Experiment.mixed_environments`), and names what changed.
@@ -121,7 +122,7 @@ class Environment:
 
     @property
     def software_id(self) -> str:
-        """The software's id (no GPU): part of every stage's cache key."""
+        """The software's id (no GPU)."""
         return _digest(self.software_doc())
 
     @property
@@ -170,10 +171,12 @@ def change(old: Environment, new: Environment, limit: int = 6) -> str:
 
 
 # A gain is held for a human when more of its compared pairs had the baseline's run in one
-# environment and the challenger's in another than the other way round, by this share of the pairs:
-# such pairs carry the change's effect as the challenger's (random placement on a mixed cluster
-# puts about as many one way as the other; an upgrade between the arms puts them all one way).
+# environment and the challenger's in another than the other way round, by this share of the pairs
+# (such pairs carry the change's effect as the challenger's), and that is no chance: the arms share
+# no environment (an upgrade between them), or a two-sided sign test on the pairs that moved says
+# p < HOLD_P (random placement on a mixed cluster moves about as many pairs each way).
 IMBALANCE_HOLD = 0.25
+HOLD_P = 0.05
 
 
 def imbalance(base: dict[Any, str | None], chal: dict[Any, str | None]) -> tuple[float, str, str, int, int] | None:
@@ -192,6 +195,28 @@ def imbalance(base: dict[Any, str | None], chal: dict[Any, str | None]) -> tuple
     (b, c), n = max(moved.items(), key=lambda kv: kv[1] - moved.get((kv[0][1], kv[0][0]), 0))
     net = n - moved.get((c, b), 0)
     return net / len(keys), b, c, net, len(keys)
+
+
+def sign_p(k: int, n: int) -> float:
+    """Two-sided sign test: P(a split at least as uneven as k of n), each pair either way with ½."""
+    from math import comb
+
+    tail = sum(comb(n, i) for i in range(0, min(k, n - k) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def held_for(base: dict[Any, str | None], chal: dict[Any, str | None]) -> tuple[float, str, str, int, int] | None:
+    """`imbalance`, when it holds a gain (`IMBALANCE_HOLD`, `HOLD_P`); None when it does not."""
+    moved = imbalance(base, chal)
+    if moved is None or moved[0] <= IMBALANCE_HOLD:
+        return None
+    _, b, c, _, _ = moved
+    keys = [k for k in base if k in chal and base[k] and chal[k]]
+    if not {base[k] for k in keys} & {chal[k] for k in keys}:  # all of one arm here, all of the other there
+        return moved
+    one_way = sum(1 for k in keys if (base[k], chal[k]) == (b, c))
+    other_way = sum(1 for k in keys if (base[k], chal[k]) == (c, b))
+    return moved if sign_p(one_way, one_way + other_way) < HOLD_P else None
 
 
 _FACTS: dict[str, dict[str, Any]] = {}

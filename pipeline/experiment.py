@@ -431,7 +431,7 @@ class Experiment:
         """Why a challenger's gain at `look` is held for a human because its pairs were measured in
         different environments one way (`environment.imbalance`: the baseline's runs under one torch
         or GPU, the challenger's under another), or None. The gain may be the environment's."""
-        from pipeline.environment import IMBALANCE_HOLD, change, imbalance
+        from pipeline.environment import change, held_for
 
         tasks = self.lab.tasks()
         seeds = set(challenger_seeds(look, self.generation(base_commit)))
@@ -440,33 +440,32 @@ class Experiment:
         for r in self.store.result_rows([base_sha, sha], tasks):
             if r.seed in seeds and r.value is not None:
                 arms[r.commit][(r.task, r.seed)] = r.env_id
-        moved = imbalance(arms[base_sha], arms[sha])
-        if moved is None or moved[0] <= IMBALANCE_HOLD:
+        moved = held_for(arms[base_sha], arms[sha])
+        if moved is None:
             return None
-        share, old, new, n, pairs = moved
+        _, old, new, n, pairs = moved
         envs = self.store.envs([old, new])
         what = change(envs[old], envs[new]) if old in envs and new in envs else f"{old} → {new}"
         return (f"{n} more of its {pairs} pairs had the baseline's run in one measurement environment and its own "
                 f"in another than the other way round ({what}): the gain may be the environment's")
 
     def environment_change(self, current: Any) -> tuple[str, str] | None:
-        """(the baseline's head, what changed) when the environment its own runs were mostly measured
-        in is not `current` (an `Environment`: the driver's), else None. Only the software counts
-        where `current` knows no GPU (a driver whose stages run on a cluster's nodes)."""
+        """(the baseline's head, what changed) when the environment most of its runs on its own seed
+        block (the baseline arm of its challengers' pairs; not a champion's runs as a challenger)
+        were measured in is not `current` (an `Environment`: the driver's stages'), else None."""
         from collections import Counter
 
         from pipeline.environment import change
 
         head = resolve_commit(self.lab, BASELINE_BRANCH)
+        block = seed_block(self.generation(head))
         ids = Counter(r.env_id for r in self.store.result_rows([head], self.lab.tasks())
-                      if r.value is not None and r.env_id)
+                      if r.value is not None and r.env_id and r.seed in block)
         if not ids:
             return None
         usual = ids.most_common(1)[0][0]
         old = self.store.envs([usual]).get(usual)
         if old is None or usual == current.id:
-            return None
-        if old.software_id == current.software_id and (not current.gpus or old.gpus == current.gpus):
             return None
         return head, change(old, current) or "the environment changed"
 

@@ -132,8 +132,9 @@ class Driver(Scoring, GpuAccounting):
         self._worktree_of: dict[str, Path] = {}
         self._views: dict[tuple[str, str], Path] = {}
         self.isolation = "sandbox" if isolation.is_sandboxed(lab) else "unsandboxed"
-        # what this driver's stages measure with: its software is in every cache key (`pipeline.environment`)
-        self.environment = lab.config.run.environment_of(environment.here())
+        # what this driver's stages measure with: in every cache key (`pipeline.environment`)
+        facts = getattr(executor, "facts", None)  # a cluster's node's, or this machine's
+        self.environment = lab.config.run.environment_of(facts if isinstance(facts, dict) else environment.here())
         self.env_id: str | None = None  # recorded at `start`
         self._node_envs: dict[str, str] = {}  # a Ray node's facts (as JSON) → their MeasureEnv id
         self._started = False
@@ -372,7 +373,7 @@ class Driver(Scoring, GpuAccounting):
             self._record(claim, ResultOutcome.INFRA_FAILURE, None, "worktree", str(e), cpu_s=0.0)
             return
         nodes = plan_run(self.stages, run.commit, run.task, run.seed, prepared.dataset_id, self._digest,
-                         self.isolation, self.environment.software_id)
+                         self.isolation, self.environment.id)
         needed = {n for node in nodes for n in node.spec.needs}
         final = next(node for node in nodes if node.name not in needed)
         if run.dataset_id != prepared.dataset_id:  # claimed with it, unless claimed elsewhere

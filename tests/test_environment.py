@@ -14,7 +14,7 @@ import pytest
 from support.tiny import TASKS, TinyHarness, commit_change, make_lab
 from pipeline import environment, experiment, runner
 from pipeline.dag import cache_key
-from pipeline.environment import Environment, change, gpu_models, imbalance, node_facts
+from pipeline.environment import Environment, change, gpu_models, held_for, imbalance, node_facts
 from pipeline.executors.local import LocalExecutor
 from pipeline.lab import RunSection, StageSpec
 from pipeline.labrepo import LabRepo
@@ -106,11 +106,35 @@ def test_imbalance_is_the_net_one_way_move_between_the_arms() -> None:
     assert imbalance({k: None for k in keys}, {k: "B" for k in keys}) is None
 
 
-def test_the_software_is_part_of_every_stage_key() -> None:
+def test_a_gain_is_held_for_an_upgrade_between_the_arms_not_for_a_mixed_clusters_chance() -> None:
+    three = [("a", 0), ("b", 0), ("c", 0)]
+    # a first look of three pairs, the arms in two environments: held however few the pairs
+    assert held_for({k: "A" for k in three}, {k: "B" for k in three}) is not None
+    # two environments on both arms, the pairs split as a coin would: not held ...
+    keys = [(t, s) for t in "abc" for s in range(10)]
+    base = {k: "AB"[i % 2] for i, k in enumerate(keys)}
+    chal = {k: "AB"[(i * 7 // 3) % 2] for i, k in enumerate(keys)}
+    got = imbalance(base, chal)
+    assert got is not None and held_for(base, chal) is None
+    # ... nor a lopsided split of few moved pairs (5 one way, 1 the other of 12: p = 0.22) ...
+    def arms(moves: list[tuple[str, str]]) -> tuple[dict, dict]:
+        return ({("a", i): b for i, (b, _) in enumerate(moves)}, {("a", i): c for i, (_, c) in enumerate(moves)})
+
+    few = [("A", "B")] * 5 + [("B", "A")] + [("A", "A")] * 3 + [("B", "B")] * 3
+    assert imbalance(*arms(few))[0] > environment.IMBALANCE_HOLD and held_for(*arms(few)) is None
+    # ... while a lopsided move on a mixed cluster is (9 one way, 1 the other: p = 0.021)
+    lopsided = [("A", "B")] * 9 + [("B", "A")] + [("A", "A")] * 10 + [("B", "B")] * 10
+    assert held_for(*arms(lopsided)) == (8 / 30, "A", "B", 8, 30)
+    assert environment.sign_p(9, 10) < environment.HOLD_P < environment.sign_p(8, 10)
+
+
+def test_the_environment_is_part_of_every_stage_key_gpu_models_included(tmp_path: Path) -> None:
     spec = StageSpec(name="train", run="python train.py --out {out}", inputs=["train.py"])
-    k = [cache_key(spec, {"train.py": "blob"}, {"seed": 0}, {}, "ds", "sandbox", software)
-         for software in ("aaaa", "bbbb", "aaaa")]
-    assert k[0] == k[2] != k[1]
+    facts = node_facts(fake_gpus(tmp_path / "gpus", ["NVIDIA A100-SXM4-80GB"]))
+    a100 = RunSection(gpus=1).environment_of(facts)
+    h100 = RunSection(gpus=1).environment_of({**facts, "gpus": ["NVIDIA H100 80GB HBM3"]})
+    k = [cache_key(spec, {"train.py": "blob"}, {"seed": 0}, {}, "ds", "sandbox", env.id) for env in (a100, h100, a100)]
+    assert k[0] == k[2] != k[1]  # a model trained on one GPU never serves a run on another
 
 
 # --------------------------------------------------------------- a real driver, SQLite and PostgreSQL

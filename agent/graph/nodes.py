@@ -222,7 +222,8 @@ class Nodes(Implement):
         if why or not h.commit:
             return why
         exp = self.svc.experiment
-        return exp.ran_alone(h.base_commit, h.commit) or exp.mixed_environments(h.base_commit, h.commit, look)
+        mixed = None if base_moved(self.svc, h) else exp.mixed_environments(h.base_commit, h.commit, look)
+        return exp.ran_alone(h.base_commit, h.commit) or mixed  # a moved base: re-based at promotion anyway
 
     def _choice(self, h: Hypothesis, look: int, verdict: Verdict | None, allowed: list[Decision]) -> Choice:
         """The policy's choice at this look, within `allowed`; stored before any side effect, so a

@@ -125,7 +125,9 @@ def classify(result: JobResult) -> tuple[StageOutcome, str | None]:
 
 
 class Executor(Protocol):
-    """Runs stage jobs. `slots` is how many it runs at once; the driver never submits more."""
+    """Runs stage jobs. `slots` is how many it runs at once; the driver never submits more. An
+    executor whose stages run on other machines may have `facts`: what they measure with
+    (`environment.node_facts`); without it, the driver's own machine is."""
 
     name: str
 

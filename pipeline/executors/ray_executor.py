@@ -187,10 +187,16 @@ class RayExecutor:
         self._harness_lock = threading.Lock()
         self._harness_inputs: dict[str, tuple[str, Any]] = {}  # its folders' (id, ref), oldest first
         self._idle: deque[_Slot] = deque(_Slot(self._new_worker()) for _ in range(self._slots))
+        self.facts: dict[str, Any] | None = None
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
             slots = [*([self._harness] if self._harness else []), *self._idle]
-            for slot, ready in zip(slots, ray.get([w.actor.warm.remote() for w in slots], timeout=WARM_TIMEOUT_S)):
+            readies = ray.get([w.actor.warm.remote() for w in slots], timeout=WARM_TIMEOUT_S)
+            for slot, ready in zip(slots, readies):
                 slot.gpus = list(ready.get("gpus") or [])
+            # what the stages measure with: a node's, not this driver's (`Driver.environment`; each
+            # result still carries the facts of the node that made it)
+            self.facts = next((r["env"] for r in readies[len(slots) - len(self._idle):] if isinstance(r.get("env"), dict)),
+                              None)
         except ray.exceptions.GetTimeoutError:
             self.close()
             raise InfrastructureFailure(

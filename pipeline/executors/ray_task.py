@@ -288,8 +288,9 @@ class WarmWorker:
             self.proc.stdin.flush()
 
     def warm(self) -> dict[str, Any]:
-        """Start the warm worker now (it imports torch and peft): its pid and this actor's GPUs."""
-        return {"pid": self._start().pid, "gpus": self.gpu_keys}
+        """Start the warm worker now (it imports torch and peft): its pid, this actor's GPUs and what
+        this node measures with (`environment.node_facts`)."""
+        return {"pid": self._start().pid, "gpus": self.gpu_keys, "env": self.facts}
 
     def take_usage(self) -> dict[str, list[float]]:
         """Each of this actor's GPUs' [samples, busy, utilisation sum] since the last call, by its key."""
