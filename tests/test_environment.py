@@ -269,3 +269,60 @@ def test_the_loop_started_after_an_upgrade_remeasures_its_baseline_once_and_says
         assert "remeasure_on_change = false" in said[-1]
     finally:
         third.close()
+
+
+# --------------------------------------------------------------- the real loop, a simulated lab
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("remeasure", [False, True])
+def test_through_the_loop_a_planted_gain_across_an_upgrade_is_held_or_measured_against_a_remeasured_baseline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, remeasure: bool) -> None:
+    """The baseline's own runs measured under numpy X; the loop then runs under numpy 9.9.9 with a
+    seeded 4σ hypothesis. Re-measuring off: the gain is held for a human, the hold naming the
+    change. On: the loop first puts the baseline's tree on a new commit, measures it here, and
+    promotes the gain against it, with no hold."""
+    from support.lab import git, make_loop, open_lab
+    from test_in_flight import seed_effects, sim_lab
+
+    root = sim_lab(tmp_path / "lab")
+    if not remeasure:
+        text = (root / "research.toml").read_text().replace("[run]\n", "[run]\nremeasure_on_change = false\n", 1)
+        (root / "research.toml").write_text(text)
+        git(root, "commit", "-qam", "no re-measuring")
+        git(root, "branch", "-f", "autoresearch/baseline", "HEAD")
+    lab = open_lab(root)
+    base = experiment.resolve_commit(lab, BASE)
+    store = experiment.open_store(lab)
+    exp = experiment.Experiment(lab, store)
+    own = list(exp.baseline_seeds(base))
+    monkeypatch.setattr(environment, "_FACTS", {})
+    with exp.driver() as d:  # the baseline's own block, in this machine's environment
+        ids = experiment.ensure_runs(store, lab, base, lab.tasks(), own)
+        d.drive(until=ids, timeout_s=300)
+    old = lab.config.run.environment_of(node_facts())
+    [hid] = seed_effects(root, [4.0])
+    upgraded = facts_with(numpy="9.9.9")
+    monkeypatch.setattr(environment, "_FACTS", {environment.NVIDIA_PROC: upgraded})
+    loop = make_loop(root, offline=True, max_hypotheses=1)
+    try:
+        loop.run()
+    finally:
+        loop.close()
+    h = loop.records.get(hid)
+    head = experiment.resolve_commit(open_lab(root), BASE)
+    numpy_change = f"numpy {node_facts()['packages']['numpy']} → 9.9.9"
+    if not remeasure:
+        assert h.status == "held" and h.decision == "hold", (h.status, h.decision, h.rationale_decision)
+        assert "measurement environment" in h.rationale_decision and numpy_change in h.rationale_decision
+        assert head == base and any("remeasure_on_change = false" in m for m in loop.said)
+    else:
+        assert h.decision == "promote", (h.status, h.decision, h.rationale_decision)
+        assert "environment" not in (h.rationale_decision or "")
+        events = [e for e in loop.records.events(20) if e.kind == "environment"]
+        assert len(events) == 1 and numpy_change in events[0].message
+        assert h.base_commit != base  # measured against the re-measured baseline ...
+        remeasured = LabRepo(root).repo.commit(h.base_commit)
+        assert remeasured.parents[0].hexsha == base and remeasured.tree == LabRepo(root).repo.commit(base).tree
+        rows = store.result_rows([h.base_commit], lab.tasks())  # ... whose runs were made here, afresh
+        assert rows and {r.env_id for r in rows} == {lab.config.run.environment_of(upgraded).id} != {old.id}
