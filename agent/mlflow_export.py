@@ -8,7 +8,8 @@ level on the gate split and on the sealed holdout, and the gains since the first
 (`agent.progress.split_progress`; + is better), and what its smoke runs spent (`smoke.runs`,
 `smoke.cpu_s`, `smoke.gpu_s`, `smoke.wall_s`); artifacts: summary.md and the forest plot — and one
 nested run per (task, seed) of its challenger runs, with the metric's value, the run's CPU seconds and,
-for a GPU lab, its GPU-seconds (`gpu_s`: share × wall) and the mean utilisation NVML saw (`gpu_util`).
+for a GPU lab, its GPU-seconds (`gpu_s`: share × wall) and the mean utilisation NVML saw (`gpu_util`),
+tagged with its measurement environment's id (`environment`: `pipeline.environment`, the `measure_env` table).
 `export mlflow` also keeps one run of the lab's compute (`lab compute`, tagged `autoresearch.compute`):
 the figures `status` prints as `compute.*` metrics (`compute.useful_gpu_s`, `compute.method_failed_gpu_s`,
 `compute.infra_lost_gpu_s`, `compute.gpu_busy_share`, `compute.gpu_mean_util`, the CPU seconds, goodput,
@@ -384,7 +385,8 @@ class Exporter:
             run = existing.get(key)
             if run is None:
                 tags = {RUN_TAG: key, "mlflow.parentRunId": parent, "task": _text(res.task, TAG_VALUE_MAX),
-                        "seed": str(res.seed), "outcome": res.outcome, HYP_TAG + ".of": str(h.id), **renamed}
+                        "seed": str(res.seed), "outcome": res.outcome, HYP_TAG + ".of": str(h.id), **renamed,
+                        **({"environment": res.env_id} if res.env_id else {})}  # `pipeline.environment`
                 run = self.client.create_run(self.experiment_id, tags=tags,
                                              run_name=f"{res.task} seed {res.seed}"[:NAME_MAX])
                 self._log(run.info.run_id, metrics=[Metric(k, v, _ms(), 0) for k, v in values.items()])

@@ -90,6 +90,7 @@ def check_matches_store(root: Path, uri: str) -> None:
             x = by_key[f"{h.commit[:12]}:{res.task}:{res.seed}"]
             assert math.isclose(x.data.metrics["auc"], res.value, rel_tol=1e-12)
             assert math.isclose(x.data.metrics["cpu_s"], res.cpu_s, rel_tol=1e-12)
+            assert res.env_id and x.data.tags["environment"] == res.env_id  # where it was measured
 
 
 def metric_points(uri: str) -> int:
