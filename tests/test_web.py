@@ -153,6 +153,7 @@ def test_a_post_without_the_csrf_token_is_refused(lab: Path) -> None:
         assert e.value.code == 400
         page = server.get("/").read().decode()
         assert "postgresql" not in page and "sqlite" not in page and "OPENAI" not in page
+        assert '<p id="environment">environment: CPython' in page  # where the lab measures (`pipeline.environment`)
     finally:
         server.stop()
 
