@@ -326,3 +326,22 @@ def test_through_the_loop_a_planted_gain_across_an_upgrade_is_held_or_measured_a
         assert remeasured.parents[0].hexsha == base and remeasured.tree == LabRepo(root).repo.commit(base).tree
         rows = store.result_rows([h.base_commit], lab.tasks())  # ... whose runs were made here, afresh
         assert rows and {r.env_id for r in rows} == {lab.config.run.environment_of(upgraded).id} != {old.id}
+
+
+@pytest.mark.integration
+def test_the_environment_shift_benchmark_runs_and_nothing_of_an_upgrade_is_promoted_unheld() -> None:
+    """`benchmarks/environment_shift.py` on a few trials, so it cannot rot: under an upgrade between
+    the arms the gate's false gains grow with the shift, and none is promoted without a human."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "environment_shift.py"), "--trials", "400"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    start = lines.index(next(x for x in lines if x.startswith("upgrade between the arms"))) + 2
+    upgrade = [[float(v) for v in x.split()] for x in lines[start:start + 4]]
+    assert [row[0] for row in upgrade] == [0.0, 0.25, 0.5, 1.0]
+    assert upgrade[-1][1] > 0.2  # a 1σ shift: the gate alone calls many null challengers improvements
+    assert all(row[2] == 0.0 for row in upgrade)  # the hold: none of them promoted automatically
