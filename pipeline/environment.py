@@ -11,8 +11,8 @@ measurement is:
   torch or on one GPU model never serves a run under another, and a stage that crashed under the
   old one is run again. (A re-measured baseline's runs are then made afresh, never served.)
 - **Each result** records its environment (`Result.env_id`, the `measure_env` table holds what it is).
-- **The gate** holds for a human a gain whose two arms were measured in different environments
-  (`Experiment.mixed_environments`), and names what changed.
+- **The gate** holds for a human a gain whose pairs moved between environments one way, beyond
+  chance (`held_for`, `Experiment.mixed_environments`), and names what changed.
 - **The loop** re-measures its baseline when the environment it runs in is not the one the
   baseline's runs were measured in (an empty commit on the baseline: `LabRepo.remeasure`), so the
   challengers after an upgrade are compared within one environment again.
@@ -20,8 +20,8 @@ measurement is:
 What counts: the Python implementation and version, the machine's architecture, the versions of the
 installed distributions whose names match the lab's `[run] environment` patterns (by default the
 numerical stack: `DEFAULT_PACKAGES`; `["*"]` for every one), and, for a lab whose stages get a GPU,
-the GPU models. Not the driver version, the host name, or this tool's own version (an upgrade of the
-tool changes the sandbox, which `STAGE_ENV_VERSION` covers).
+the GPU models. Not the NVIDIA driver's version, the host name, or this tool's own version (an
+upgrade of the tool changes the sandbox, which `STAGE_ENV_VERSION` covers).
 
 Standard library only: a Ray node's warm worker loads this file on its own (`node_facts`).
 """
