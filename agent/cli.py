@@ -244,7 +244,7 @@ def run_cmd(
     """The autonomous loop: propose, implement, measure, decide, summarize."""
     import logging
 
-    from agent.loop import Loop, LoopOptions
+    from agent.loop import ENVIRONMENT_CHANGED, Loop, LoopOptions
     from agent.terminal import RunDisplay
     from agent.config import open_lab
     from pipeline.api import ExecutorOptions, check_executor
@@ -270,6 +270,8 @@ def run_cmd(
         display.decided(out["this_run"], out.get("stopped"))
     if out.get("stopped") == "LLM unreachable":
         raise typer.Exit(1)  # said in one line by the loop; the store holds no hypothesis for it
+    if out.get("stopped") == ENVIRONMENT_CHANGED:
+        raise typer.Exit(3)  # a supervisor starts it again: the new start re-measures the baseline
 
 
 @app.command("serve")

@@ -48,6 +48,8 @@ _WHERE: dict[str, tuple[str, str]] = {
                                                "harness_suites", "open_store", "seed_block")},
     "memory_plan": ("pipeline.memory", "memory_plan"),
     "environment_here": ("pipeline.environment", "here"),  # this machine's facts (`RunSection.environment_of`)
+    "environment_facts": ("pipeline.environment", "node_facts"),  # ... read again now
+    "environment_change": ("pipeline.environment", "change"),
     "ExecutorOptions": ("pipeline.executors", "ExecutorOptions"),
     "variance_study": ("pipeline.variance", "study"),
     "pairing_study": ("pipeline.variance", "pairing"),
@@ -120,7 +122,9 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         UserError,
     )
     from pipeline.executors import ExecutorOptions, check_executor  # noqa: F401
+    from pipeline.environment import change as environment_change  # noqa: F401
     from pipeline.environment import here as environment_here  # noqa: F401
+    from pipeline.environment import node_facts as environment_facts  # noqa: F401
     from pipeline.executors.gpus import mps_running  # noqa: F401
     from pipeline.experiment import (  # noqa: F401
         Experiment,

@@ -134,7 +134,8 @@ class Driver(Scoring, GpuAccounting):
         self.isolation = "sandbox" if isolation.is_sandboxed(lab) else "unsandboxed"
         # what this driver's stages measure with: in every cache key (`pipeline.environment`)
         facts = getattr(executor, "facts", None)  # a cluster's node's, or this machine's
-        self.environment = lab.config.run.environment_of(facts if isinstance(facts, dict) else environment.here())
+        self.measures_here = not isinstance(facts, dict)
+        self.environment = lab.config.run.environment_of(environment.here() if self.measures_here else facts)
         self.env_id: str | None = None  # recorded at `start`
         self._node_envs: dict[str, str] = {}  # a Ray node's facts (as JSON) → their MeasureEnv id
         self._started = False

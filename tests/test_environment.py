@@ -345,3 +345,52 @@ def test_the_environment_shift_benchmark_runs_and_nothing_of_an_upgrade_is_promo
     assert [row[0] for row in upgrade] == [0.0, 0.25, 0.5, 1.0]
     assert upgrade[-1][1] > 0.2  # a 1σ shift: the gate alone calls many null challengers improvements
     assert all(row[2] == 0.0 for row in upgrade)  # the hold: none of them promoted automatically
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_an_upgrade_under_the_running_loop_stops_it_and_the_next_start_remeasures(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pip install -U numpy` into the loop's venv while it runs: its warm workers hold the old
+    modules, so it stops (`environment changed`, an event) instead of measuring in neither
+    environment; started again, it re-measures the baseline in the new one and goes on."""
+    import pipeline.api
+    from agent.loop import ENVIRONMENT_CHANGED, guards
+    from support.lab import make_loop
+    from test_in_flight import seed_effects, sim_lab
+
+    from support.lab import open_lab
+
+    root = sim_lab(tmp_path / "lab")
+    real, upgraded = node_facts(), facts_with(numpy="9.9.9")
+    monkeypatch.setattr(environment, "_FACTS", {environment.NVIDIA_PROC: real})  # what the driver starts with
+    lab = open_lab(root)
+    store = experiment.open_store(lab)
+    exp = experiment.Experiment(lab, store)
+    base = experiment.resolve_commit(lab, BASE)
+    with exp.driver() as d:  # the baseline's own block, measured before the upgrade
+        d.drive(until=experiment.ensure_runs(store, lab, base, lab.tasks(), list(exp.baseline_seeds(base))),
+                timeout_s=300)
+    [hid] = seed_effects(root, [0.0])
+    monkeypatch.setattr(pipeline.api, "environment_facts", lambda: upgraded)  # what the check reads meanwhile
+    monkeypatch.setattr(guards, "ENV_CHECK_S", 0.0)
+    loop = make_loop(root, offline=True, max_hypotheses=1)
+    try:
+        out = loop.run()
+    finally:
+        loop.close()
+    assert out["stopped"] == ENVIRONMENT_CHANGED
+    [ev] = [e for e in loop.records.events(20) if e.kind == "environment"]
+    assert "under the running loop" in ev.message and "numpy" in ev.message and "9.9.9" in ev.message
+    assert loop.records.get(hid).status != "done"  # resumed by the next start
+    # the next start, in the new environment: the baseline is re-measured, the hypothesis decided
+    monkeypatch.setattr(environment, "_FACTS", {environment.NVIDIA_PROC: upgraded})
+    monkeypatch.setattr(pipeline.api, "environment_facts", lambda: upgraded)
+    again = make_loop(root, offline=True, max_hypotheses=1)
+    try:
+        out = again.run()
+    finally:
+        again.close()
+    assert out["stopped"] is None and again.records.get(hid).status == "done"
+    kinds = [e.message for e in again.records.events(20) if e.kind == "environment"]
+    assert len(kinds) == 2 and "measured again as" in kinds[0]  # newest first

@@ -21,9 +21,9 @@ plateau), `lease` (the lab's lease, signals, the clock), `reporting` (what the l
 """
 
 from agent.loop.driver_thread import DriverThread
-from agent.loop.guards import GUARD_BACKOFF_S, GUARD_STREAK, LLM_BACKOFF_S
+from agent.loop.guards import ENVIRONMENT_CHANGED, GUARD_BACKOFF_S, GUARD_STREAK, LLM_BACKOFF_S
 from agent.loop.options import LoopOptions, choose_policy, in_flight_room
 from agent.loop.scheduler import Loop
 
-__all__ = ["GUARD_BACKOFF_S", "GUARD_STREAK", "LLM_BACKOFF_S", "DriverThread", "Loop", "LoopOptions", "choose_policy",
+__all__ = ["ENVIRONMENT_CHANGED", "GUARD_BACKOFF_S", "GUARD_STREAK", "LLM_BACKOFF_S", "DriverThread", "Loop", "LoopOptions", "choose_policy",
            "in_flight_room"]

@@ -4,6 +4,7 @@ budget and outage back-off, the plateau; and which hypothesis starts next under 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from agent.config import agent_config
 from agent.errors import BudgetExceeded, LLMError
@@ -15,6 +16,8 @@ from agent.records import Hypothesis
 GUARD_STREAK = 3  # hypotheses in a row rejected or failing before the loop backs off
 GUARD_BACKOFF_S = 600.0
 LLM_BACKOFF_S = (5.0, 300.0)  # the first and the longest wait before asking an unreachable endpoint again
+ENV_CHECK_S = 300.0  # how often the loop looks whether the installed packages changed under it
+ENVIRONMENT_CHANGED = "environment changed"  # the loop's stop reason then (`run` exits with code 3)
 
 
 class Guards:
@@ -61,6 +64,29 @@ class Guards:
             msg = f"{why}; no new hypothesis until the cap resets at UTC midnight"
             self.records.event("budget", msg)
             self.say(msg)
+        return True
+
+    def environment_moved(self, running: Any) -> bool:
+        """Whether the measurement environment on this machine changed under the running loop (a
+        `pip install -U torch` into its venv): looked at every ENV_CHECK_S. Its warm workers hold the
+        old modules and import the new ones, so no run measured from now on would be one
+        environment's: the loop stops (`stop_reason` "environment changed", an `environment` event;
+        `run` exits with code 3) and its next start re-measures the baseline in the new one.
+        `running`: the driver's `Environment`."""
+        from pipeline.api import environment_change, environment_facts
+
+        if time.monotonic() - self._env_checked < ENV_CHECK_S:
+            return False
+        self._env_checked = time.monotonic()
+        now = self.lab.config.run.environment_of(environment_facts())
+        if now.id == running.id:
+            return False
+        msg = (f"the environment changed under the running loop ({environment_change(running, now)}): stopping; "
+               "start it again to measure in the new one (the baseline is re-measured then)")
+        self.records.event("environment", msg)
+        self.say(msg)
+        self.stop_reason = ENVIRONMENT_CHANGED
+        self.stop.set()
         return True
 
     def plateau(self) -> bool:

@@ -86,6 +86,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
         self.reverifying: set[int] | None = None  # promoted hypotheses whose threads wait in `reverify`
         self._reverify_runs: dict[int, list[int]] = {}  # ... and the champion's runs each waits for
         self._reverify_polled = -REVERIFY_POLL_S
+        self._env_checked = time.monotonic()  # the driver's environment is read at its start
 
     def close(self) -> None:
         """Stop the smoke runs' worker, release the checkpointer's connection and the lab's lease
@@ -162,6 +163,8 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
                     self._reverify_polled = time.monotonic()
                     self.note_reverifications()
                 self.guard()
+                if driver.measures_here and self.environment_moved(driver.environment):
+                    break
                 if self.plateau() and self.stop.is_set():
                     break
                 in_flight = self.records.all(ACTIVE) + self.replicating_holds()
