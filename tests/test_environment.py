@@ -361,7 +361,7 @@ def test_an_upgrade_under_the_running_loop_stops_it_and_the_next_start_remeasure
 
     from support.lab import open_lab
 
-    root = sim_lab(tmp_path / "lab")
+    root = sim_lab(tmp_path / "lab", sleep=2.0)  # a look of seconds: the upgrade lands while it runs
     real, upgraded = node_facts(), facts_with(numpy="9.9.9")
     monkeypatch.setattr(environment, "_FACTS", {environment.NVIDIA_PROC: real})  # what the driver starts with
     lab = open_lab(root)
@@ -373,7 +373,7 @@ def test_an_upgrade_under_the_running_loop_stops_it_and_the_next_start_remeasure
                 timeout_s=300)
     [hid] = seed_effects(root, [0.0])
     monkeypatch.setattr(pipeline.api, "environment_facts", lambda: upgraded)  # what the check reads meanwhile
-    monkeypatch.setattr(guards, "ENV_CHECK_S", 0.0)
+    monkeypatch.setattr(guards, "ENV_CHECK_S", 1.0)
     loop = make_loop(root, offline=True, max_hypotheses=1)
     try:
         out = loop.run()

@@ -222,6 +222,8 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
 
                 while not self.stop.is_set() and not one_look_complete():
                     worker.check()  # the driver's own error (a trusted prepare failing): raised here
+                    if driver.measures_here and self.environment_moved(driver.environment):  # a look of hours
+                        break
                     self.stop.wait(LOOK_POLL_S)
                 worker.check()
                 if self.on_looks is not None:
