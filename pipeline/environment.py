@@ -20,8 +20,9 @@ measurement is:
 What counts: the Python implementation and version, the machine's architecture, the versions of the
 installed distributions whose names match the lab's `[run] environment` patterns (by default the
 numerical stack: `DEFAULT_PACKAGES`; `["*"]` for every one), and, for a lab whose stages get a GPU,
-the GPU models. Not the NVIDIA driver's version, the host name, or this tool's own version (an
-upgrade of the tool changes the sandbox, which `STAGE_ENV_VERSION` covers).
+the GPU models, and the stage environment's version (`STAGE_ENV_VERSION`: what the sandbox gives a
+stage, which a version of this tool that changes it raises). Not the NVIDIA driver's version, the
+host name, or this tool's own version otherwise.
 
 Standard library only: a Ray node's warm worker loads this file on its own (`node_facts`).
 """
@@ -96,26 +97,30 @@ def node_facts(proc_dir: str = NVIDIA_PROC) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Environment:
     """One measurement environment. `packages`: (name, version) of the distributions that count;
-    `gpus`: the GPU models, () for a lab that runs on CPUs."""
+    `gpus`: the GPU models, () for a lab that runs on CPUs; `stage_env`: what the sandbox gives a
+    stage (`executors.base.STAGE_ENV_VERSION`: its limits, thread pools, /dev/shm), which can move
+    numbers too."""
 
     python: str
     machine: str
     packages: tuple[tuple[str, str], ...]
     gpus: tuple[str, ...] = ()
+    stage_env: str = ""
 
     @classmethod
-    def of(cls, facts: dict[str, Any], patterns: Iterable[str] = DEFAULT_PACKAGES, *, gpu: bool = False
-           ) -> "Environment":
+    def of(cls, facts: dict[str, Any], patterns: Iterable[str] = DEFAULT_PACKAGES, *, gpu: bool = False,
+           stage_env: str = "") -> "Environment":
         """The environment `facts` (`node_facts`) describe for a lab counting `patterns`, with its
-        GPU models when the lab's stages get a GPU (`gpu`)."""
+        GPU models when the lab's stages get a GPU (`gpu`), its stages in the sandbox `stage_env`."""
         pats = [normalise(p) for p in patterns]
         packages = tuple(sorted((n, v) for n, v in dict(facts.get("packages") or {}).items()
                                 if any(fnmatch.fnmatchcase(n, p) for p in pats)))
         gpus = tuple(sorted(set(facts.get("gpus") or ()))) if gpu else ()
-        return cls(str(facts.get("python", "?")), str(facts.get("machine", "?")), packages, gpus)
+        return cls(str(facts.get("python", "?")), str(facts.get("machine", "?")), packages, gpus, stage_env)
 
     def software_doc(self) -> dict[str, Any]:
-        return {"python": self.python, "machine": self.machine, "packages": [f"{n}=={v}" for n, v in self.packages]}
+        return {"python": self.python, "machine": self.machine, "packages": [f"{n}=={v}" for n, v in self.packages],
+                "stage_env": self.stage_env}
 
     def doc(self) -> dict[str, Any]:
         return {**self.software_doc(), "gpus": list(self.gpus)}
@@ -134,7 +139,7 @@ class Environment:
     def from_doc(cls, doc: dict[str, Any]) -> "Environment":
         packages = tuple(tuple(p.split("==", 1)) for p in doc.get("packages", []) if "==" in p)
         return cls(str(doc.get("python", "?")), str(doc.get("machine", "?")),
-                   tuple(sorted((n, v) for n, v in packages)), tuple(doc.get("gpus", [])))
+                   tuple(sorted((n, v) for n, v in packages)), tuple(doc.get("gpus", [])), str(doc.get("stage_env", "")))
 
     def brief(self, shown: int = 4) -> str:
         """One line: Python, the packages that count (the frameworks first), the GPUs."""
@@ -165,6 +170,8 @@ def change(old: Environment, new: Environment, limit: int = 6) -> str:
                          f"{name} removed" if name not in b else f"{name} {a[name]} → {b[name]}")
     if old.gpus != new.gpus:
         parts.append(f"GPU {', '.join(old.gpus) or 'none'} → {', '.join(new.gpus) or 'none'}")
+    if old.stage_env != new.stage_env:
+        parts.append(f"sandbox {old.stage_env or '?'} → {new.stage_env or '?'}")
     if len(parts) > limit:
         parts = parts[:limit] + [f"{len(parts) - limit} more"]
     return ", ".join(parts)

@@ -116,9 +116,11 @@ class RunSection(_Strict):
     def environment_of(self, facts: dict[str, Any]) -> "Environment":
         """The measurement environment `facts` (`environment.node_facts`) make for this lab."""
         from pipeline.environment import DEFAULT_PACKAGES, Environment
+        from pipeline.executors.base import STAGE_ENV_VERSION
 
         gpu = max(self.gpus, self.prepare_gpus, self.score_gpus) > 0
-        return Environment.of(facts, DEFAULT_PACKAGES if self.environment is None else self.environment, gpu=gpu)
+        return Environment.of(facts, DEFAULT_PACKAGES if self.environment is None else self.environment, gpu=gpu,
+                              stage_env=STAGE_ENV_VERSION)
 
     @field_validator("preload")
     @classmethod

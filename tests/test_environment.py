@@ -88,6 +88,7 @@ def test_the_change_says_what_moved() -> None:
     new = Environment("CPython 3.12.1", "x86_64", (("numpy", "2.0.0"), ("torch", "2.12.0"), ("triton", "3.1.0")))
     assert change(old, new) == "CPython 3.11.7 → CPython 3.12.1, scipy removed, torch 2.11.0 → 2.12.0, triton added (3.1.0)"
     assert change(old, old) == ""
+    assert change(old, Environment(old.python, old.machine, old.packages, stage_env="stage-env-2")) == "sandbox ? → stage-env-2"
     many = Environment(old.python, old.machine, tuple((f"p{i}", "2") for i in range(10)))
     assert change(Environment(old.python, old.machine, tuple((f"p{i}", "1") for i in range(10))), many).endswith("4 more")
 

@@ -40,7 +40,8 @@ INFRA_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
 # fail where it passed or pass where it failed. Each execution records it (`StageExec.env`), and a
 # method failure recorded under another version is not trusted (`Store.method_failures`): after an
 # upgrade that fixed a crash of the tool's own making, the stage runs again instead of failing every
-# run that needs its key. Raising it re-runs only recorded failures; the cache keys stay.
+# run that needs its key. It is part of the measurement environment (`pipeline.environment`) too:
+# raising it changes every cache key, and the loop re-measures its baseline at its next start.
 # 2026-12-07: GPU stages without RLIMIT_AS, /dev/shm by share, /sys for multi-GPU stages, a Ray CUDA OOM retried.
 STAGE_ENV_VERSION = "stage-env-2026-12-07"
 
