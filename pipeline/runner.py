@@ -466,7 +466,7 @@ class Driver(Scoring, GpuAccounting):
                        inputs=inputs, sandbox=isolation.spec_for(self.lab, ro=[view, *inputs], out=tmp),
                        env=lab_env(cfg.env))
         exec_id = self.store.stage_started(run_id, node.name, node.key, executor=self.executor.name,
-                                           log_path=str(log_path))
+                                           log_path=str(log_path), gpu_share=cfg.gpus)
         self.flights[node.key] = _Flight(node, job, exec_id, run_id, waiters, tmp)
         self.by_job[job_id] = node.key
         try:

@@ -178,6 +178,9 @@ def test_reconcile_spares_live_owners_and_fresh_heartbeats(store: Store) -> None
     claims = {c.run.task: c for c in store.claim(Owner.current(), 4)}
     dead = dead_owner()
     exec_id = store.stage_started(claims["dead"].run.id, "pretrain", "k" * 64, executor="local", log_path=None)
+    # launched by a driver whose lab then gave its stages a whole GPU: charged what it held, not the new share
+    remote_exec = store.stage_started(claims["remote_stale"].run.id, "pretrain", "j" * 64, executor="local",
+                                      log_path=None, gpu_share=1.0)
     with store.session() as s:
         for task, host, pid, beat in [("remote_fresh", "elsewhere", 1, 0), ("remote_stale", "elsewhere", 1, 600),
                                       ("dead", dead.host, dead.pid, 0)]:
@@ -192,8 +195,10 @@ def test_reconcile_spares_live_owners_and_fresh_heartbeats(store: Store) -> None
     assert status == {"live": "running", "remote_fresh": "running", "remote_stale": "queued", "dead": "queued"}
     (lost,) = [e for e in store.stage_execs() if e.id == exec_id]
     assert lost.outcome == "lost" and lost.wall_s > 0
-    assert lost.gpu_s == pytest.approx(0.5 * lost.wall_s)  # the lab's GPU share held until the driver died
-    assert store.goodput().infra_lost_gpu_s == pytest.approx(lost.gpu_s)
+    assert lost.gpu_s == pytest.approx(0.5 * lost.wall_s)  # no share recorded: the lab's, held until the driver died
+    (whole,) = [e for e in store.stage_execs() if e.id == remote_exec]
+    assert whole.outcome == "lost" and whole.wall_s > 0 and whole.gpu_s == pytest.approx(1.0 * whole.wall_s)  # the share it was launched with
+    assert store.goodput().infra_lost_gpu_s == pytest.approx(lost.gpu_s + whole.gpu_s)
 
 
 def test_a_run_that_keeps_killing_its_driver_is_failed_not_looped(store: Store) -> None:

@@ -22,10 +22,11 @@ from pipeline.store.tables import (METHOD_OUTCOMES, SMOKE_OUTCOMES, CacheEntry, 
 class CacheRows:
     """The cache's and stage executions' methods of `Store`. Mixed into `Store`, whose `session()` each method uses."""
 
-    def stage_started(self, run_id: int, stage: str, key: str, *, executor: str, log_path: str | None) -> int:
+    def stage_started(self, run_id: int, stage: str, key: str, *, executor: str, log_path: str | None,
+                      gpu_share: float | None = None) -> int:
         with self.session() as s:
             ex = StageExec(run_id=run_id, stage=stage, key=key, executor=executor, host=socket.gethostname(),
-                           log_path=log_path, env=STAGE_ENV_VERSION)
+                           log_path=log_path, env=STAGE_ENV_VERSION, gpu_share=gpu_share)
             s.add(ex)
             s.commit()
             return int(ex.id)  # type: ignore[arg-type]

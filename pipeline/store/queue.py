@@ -221,7 +221,8 @@ class Queue:
 
         Dead means: on this host, the owner process is gone (or its pid was recycled); on another
         host, its heartbeat is older than `stale_s`. Their unfinished stage executions become
-        "lost" (GPU-seconds: `gpus`, the lab's share, × that time),
+        "lost" (GPU-seconds: the share each was launched with, or `gpus`, the lab's share, where
+        it was not recorded, × that time),
         counted as compute lost to infrastructure from their start to the driver's death: at
         most the first heartbeat it missed (`heartbeat_s` after its last), which is the figure kept.
         A run lost more than `max_requeues`
@@ -252,7 +253,7 @@ class Queue:
                     ex.finished_at = max(ex.started_at, min(t, max(last, ex.started_at) + heartbeat_s))
                     ex.wall_s = ex.finished_at - ex.started_at
                     ex.cpu_s = ex.wall_s
-                    ex.gpu_s = ex.wall_s * gpus  # the lab's `[run] gpus`, held all along
+                    ex.gpu_s = ex.wall_s * (ex.gpu_share if ex.gpu_share is not None else gpus)  # held all along
                     lo = max(0.0, last - ex.started_at)
                     ex.detail = (f"driver {owner.host}:{owner.pid} died: {lo:.1f}-{ex.wall_s:.1f} s of work lost "
                                  "(between its last heartbeat and the one it missed; cpu_s = the upper bound)")

@@ -93,6 +93,7 @@ class StageExec(SQLModel, table=True):
     started_at: float = Field(default_factory=now)
     finished_at: float | None = None
     env: str | None = None  # its stage environment (executors.base.STAGE_ENV_VERSION); None: not kept then
+    gpu_share: float | None = None  # the GPU share it was launched with (what a dead driver's loss is charged)
 
 
 class StageGpu(SQLModel, table=True):
