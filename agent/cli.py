@@ -196,7 +196,7 @@ def check(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
         emit_json({**summary, "warnings": warnings})
     else:
         for key, value in summary.items():
-            typer.echo(f"{key:10s} {', '.join(map(str, value)) if isinstance(value, list) else value}")
+            typer.echo(f"{key:11s} {', '.join(map(str, value)) if isinstance(value, list) else value}")
     for line in warnings:
         typer.echo(f"warning: {line}", err=True)
 

@@ -175,7 +175,7 @@ def environment_status(lab: Any, store: Any) -> dict[str, Any]:
 
     now = lab.config.run.environment_of(environment_here())
     try:
-        changed = Experiment(lab, store).environment_change(now)
+        changed = Experiment(lab, store).environment_change(now) if store is not None else None
     except UserError:  # no baseline branch yet
         changed = None
     return {"id": now.id, "here": now.brief(), "changed_since_baseline": changed[1] if changed else None,
@@ -315,8 +315,18 @@ def check_lab(repo: Path, env: dict[str, str]) -> tuple[dict[str, Any], list[str
         "sandbox": "on" if cfg.run.sandbox == "auto" else "UNSANDBOXED (opted out: [run] sandbox = \"off\")",
         "protocol": cfg.gate.protocol,
         "looks": cfg.gate.looks,
+        "environment": environment_status(lab, None)["here"],
     }
     warnings = [*config_warnings(lab), *(
         f"{path} is editable but no stage lists it in `inputs`: no stage can read it "
-        "(stages see only the editable files they declare)" for path in undeclared)]
+        "(stages see only the editable files they declare)" for path in undeclared),
+        *environment_warnings(lab)]
     return summary, warnings
+
+
+def environment_warnings(lab: Any) -> list[str]:
+    """A `[run] environment` pattern that matches no installed distribution (a typo counts nothing)."""
+    from pipeline.api import environment_here, environment_unmatched
+
+    return [f"[run] environment: {p!r} matches no installed distribution, so no version of it is counted"
+            for p in environment_unmatched(lab.config.run.environment or [], environment_here())]

@@ -50,6 +50,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "environment_here": ("pipeline.environment", "here"),  # this machine's facts (`RunSection.environment_of`)
     "environment_facts": ("pipeline.environment", "node_facts"),  # ... read again now
     "environment_change": ("pipeline.environment", "change"),
+    "environment_unmatched": ("pipeline.environment", "unmatched"),
     "ExecutorOptions": ("pipeline.executors", "ExecutorOptions"),
     "variance_study": ("pipeline.variance", "study"),
     "pairing_study": ("pipeline.variance", "pairing"),
@@ -125,6 +126,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from pipeline.environment import change as environment_change  # noqa: F401
     from pipeline.environment import here as environment_here  # noqa: F401
     from pipeline.environment import node_facts as environment_facts  # noqa: F401
+    from pipeline.environment import unmatched as environment_unmatched  # noqa: F401
     from pipeline.executors.gpus import mps_running  # noqa: F401
     from pipeline.experiment import (  # noqa: F401
         Experiment,

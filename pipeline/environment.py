@@ -68,6 +68,12 @@ def installed() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def unmatched(patterns: Iterable[str], facts: dict[str, Any]) -> list[str]:
+    """The patterns that match none of `facts`' distributions (a typo in `[run] environment`)."""
+    names = list(facts.get("packages") or {})
+    return [p for p in patterns if not any(fnmatch.fnmatchcase(n, normalise(p)) for n in names)]
+
+
 def gpu_models(proc_dir: str = NVIDIA_PROC) -> list[str]:
     """The models of this machine's GPUs, as the driver names them ("NVIDIA H200"), sorted and
     without repeats; [] where the driver says nothing (no GPU, or not an NVIDIA one)."""

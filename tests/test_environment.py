@@ -395,3 +395,19 @@ def test_an_upgrade_under_the_running_loop_stops_it_and_the_next_start_remeasure
     assert out["stopped"] is None and again.records.get(hid).status == "done"
     kinds = [e.message for e in again.records.events(20) if e.kind == "environment"]
     assert len(kinds) == 2 and "measured again as" in kinds[0]  # newest first
+
+
+@pytest.mark.integration
+def test_check_names_the_environment_and_warns_of_a_pattern_that_matches_nothing(tmp_path: Path, tiny_registered) -> None:
+    from agent.commands import check_lab
+    from support.tiny import git
+
+    lab = make_lab(tmp_path / "lab")
+    summary, warnings = check_lab(lab.root, {})
+    assert summary["environment"].startswith("CPython") and not [w for w in warnings if "environment" in w]
+    text = (lab.root / "research.toml").read_text().replace("[run]\n", '[run]\nenvironment = ["numpy", "torhc*"]\n', 1)
+    (lab.root / "research.toml").write_text(text)
+    git(lab.root, "commit", "-qam", "count numpy and a typo")
+    summary, warnings = check_lab(lab.root, {})
+    assert f"numpy {metadata.version('numpy')}" in summary["environment"]
+    assert warnings == ["[run] environment: 'torhc*' matches no installed distribution, so no version of it is counted"]
