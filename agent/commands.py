@@ -171,9 +171,10 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
 def environment_status(lab: Any, store: Any) -> dict[str, Any]:
     """The measurement environment here (`pipeline.environment`) and, when the baseline's runs were
     measured in another, what changed (the loop re-measures it at its next start)."""
-    from pipeline.api import environment_here
+    from pipeline.api import environment_facts
 
-    now = lab.config.run.environment_of(environment_here())
+    # read now, not once per process: `serve` runs for weeks, across upgrades (0.1 s)
+    now = lab.config.run.environment_of(environment_facts())
     try:
         changed = Experiment(lab, store).environment_change(now) if store is not None else None
     except UserError:  # no baseline branch yet
@@ -326,7 +327,7 @@ def check_lab(repo: Path, env: dict[str, str]) -> tuple[dict[str, Any], list[str
 
 def environment_warnings(lab: Any) -> list[str]:
     """A `[run] environment` pattern that matches no installed distribution (a typo counts nothing)."""
-    from pipeline.api import environment_here, environment_unmatched
+    from pipeline.api import environment_facts, environment_unmatched
 
-    return [f"[run] environment: {p!r} matches no installed distribution, so no version of it is counted"
-            for p in environment_unmatched(lab.config.run.environment or [], environment_here())]
+    return [f"[run] environment: {p!r} matches no distribution installed on this machine, so no version of it "
+            "is counted here" for p in environment_unmatched(lab.config.run.environment or [], environment_facts())]

@@ -363,7 +363,7 @@ class Exporter:
             self.client.log_artifact(run_id, str(dst))
 
     def _nested(self, parent: str, h: Hypothesis) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         if not h.commit:
             return
@@ -394,8 +394,10 @@ class Exporter:
                 self.created += 1
             else:
                 stale = [Metric(k, v, _ms(), 0) for k, v in values.items() if run.data.metrics.get(k) != v]
-                if stale:
-                    self._log(run.info.run_id, metrics=stale)
+                # a run exported before results recorded their environment gets its tag now
+                env = [RunTag("environment", res.env_id)] if res.env_id and run.data.tags.get("environment") != res.env_id else []
+                if stale or env:
+                    self._log(run.info.run_id, metrics=stale, tags=env)
                     self.updated += 1
 
 

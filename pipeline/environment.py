@@ -236,8 +236,9 @@ _FACTS: dict[str, dict[str, Any]] = {}
 
 
 def here(proc_dir: str = NVIDIA_PROC) -> dict[str, Any]:
-    """`node_facts` of this process, read once (a driver installs nothing while it runs: a
-    package changed under a running driver counts from its next start)."""
+    """`node_facts` of this process, read once: what a driver measures with for its whole life (the
+    loop reads the facts again every few minutes and stops when they changed under it:
+    `agent.loop.guards.environment_moved`)."""
     if proc_dir not in _FACTS:
         _FACTS[proc_dir] = node_facts(proc_dir)
     return _FACTS[proc_dir]

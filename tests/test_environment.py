@@ -283,6 +283,7 @@ def test_through_the_loop_a_planted_gain_across_an_upgrade_is_held_or_measured_a
     seeded 4σ hypothesis. Re-measuring off: the gain is held for a human, the hold naming the
     change. On: the loop first puts the baseline's tree on a new commit, measures it here, and
     promotes the gain against it, with no hold."""
+    import pipeline.api
     from support.lab import git, make_loop, open_lab
     from test_in_flight import seed_effects, sim_lab
 
@@ -305,6 +306,7 @@ def test_through_the_loop_a_planted_gain_across_an_upgrade_is_held_or_measured_a
     [hid] = seed_effects(root, [4.0])
     upgraded = facts_with(numpy="9.9.9")
     monkeypatch.setattr(environment, "_FACTS", {environment.NVIDIA_PROC: upgraded})
+    monkeypatch.setattr(pipeline.api, "environment_facts", lambda: upgraded)  # the loop's own look: no change
     loop = make_loop(root, offline=True, max_hypotheses=1)
     try:
         loop.run()
@@ -357,10 +359,8 @@ def test_an_upgrade_under_the_running_loop_stops_it_and_the_next_start_remeasure
     environment; started again, it re-measures the baseline in the new one and goes on."""
     import pipeline.api
     from agent.loop import ENVIRONMENT_CHANGED, guards
-    from support.lab import make_loop
+    from support.lab import make_loop, open_lab
     from test_in_flight import seed_effects, sim_lab
-
-    from support.lab import open_lab
 
     root = sim_lab(tmp_path / "lab", sleep=2.0)  # a look of seconds: the upgrade lands while it runs
     real, upgraded = node_facts(), facts_with(numpy="9.9.9")
@@ -373,17 +373,26 @@ def test_an_upgrade_under_the_running_loop_stops_it_and_the_next_start_remeasure
         d.drive(until=experiment.ensure_runs(store, lab, base, lab.tasks(), list(exp.baseline_seeds(base))),
                 timeout_s=300)
     [hid] = seed_effects(root, [0.0])
-    monkeypatch.setattr(pipeline.api, "environment_facts", lambda: upgraded)  # what the check reads meanwhile
-    monkeypatch.setattr(guards, "ENV_CHECK_S", 1.0)
+    seen: list[str] = []
+
+    def installed_now() -> dict:
+        """The upgrade lands once one of the hypothesis's runs is running: the loop waits on its look."""
+        running = any(r.status == "running" and r.commit != base for r in store.runs())
+        seen.append("upgraded" if running else "real")
+        return upgraded if running else real
+
+    monkeypatch.setattr(pipeline.api, "environment_facts", installed_now)
+    monkeypatch.setattr(guards, "ENV_CHECK_S", 0.0)
     loop = make_loop(root, offline=True, max_hypotheses=1)
     try:
         out = loop.run()
     finally:
         loop.close()
-    assert out["stopped"] == ENVIRONMENT_CHANGED
+    assert out["stopped"] == ENVIRONMENT_CHANGED and seen[-1] == "upgraded" and "real" in seen
     [ev] = [e for e in loop.records.events(20) if e.kind == "environment"]
     assert "under the running loop" in ev.message and "numpy" in ev.message and "9.9.9" in ev.message
-    assert loop.records.get(hid).status != "done"  # resumed by the next start
+    assert loop.records.get(hid).status == "measuring"  # stopped in its look; resumed by the next start
+    assert not [r for r in store.runs() if r.status == "running"]  # its runs given back to the queue
     # the next start, in the new environment: the baseline is re-measured, the hypothesis decided
     monkeypatch.setattr(environment, "_FACTS", {environment.NVIDIA_PROC: upgraded})
     monkeypatch.setattr(pipeline.api, "environment_facts", lambda: upgraded)
@@ -410,4 +419,5 @@ def test_check_names_the_environment_and_warns_of_a_pattern_that_matches_nothing
     git(lab.root, "commit", "-qam", "count numpy and a typo")
     summary, warnings = check_lab(lab.root, {})
     assert f"numpy {metadata.version('numpy')}" in summary["environment"]
-    assert warnings == ["[run] environment: 'torhc*' matches no installed distribution, so no version of it is counted"]
+    assert warnings == ["[run] environment: 'torhc*' matches no distribution installed on this machine, so no version "
+                        "of it is counted here"]

@@ -178,7 +178,7 @@ def test_reconcile_spares_live_owners_and_fresh_heartbeats(store: Store) -> None
     claims = {c.run.task: c for c in store.claim(Owner.current(), 4)}
     dead = dead_owner()
     exec_id = store.stage_started(claims["dead"].run.id, "pretrain", "k" * 64, executor="local", log_path=None)
-    # launched by a driver whose lab then gave its stages a whole GPU: charged what it held, not the new share
+    # launched with a whole GPU by a driver whose lab gives its stages half of one now: charged what it held
     remote_exec = store.stage_started(claims["remote_stale"].run.id, "pretrain", "j" * 64, executor="local",
                                       log_path=None, gpu_share=1.0)
     with store.session() as s:

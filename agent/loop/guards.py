@@ -16,7 +16,7 @@ from agent.records import Hypothesis
 GUARD_STREAK = 3  # hypotheses in a row rejected or failing before the loop backs off
 GUARD_BACKOFF_S = 600.0
 LLM_BACKOFF_S = (5.0, 300.0)  # the first and the longest wait before asking an unreachable endpoint again
-ENV_CHECK_S = 300.0  # how often the loop looks whether the installed packages changed under it
+ENV_CHECK_S = 60.0  # how often the loop looks whether the installed packages changed under it (0.1 s a look)
 ENVIRONMENT_CHANGED = "environment changed"  # the loop's stop reason then (`run` exits with code 3)
 
 

@@ -86,7 +86,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
         self.reverifying: set[int] | None = None  # promoted hypotheses whose threads wait in `reverify`
         self._reverify_runs: dict[int, list[int]] = {}  # ... and the champion's runs each waits for
         self._reverify_polled = -REVERIFY_POLL_S
-        self._env_checked = time.monotonic()  # the driver's environment is read at its start
+        self._env_checked = time.monotonic()  # the last look at the installed versions (`environment_moved`)
 
     def close(self) -> None:
         """Stop the smoke runs' worker, release the checkpointer's connection and the lab's lease
