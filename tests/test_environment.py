@@ -123,10 +123,17 @@ def test_a_gain_is_held_for_an_upgrade_between_the_arms_not_for_a_mixed_clusters
 
     few = [("A", "B")] * 5 + [("B", "A")] + [("A", "A")] * 3 + [("B", "B")] * 3
     assert imbalance(*arms(few))[0] > environment.IMBALANCE_HOLD and held_for(*arms(few)) is None
-    # ... while a lopsided move on a mixed cluster is (9 one way, 1 the other: p = 0.021)
-    lopsided = [("A", "B")] * 9 + [("B", "A")] + [("A", "A")] * 10 + [("B", "B")] * 10
-    assert held_for(*arms(lopsided)) == (8 / 30, "A", "B", 8, 30)
-    assert environment.sign_p(9, 10) < environment.HOLD_P < environment.sign_p(8, 10)
+    # ... nor 9 one way and 1 the other (p = 0.021) ...
+    nine = [("A", "B")] * 9 + [("B", "A")] + [("A", "A")] * 10 + [("B", "B")] * 10
+    assert held_for(*arms(nine)) is None
+    # ... while a lopsided move on a mixed cluster is (11 one way, 1 the other: p = 0.0063)
+    lopsided = [("A", "B")] * 11 + [("B", "A")] + [("A", "A")] * 9 + [("B", "B")] * 9
+    assert held_for(*arms(lopsided)) == (10 / 30, "A", "B", 10, 30)
+    assert environment.sign_p(11, 12) < environment.HOLD_P < environment.sign_p(9, 10)
+    # a lazy baseline: its first 2 seeds measured before the change, the rest with the challenger
+    # after it; 16 of 80 pairs moved, all one way (a bias of a fifth of the shift): held
+    lazy_b = {(t, s): ("A" if s < 2 else "B") for t in range(8) for s in range(10)}
+    assert held_for(lazy_b, {k: "B" for k in lazy_b}) == (0.2, "A", "B", 16, 80)
 
 
 def test_the_environment_is_part_of_every_stage_key_gpu_models_included(tmp_path: Path) -> None:
