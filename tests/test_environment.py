@@ -31,6 +31,7 @@ def facts_with(**versions: str) -> dict:
     return facts
 
 
+@pytest.mark.unit
 def test_the_facts_are_this_interpreters_installed_distributions() -> None:
     facts = node_facts()
     assert facts["packages"]["numpy"] == metadata.version("numpy")
@@ -38,6 +39,7 @@ def test_the_facts_are_this_interpreters_installed_distributions() -> None:
     assert facts["python"].split()[1].startswith("3.") and facts["machine"]
 
 
+@pytest.mark.unit
 def test_the_numerical_stack_counts_by_default_every_distribution_with_a_star() -> None:
     facts = node_facts()
     default = RunSection().environment_of(facts)
@@ -50,6 +52,7 @@ def test_the_numerical_stack_counts_by_default_every_distribution_with_a_star() 
     assert len({default.id, every.id, own.id}) == 3
 
 
+@pytest.mark.unit
 def test_ids_are_stable_and_the_record_reads_back_as_the_same_environment() -> None:
     env = RunSection().environment_of(node_facts())
     again = Environment.from_doc(json.loads(json.dumps(env.doc())))
@@ -69,6 +72,7 @@ def fake_gpus(root: Path, models: list[str]) -> str:
     return str(root)
 
 
+@pytest.mark.unit
 def test_a_gpu_lab_counts_the_gpu_models_a_cpu_lab_does_not(tmp_path: Path) -> None:
     proc = fake_gpus(tmp_path / "gpus", ["NVIDIA H200", "NVIDIA H200", "NVIDIA A100-SXM4-80GB"])
     assert gpu_models(proc) == ["NVIDIA A100-SXM4-80GB", "NVIDIA H200"]
@@ -83,6 +87,7 @@ def test_a_gpu_lab_counts_the_gpu_models_a_cpu_lab_does_not(tmp_path: Path) -> N
     assert "GPU NVIDIA A100-SXM4-80GB, NVIDIA H200 → NVIDIA H100 80GB HBM3" in change(gpu_lab, other)
 
 
+@pytest.mark.unit
 def test_the_change_says_what_moved() -> None:
     old = Environment("CPython 3.11.7", "x86_64", (("numpy", "2.0.0"), ("scipy", "1.13.0"), ("torch", "2.11.0")))
     new = Environment("CPython 3.12.1", "x86_64", (("numpy", "2.0.0"), ("torch", "2.12.0"), ("triton", "3.1.0")))
@@ -93,6 +98,7 @@ def test_the_change_says_what_moved() -> None:
     assert change(Environment(old.python, old.machine, tuple((f"p{i}", "1") for i in range(10))), many).endswith("4 more")
 
 
+@pytest.mark.unit
 def test_imbalance_is_the_net_one_way_move_between_the_arms() -> None:
     keys = [(t, s) for t in "abc" for s in range(10)]
     assert imbalance({k: "A" for k in keys}, {k: "A" for k in keys}) is None
@@ -107,6 +113,7 @@ def test_imbalance_is_the_net_one_way_move_between_the_arms() -> None:
     assert imbalance({k: None for k in keys}, {k: "B" for k in keys}) is None
 
 
+@pytest.mark.unit
 def test_a_gain_is_held_for_an_upgrade_between_the_arms_not_for_a_mixed_clusters_chance() -> None:
     three = [("a", 0), ("b", 0), ("c", 0)]
     # a first look of three pairs, the arms in two environments: held however few the pairs
@@ -136,6 +143,7 @@ def test_a_gain_is_held_for_an_upgrade_between_the_arms_not_for_a_mixed_clusters
     assert held_for(lazy_b, {k: "B" for k in lazy_b}) == (0.2, "A", "B", 16, 80)
 
 
+@pytest.mark.unit
 def test_the_environment_is_part_of_every_stage_key_gpu_models_included(tmp_path: Path) -> None:
     spec = StageSpec(name="train", run="python train.py --out {out}", inputs=["train.py"])
     facts = node_facts(fake_gpus(tmp_path / "gpus", ["NVIDIA A100-SXM4-80GB"]))
