@@ -168,13 +168,14 @@ def status_of(lab: Any, store: Any, rec: Records) -> dict[str, Any]:
     }
 
 
-def environment_status(lab: Any, store: Any) -> dict[str, Any]:
-    """The measurement environment here (`pipeline.environment`) and, when the baseline's runs were
-    measured in another, what changed (the loop re-measures it at its next start)."""
+def environment_status(lab: Any, store: Any, facts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The measurement environment here (`pipeline.environment`; `facts`, if read already) and,
+    when the baseline's runs were measured in another, what changed (the loop re-measures it at its
+    next start)."""
     from pipeline.api import environment_facts
 
     # read now, not once per process: `serve` runs for weeks, across upgrades (0.1 s)
-    now = lab.config.run.environment_of(environment_facts())
+    now = lab.config.run.environment_of(facts if facts is not None else environment_facts())
     try:
         changed = Experiment(lab, store).environment_change(now) if store is not None else None
     except UserError:  # no baseline branch yet
@@ -298,11 +299,14 @@ def digest(repo: Path, db: str | None, since: str) -> dict[str, Any]:
 def check_lab(repo: Path, env: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
     """`autoresearch check`: the lab validated (research.toml, the agent's tables, harness, tasks; a
     webhook URL with a password in it is refused in one line) and summarised, with its warnings."""
+    from pipeline.api import environment_facts
+
     lab = open_lab(repo)
     cfg = lab.config
     check_urls(agent_config(lab).notify, env)
     files = subprocess.run(["git", "ls-files"], cwd=lab.root, capture_output=True, text=True).stdout.split()
     undeclared = lab.undeclared_editable(files)
+    facts = environment_facts()  # read once for the summary and the warnings
     summary = {
         "lab": cfg.lab.name,
         "root": str(lab.root),
@@ -316,18 +320,18 @@ def check_lab(repo: Path, env: dict[str, str]) -> tuple[dict[str, Any], list[str
         "sandbox": "on" if cfg.run.sandbox == "auto" else "UNSANDBOXED (opted out: [run] sandbox = \"off\")",
         "protocol": cfg.gate.protocol,
         "looks": cfg.gate.looks,
-        "environment": environment_status(lab, None)["here"],
+        "environment": environment_status(lab, None, facts)["here"],
     }
     warnings = [*config_warnings(lab), *(
         f"{path} is editable but no stage lists it in `inputs`: no stage can read it "
         "(stages see only the editable files they declare)" for path in undeclared),
-        *environment_warnings(lab)]
+        *environment_warnings(lab, facts)]
     return summary, warnings
 
 
-def environment_warnings(lab: Any) -> list[str]:
+def environment_warnings(lab: Any, facts: dict[str, Any]) -> list[str]:
     """A `[run] environment` pattern that matches no installed distribution (a typo counts nothing)."""
-    from pipeline.api import environment_facts, environment_unmatched
+    from pipeline.api import environment_unmatched
 
     return [f"[run] environment: {p!r} matches no distribution installed on this machine, so no version of it "
-            "is counted here" for p in environment_unmatched(lab.config.run.environment or [], environment_facts())]
+            "is counted here" for p in environment_unmatched(lab.config.run.environment or [], facts)]

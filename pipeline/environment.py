@@ -201,17 +201,28 @@ def imbalance(base: dict[Any, str | None], chal: dict[Any, str | None]) -> tuple
     baseline's environment, the challenger's, how many pairs moved that way, the pairs with both
     environments known); None when no pair moved. `base` and `chal`: a pair's key (task, seed) →
     the environment id of that arm's run (None: unknown, left out)."""
+    keys, moved = _moves(base, chal)
+    return _largest(len(keys), moved)
+
+
+def _moves(base: dict[Any, str | None], chal: dict[Any, str | None]) -> tuple[list[Any], dict[tuple[str, str], int]]:
+    """The pairs with both environments known, and how many moved from each environment to each other."""
     keys = [k for k in base if k in chal and base[k] and chal[k]]
     moved: dict[tuple[str, str], int] = {}
     for k in keys:
         b, c = base[k], chal[k]
         if b != c:
             moved[(b, c)] = moved.get((b, c), 0) + 1  # type: ignore[index]
+    return keys, moved
+
+
+def _largest(pairs: int, moved: dict[tuple[str, str], int]) -> tuple[float, str, str, int, int] | None:
+    """`imbalance` from `_moves`' counts."""
     if not moved:
         return None
     (b, c), n = max(moved.items(), key=lambda kv: kv[1] - moved.get((kv[0][1], kv[0][0]), 0))
     net = n - moved.get((c, b), 0)
-    return net / len(keys), b, c, net, len(keys)
+    return net / pairs, b, c, net, pairs
 
 
 def sign_p(k: int, n: int) -> float:
@@ -224,16 +235,15 @@ def sign_p(k: int, n: int) -> float:
 
 def held_for(base: dict[Any, str | None], chal: dict[Any, str | None]) -> tuple[float, str, str, int, int] | None:
     """`imbalance`, when it holds a gain (`IMBALANCE_HOLD`, `HOLD_P`); None when it does not."""
-    moved = imbalance(base, chal)
-    if moved is None or moved[0] <= IMBALANCE_HOLD:
+    keys, moved = _moves(base, chal)
+    got = _largest(len(keys), moved)
+    if got is None or got[0] <= IMBALANCE_HOLD:
         return None
-    _, b, c, _, _ = moved
-    keys = [k for k in base if k in chal and base[k] and chal[k]]
+    _, b, c, _, _ = got
     if not {base[k] for k in keys} & {chal[k] for k in keys}:  # all of one arm here, all of the other there
-        return moved
-    one_way = sum(1 for k in keys if (base[k], chal[k]) == (b, c))
-    other_way = sum(1 for k in keys if (base[k], chal[k]) == (c, b))
-    return moved if sign_p(one_way, one_way + other_way) < HOLD_P else None
+        return got
+    one_way, other_way = moved[(b, c)], moved.get((c, b), 0)
+    return got if sign_p(one_way, one_way + other_way) < HOLD_P else None
 
 
 _FACTS: dict[str, dict[str, Any]] = {}
@@ -247,10 +257,6 @@ def here(proc_dir: str = NVIDIA_PROC) -> dict[str, Any]:
         _FACTS[proc_dir] = node_facts(proc_dir)
     return _FACTS[proc_dir]
 
-
-def forget() -> None:
-    """Read the facts again at the next `here` (tests; a long-lived process that installed something)."""
-    _FACTS.clear()
 
 
 if __name__ == "__main__":  # what a node reports: `python -m pipeline.environment`

@@ -66,17 +66,18 @@ class Guards:
             self.say(msg)
         return True
 
-    def environment_moved(self, running: Any) -> bool:
+    def environment_moved(self, driver: Any) -> bool:
         """Whether the measurement environment on this machine changed under the running loop (a
         `pip install -U torch` into its venv): looked at every ENV_CHECK_S. Its warm workers hold the
         old modules and import the new ones, so no run measured from now on would be one
         environment's: the loop stops (`stop_reason` "environment changed", an `environment` event;
-        `run` exits with code 3) and its next start re-measures the baseline in the new one.
-        `running`: the driver's `Environment`."""
+        `run` exits with code 3) and its next start re-measures the baseline in the new one. Only
+        where the driver's stages run on this machine (on Ray the nodes report theirs per result)."""
         from pipeline.api import environment_change, environment_facts
 
-        if time.monotonic() - self._env_checked < ENV_CHECK_S:
+        if not driver.measures_here or time.monotonic() - self._env_checked < ENV_CHECK_S:
             return False
+        running = driver.environment
         self._env_checked = time.monotonic()
         now = self.lab.config.run.environment_of(environment_facts())
         if now.id == running.id:

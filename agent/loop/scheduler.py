@@ -163,7 +163,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
                     self._reverify_polled = time.monotonic()
                     self.note_reverifications()
                 self.guard()
-                if driver.measures_here and self.environment_moved(driver.environment):
+                if self.environment_moved(driver):
                     break
                 if self.plateau() and self.stop.is_set():
                     break
@@ -222,7 +222,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
 
                 while not self.stop.is_set() and not one_look_complete():
                     worker.check()  # the driver's own error (a trusted prepare failing): raised here
-                    if driver.measures_here and self.environment_moved(driver.environment):  # a look of hours
+                    if self.environment_moved(driver):  # a look can take hours
                         break
                     self.stop.wait(LOOK_POLL_S)
                 worker.check()

@@ -117,7 +117,7 @@ class Reads:
         key = env.id
         with self.session() as s:
             if s.get(MeasureEnv, key) is None:
-                s.add(MeasureEnv(id=key, software_id=env.software_id, doc=json.dumps(env.doc(), sort_keys=True)))
+                s.add(MeasureEnv(id=key, doc=json.dumps(env.doc(), sort_keys=True)))
                 try:
                     s.commit()
                 except IntegrityError:  # another process recorded it first

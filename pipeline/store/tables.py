@@ -208,7 +208,6 @@ class MeasureEnv(SQLModel, table=True):
 
     __tablename__ = "measure_env"
     id: str = Field(primary_key=True, max_length=32)
-    software_id: str = Field(max_length=32)
     doc: str = Field(sa_column=Column(Text, nullable=False))
     first_seen: float = Field(default_factory=now)
 
