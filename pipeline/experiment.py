@@ -187,7 +187,8 @@ class Experiment:
         if self._smoke_runner is not None and self._smoke_runner.lender is not self._lender:
             self._smoke_runner.close()
             self._smoke_runner = None
-        return runner.Driver(self.lab, self.store, ex, heartbeat=heartbeat)
+        prefer = self.baseline_environment()[1] if hasattr(ex, "environments") else None
+        return runner.Driver(self.lab, self.store, ex, heartbeat=heartbeat, prefer_env=prefer)
 
     def _executor(self, opts: ExecutorOptions | None) -> Executor:
         return runner.make_executor(opts or ExecutorOptions(), self.lab)
@@ -449,21 +450,26 @@ class Experiment:
         return (f"{n} more of its {pairs} pairs had the baseline's run in one measurement environment and its own "
                 f"in another than the other way round ({what}): the gain may be the environment's")
 
-    def environment_change(self, current: Any) -> tuple[str, str] | None:
-        """(the baseline's head, what changed) when the environment most of its runs on its own seed
-        block (the baseline arm of its challengers' pairs; not a champion's runs as a challenger)
-        were measured in is not `current` (an `Environment`: the driver's stages'), else None."""
+    def baseline_environment(self) -> tuple[str, str | None]:
+        """(the baseline's head, the environment id most of its runs on its own seed block were
+        measured in: the baseline arm of its challengers' pairs, not a champion's runs as a
+        challenger; None before any)."""
         from collections import Counter
-
-        from pipeline.environment import change
 
         head = resolve_commit(self.lab, BASELINE_BRANCH)
         block = seed_block(self.generation(head))
         ids = Counter(r.env_id for r in self.store.result_rows([head], self.lab.tasks())
                       if r.value is not None and r.env_id and r.seed in block)
-        if not ids:
+        return head, (ids.most_common(1)[0][0] if ids else None)
+
+    def environment_change(self, current: Any) -> tuple[str, str] | None:
+        """(the baseline's head, what changed) when the environment the baseline was measured in
+        (`baseline_environment`) is not `current` (an `Environment`: the driver's stages'), else None."""
+        from pipeline.environment import change
+
+        head, usual = self.baseline_environment()
+        if usual is None:
             return None
-        usual = ids.most_common(1)[0][0]
         old = self.store.envs([usual]).get(usual)
         if old is None or usual == current.id:
             return None

@@ -97,15 +97,43 @@ class _Flight:
     tmp: Path
 
 
+def choose_environment(lab: Lab, executor: Executor, prefer: str | None = None) -> str | None:
+    """Where the executor's slots sit on nodes that measure with different environments (as the
+    lab counts them: `[run] environment`, the GPU model for a GPU lab), keep the stages on one
+    environment's nodes (`RayExecutor.measure_in`): the cache key holds one environment, and a
+    run's stages (and the arms of a pair) must be measured in it. The one chosen: `prefer` where
+    the cluster has it (the baseline's: nothing to re-measure), else the one with the most slots
+    (the first of those). Returns what was left idle and why, in one line; None when nothing was."""
+    environments = getattr(executor, "environments", None)
+    if not callable(environments):
+        return None
+    groups: dict[str, tuple[Any, int]] = {}  # environment id → (Environment, slots), first seen first
+    for facts, n in environments():
+        env = lab.config.run.environment_of(facts)
+        groups[env.id] = (env, groups.get(env.id, (env, 0))[1] + n)
+    if len(groups) < 2:
+        return None
+    chosen = prefer if prefer in groups else max(groups, key=lambda k: groups[k][1])
+    executor.measure_in(lambda facts: lab.config.run.environment_of(facts).id == chosen)  # type: ignore[attr-defined]
+    mine, total = groups[chosen], sum(n for _, n in groups.values())
+    others = "; ".join(f"{n} with {environment.change(mine[0], env)}" for k, (env, n) in groups.items() if k != chosen)
+    return (f"{total - mine[1]} of {total} slots left idle: their nodes measure with another environment ({others}); "
+            f"stages run on the {mine[1]} that measure with {mine[0].brief()}")
+
+
 class Driver(Scoring, GpuAccounting):
     """Drives the queue of one lab through one executor. See the module docstring."""
 
     def __init__(self, lab: Lab, store: Store, executor: Executor, *, harness: Harness | None = None,
                  heartbeat_s: float = 5.0, stale_s: float = 120.0, max_active: int | None = None,
-                 close_executor: bool = True, heartbeat: Heartbeat | None = None):
+                 close_executor: bool = True, heartbeat: Heartbeat | None = None, prefer_env: str | None = None):
+        """`prefer_env`: the environment id to measure in where the executor's nodes differ and
+        some measure with it (the baseline's: `Experiment.baseline_environment`)."""
         self.lab = lab
         self.store = store
         self.executor = executor
+        # on a cluster whose nodes measure with different environments, the stages go to one's nodes
+        self.environment_note = choose_environment(lab, executor, prefer_env)
         self.harness = harness if harness is not None else lab.harness()
         self.owner = Owner.current()
         self.heartbeat_s = heartbeat_s
@@ -133,7 +161,7 @@ class Driver(Scoring, GpuAccounting):
         self._views: dict[tuple[str, str], Path] = {}
         self.isolation = "sandbox" if isolation.is_sandboxed(lab) else "unsandboxed"
         # what this driver's stages measure with: in every cache key (`pipeline.environment`)
-        facts = getattr(executor, "facts", None)  # a cluster's node's, or this machine's
+        facts = getattr(executor, "facts", None)  # the chosen nodes' on a cluster, or this machine's
         self.measures_here = not isinstance(facts, dict)
         self.environment = lab.config.run.environment_of(environment.here() if self.measures_here else facts)
         self.env_id: str | None = None  # recorded at `start`

@@ -151,6 +151,9 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
         worker = self.driver_thread = DriverThread(driver, self.stop)
         try:
             driver.start()  # here: a sandbox that cannot start is one line before any thread runs
+            if driver.environment_note:  # a cluster of mixed nodes: stages on one environment's
+                self.records.event("environment", driver.environment_note)
+                self.say(driver.environment_note)
             self.remeasure_baseline(driver.environment)
             worker.start()
             resumed = self.records.all(ACTIVE)

@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import inspect
 import io
+import json
 import os
 import shutil
 import socket
@@ -40,7 +41,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pipeline import environment, safefs
 from pipeline.disk import read_tail
@@ -79,6 +80,8 @@ class _Slot:
     gpus: list[str] = field(default_factory=list)
     pending: Any = None  # the ref of its `warm` call, not yet read
     born: float = field(default_factory=time.monotonic)
+    facts: dict[str, Any] | None = None  # what its node measures with (`environment.node_facts`), from `warm`
+    fits: bool | None = None  # whether that is the driver's environment (`measure_in`); None: not asked yet
 
 
 def node_sources() -> dict[str, str]:
@@ -188,11 +191,15 @@ class RayExecutor:
         self._harness_inputs: dict[str, tuple[str, Any]] = {}  # its folders' (id, ref), oldest first
         self._idle: deque[_Slot] = deque(_Slot(self._new_worker()) for _ in range(self._slots))
         self.facts: dict[str, Any] | None = None
+        # `measure_in`: which nodes' slots get stages (None: all); the others' actors, held idle
+        self._accept: Callable[[dict[str, Any]], bool] | None = None
+        self._parked: list[_Slot] = []
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
             slots = [*([self._harness] if self._harness else []), *self._idle]
             readies = ray.get([w.actor.warm.remote() for w in slots], timeout=WARM_TIMEOUT_S)
             for slot, ready in zip(slots, readies):
                 slot.gpus = list(ready.get("gpus") or [])
+                slot.facts = ready["env"] if isinstance(ready.get("env"), dict) else None
             # what the stages measure with: a node's, not this driver's (`Driver.environment`; each
             # result still carries the facts of the node that made it)
             self.facts = next((r["env"] for r in readies[len(slots) - len(self._idle):] if isinstance(r.get("env"), dict)),
@@ -218,6 +225,63 @@ class RayExecutor:
     @property
     def slots(self) -> int:
         return self._slots
+
+    def environments(self) -> list[tuple[dict[str, Any], int]]:
+        """What the stage slots' nodes measure with (`environment.node_facts`), as (facts, how many
+        slots), in the slots' order; a slot that did not say is left out."""
+        groups: dict[str, tuple[dict[str, Any], list[int]]] = {}
+        with self._lock:
+            for slot in self._idle:
+                if isinstance(slot.facts, dict):
+                    key = json.dumps(slot.facts, sort_keys=True)
+                    groups.setdefault(key, (slot.facts, [0]))[1][0] += 1
+        return [(facts, n[0]) for facts, n in groups.values()]
+
+    def measure_in(self, accept: Callable[[dict[str, Any]], bool]) -> int:
+        """From now on, stages go only to slots whose node's facts `accept` takes (the driver's
+        measurement environment: a cluster whose nodes differ, in the packages or GPU model the lab
+        counts, would otherwise serve one node's outputs to another's runs under one cache key). The
+        others are parked: their actors stay, idle and holding their share, so that Ray places no
+        replacement there (a replacement that lands on such a node anyway is parked too and another
+        asked for). Before any stage is submitted (the driver's start); returns how many were parked."""
+        with self._lock:
+            self._accept = accept
+            before = len(self._parked)
+            self._sweep(replace=False)
+            parked = len(self._parked) - before
+            kept = [s for s in self._idle if s.fits]
+            if not kept:
+                raise InfrastructureFailure("no slot of the cluster measures with the driver's environment")
+            self._slots = len(self._idle)
+            self.facts = kept[0].facts
+            return parked
+
+    def _usable(self, slot: _Slot) -> bool:
+        """Whether `slot` may get a stage: always, unless `measure_in` chose the nodes; then only once
+        its node said what it measures with and that is the driver's (under `_lock`). A slot that
+        died warming says nothing: its first stage fails as infrastructure and it is replaced."""
+        if self._accept is None:
+            return True
+        self._learn(slot)
+        if slot.pending is not None:
+            return False
+        if slot.fits is None:
+            slot.fits = slot.facts is None or bool(self._accept(slot.facts))
+        return slot.fits
+
+    def _sweep(self, replace: bool = True) -> None:
+        """Park the idle slots on a node of another environment (`measure_in`), each with a fresh
+        worker asked for in its place when `replace` (under `_lock`)."""
+        if self._accept is None:
+            return
+        for slot in list(self._idle):
+            if self._usable(slot) or slot.pending is not None:
+                continue
+            self._idle.remove(slot)
+            self._parked.append(slot)
+            if replace and not self._closed:
+                actor = self._new_worker()
+                self._idle.append(_Slot(actor, pending=actor.warm.remote()))
 
     @staticmethod
     def _ident(folder: Path) -> str:
@@ -271,7 +335,9 @@ class RayExecutor:
         """The GPUs of a replacement actor, once its `warm` has answered (under `_lock`)."""
         if slot.pending is not None and self.ray.wait([slot.pending], timeout=0)[0]:
             try:
-                slot.gpus = list(self.ray.get(slot.pending).get("gpus") or [])
+                ready = self.ray.get(slot.pending)
+                slot.gpus = list(ready.get("gpus") or [])
+                slot.facts = ready["env"] if isinstance(ready.get("env"), dict) else None
             except self.ray.exceptions.RayError:  # it died warming: its first stage says so, as infra
                 pass
             slot.pending = None
@@ -303,6 +369,8 @@ class RayExecutor:
         if job_id not in self._alone:
             held = set().union(*self._alone.values())
             for slot in self._idle:
+                if not self._usable(slot):
+                    continue
                 if held and self._unknown(slot):  # it may sit on the GPU a retry holds: not while one does
                     continue
                 if not set(slot.gpus) & held:
@@ -316,13 +384,13 @@ class RayExecutor:
         everyone = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent]
         if not any(set(s.gpus) & mine for s in everyone) and not any(self._unknown(s) for s in everyone):
             for slot in self._idle:  # its GPU's slots are gone (a lost node): any GPU with nothing on it
-                if slot.gpus and not set(slot.gpus) & (held | busy):
+                if self._usable(slot) and slot.gpus and not set(slot.gpus) & (held | busy):
                     self._alone[job_id] = set(slot.gpus)
                     return slot
             return None
         if busy & mine:
             return None
-        return next((s for s in self._idle if set(s.gpus) & mine and not set(s.gpus) & held), None)
+        return next((s for s in self._idle if set(s.gpus) & mine and not set(s.gpus) & held and self._usable(s)), None)
 
     def _mark_crowded(self, job_id: str, slot: _Slot) -> None:
         """`job_id` starts on `slot`: it and every stage of ours on the same GPU shared it (under `_lock`)."""
@@ -335,6 +403,7 @@ class RayExecutor:
         """Start each waiting job that has a free slot, in order; while `borrow` waits for a slot, only
         a CUDA OOM's retry (whose GPU it could not take anyway)."""
         with self._lock:
+            self._sweep()
             for item in list(self._waiting):
                 job, spec, tree, mounts = item
                 if self._borrowers and job.job_id not in self._alone:
@@ -832,9 +901,10 @@ class RayExecutor:
         with self._lock:  # a stage run ahead ends (cancelled) before Ray may go
             while any(self._lent.values()) and time.monotonic() < deadline:
                 self._lock.wait(0.2)
-            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent,
+            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent, *self._parked,
                      *([self._harness] if self._harness else [])]
             self._harness = None
+            self._parked.clear()
             self._alone.clear()
             self._crowded.clear()
             self._retried.clear()

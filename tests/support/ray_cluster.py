@@ -56,9 +56,11 @@ def ray_exclusive():
 
 
 class RayCluster:
-    def __init__(self, head_cpus: int = 1, worker_cpus: int = 1, head_gpus: int = 0, env: dict[str, str] | None = None):
+    def __init__(self, head_cpus: int = 1, worker_cpus: int = 1, head_gpus: int = 0, env: dict[str, str] | None = None,
+                 worker_env: dict[str, str] | None = None):
         """`head_gpus`: logical GPUs of the head node (Ray hands its GPU actors CUDA_VISIBLE_DEVICES as
-        on a GPU node, with no device behind it); `env`: more of the nodes' environment."""
+        on a GPU node, with no device behind it); `env`: more of the nodes' environment; `worker_env`:
+        more of the second node's alone."""
         self.dirs: list[str] = []
         self.env = {**os.environ, **ENV, **(env or {})}
         port = free_port()
@@ -70,13 +72,13 @@ class RayCluster:
             raise RuntimeError(f"`ray start --head` printed no address:\n{out[-2000:]}")
         self.address = m.group(1)  # the node's address, not 127.0.0.1
         if worker_cpus:
-            self._start([f"--address={self.address}", f"--num-cpus={worker_cpus}"])
+            self._start([f"--address={self.address}", f"--num-cpus={worker_cpus}"], worker_env)
 
-    def _start(self, args: list[str]) -> str:
+    def _start(self, args: list[str], env: dict[str, str] | None = None) -> str:
         tmp = tempfile.mkdtemp(prefix="ar-ray-")
         self.dirs.append(tmp)
         proc = subprocess.run([RAY, "start", *args, f"--temp-dir={tmp}", "--disable-usage-stats"],
-                              env=self.env, capture_output=True, text=True, timeout=180)
+                              env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:
             self.stop()
             raise RuntimeError(f"ray start {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
