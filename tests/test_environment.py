@@ -347,6 +347,7 @@ def test_through_the_loop_a_planted_gain_across_an_upgrade_is_held_or_measured_a
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # 12-30 s of simulation: the full suite runs it
 def test_the_environment_shift_benchmark_runs_and_nothing_of_an_upgrade_is_promoted_unheld() -> None:
     """`benchmarks/environment_shift.py` on a few trials, so it cannot rot: under an upgrade between
     the arms the gate's false gains grow with the shift, and none is promoted without a human."""

@@ -186,8 +186,10 @@ def check_not_measured(svc: Services, h: Hypothesis, tree: str) -> None:
     (the same files, byte for byte, whatever the proposal's words). Repeating it would spend runs on
     a known answer; the history the policy reads says what that answer was."""
     ws = svc.workspace
-    for other in svc.records.briefs():
-        if other.id != h.id and other.commit and ws.tree(other.commit) == tree:
+    others = [o for o in svc.records.briefs() if o.id != h.id and o.commit]
+    trees = ws.trees([o.commit for o in others if o.commit])  # one git call for a year's of them
+    for other in others:
+        if trees.get(other.commit or "") == tree:
             raise EditRejected("duplicate", f"the same code as #{other.id} ({other.title!r}, verdict "
                                             f"{other.verdict or other.status}): measured already")
     for tag in ws.baseline_tags():

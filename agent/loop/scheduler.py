@@ -29,6 +29,7 @@ PROGRESS_EVERY_S = 30.0  # how often `run` reports the runs of the looks in flig
 PROGRESS_CHART_EVERY_S = 30.0  # the lab's progress chart: redrawn at most this often at decisions (and at promotions)
 REVERIFY_POLL_S = 2.0  # how often the loop looks whether a champion's fresh runs are all in
 LOOK_POLL_S = 0.2  # how often the loop's thread looks for a look with all its runs in
+UPKEEP_S = 6 * 3600.0  # how often the lab's repository is packed (`upkeep`), the first time at start
 
 
 class Loop(LeaseAndClock, Guards, Threads, Reporting):
@@ -87,6 +88,8 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
         self._reverify_runs: dict[int, list[int]] = {}  # ... and the champion's runs each waits for
         self._reverify_polled = -REVERIFY_POLL_S
         self._env_checked = time.monotonic()  # the last look at the installed versions (`environment_moved`)
+        self._upkept = -UPKEEP_S  # when `upkeep` last started (monotonic)
+        self._upkeep: threading.Thread | None = None
 
     def close(self) -> None:
         """Stop the smoke runs' worker, release the checkpointer's connection and the lab's lease
@@ -94,6 +97,8 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
         if self.notifier is not None:
             self.notifier.close()
         self.svc.painter.close()  # the pictures asked for are drawn before the loop returns
+        if self._upkeep is not None:  # git's locks are not left behind by a pack cut short
+            self._upkeep.join(timeout=120)
         self.svc.experiment.close()
         conn = getattr(self.checkpointer, "conn", None)
         if conn is not None:
@@ -126,6 +131,26 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
         self.records.event("environment", msg)
         self.say(msg)
         return commit
+
+    def upkeep(self) -> None:
+        """Every UPKEEP_S (and at start), pack the lab's repository in a thread of its own
+        (`LabRepo.maintain`): a year of hypotheses leaves 34,000 loose refs and their objects."""
+        if time.monotonic() - self._upkept < UPKEEP_S or (self._upkeep is not None and self._upkeep.is_alive()):
+            return
+        self._upkept = time.monotonic()
+        from pipeline.api import LabRepo
+
+        repo = LabRepo(self.lab.root)  # its own GitPython objects: the loop's are not shared across threads
+
+        def pack() -> None:
+            try:
+                for line in repo.maintain():
+                    log.info("repository upkeep: %s", line)
+            except Exception as e:  # never the loop's failure
+                log.warning("repository upkeep failed: %s", e)
+
+        self._upkeep = threading.Thread(target=pack, name="repository-upkeep", daemon=True)
+        self._upkeep.start()
 
     # -------------------------------------------------------------- main loop
 
@@ -166,6 +191,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
                     self._reverify_polled = time.monotonic()
                     self.note_reverifications()
                 self.guard()
+                self.upkeep()
                 if self.environment_moved(driver):
                     break
                 if self.plateau() and self.stop.is_set():
@@ -227,6 +253,7 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
                     worker.check()  # the driver's own error (a trusted prepare failing): raised here
                     if self.environment_moved(driver):  # a look can take hours
                         break
+                    self.upkeep()
                     self.stop.wait(LOOK_POLL_S)
                 worker.check()
                 if self.on_looks is not None:
