@@ -66,7 +66,7 @@ TITLES = {
     "plateau": "plateau", "llm_down": "LLM unreachable", "llm_up": "LLM reachable again",
     "guard": "guard: proposals held back", "takeover": "driver takeover", "disk": "disk near its cap",
     "budget": "budget", "reverified": "champion re-verified", "error": "error in a hypothesis",
-    "notify_dead": "a notification target is dead", "environment": "baseline re-measured in a new environment",
+    "notify_dead": "a notification target is dead", "environment": "measurement environment",
 }
 
 

@@ -187,8 +187,13 @@ class Experiment:
         if self._smoke_runner is not None and self._smoke_runner.lender is not self._lender:
             self._smoke_runner.close()
             self._smoke_runner = None
-        prefer = self.baseline_environment()[1] if hasattr(ex, "environments") else None
-        return runner.Driver(self.lab, self.store, ex, heartbeat=heartbeat, prefer_env=prefer)
+        try:
+            prefer = self.baseline_environment()[1] if hasattr(ex, "environments") else None
+            return runner.Driver(self.lab, self.store, ex, heartbeat=heartbeat, prefer_env=prefer)
+        except BaseException:  # its warm workers (a cluster's actors) go with it
+            self._lender = None
+            ex.close()
+            raise
 
     def _executor(self, opts: ExecutorOptions | None) -> Executor:
         return runner.make_executor(opts or ExecutorOptions(), self.lab)

@@ -83,7 +83,8 @@ class LabRepo:
             elif (t := self._tree_or_none(rev)) is not None:  # a name: resolved alone
                 out[rev] = t
         if todo:
-            proc = subprocess.run(["git", "log", "--no-walk=unsorted", "--format=%H %T", "--stdin"], cwd=self.root,
+            proc = subprocess.run(["git", "-c", "log.showSignature=false", "log", "--no-walk=unsorted", "--format=%H %T",
+                                   "--ignore-missing", "--stdin"], cwd=self.root,
                                   input="\n".join(todo) + "\n", capture_output=True, text=True)
             got = proc.stdout if proc.returncode == 0 else \
                 "\n".join(f"{rev} {t}" for rev in todo if (t := self._tree_or_none(rev)))  # one it lacks: one at a time
@@ -112,6 +113,16 @@ class LabRepo:
 
     def _tag_names(self, pattern: str) -> list[str]:
         return self.repo.git.for_each_ref("--format=%(refname:lstrip=2)", f"refs/tags/{pattern}").split()
+
+    def tag_commits(self, names: list[str]) -> dict[str, str]:
+        """The commit of each tag of `names`, in one `git rev-parse` (one at a time if one is gone)."""
+        if not names:
+            return {}
+        try:
+            shas = self.repo.git.rev_parse(*(f"refs/tags/{n}^{{commit}}" for n in names)).split()
+        except git.GitCommandError:
+            return {n: c for n in names if (c := self._tag_commit(n)) is not None}
+        return dict(zip(names, shas))
 
     def _tag_commit(self, name: str) -> str | None:
         """The commit tag `name` points at (through an annotated tag), None when there is no such tag.
@@ -205,13 +216,21 @@ class LabRepo:
         for argv in (["git", "pack-refs", "--all"], ["git", "gc", "--auto", "--quiet"]):
             t0 = time.monotonic()
             try:
-                proc = subprocess.run(argv, cwd=self.root, capture_output=True, text=True, timeout=timeout_s)
-            except (OSError, subprocess.TimeoutExpired) as e:
+                proc = subprocess.Popen(argv, cwd=self.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            except OSError as e:
                 done.append(f"{' '.join(argv[1:])}: {e}")
                 continue
-            why = (proc.stderr or proc.stdout).strip().splitlines()
+            try:
+                out, err = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:  # SIGTERM: git removes its lock files then (SIGKILL would leave them)
+                proc.terminate()
+                out, err = proc.communicate()
+                done.append(f"{' '.join(argv[1:])}: stopped after {timeout_s:.0f} s")
+                continue
+            said = (err or out).strip().splitlines()  # a warning too (gc's last failure, from its gc.log)
             done.append(f"{' '.join(argv[1:])}: " + (f"{time.monotonic() - t0:.1f} s" if proc.returncode == 0 else
-                                                     f"exit {proc.returncode}: {why[-1][:200] if why else ''}"))
+                                                     f"exit {proc.returncode}")
+                        + (f" ({said[-1][:200]})" if said else ""))
         return done
 
     def remeasure(self, head: str, message: str) -> str:

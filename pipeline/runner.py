@@ -103,7 +103,9 @@ def choose_environment(lab: Lab, executor: Executor, prefer: str | None = None) 
     environment's nodes (`RayExecutor.measure_in`): the cache key holds one environment, and a
     run's stages (and the arms of a pair) must be measured in it. The one chosen: `prefer` where
     the cluster has it (the baseline's: nothing to re-measure), else the one with the most slots
-    (the first of those). Returns what was left idle and why, in one line; None when nothing was."""
+    (the first of those). On a cluster of like nodes too, so that a node that joins later with
+    another environment gets no stage. Returns what was left idle and why, in one line; None when
+    nothing was."""
     environments = getattr(executor, "environments", None)
     if not callable(environments):
         return None
@@ -111,10 +113,13 @@ def choose_environment(lab: Lab, executor: Executor, prefer: str | None = None) 
     for facts, n in environments():
         env = lab.config.run.environment_of(facts)
         groups[env.id] = (env, groups.get(env.id, (env, 0))[1] + n)
-    if len(groups) < 2:
+    if not groups:
         return None
     chosen = prefer if prefer in groups else max(groups, key=lambda k: groups[k][1])
+    # on a cluster of like nodes too: a node that joins later with another environment gets no stage
     executor.measure_in(lambda facts: lab.config.run.environment_of(facts).id == chosen)  # type: ignore[attr-defined]
+    if len(groups) < 2:
+        return None
     mine, total = groups[chosen], sum(n for _, n in groups.values())
     others = "; ".join(f"{n} with {environment.change(mine[0], env)}" for k, (env, n) in groups.items() if k != chosen)
     return (f"{total - mine[1]} of {total} slots left idle: their nodes measure with another environment ({others}); "

@@ -5,12 +5,16 @@ node (1 CPU) runs with a folder first on its PYTHONPATH that holds another numpy
 node with an older numerical stack would (`environment.installed` reads the first one on the path).
 The cache key holds one environment, so stages that ran on both kinds of node would serve one
 node's outputs to the other's runs under that key; the driver keeps them on one environment's
-nodes, the one with the most slots or the baseline's, parks the others' slots, and says so.
+nodes, the one with the most slots or the baseline's, parks the others' slots, and says so. A
+node of another environment that joins later gets no stage either: a replacement actor that lands
+there is parked; when no node of the driver's environment is left, the stages fail in one line.
 """
 
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ import pytest
 from support.ray_cluster import ENV, RayCluster, ray_exclusive, require_ray
 from support.tiny import TinyHarness, make_lab
 from pipeline import environment, experiment, labrepo, runner
+from pipeline.executors import StageJob
 from pipeline.outcomes import StageOutcome
 
 pytestmark = pytest.mark.system
@@ -28,28 +33,42 @@ BASE = "autoresearch/baseline"
 OLD_NUMPY = "0.0.1"
 
 
-@pytest.fixture(scope="module")
-def mixed_cluster(tmp_path_factory: pytest.TempPathFactory):
-    older = tmp_path_factory.mktemp("older-stack")
+def older_stack(tmp_path: Path) -> dict[str, str]:
+    """A node's environment whose Python finds another numpy's metadata first."""
+    older = tmp_path / "older-stack"
     meta = older / f"numpy-{OLD_NUMPY}.dist-info"
-    meta.mkdir()
+    meta.mkdir(parents=True)
     (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: numpy\nVersion: {OLD_NUMPY}\n")
-    path = os.pathsep.join([str(older), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {"PYTHONPATH": os.pathsep.join([str(older), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def _connected(cluster: RayCluster):
     saved = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     try:
-        with ray_exclusive(), RayCluster(head_cpus=2, worker_cpus=1, worker_env={"PYTHONPATH": path}) as cluster:
-            os.environ.update(ENV)
-            ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-            try:
-                yield cluster
-            finally:
-                ray.shutdown()
+        yield cluster
     finally:
+        ray.shutdown()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture
+def mixed_cluster(tmp_path: Path):
+    """Head node: 2 CPUs, this venv's numpy; second node: 1 CPU, the older numpy."""
+    with ray_exclusive(), RayCluster(head_cpus=2, worker_cpus=1, worker_env=older_stack(tmp_path)) as cluster:
+        yield from _connected(cluster)
+
+
+@pytest.fixture
+def head_only(tmp_path: Path):
+    """A head node of 2 CPUs; the test adds a node of the older numpy later."""
+    with ray_exclusive(), RayCluster(head_cpus=2, worker_cpus=0) as cluster:
+        yield from _connected(cluster)
 
 
 def _measure(lab, store, commit: str, prefer: str | None = None):
@@ -107,3 +126,88 @@ def test_stages_stay_on_one_environments_nodes_and_its_cache_keys(mixed_cluster:
     assert {e.outcome for e in execs3} == {StageOutcome.CACHE_HIT}
     assert [r.value for r in sorted(results3, key=lambda r: (r.task, r.seed))] == \
         [r.value for r in sorted(results, key=lambda r: (r.task, r.seed))]
+
+
+def _job(tmp_path: Path, name: str) -> StageJob:
+    code, out = tmp_path / "code", tmp_path / "out" / name
+    for d in (code, out):
+        d.mkdir(parents=True, exist_ok=True)
+    (code / "stage.py").write_text("import sys, time\ntime.sleep(0.3)\nopen(sys.argv[1] + '/done', 'w').write('ok')\n")
+    return StageJob(job_id=f"{name}-{uuid.uuid4().hex[:6]}", cwd=code, commit="0" * 40, out=out,
+                    argv=["python", str(code / "stage.py"), str(out)], log_path=tmp_path / "logs" / f"{name}.log",
+                    timeout_s=60)
+
+
+def _collect(ex, jobs: list, limit: float = 120) -> dict:
+    for j in jobs:
+        ex.submit(j)
+    got: dict = {}
+    deadline = time.monotonic() + limit
+    while len(got) < len(jobs) and time.monotonic() < deadline:
+        got.update({r.job_id.split("-")[0]: r for r in ex.poll(0.3)})
+    assert len(got) == len(jobs), got
+    return got
+
+
+def test_a_replacement_landing_on_another_environments_node_is_parked_and_a_lost_environment_fails_in_a_line(
+        head_only: RayCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from pipeline.executors import ray_executor
+    from pipeline.executors.ray_executor import RayExecutor
+
+    @ray.remote(num_cpus=1)
+    class Blocker:  # holds a CPU of the head node, so that Ray can place a new actor nowhere else
+        def ping(self) -> int:
+            return 1
+
+    def block_head() -> object:
+        b = Blocker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=head_id, soft=False)).remote()
+        assert ray.get(b.ping.remote(), timeout=60) == 1
+        return b
+
+    head_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    ex = RayExecutor(cpus=1, preload=())
+    blockers = []
+    try:
+        assert ex.slots == 2
+        assert ex.measure_in(lambda facts: facts["packages"].get("numpy") != OLD_NUMPY) == 0
+        # a node of another environment joins the cluster (an autoscaler's, a replaced machine)
+        head_only._start([f"--address={head_only.address}", "--num-cpus=1"], older_stack(tmp_path))
+        deadline = time.monotonic() + 60
+        while ray.cluster_resources().get("CPU", 0) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        victim, survivor = list(ex._idle)
+        ray.kill(victim.actor)  # its node keeps going; the actor is lost
+        blockers.append(block_head())  # the lost actor's CPU: taken, so its replacement lands on the new node
+        got = _collect(ex, [_job(tmp_path, f"s{i}") for i in range(4)])
+        assert sorted(r.status for r in got.values()) == ["infra", "ok", "ok", "ok"], got
+        # the stages that ran, ran on the head node: never on the older numpy's
+        assert {r.host for r in got.values() if r.status == "ok"} == {f"{os.uname().nodename}/ray-{head_id[:8]}"}
+        deadline = time.monotonic() + 90
+        while not ex._parked:  # its replacement warmed up there, and was parked
+            assert time.monotonic() < deadline
+            ex.poll(0.3)
+        (parked,) = ex._parked
+        assert parked.facts["packages"]["numpy"] == OLD_NUMPY
+        assert ray.get(parked.actor.warm.remote(), timeout=30)["pid"]  # alive, holding that node's CPU
+        # then the head node's last slot is lost too: no slot measures with the driver's environment,
+        # and nothing can start one there; the stages waiting fail as infrastructure, in one line
+        monkeypatch.setattr(ray_executor, "WARM_TIMEOUT_S", 3.0)
+        for slot in list(ex._idle):
+            if slot.pending is not None:  # the parked one's replacement, waiting for room: not on the head node
+                ray.kill(slot.actor)
+        ray.kill(survivor.actor)
+        blockers.append(block_head())
+        # two stages go to the dead actors (lost, as infrastructure) and ask for replacements, which
+        # Ray can place nowhere; the third waits for them, then fails with the reason
+        got = _collect(ex, [_job(tmp_path, f"t{i}") for i in range(3)], limit=60)
+        assert {r.status for r in got.values()} == {"infra"}
+        assert any("no slot of the cluster measures with the driver's environment any more (1 left idle" in (r.detail or "")
+                   for r in got.values()), [r.detail for r in got.values()]
+    finally:
+        ex.close()
+        for b in blockers:
+            ray.kill(b)
+    assert not ex._parked

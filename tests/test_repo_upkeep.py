@@ -70,14 +70,25 @@ def test_trees_of_many_commits_come_in_one_call_and_match_one_at_a_time(tmp_path
     lab = make_lab(tmp_path / "lab")
     shas = [commit_change(lab.root, f"hyp/{i}-x", "config.toml", "shrink", "shrink" + " " * i)
             for i in range(1, 6)]
+    from pipeline import labrepo
+
+    def tree(rev: str) -> str:  # git's own answer, not the cache `trees` fills
+        return git(lab.root, "rev-parse", f"{rev}^{{tree}}")
+
     repo = LabRepo(lab.root)
-    fresh = LabRepo(lab.root)
-    missing = "0123456789" * 4
-    got = repo.trees([*shas, missing, BASE, shas[0]])
-    assert missing not in got
-    assert got == {**{s: fresh.tree(s) for s in shas}, BASE: fresh.tree(BASE)}
+    labrepo._trees.clear()
+    got = repo.trees([*shas, BASE, shas[0]])  # one git call for the shas, the branch name resolved alone
+    assert got == {**{s: tree(s) for s in shas}, BASE: tree(BASE)}
     assert len(set(got.values())) == 6  # each edit its own tree
+    labrepo._trees.clear()
+    missing = "0123456789" * 4  # a sha the repository lacks: left out, the others still in one call
+    assert repo.trees([missing, *shas]) == {s: tree(s) for s in shas}
     assert repo.trees([]) == {}
+    assert repo.tag_commits([]) == {}
+    git(lab.root, "tag", "-a", "-m", "annotated", "baseline/v1", shas[0])
+    git(lab.root, "tag", "baseline/v2", shas[1])
+    assert repo.tag_commits(["baseline/v1", "baseline/v2"]) == {"baseline/v1": shas[0], "baseline/v2": shas[1]}
+    assert repo.tag_commits(["baseline/v1", "baseline/v9"]) == {"baseline/v1": shas[0]}
 
 
 def test_maintain_packs_refs_and_lets_git_pack_loose_objects_at_its_threshold(tmp_path: Path) -> None:
@@ -143,9 +154,10 @@ def test_the_loop_packs_its_repository_at_start_then_every_few_hours(tmp_path: P
         loop._upkept -= scheduler.UPKEEP_S
         loop.upkeep()
         assert loop._upkeep is not first
+        loop._upkeep.join(timeout=60)
+        assert not _loose_refs(lab.root)
     finally:
-        loop.close()  # joins the upkeep
-    assert not _loose_refs(lab.root)
+        loop.close()
 
 
 @pytest.mark.slow

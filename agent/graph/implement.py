@@ -192,6 +192,9 @@ def check_not_measured(svc: Services, h: Hypothesis, tree: str) -> None:
         if trees.get(other.commit or "") == tree:
             raise EditRejected("duplicate", f"the same code as #{other.id} ({other.title!r}, verdict "
                                             f"{other.verdict or other.status}): measured already")
-    for tag in ws.baseline_tags():
-        if ws.tree(tag) == tree:
+    tags = ws.baseline_tags()
+    commits = ws.tag_commits(tags)
+    trees = ws.trees(list(commits.values()))
+    for tag in tags:
+        if trees.get(commits.get(tag, "")) == tree:
             raise EditRejected("duplicate", f"the same code as {tag}: measured already as a baseline")

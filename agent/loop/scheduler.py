@@ -97,8 +97,6 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
         if self.notifier is not None:
             self.notifier.close()
         self.svc.painter.close()  # the pictures asked for are drawn before the loop returns
-        if self._upkeep is not None:  # git's locks are not left behind by a pack cut short
-            self._upkeep.join(timeout=120)
         self.svc.experiment.close()
         conn = getattr(self.checkpointer, "conn", None)
         if conn is not None:
@@ -134,7 +132,8 @@ class Loop(LeaseAndClock, Guards, Threads, Reporting):
 
     def upkeep(self) -> None:
         """Every UPKEEP_S (and at start), pack the lab's repository in a thread of its own
-        (`LabRepo.maintain`): a year of hypotheses leaves 34,000 loose refs and their objects."""
+        (`LabRepo.maintain`): a year of hypotheses leaves 32,000 loose refs and 64,000 loose objects.
+        The loop does not wait for it at its end: a git left running finishes on its own."""
         if time.monotonic() - self._upkept < UPKEEP_S or (self._upkeep is not None and self._upkeep.is_alive()):
             return
         self._upkept = time.monotonic()

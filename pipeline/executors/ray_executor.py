@@ -243,17 +243,18 @@ class RayExecutor:
         counts, would otherwise serve one node's outputs to another's runs under one cache key). The
         others are parked: their actors stay, idle and holding their share, so that Ray places no
         replacement there (a replacement that lands on such a node anyway is parked too and another
-        asked for). Before any stage is submitted (the driver's start); returns how many were parked."""
+        asked for; the harness's share is checked at its next call). Before any stage is submitted
+        (the driver's start); returns how many were parked."""
         with self._lock:
             self._accept = accept
             before = len(self._parked)
             self._sweep(replace=False)
             parked = len(self._parked) - before
-            kept = [s for s in self._idle if s.fits]
+            kept = [s.facts for s in self._idle if s.fits and isinstance(s.facts, dict)]
             if not kept:
                 raise InfrastructureFailure("no slot of the cluster measures with the driver's environment")
             self._slots = len(self._idle)
-            self.facts = kept[0].facts
+            self.facts = kept[0]
             return parked
 
     def _usable(self, slot: _Slot) -> bool:
@@ -272,7 +273,7 @@ class RayExecutor:
     def _sweep(self, replace: bool = True) -> None:
         """Park the idle slots on a node of another environment (`measure_in`), each with a fresh
         worker asked for in its place when `replace` (under `_lock`)."""
-        if self._accept is None:
+        if self._accept is None or self._closed:
             return
         for slot in list(self._idle):
             if self._usable(slot) or slot.pending is not None:
@@ -282,6 +283,41 @@ class RayExecutor:
             if replace and not self._closed:
                 actor = self._new_worker()
                 self._idle.append(_Slot(actor, pending=actor.warm.remote()))
+
+    def _stranded(self) -> str | None:
+        """Why the jobs waiting can never start (under `_lock`): `measure_in` chose nodes, and no slot
+        on them is idle, running, lent, or warming for less than WARM_TIMEOUT_S (their nodes were
+        lost; the cluster's other nodes measure with another environment). None while one may come."""
+        if self._accept is None or not self._waiting or self._refs or self._lent:
+            return None
+        now = time.monotonic()
+        if any(self._usable(s) or (s.pending is not None and now - s.born < WARM_TIMEOUT_S) for s in self._idle):
+            return None
+        other = f" ({len(self._parked)} left idle on nodes of another environment)" if self._parked else ""
+        return (f"no slot of the cluster measures with the driver's environment any more{other}: the nodes it "
+                f"measured on are gone and no replacement started in {WARM_TIMEOUT_S:.0f} s")
+
+    def _harness_slot(self) -> _Slot | None:
+        """The harness's share, on a node of the driver's environment once `measure_in` chose one
+        (under `_harness_lock`): one on another node is parked and another asked for, a few times;
+        then `InfrastructureFailure`."""
+        for _ in range(4):
+            with self._lock:
+                slot = None if self._closed else self._harness
+            if slot is None or self._accept is None:
+                return slot
+            if slot.pending is not None:
+                self.ray.wait([slot.pending], timeout=WARM_TIMEOUT_S)
+            with self._lock:
+                if not self._usable(slot) and slot.pending is None and self._harness is slot:
+                    self._parked.append(slot)
+                    actor = self._new_worker(gpus=self.harness_gpus, cpus=0)
+                    self._harness = _Slot(actor, pending=actor.warm.remote())
+                    self._harness_inputs.clear()
+                    continue
+            return slot
+        raise InfrastructureFailure("the GPU share for prepare/score lands on nodes that measure with another "
+                                    "environment than the stages'")
 
     @staticmethod
     def _ident(folder: Path) -> str:
@@ -404,6 +440,11 @@ class RayExecutor:
         a CUDA OOM's retry (whose GPU it could not take anyway)."""
         with self._lock:
             self._sweep()
+            why = self._stranded()
+            if why is not None:  # an infrastructure failure each (the driver retries, then gives up), not a hang
+                while self._waiting:
+                    self._cancelled.append(self._forget(self._waiting.popleft()[0].job_id, "infra", why))
+                return
             for item in list(self._waiting):
                 job, spec, tree, mounts = item
                 if self._borrowers and job.job_id not in self._alone:
@@ -572,8 +613,7 @@ class RayExecutor:
                 raise Interrupted(f"stopping: {Path(argv[0]).name} abandoned while it waited for the harness's share",
                                   started=False)
         try:
-            with self._lock:  # `close` sets both
-                slot = None if self._closed else self._harness
+            slot = self._harness_slot()
             if slot is None:
                 raise Interrupted(f"stopping: {Path(argv[0]).name} abandoned (the Ray executor is closed)",
                                   started=False)
