@@ -188,12 +188,18 @@ class Experiment:
             self._smoke_runner.close()
             self._smoke_runner = None
         try:
-            prefer = self.baseline_environment()[1] if hasattr(ex, "environments") else None
+            prefer = self._baseline_environment_or_none() if hasattr(ex, "environments") else None
             return runner.Driver(self.lab, self.store, ex, heartbeat=heartbeat, prefer_env=prefer)
         except BaseException:  # its warm workers (a cluster's actors) go with it
             self._lender = None
             ex.close()
             raise
+
+    def _baseline_environment_or_none(self) -> str | None:
+        try:
+            return self.baseline_environment()[1]
+        except UserError:  # no baseline branch yet
+            return None
 
     def _executor(self, opts: ExecutorOptions | None) -> Executor:
         return runner.make_executor(opts or ExecutorOptions(), self.lab)

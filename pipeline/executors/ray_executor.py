@@ -780,8 +780,9 @@ class RayExecutor:
     def _ask_usage(self) -> None:
         """Ask each GPU's reporting slot for its samples since it was last asked (unless it has not
         answered yet). One slot per GPU reports it; a new reporter's first answer is not counted."""
-        with self._lock:  # the harness's share counts too: allocated, idle between its calls
-            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent,
+        with self._lock:  # the harness's share counts too: allocated, idle between its calls; and the
+            # parked slots' (`measure_in`): held, never used, so the busy share says what they cost
+            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent, *self._parked,
                      *([self._harness] if self._harness else [])]
         alive = set(slots)
         for slot in slots:

@@ -48,6 +48,7 @@ import re
 import signal
 import stat
 import sys
+import time
 from typing import Any, NoReturn
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -376,13 +377,27 @@ def device_nodes(spec: dict[str, Any], dev: str = "/dev", proc_dir: str = NVIDIA
     return devices
 
 
+def _private_root(tries: int = 6) -> None:
+    """Make every mount of this (new) namespace private, so nothing done here reaches the host's.
+    The kernel answers EBUSY now and then while the host's mount tree changes under the copy (a
+    full suite's parallel sandboxes and Ray: once in 745 tests): tried again after a moment."""
+    for i in range(tries):
+        try:
+            _mount(None, "/", None, MS_REC | MS_PRIVATE)
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or i == tries - 1:
+                raise
+            time.sleep(0.01 * 2 ** i)
+
+
 def _build_root(spec: dict[str, Any]) -> str:
     """The new root, on a tmpfs: the system read-only, /dev, a private /tmp, the Python environment
     read-only (it may live under /tmp), our package and the lab masked inside what is mounted, then
     the stage's own binds (which may lie under a mask)."""
     env, stage = _plan(spec)
     root = _newroot_mountpoint([*env, *(p for p, _ in stage)])
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _private_root()
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=16m")
     for path in SYSTEM_RO:
         if os.path.islink(path):
