@@ -22,7 +22,7 @@ import pytest
 
 from pipeline.errors import InfrastructureFailure, Interrupted, MethodFailure
 from pipeline.executors import StageJob
-from support.ray_cluster import ENV, RayCluster, ray_exclusive, require_ray
+from support.ray_cluster import RayCluster, ray_exclusive, require_ray
 from support.tiny import CONFIG_NAME, make_lab, open_tiny_lab
 from test_gpu_share import FAKE_NVML, run_all
 
@@ -58,19 +58,9 @@ def ray_gpu(tmp_path_factory: pytest.TempPathFactory):
     (nvml / "pynvml.py").write_text(FAKE_NVML)
     (nvml / "util").write_text("60")
     node_env = {"PYTHONPATH": os.pathsep.join([str(nvml), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    with ray_exclusive(), RayCluster(head_cpus=4, worker_cpus=0, head_gpus=1, env=node_env) as cluster:
-        saved = {k: os.environ.get(k) for k in ENV}
-        os.environ.update(ENV)
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-        try:
-            yield nvml
-        finally:
-            ray.shutdown()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with ray_exclusive(), RayCluster(head_cpus=4, worker_cpus=0, head_gpus=1, env=node_env) as cluster, \
+            cluster.connected():
+        yield nvml
 
 
 def executor(tmp_path: Path, gpus: float = 0.5):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from support.ray_cluster import ENV, RayCluster, ray_exclusive, require_ray
+from support.ray_cluster import RayCluster, ray_exclusive, require_ray
 from support.tiny import TinyHarness, make_lab
 from pipeline import environment, experiment, labrepo, runner
 from pipeline.executors import StageJob
@@ -42,33 +42,19 @@ def older_stack(tmp_path: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(older), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
-def _connected(cluster: RayCluster):
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture
 def mixed_cluster(tmp_path: Path):
     """Head node: 2 CPUs, this venv's numpy; second node: 1 CPU, the older numpy."""
-    with ray_exclusive(), RayCluster(head_cpus=2, worker_cpus=1, worker_env=older_stack(tmp_path)) as cluster:
-        yield from _connected(cluster)
+    with ray_exclusive(), RayCluster(head_cpus=2, worker_cpus=1, worker_env=older_stack(tmp_path)) as cluster, \
+            cluster.connected():
+        yield cluster
 
 
 @pytest.fixture
 def head_only(tmp_path: Path):
     """A head node of 2 CPUs; the test adds a node of the older numpy later."""
-    with ray_exclusive(), RayCluster(head_cpus=2, worker_cpus=0) as cluster:
-        yield from _connected(cluster)
+    with ray_exclusive(), RayCluster(head_cpus=2, worker_cpus=0) as cluster, cluster.connected():
+        yield cluster
 
 
 def _measure(lab, store, commit: str, prefer: str | None = None):

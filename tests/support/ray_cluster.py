@@ -115,6 +115,25 @@ class RayCluster:
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
 
+    @contextlib.contextmanager
+    def connected(self):
+        """This process connected to the cluster as its driver (`ray.init`, with ENV set while it is),
+        disconnected and ENV restored after."""
+        import ray
+
+        saved = {k: os.environ.get(k) for k in ENV}
+        os.environ.update(ENV)
+        ray.init(address=self.address, include_dashboard=False, log_to_driver=False)
+        try:
+            yield self
+        finally:
+            ray.shutdown()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
     def __enter__(self) -> "RayCluster":
         return self
 
