@@ -83,6 +83,11 @@ class _Slot:
     facts: dict[str, Any] | None = None  # what its node measures with (`environment.node_facts`), from `warm`
     fits: bool | None = None  # whether that is the driver's environment (`measure_in`); None: not asked yet
 
+    def heard(self, ready: dict[str, Any]) -> None:
+        """Its `warm`'s answer: its GPUs, its node's facts."""
+        self.gpus = list(ready.get("gpus") or [])
+        self.facts = ready["env"] if isinstance(ready.get("env"), dict) else None
+
 
 def node_sources() -> dict[str, str]:
     """The modules a node's warm worker runs from, as source (`ray_task.WarmWorker`'s `sources`)."""
@@ -198,12 +203,10 @@ class RayExecutor:
             slots = [*([self._harness] if self._harness else []), *self._idle]
             readies = ray.get([w.actor.warm.remote() for w in slots], timeout=WARM_TIMEOUT_S)
             for slot, ready in zip(slots, readies):
-                slot.gpus = list(ready.get("gpus") or [])
-                slot.facts = ready["env"] if isinstance(ready.get("env"), dict) else None
+                slot.heard(ready)
             # what the stages measure with: a node's, not this driver's (`Driver.environment`; each
             # result still carries the facts of the node that made it)
-            self.facts = next((r["env"] for r in readies[len(slots) - len(self._idle):] if isinstance(r.get("env"), dict)),
-                              None)
+            self.facts = next((s.facts for s in self._idle if s.facts is not None), None)
         except ray.exceptions.GetTimeoutError:
             self.close()
             raise InfrastructureFailure(
@@ -368,12 +371,10 @@ class RayExecutor:
         return job, spec, [tree_ref], mounts
 
     def _learn(self, slot: _Slot) -> None:
-        """The GPUs of a replacement actor, once its `warm` has answered (under `_lock`)."""
+        """The GPUs and node facts of a replacement actor, once its `warm` has answered (under `_lock`)."""
         if slot.pending is not None and self.ray.wait([slot.pending], timeout=0)[0]:
             try:
-                ready = self.ray.get(slot.pending)
-                slot.gpus = list(ready.get("gpus") or [])
-                slot.facts = ready["env"] if isinstance(ready.get("env"), dict) else None
+                slot.heard(self.ray.get(slot.pending))
             except self.ray.exceptions.RayError:  # it died warming: its first stage says so, as infra
                 pass
             slot.pending = None
