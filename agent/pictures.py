@@ -101,14 +101,14 @@ def _decision(h: Any) -> str:
 _DONE_POINTS: dict[tuple[str, int, float | None], Point] = {}  # (store, id, finished) → a finished one's point
 
 
-def progress_points(store: Any, records: Any) -> list[Point]:
+def progress_points(store: Any, records: Any, briefs: list[Any] | None = None) -> list[Point]:
     """Every proposed hypothesis, in order, with its levels from its latest gate record. A finished
     hypothesis's point does not change: it is kept (`_DONE_POINTS`), and a long-running process (the
     loop, the review page) reads the verdicts of the others only, POINTS_READ at a time (a year's
-    records at once held 600 MB)."""
+    records at once held 600 MB). `briefs`: `records.briefs()` where the caller read them already."""
 
     where = f"{store.url}#{store.schema}"
-    briefs = [h for h in records.briefs() if h.title]  # untitled: not proposed yet
+    briefs = [h for h in (records.briefs() if briefs is None else briefs) if h.title]  # untitled: not proposed yet
     missing = [h for h in briefs if (where, h.id, h.finished_at) not in _DONE_POINTS]
     if len(_DONE_POINTS) + len(missing) > 200_000:  # years of several labs in one process: start again
         _DONE_POINTS.clear()
@@ -332,13 +332,14 @@ def write_forest(lab: Any, hid: int, title: str, result: Any) -> Path:
     return draw_forest(result, forest_path(lab, hid), f"#{hid} {title}"[:90], lab.config.benchmark.metric)
 
 
-def write_progress(lab: Any, store: Any, records: Any, splits: dict | None = None) -> Path:
-
+def write_progress(lab: Any, store: Any, records: Any, splits: dict | None = None,
+                   points: list[Point] | None = None) -> Path:
+    """The progress chart (`draw_progress`), from the caller's `splits` and `points` where it has them."""
     bench = lab.config.benchmark
     if splits is None:
         splits = split_progress(lab, store, records)
-    return draw_progress(progress_points(store, records), progress_path(lab), lab.config.lab.name, bench.metric,
-                         bench.higher_is_better, splits)
+    return draw_progress(progress_points(store, records) if points is None else points, progress_path(lab),
+                         lab.config.lab.name, bench.metric, bench.higher_is_better, splits)
 
 
 # ----------------------------------------------------------------------------- in a process of its own

@@ -25,7 +25,7 @@ def champions(records: Any, briefs: list[Any] | None = None) -> list[tuple[str, 
     """(label, revision, hypothesis id) of the first baseline and of each promotion since, in the
     order of promotion (the tag's number: with hypotheses in flight together, ids need not be);
     from `briefs` where the caller read them already."""
-    hyps = sorted((h for h in (records.briefs() if briefs is None else briefs) if h.base_commit),
+    hyps = sorted((h for h in (records.champion_briefs() if briefs is None else briefs) if h.base_commit),
                   key=lambda h: h.id)
     if not hyps:
         return []
@@ -40,20 +40,25 @@ def champions(records: Any, briefs: list[Any] | None = None) -> list[tuple[str, 
     return start + [(h.promoted_tag, h.promoted_tag, h.id) for h in sorted(promoted, key=number)]
 
 
-def split_progress(lab: Any, store: Any, records: Any, briefs: list[Any] | None = None) -> dict[str, Any]:
+def split_progress(lab: Any, store: Any, records: Any, briefs: list[Any] | None = None,
+                   latest: int | None = None) -> dict[str, Any]:
     """The champions' levels on both splits and the cumulative gains since the first baseline.
 
     A champion's level is the mean over tasks of its own runs (its seed block: the fresh runs it
     re-verified on), so the gate-split figure is already free of the selection on seeds; what is left
     between the two gains is the reuse of the gate's test rows. `holdout` is None where the harness
     has none; a champion whose own runs are not all in yet has no point (the gains then run to the
-    latest champion that has one).
+    latest champion that has one). `latest`: the first baseline and only the latest that many
+    champions (`status`: a year's are hundreds, each a few reads); the gains are the same.
     """
     from pipeline.api import Experiment
 
     exp = Experiment(lab, store)
     points = []
     champs = champions(records, briefs)
+    promoted = len(champs) - 1 if champs else 0
+    if latest is not None:
+        champs = champs[:1] + champs[1:][-latest:] if latest > 0 else champs[:1]
     known = exp.standings([rev for _, rev, _ in champs])  # in one read each, not a few per champion
     for label, rev, hid in champs:
         st = known[rev]
@@ -68,7 +73,7 @@ def split_progress(lab: Any, store: Any, records: Any, briefs: list[Any] | None 
                        "holdout": st["holdout"], "runs": st["runs"]})
     sign = 1.0 if lab.config.benchmark.higher_is_better else -1.0
     out: dict[str, Any] = {"points": points, "gate_gain": None, "holdout_gain": None, "reuse_gap": None,
-                           "oriented": "+ is better"}
+                           "oriented": "+ is better", "champions": promoted}
     for p in points:
         p["gate_gain"] = sign * (p["gate"] - points[0]["gate"])
         p["holdout_gain"] = (sign * (p["holdout"] - points[0]["holdout"])

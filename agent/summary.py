@@ -441,15 +441,17 @@ def write_summary(svc: Any, h: Hypothesis) -> str:
 
 # ----------------------------------------------------------------------------- digest
 
-def digest_extras(lab: Any, store: Any, records: Any, since: float) -> dict[str, Any]:
+def digest_extras(lab: Any, store: Any, records: Any, since: float, briefs: list[Any] | None = None) -> dict[str, Any]:
     """What the digest adds to the command's data: baseline progress, holds, the progress chart.
+    `briefs`: `records.briefs()` where the caller read them (a year's take half a second a read).
 
     Redraws `runs/summaries/progress.png` so the digest links a current picture.
     """
 
-    points = pictures.progress_points(store, records)
-    splits = split_progress(lab, store, records)
-    hyps = {h.id: h for h in records.briefs()}
+    briefs = records.briefs() if briefs is None else briefs
+    points = pictures.progress_points(store, records, briefs)
+    splits = split_progress(lab, store, records, briefs)
+    hyps = {h.id: h for h in briefs}
     promotions = []
     for p in points:
         h = hyps[p.id]
@@ -459,7 +461,7 @@ def digest_extras(lab: Any, store: Any, records: Any, since: float) -> dict[str,
     tags = [p.tag for p in points if p.tag]
     now = _level_now([p for p in points if p.base is not None])
     try:
-        chart = str(pictures.write_progress(lab, store, records, splits))
+        chart = str(pictures.write_progress(lab, store, records, splits, points))
     except Exception as e:
         log.warning("progress chart not drawn: %s: %s", type(e).__name__, e)
         chart = None

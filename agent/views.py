@@ -100,10 +100,14 @@ def print_status(st: dict[str, Any]) -> None:
     con.print(f"runs: {q['queued']} queued, {q['running']} running, {q['done']} done, {q['failed']} failed")
     for r in st["running"][:10]:
         con.print(f"  running #{r['id']} {r['commit']} {r['task']} seed {r['seed']}")
-    t = Table(title="hypotheses")
+    shown = st["hypotheses"][-25:]
+    total = st.get("hypotheses_total", len(st["hypotheses"]))
+    counts = ", ".join(f"{n} {k}" for k, n in sorted((st.get("by_status") or {}).items(), key=lambda kv: -kv[1]))
+    t = Table(title=f"hypotheses: the latest {len(shown)} of {total}" + (f" ({counts})" if counts else "")
+                    if total > len(shown) else "hypotheses")
     for col in ("id", "title", "origin", "status", "look", "verdict", "decision", "review"):
         t.add_column(col, no_wrap=col != "title")
-    for h in st["hypotheses"][-25:]:
+    for h in shown:
         decision = (h["decision"] or "-") + (f" → {h['promoted_tag']}" if h["promoted_tag"] else "")
         if h["decision"] == Decision.REJECT:
             decision += f" ({h['reject_kind']})"
@@ -142,7 +146,7 @@ def print_status(st: dict[str, Any]) -> None:
     pr = st.get("progress")
     if pr and pr["points"]:
         con.print(progress_line(pr, metric["name"] if metric else "metric"))
-        for p in pr["points"][1:]:
+        for p in pr["points"][1:][-10:]:
             con.print(f"  {escape(champion_line(p))}")
     pl = st.get("plateau")
     if pl and pl["since_promotion"] >= pl["after"]:
@@ -185,6 +189,7 @@ def progress_line(pr: dict[str, Any], metric: str) -> str:
         hold = f"{p['holdout']:.4f}" if p["holdout"] is not None else "none"
         return (f"progress: no champion measured yet; the first baseline's mean {metric} on its own runs: "
                 f"gate split {p['gate']:.4f}, holdout {hold}")
+    n = max(n, pr.get("champions") or 0)  # `status` reads the latest champions only; the gains are the same
     line = f"progress over {n} champion(s), {metric} on their own runs: gate split {pr['gate_gain']:+.4f}"
     if pr["holdout_gain"] is None:
         return line + ", holdout: none (the harness has no holdout, or the champion's runs are not in yet)"

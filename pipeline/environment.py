@@ -62,10 +62,31 @@ def installed() -> dict[str, str]:
 
     out: dict[str, str] = {}
     for dist in metadata.distributions():
-        name = dist.metadata["Name"] if dist.metadata else None
-        if name:
-            out.setdefault(normalise(name), dist.version)  # the first on sys.path is the one imported
+        name, version = _name_version(dist)
+        if name and version is not None:
+            out.setdefault(normalise(name), version)  # the first on sys.path is the one imported
     return dict(sorted(out.items()))
+
+
+def _name_version(dist: Any) -> tuple[str | None, str | None]:
+    """A distribution's Name and Version from its metadata's header lines, without parsing the rest
+    as an email (`dist.metadata`: 1 ms a distribution, half a second for a machine learning venv,
+    which `status` and the review page paid at every call); the full parse where they are not there."""
+    try:
+        text = dist.read_text("METADATA") or dist.read_text("PKG-INFO")
+    except OSError:
+        text = None
+    name = version = None
+    for line in (text or "").split("\n\n", 1)[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key == "Name" and name is None:
+            name = value.strip()
+        elif sep and key == "Version" and version is None:
+            version = value.strip()
+    if name and version:
+        return name, version
+    meta = dist.metadata
+    return (meta["Name"] if meta else None), (dist.version if meta else None)
 
 
 def unmatched(patterns: Iterable[str], facts: dict[str, Any]) -> list[str]:

@@ -53,8 +53,9 @@ from pipeline.labrepo import (
     generation,  # noqa: F401 (re-exported: a baseline's generation)
     generations,
     resolve_commit,
+    resolve_commits,
 )
-from pipeline.errors import InfrastructureFailure, UserError
+from pipeline.errors import UserError
 from pipeline.labnames import BASELINE_BRANCH
 from pipeline.outcomes import ResultOutcome, RunStatus
 from pipeline.store import Store
@@ -298,7 +299,7 @@ class Experiment:
         one: a thread that waits on one the lab no longer asks for (`noise_runs = 0` since, or a
         comparison recorded by another driver) goes on."""
         return bool(self.lab.config.gate.noise_runs and self.protocol().reads_lab_history()
-                    and not self.store.comparisons_timed())
+                    and not self.store.comparisons_timed(latest=1))
 
     # --- the replication step ------------------------------------------------------------------
 
@@ -715,11 +716,11 @@ class Experiment:
         maps to the error."""
         out: dict[str, dict[str, Any] | None | Exception] = {}
         shas: dict[str, str] = {}
-        for rev in revs:
-            try:
-                shas[rev] = resolve_commit(self.lab, rev)
-            except (InfrastructureFailure, UserError) as e:
-                out[rev] = e
+        for rev, sha in resolve_commits(self.lab, list(dict.fromkeys(revs))).items():  # one git call
+            if isinstance(sha, Exception):
+                out[rev] = sha
+            else:
+                shas[rev] = sha
         generations(str(self.lab.root), list(shas.values()))
         tasks = self.lab.tasks()
         rows: dict[str, list[Any]] = {}

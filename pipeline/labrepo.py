@@ -54,6 +54,27 @@ class LabRepo:
         except (git.BadName, ValueError, git.GitCommandError):
             raise UserError(f"unknown branch or commit {rev!r} in {self.root}") from None
 
+    def resolve_many(self, revs: list[str]) -> dict[str, str | UserError]:
+        """The full sha of each revision in one `git rev-parse` (`standings` resolves every champion's
+        tag: a year's are hundreds); a revision that is none maps to the `UserError` `resolve` gives."""
+        if not revs:
+            return {}
+        shas: list[str] = []
+        if not any(r.startswith("-") for r in revs):  # (git 2.39's rev-parse has no --end-of-options)
+            try:
+                shas = self.repo.git.rev_parse(*(f"{r}^{{commit}}" for r in revs)).split()
+            except git.GitCommandError:
+                shas = []
+        if len(shas) == len(revs) and all(_FULL_SHA.fullmatch(x) for x in shas):
+            return dict(zip(revs, shas))
+        out: dict[str, str | UserError] = {}
+        for rev in revs:  # one is not there: each on its own, to name it
+            try:
+                out[rev] = self.resolve(rev)
+            except UserError as e:
+                out[rev] = e
+        return out
+
     def tree(self, rev: str) -> str:
         """The tree of `rev`; a full sha's is kept (a commit's tree never changes: the check that a
         candidate was not measured before compares it with every earlier hypothesis's)."""
@@ -380,6 +401,11 @@ def in_history(root: Path, commit: str) -> bool:
 
 _local = threading.local()  # per thread: a git.Repo's helper processes are not to be shared between threads
 _FULL_SHA = re.compile(r"[0-9a-f]{40}")
+
+
+def resolve_commits(lab: Any, revs: list[str]) -> dict[str, str | UserError]:
+    """`resolve_commit` of many revisions, in one git call (`LabRepo.resolve_many`)."""
+    return LabRepo(lab.root).resolve_many(revs) if revs else {}
 
 
 def resolve_commit(lab: Any, rev: str) -> str:

@@ -178,10 +178,44 @@ def test_the_champions_standings_in_one_read_equal_each_ones_and_a_deleted_tag_i
     together = exp.standings(revs)
     assert together == {rev: exp.standing(rev) for rev in revs}
     assert together["baseline/v1"] is not None and together["baseline/v1"]["holdout"] is not None
+    # `status` reads the first baseline and the latest champions only: the same gains, fewer reads
+    every = split_progress(svc.lab, svc.store, svc.records)
+    latest = split_progress(svc.lab, svc.store, svc.records, latest=1)
+    assert len(every["points"]) >= 2 and every["champions"] == len(revs) - 1
+    assert latest["points"] == [every["points"][0], every["points"][-1]] and latest["champions"] == every["champions"]
+    assert (latest["gate_gain"], latest["holdout_gain"]) == (every["gate_gain"], every["holdout_gain"])
     subprocess.run(["git", "tag", "-d", "baseline/v1"], cwd=root, check=True, capture_output=True)
     assert isinstance(exp.standings(revs)["baseline/v1"], Exception)
     split = split_progress(svc.lab, svc.store, svc.records)
     assert "baseline/v1" not in [p["label"] for p in split["points"]]
+
+
+def test_status_lists_the_latest_hypotheses_and_counts_every_one(lab: Path) -> None:
+    """A year of hypotheses is 20,000: `status` lists the latest STATUS_HYPOTHESES (its JSON was
+    6 MB) and counts every one by status, the rejected ones by kind, from the indexes."""
+    from collections import Counter
+
+    from agent.commands import STATUS_HYPOTHESES, status_of
+
+    svc = services(lab)
+    decided(svc, STATUS_HYPOTHESES + 150, 0)
+    with svc.store.session() as s:
+        for i, kind in enumerate(["smoke_failed", "duplicate", "smoke_failed", None]):
+            s.add(Hypothesis(title=f"Rejected {i}", status="done", decision="reject", reject_kind=kind))
+        s.add(Hypothesis(title="Measuring", status="measuring"))
+        s.add(Hypothesis(title="Queued", status="queued"))
+        s.commit()
+    every = svc.records.briefs()
+    st = status_of(svc.lab, svc.store, svc.records)
+    assert [h["id"] for h in st["hypotheses"]] == [h.id for h in every][-STATUS_HYPOTHESES:]
+    assert st["hypotheses_total"] == len(every) == STATUS_HYPOTHESES + 156
+    assert st["by_status"] == dict(Counter(str(h.status) for h in every))
+    assert st["rejected"] == {"?": 1, "duplicate": 1, "smoke_failed": 2}
+    from agent.records import ACTIVE
+
+    assert st["in_flight"] == [h.id for h in every if h.status in ACTIVE] and len(st["in_flight"]) == 1
+    assert svc.records.latest_briefs(3) == every[-3:]
+    assert svc.records.briefs_of([every[5].id, every[2].id, 10**9]) == [every[2], every[5]]
 
 
 def test_a_first_look_reads_the_latest_comparisons_of_the_lab(lab: Path, monkeypatch) -> None:

@@ -66,6 +66,25 @@ def test_tags_are_created_read_and_numbered_loose_or_packed(tmp_path: Path) -> N
     assert repo.tagged("baseline/v11")[0] == other
 
 
+def test_many_revisions_resolve_in_one_call_and_one_that_is_none_is_named(tmp_path: Path) -> None:
+    """`resolve_many` (the champions' standings): branches, annotated tags and shas at once; a name
+    that is no revision, or one that git would read as an option, is that revision's error only."""
+    from pipeline.errors import UserError
+
+    lab = make_lab(tmp_path / "lab")
+    repo = LabRepo(lab.root)
+    base = repo.resolve(BASE)
+    other = commit_change(lab.root, "hyp/1-x", "config.toml", "shrink", "shrink ")
+    repo.tag("exp/1", other, "annotated")
+    revs = [BASE, "exp/1", other[:12], "hyp/1-x"]
+    assert repo.resolve_many(revs) == {BASE: base, "exp/1": other, other[:12]: other, "hyp/1-x": other}
+    got = repo.resolve_many([*revs, "no-such-tag", "--all"])
+    assert {r: got[r] for r in revs} == repo.resolve_many(revs)
+    assert isinstance(got["no-such-tag"], UserError) and "no-such-tag" in str(got["no-such-tag"])
+    assert isinstance(got["--all"], UserError)
+    assert repo.resolve_many([]) == {}
+
+
 def test_trees_of_many_commits_come_in_one_call_and_match_one_at_a_time(tmp_path: Path) -> None:
     lab = make_lab(tmp_path / "lab")
     shas = [commit_change(lab.root, f"hyp/{i}-x", "config.toml", "shrink", "shrink" + " " * i)

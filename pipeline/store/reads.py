@@ -85,15 +85,19 @@ class Reads:
                 except IntegrityError:  # another driver recorded it first
                     s.rollback()
 
-    def comparisons(self) -> list[tuple[str, str]]:
-        """(challenger, baseline) of every comparison, oldest first."""
-        return [(c, b) for c, b, _ in self.comparisons_timed()]
+    def comparisons(self, latest: int | None = None) -> list[tuple[str, str]]:
+        """(challenger, baseline) of every comparison (or of the `latest` ones), oldest first."""
+        return [(c, b) for c, b, _ in self.comparisons_timed(latest)]
 
-    def comparisons_timed(self) -> list[tuple[str, str, float]]:
-        """(challenger, baseline, when it was first recorded) of every comparison, oldest first."""
+    def comparisons_timed(self, latest: int | None = None) -> list[tuple[str, str, float]]:
+        """(challenger, baseline, when it was first recorded) of every comparison (or of the `latest`
+        ones), oldest first; plain tuples (a year's are 16,000)."""
+        cols = (Comparison.challenger, Comparison.baseline, Comparison.created_at)
         with self.session() as s:
-            return [(c.challenger, c.baseline, c.created_at)
-                    for c in s.exec(select(Comparison).order_by(Comparison.created_at))]
+            if latest is None:
+                return [tuple(r) for r in s.exec(select(*cols).order_by(Comparison.created_at)).all()]
+            q = select(*cols).order_by(Comparison.created_at.desc()).limit(latest)  # type: ignore[attr-defined]
+            return [tuple(r) for r in s.exec(q).all()][::-1]
 
     def result_rows(self, commits: Iterable[str], tasks: Iterable[str] | None = None) -> list[Any]:
         """The result rows of several commits, in one session, as plain tuples of what a comparison
