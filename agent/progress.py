@@ -73,7 +73,8 @@ def split_progress(lab: Any, store: Any, records: Any, briefs: list[Any] | None 
                        "holdout": st["holdout"], "runs": st["runs"]})
     sign = 1.0 if lab.config.benchmark.higher_is_better else -1.0
     out: dict[str, Any] = {"points": points, "gate_gain": None, "holdout_gain": None, "reuse_gap": None,
-                           "oriented": "+ is better", "champions": promoted}
+                           "oriented": "+ is better", "champions": promoted,
+                           "champions_read": max(len(champs) - 1, 0)}
     for p in points:
         p["gate_gain"] = sign * (p["gate"] - points[0]["gate"])
         p["holdout_gain"] = (sign * (p["holdout"] - points[0]["holdout"])

@@ -355,12 +355,12 @@ class Records:
             return list(s.exec(q))
 
     BRIEF = ("id", "title", "origin", "status", "look", "verdict", "decision", "reject_kind", "change",
-             "base_commit", "commit", "promoted_tag", "review", "direction", "finished_at", "updated_at")
+             "base_commit", "commit", "promoted_tag", "review", "direction", "finished_at", "updated_at", "parent_id")
 
     def briefs(self) -> list[Any]:
         """Every hypothesis's id, title, origin, status, look, verdict, decision, reject kind, change,
-        commits, tag, review, direction, finish and update times, in id order, without its texts (a context
-        reads this at every decision, the chart at every call: a year is 20,000 rows)."""
+        commits, tag, review, direction, finish and update times and parent, in id order, without its
+        texts (a context reads this at every decision, the chart at every call: a year is 20,000 rows)."""
         with self.store.session() as s:
             return list(s.exec(self._brief_query().order_by(Hypothesis.id)).all())
 
@@ -378,6 +378,19 @@ class Records:
             return []
         with self.store.session() as s:
             return list(s.exec(self._brief_query().where(Hypothesis.id.in_(ids)).order_by(Hypothesis.id)).all())
+
+    def page_briefs(self, status: str | None = None, decision: str | None = None, review: str | None = None,
+                    offset: int = 0, limit: int = 200) -> tuple[list[Any], int]:
+        """One page of the briefs matching the filters, newest first, and how many match in all (the
+        review page's list: a year's 20,000 rows were one page of several MB)."""
+        conds = [c for c in (Hypothesis.status == status if status else None,
+                             Hypothesis.decision == decision if decision else None,
+                             Hypothesis.review == review if review else None) if c is not None]
+        with self.store.session() as s:
+            total = int(s.exec(select(func.count()).select_from(Hypothesis).where(*conds)).one())
+            rows = list(s.exec(self._brief_query().where(*conds).order_by(Hypothesis.id.desc())
+                               .offset(max(offset, 0)).limit(limit)).all())
+        return rows, total
 
     def champion_briefs(self) -> list[Any]:
         """The briefs `agent.progress.champions` reads: the first hypothesis with a base commit (the

@@ -215,14 +215,22 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
     def hypotheses(request: Request) -> Response:
         _lab, _store, rec = lab_store()
         q = request.query_params
-        rows = rec.briefs()  # without their texts
-        if q.get("status"):
-            rows = [h for h in rows if h.status == q["status"]]
-        if q.get("decision"):
-            rows = [h for h in rows if h.decision == q["decision"]]
-        if q.get("review") == Review.PENDING:
-            rows = [h for h in rows if h.review == Review.PENDING]
-        return page(request, "hypotheses.html", rows=rows[::-1], q=dict(q))
+        raw = q.get("page", "1")
+        if not raw.isdigit() or len(raw) > 9 or int(raw) < 1:
+            raise HTTPException(400, f"page must be a number from 1 ({raw[:40]!r})")
+        number = int(raw)
+        rows, total = rec.page_briefs(status=q.get("status") or None, decision=q.get("decision") or None,
+                                      review=Review.PENDING if q.get("review") == Review.PENDING else None,
+                                      offset=(number - 1) * HYPOTHESES_PAGE, limit=HYPOTHESES_PAGE)
+        pages = max(1, -(-total // HYPOTHESES_PAGE))
+        keep = {k: v for k, v in q.items() if k in ("status", "decision", "review") and v}
+
+        def link(n: int) -> str:
+            return "/hypotheses?" + urlencode({**keep, "page": n})
+
+        return page(request, "hypotheses.html", rows=rows, q=dict(q), total=total, number=number, pages=pages,
+                    first=(number - 1) * HYPOTHESES_PAGE + 1, newer=link(number - 1) if number > 1 else None,
+                    older=link(number + 1) if number < pages else None)
 
     def hypothesis(request: Request) -> Response:
 
@@ -260,7 +268,8 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         q = request.query_params
         if not q.get("a") and not q.get("b"):  # the nav's link: pick two
             _lab, _store, rec = lab_store()
-            return page(request, "compare_pick.html", rows=[h for h in rec.all() if h.title][::-1][:200])
+            # the latest 200 proposed (untitled: not proposed yet), not a year's rows with their texts
+            return page(request, "compare_pick.html", rows=[h for h in rec.latest_briefs(400) if h.title][::-1][:200])
         ids = []
         for k in ("a", "b"):
             v = q.get(k, "").strip()
@@ -402,6 +411,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
 
 REFRESH_COST = 10  # a page that took t s to make refreshes after 10 t s at the earliest (its base period else)
 OVERVIEW_BASELINES = 12  # the overview's latest baselines (a year holds hundreds: /timeline lists them)
+HYPOTHESES_PAGE = 200  # the list page shows this many, newest first, with links to older pages
 
 
 def tag_number(tag: str) -> int:

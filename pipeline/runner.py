@@ -104,8 +104,8 @@ def choose_environment(lab: Lab, executor: Executor, prefer: str | None = None) 
     run's stages (and the arms of a pair) must be measured in it. The one chosen: `prefer` where
     the cluster has it (the baseline's: nothing to re-measure), else the one with the most slots
     (the first of those). On a cluster of like nodes too, so that a node that joins later with
-    another environment gets no stage. Returns what was left idle and why, in one line; None when
-    nothing was."""
+    another environment gets no stage. The other nodes' slots are given back to the cluster. Returns
+    what was given back and why, in one line; None when nothing was."""
     environments = getattr(executor, "environments", None)
     if not callable(environments):
         return None
@@ -122,8 +122,8 @@ def choose_environment(lab: Lab, executor: Executor, prefer: str | None = None) 
         return None
     mine, total = groups[chosen], sum(n for _, n in groups.values())
     others = "; ".join(f"{n} with {environment.change(mine[0], env)}" for k, (env, n) in groups.items() if k != chosen)
-    return (f"{total - mine[1]} of {total} slots left idle: their nodes measure with another environment ({others}); "
-            f"stages run on the {mine[1]} that measure with {mine[0].brief()}")
+    return (f"{total - mine[1]} of {total} slots given back to the cluster: their nodes measure with another "
+            f"environment ({others}); stages run on the {mine[1]} that measure with {mine[0].brief()}")
 
 
 class Driver(Scoring, GpuAccounting):

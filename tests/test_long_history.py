@@ -260,3 +260,40 @@ def test_finished_hypotheses_newest_first_by_pages_never_repeat_one(lab: Path) -
     times = {h.id: h.finished_at for h in svc.records.done_newest_first()}
     assert len(seen) == len(set(seen)) == 5 and [times[i] for i in seen] == [40.0, 30.0, 20.0, 20.0, 10.0]
     assert [h.finished_at for h in svc.records.done_newest_first(page=1)] == [50.0, 40.0, 30.0, 20.0, 20.0, 10.0]
+
+
+def test_the_review_pages_list_is_paged_newest_first_with_its_filters_in_the_query(lab: Path) -> None:
+    """/hypotheses at a year was one page of 20,000 rows: it shows HYPOTHESES_PAGE at a time, newest
+    first, filtered by the database, and its links to older and newer pages keep the filters."""
+    import re
+
+    from starlette.testclient import TestClient
+
+    from agent.web import HYPOTHESES_PAGE, make_app
+
+    svc = services(lab)
+    decided(svc, 2 * HYPOTHESES_PAGE + 50, 0)  # one in ten promoted
+    token = "t" * 32
+    client = TestClient(make_app(lab, None, token), base_url="http://127.0.0.1")
+    client.get(f"/files/none.png?token={token}")  # the token's cookie
+
+    def ids(html: str) -> list[int]:
+        return [int(x) for x in re.findall(r'href="/hypotheses/(\d+)"', html)]
+
+    every = [h.id for h in svc.records.briefs()][::-1]
+    first = client.get("/hypotheses")
+    assert first.status_code == 200 and ids(first.text) == every[:HYPOTHESES_PAGE]
+    assert f"1–{HYPOTHESES_PAGE} of {len(every)}, newest first" in first.text and 'id="newer"' not in first.text
+    last = client.get("/hypotheses?page=3")
+    assert ids(last.text) == every[2 * HYPOTHESES_PAGE:] and 'id="older"' not in last.text
+    assert 'href="/hypotheses?page=2"' in last.text
+    promoted = client.get("/hypotheses?decision=promote&page=1")
+    want = [h.id for h in svc.records.briefs() if h.decision == "promote"][::-1]
+    assert ids(promoted.text) == want and f"of {len(want)}," in promoted.text
+    assert len(ids(client.get("/hypotheses?decision=promote&page=2").text)) == 0
+    page2 = client.get("/hypotheses?status=done&page=2")
+    assert 'href="/hypotheses?status=done&amp;page=1"' in page2.text and 'href="/hypotheses?status=done&amp;page=3"' in page2.text
+    for bad in ("0", "x", "-1", "9" * 12):
+        assert client.get(f"/hypotheses?page={bad}").status_code == 400
+    picked = client.get("/compare")
+    assert picked.status_code == 200 and ids(picked.text)[:3] == every[:3]

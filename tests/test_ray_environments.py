@@ -5,9 +5,11 @@ node (1 CPU) runs with a folder first on its PYTHONPATH that holds another numpy
 node with an older numerical stack would (`environment.installed` reads the first one on the path).
 The cache key holds one environment, so stages that ran on both kinds of node would serve one
 node's outputs to the other's runs under that key; the driver keeps them on one environment's
-nodes, the one with the most slots or the baseline's, parks the others' slots, and says so. A
-node of another environment that joins later gets no stage either: a replacement actor that lands
-there is parked; when no node of the driver's environment is left, the stages fail in one line.
+nodes, the one with the most slots or the baseline's, gives the others' slots back to the cluster
+(their CPUs are free for other work), and says so. A node of another environment that joins later
+gets no stage either: a replacement actor is placed on a node of the driver's environment only (it
+waits for room there rather than land elsewhere); when no node of the driver's environment is left,
+the stages fail in one line.
 """
 
 from __future__ import annotations
@@ -67,9 +69,18 @@ def _measure(lab, store, commit: str, prefer: str | None = None):
     assert executor.slots == 3 and len(executor.environments()) == 2
     with runner.Driver(lab, store, executor, harness=TinyHarness(), prefer_env=prefer) as d:
         env, note, slots = d.environment, d.environment_note, d.slots
+        _free_cpus(3 - slots)  # the other nodes' slots given back: their CPUs free for other work
         d.drive(until=ids, timeout_s=180)
     sha = labrepo.resolve_commit(lab, commit)
     return env, note, slots, store.stage_execs(ids), [r for r in store.results_for(sha) if r.task in ("a", "b")]
+
+
+def _free_cpus(n: int, within: float = 30.0) -> None:
+    """Wait until the cluster has exactly `n` CPUs free (Ray frees an ended actor's CPU soon after)."""
+    deadline = time.monotonic() + within
+    while ray.available_resources().get("CPU", 0) != n:
+        assert time.monotonic() < deadline, (n, ray.available_resources())
+        time.sleep(0.3)
 
 
 def test_stages_stay_on_one_environments_nodes_and_its_cache_keys(mixed_cluster: RayCluster, tmp_path: Path) -> None:
@@ -81,7 +92,7 @@ def test_stages_stay_on_one_environments_nodes_and_its_cache_keys(mixed_cluster:
     env, note, slots, execs, results = _measure(lab, store, BASE)
     assert dict(env.packages)["numpy"] != OLD_NUMPY
     assert slots == 2
-    assert note is not None and note.startswith("1 of 3 slots left idle") and f"→ {OLD_NUMPY}" in note, note
+    assert note is not None and note.startswith("1 of 3 slots given back to the cluster") and f"→ {OLD_NUMPY}" in note, note
     ran = [e for e in execs if e.outcome == StageOutcome.OK]
     assert ran and len({e.host for e in ran}) == 1, {e.host for e in ran}
     head_host = ran[0].host
@@ -96,7 +107,7 @@ def test_stages_stay_on_one_environments_nodes_and_its_cache_keys(mixed_cluster:
     again = repo.remeasure(labrepo.resolve_commit(lab, BASE), "measure on the older stack")
     env2, note2, slots2, execs2, results2 = _measure(lab, store, again, prefer=old_env.id)
     assert env2.id == old_env.id and slots2 == 1
-    assert note2 is not None and note2.startswith("2 of 3 slots left idle"), note2
+    assert note2 is not None and note2.startswith("2 of 3 slots given back to the cluster"), note2
     assert not {e.key for e in execs2} & {e.key for e in execs}  # (its runs share their pretraining: hits)
     ran2 = [e for e in execs2 if e.outcome == StageOutcome.OK]
     assert {e.stage for e in ran2} == {"pretrain", "finetune"}
@@ -135,7 +146,7 @@ def _collect(ex, jobs: list, limit: float = 120) -> dict:
     return got
 
 
-def test_a_replacement_landing_on_another_environments_node_is_parked_and_a_lost_environment_fails_in_a_line(
+def test_a_replacement_waits_for_room_on_its_environments_node_and_a_lost_environment_fails_in_a_line(
         head_only: RayCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -143,7 +154,7 @@ def test_a_replacement_landing_on_another_environments_node_is_parked_and_a_lost
     from pipeline.executors.ray_executor import RayExecutor
 
     @ray.remote(num_cpus=1)
-    class Blocker:  # holds a CPU of the head node, so that Ray can place a new actor nowhere else
+    class Blocker:  # holds a CPU of the head node
         def ping(self) -> int:
             return 1
 
@@ -158,6 +169,7 @@ def test_a_replacement_landing_on_another_environments_node_is_parked_and_a_lost
     try:
         assert ex.slots == 2
         assert ex.measure_in(lambda facts: facts["packages"].get("numpy") != OLD_NUMPY) == 0
+        assert ex._nodes == [head_id] and {s.node for s in ex._idle} == {head_id}
         # a node of another environment joins the cluster (an autoscaler's, a replaced machine)
         head_only._start([f"--address={head_only.address}", "--num-cpus=1"], older_stack(tmp_path))
         deadline = time.monotonic() + 60
@@ -166,34 +178,74 @@ def test_a_replacement_landing_on_another_environments_node_is_parked_and_a_lost
             time.sleep(0.5)
         victim, survivor = list(ex._idle)
         ray.kill(victim.actor)  # its node keeps going; the actor is lost
-        blockers.append(block_head())  # the lost actor's CPU: taken, so its replacement lands on the new node
+        blockers.append(block_head())  # the lost actor's CPU: taken, so there is room on the new node only
         got = _collect(ex, [_job(tmp_path, f"s{i}") for i in range(4)])
         assert sorted(r.status for r in got.values()) == ["infra", "ok", "ok", "ok"], got
         # the stages that ran, ran on the head node: never on the older numpy's
         assert {r.host for r in got.values() if r.status == "ok"} == {f"{os.uname().nodename}/ray-{head_id[:8]}"}
+        (fresh,) = [s for s in ex._idle if s is not survivor]
+        time.sleep(3)
+        ex.poll(0.3)
+        # its replacement waits for room on the head node: the new node's CPU stays free, no actor there
+        assert fresh.pending is not None and fresh.facts is None
+        _free_cpus(1)
+        ray.kill(blockers.pop())  # room again on the head node: it warms there
         deadline = time.monotonic() + 90
-        while not ex._parked:  # its replacement warmed up there, and was parked
+        while fresh.pending is not None:
             assert time.monotonic() < deadline
             ex.poll(0.3)
-        (parked,) = ex._parked
-        assert parked.facts["packages"]["numpy"] == OLD_NUMPY
-        assert ray.get(parked.actor.warm.remote(), timeout=30)["pid"]  # alive, holding that node's CPU
-        # then the head node's last slot is lost too: no slot measures with the driver's environment,
-        # and nothing can start one there; the stages waiting fail as infrastructure, in one line
+        assert fresh.node == head_id and fresh.facts["packages"]["numpy"] != OLD_NUMPY
+        got = _collect(ex, [_job(tmp_path, f"u{i}") for i in range(2)])
+        assert {r.status for r in got.values()} == {"ok"}
+        # then both head slots are lost and the head node is full: no slot measures with the driver's
+        # environment, and none starts there in WARM_TIMEOUT_S; the stages waiting fail as infrastructure,
+        # in one line (the new node's free CPU is not used)
         monkeypatch.setattr(ray_executor, "WARM_TIMEOUT_S", 3.0)
         for slot in list(ex._idle):
-            if slot.pending is not None:  # the parked one's replacement, waiting for room: not on the head node
-                ray.kill(slot.actor)
-        ray.kill(survivor.actor)
-        blockers.append(block_head())
-        # two stages go to the dead actors (lost, as infrastructure) and ask for replacements, which
-        # Ray can place nowhere; the third waits for them, then fails with the reason
+            ray.kill(slot.actor)
+        blockers += [block_head(), block_head()]
+        # two stages go to the dead actors (lost, as infrastructure) and ask for replacements on the
+        # full head node; the third waits for them, then fails with the reason
         got = _collect(ex, [_job(tmp_path, f"t{i}") for i in range(3)], limit=60)
         assert {r.status for r in got.values()} == {"infra"}
-        assert any("no slot of the cluster measures with the driver's environment any more (1 left idle" in (r.detail or "")
+        assert any("no slot of the cluster measures with the driver's environment any more" in (r.detail or "")
                    for r in got.values()), [r.detail for r in got.values()]
+        assert ray.available_resources().get("CPU", 0) == 1
     finally:
         ex.close()
         for b in blockers:
             ray.kill(b)
-    assert not ex._parked
+
+
+def test_a_mixed_clusters_other_nodes_slots_are_given_back_and_a_stray_replacement_ended(
+        mixed_cluster: RayCluster) -> None:
+    """`measure_in` ends the slots on the other environment's node (its CPU free again), and a
+    replacement asked for before it (placed anywhere) that warms up there is ended and asked for
+    again on the driver's environment's node."""
+    from pipeline.executors.ray_executor import RayExecutor
+
+    ex = RayExecutor(cpus=1, preload=())
+    try:
+        assert ex.slots == 3
+        _free_cpus(0)
+        stray = next(s for s in ex._idle if s.facts["packages"]["numpy"] == OLD_NUMPY)
+        assert ex.measure_in(lambda facts: facts["packages"].get("numpy") != OLD_NUMPY) == 1
+        assert ex.slots == 2 and stray not in ex._idle and len(ex._nodes) == 1
+        _free_cpus(1)
+        # a replacement made before the choice lands where Ray puts it: on the older node's free CPU
+        actor = ex._new_worker()
+        late = ray_executor_slot(actor)
+        ex._idle.append(late)
+        ray.wait([late.pending], timeout=60)
+        ex.poll(0.3)  # the sweep: ended, and another asked for on the driver's node (full: it waits)
+        assert late not in ex._idle and ex._released == 2
+        (again,) = [s for s in ex._idle if s.pending is not None]
+        _free_cpus(1)
+    finally:
+        ex.close()
+
+
+def ray_executor_slot(actor):
+    from pipeline.executors.ray_executor import _Slot
+
+    return _Slot(actor, pending=actor.warm.remote())

@@ -82,11 +82,13 @@ class _Slot:
     born: float = field(default_factory=time.monotonic)
     facts: dict[str, Any] | None = None  # what its node measures with (`environment.node_facts`), from `warm`
     fits: bool | None = None  # whether that is the driver's environment (`measure_in`); None: not asked yet
+    node: str | None = None  # the Ray node it runs on, from `warm`
 
     def heard(self, ready: dict[str, Any]) -> None:
-        """Its `warm`'s answer: its GPUs, its node's facts."""
+        """Its `warm`'s answer: its GPUs, its node's facts, its node."""
         self.gpus = list(ready.get("gpus") or [])
         self.facts = ready["env"] if isinstance(ready.get("env"), dict) else None
+        self.node = ready.get("node") if isinstance(ready.get("node"), str) else None
 
 
 def node_sources() -> dict[str, str]:
@@ -196,9 +198,11 @@ class RayExecutor:
         self._harness_inputs: dict[str, tuple[str, Any]] = {}  # its folders' (id, ref), oldest first
         self._idle: deque[_Slot] = deque(_Slot(self._new_worker()) for _ in range(self._slots))
         self.facts: dict[str, Any] | None = None
-        # `measure_in`: which nodes' slots get stages (None: all); the others' actors, held idle
+        # `measure_in`: which nodes' slots get stages (None: all), the nodes found to measure so (a
+        # replacement is placed on one of them), and how many slots on other nodes were given back
         self._accept: Callable[[dict[str, Any]], bool] | None = None
-        self._parked: list[_Slot] = []
+        self._nodes: list[str] = []
+        self._released = 0
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
             slots = [*([self._harness] if self._harness else []), *self._idle]
             readies = ray.get([w.actor.warm.remote() for w in slots], timeout=WARM_TIMEOUT_S)
@@ -213,17 +217,43 @@ class RayExecutor:
                 f"the cluster did not start {self._slots} warm worker(s) of {cpus} CPU / {gpus:g} GPU each in "
                 f"{WARM_TIMEOUT_S:.0f} s (resources: {dict(resources)}); lower --workers or [run] cpus/gpus") from None
 
-    def _new_worker(self, gpus: float | None = None, cpus: int | None = None) -> Any:
+    def _new_worker(self, gpus: float | None = None, cpus: int | None = None, node: str | None = None) -> Any:
         """A warm worker actor: it holds `run.cpus` CPUs and `run.gpus` GPUs of a node (Ray sets the
         actor's CUDA_VISIBLE_DEVICES, which its stages inherit) for as long as the executor lives
-        (the harness's: `gpus` and `cpus` of its own)."""
+        (the harness's: `gpus` and `cpus` of its own); on `node` only, where given."""
         options: dict[str, Any] = {"num_cpus": self.cpus if cpus is None else cpus,
                                    "num_gpus": self.gpus if gpus is None else gpus, "max_restarts": 0,
                                    "max_concurrency": 3}  # a cancel, or `take_usage`, while a stage runs
         if self.memory_mb and gpus is None:
             options["memory"] = self.memory_mb * 2**20
+        if node is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
         return self._actor_cls.options(**options).remote(self._sources, self._preload, sorted(STAGE_ENV),
                                                           list(STAGE_ENV_PREFIXES))
+
+    def _spawn(self, near: str | None = None, harness: bool = False) -> _Slot | None:
+        """A fresh slot (the harness's share with `harness`), warming. Once `measure_in` chose the
+        nodes, on one of them that is alive (`near`, the node of the slot it replaces, first; then
+        the one with the fewest of our slots), never elsewhere; None when none of them is alive."""
+        node = None
+        if self._accept is not None and self._nodes:
+            try:
+                alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
+            except Exception:  # the GCS did not answer: the nodes as they were
+                alive = set(self._nodes)
+            live = [n for n in self._nodes if n in alive]
+            if not live:
+                return None
+            if near in live:
+                node = near
+            else:
+                held = [s.node for s in (*self._idle, *self._lent, *(s for _, _, s in self._refs.values()))]
+                node = min(live, key=held.count)
+        actor = (self._new_worker(gpus=self.harness_gpus, cpus=0, node=node) if harness
+                 else self._new_worker(node=node))
+        return _Slot(actor, pending=actor.warm.remote())
 
     @property
     def slots(self) -> int:
@@ -244,21 +274,25 @@ class RayExecutor:
         """From now on, stages go only to slots whose node's facts `accept` takes (the driver's
         measurement environment: a cluster whose nodes differ, in the packages or GPU model the lab
         counts, would otherwise serve one node's outputs to another's runs under one cache key). The
-        others are parked: their actors stay, idle and holding their share, so that Ray places no
-        replacement there (a replacement that lands on such a node anyway is parked too and another
-        asked for; the harness's share is checked at its next call). Before any stage is submitted
-        (the driver's start); returns how many were parked."""
+        others' actors are ended, giving their CPUs and GPUs back to the cluster (another job may use
+        them; the loop cannot), and every replacement from now on is placed on a node that measures
+        with the driver's environment (Ray's node affinity), never elsewhere; one that landed on
+        another node anyway (it was asked for before) is ended and asked for again. The harness's
+        share is checked at its next call. Before any stage is submitted (the driver's start);
+        returns how many slots were given back."""
         with self._lock:
             self._accept = accept
-            before = len(self._parked)
+            before = self._released
+            for slot in self._idle:
+                self._usable(slot)
+            self._nodes = list(dict.fromkeys(s.node for s in self._idle if s.fits and s.node))
             self._sweep(replace=False)
-            parked = len(self._parked) - before
             kept = [s.facts for s in self._idle if s.fits and isinstance(s.facts, dict)]
             if not kept:
                 raise InfrastructureFailure("no slot of the cluster measures with the driver's environment")
             self._slots = len(self._idle)
             self.facts = kept[0]
-            return parked
+            return self._released - before
 
     def _usable(self, slot: _Slot) -> bool:
         """Whether `slot` may get a stage: always, unless `measure_in` chose the nodes; then only once
@@ -274,18 +308,20 @@ class RayExecutor:
         return slot.fits
 
     def _sweep(self, replace: bool = True) -> None:
-        """Park the idle slots on a node of another environment (`measure_in`), each with a fresh
-        worker asked for in its place when `replace` (under `_lock`)."""
+        """End the idle slots on a node of another environment (`measure_in`), each with a fresh
+        worker asked for in its place, on a node of the driver's, when `replace` (under `_lock`)."""
         if self._accept is None or self._closed:
             return
         for slot in list(self._idle):
             if self._usable(slot) or slot.pending is not None:
                 continue
             self._idle.remove(slot)
-            self._parked.append(slot)
+            self._kill(slot)
+            self._released += 1
             if replace and not self._closed:
-                actor = self._new_worker()
-                self._idle.append(_Slot(actor, pending=actor.warm.remote()))
+                fresh = self._spawn()
+                if fresh is not None:
+                    self._idle.append(fresh)
 
     def _stranded(self) -> str | None:
         """Why the jobs waiting can never start (under `_lock`): `measure_in` chose nodes, and no slot
@@ -296,16 +332,21 @@ class RayExecutor:
         now = time.monotonic()
         if any(self._usable(s) or (s.pending is not None and now - s.born < WARM_TIMEOUT_S) for s in self._idle):
             return None
-        other = f" ({len(self._parked)} left idle on nodes of another environment)" if self._parked else ""
+        other = f" ({self._released} given back on nodes of another environment)" if self._released else ""
         return (f"no slot of the cluster measures with the driver's environment any more{other}: the nodes it "
                 f"measured on are gone and no replacement started in {WARM_TIMEOUT_S:.0f} s")
 
     def _harness_slot(self) -> _Slot | None:
         """The harness's share, on a node of the driver's environment once `measure_in` chose one
-        (under `_harness_lock`): one on another node is parked and another asked for, a few times;
-        then `InfrastructureFailure`."""
+        (under `_harness_lock`): one on another node is ended and another asked for there, a few
+        times; then `InfrastructureFailure`."""
         for _ in range(4):
             with self._lock:
+                if self._harness is None and self.harness_gpus and not self._closed:  # lost, none in its place
+                    self._harness = self._spawn(harness=True)
+                    if self._harness is None:
+                        raise InfrastructureFailure("no node that measures with the driver's environment is left "
+                                                    "for the GPU share of prepare/score")
                 slot = None if self._closed else self._harness
             if slot is None or self._accept is None:
                 return slot
@@ -313,9 +354,9 @@ class RayExecutor:
                 self.ray.wait([slot.pending], timeout=WARM_TIMEOUT_S)
             with self._lock:
                 if not self._usable(slot) and slot.pending is None and self._harness is slot:
-                    self._parked.append(slot)
-                    actor = self._new_worker(gpus=self.harness_gpus, cpus=0)
-                    self._harness = _Slot(actor, pending=actor.warm.remote())
+                    self._kill(slot)
+                    self._released += 1
+                    self._harness = self._spawn(harness=True)  # None: the next pass says so
                     self._harness_inputs.clear()
                     continue
             return slot
@@ -588,8 +629,9 @@ class RayExecutor:
         with self._lock:
             self._lent.pop(slot, None)
             if not self._closed:
-                actor = self._new_worker()
-                self._idle.append(_Slot(actor, pending=actor.warm.remote()))
+                fresh = self._spawn(near=slot.node)  # None: no node of the driver's environment is left
+                if fresh is not None:
+                    self._idle.append(fresh)
                 self._lock.notify_all()
 
     def run_harness(self, argv: list[str], *, cwd: Path, ro: list[Path | str], rw: list[Path | str],
@@ -724,8 +766,8 @@ class RayExecutor:
         self._harness_inputs.clear()  # refs that may have gone with it
         with self._lock:
             if self._harness is slot and not self._closed:
-                actor = self._new_worker(gpus=self.harness_gpus, cpus=0)
-                self._harness = _Slot(actor, pending=actor.warm.remote())
+                # None: no node of the driver's environment is left; the next call asks again, or says so
+                self._harness = self._spawn(near=slot.node, harness=True)
 
     def _kill(self, slot: _Slot) -> None:
         try:
@@ -781,9 +823,8 @@ class RayExecutor:
     def _ask_usage(self) -> None:
         """Ask each GPU's reporting slot for its samples since it was last asked (unless it has not
         answered yet). One slot per GPU reports it; a new reporter's first answer is not counted."""
-        with self._lock:  # the harness's share counts too: allocated, idle between its calls; and the
-            # parked slots' (`measure_in`): held, never used, so the busy share says what they cost
-            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent, *self._parked,
+        with self._lock:  # the harness's share counts too: allocated, idle between its calls
+            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent,
                      *([self._harness] if self._harness else [])]
         alive = set(slots)
         for slot in slots:
@@ -943,10 +984,9 @@ class RayExecutor:
         with self._lock:  # a stage run ahead ends (cancelled) before Ray may go
             while any(self._lent.values()) and time.monotonic() < deadline:
                 self._lock.wait(0.2)
-            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent, *self._parked,
+            slots = [*self._idle, *(s for _, _, s in self._refs.values()), *self._lent,
                      *([self._harness] if self._harness else [])]
             self._harness = None
-            self._parked.clear()
             self._alone.clear()
             self._crowded.clear()
             self._retried.clear()

@@ -290,7 +290,7 @@ class WarmWorker:
     def warm(self) -> dict[str, Any]:
         """Start the warm worker now (it imports torch and peft): its pid, this actor's GPUs and what
         this node measures with (`environment.node_facts`)."""
-        return {"pid": self._start().pid, "gpus": self.gpu_keys, "env": self.facts}
+        return {"pid": self._start().pid, "gpus": self.gpu_keys, "env": self.facts, "node": _node_id()}
 
     def take_usage(self) -> dict[str, list[float]]:
         """Each of this actor's GPUs' [samples, busy, utilisation sum] since the last call, by its key."""
@@ -409,6 +409,16 @@ def _sweep_harness_jobs() -> None:
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             continue
+
+
+def _node_id() -> str | None:
+    """The Ray node this actor runs on (the executor places replacements by it), None outside Ray."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None
 
 
 def _host() -> str:
