@@ -249,3 +249,40 @@ def ray_executor_slot(actor):
     from pipeline.executors.ray_executor import _Slot
 
     return _Slot(actor, pending=actor.warm.remote())
+
+
+def test_when_the_environments_nodes_are_replaced_the_new_ones_are_tried_and_learned(tmp_path: Path) -> None:
+    """Spot machines taken back, the autoscaler's new ones in their place: with no node of the
+    driver's environment alive, a replacement is tried on a live node not tried yet; it measures
+    with the driver's environment, so it is learned and the stages go on there."""
+    import psutil
+
+    from pipeline.executors.ray_executor import RayExecutor
+
+    with ray_exclusive(), RayCluster(head_cpus=0, worker_cpus=2) as cluster, cluster.connected():
+        ex = RayExecutor(cpus=1, preload=())
+        try:
+            assert ex.slots == 2
+            assert ex.measure_in(lambda facts: facts["packages"].get("numpy") != OLD_NUMPY) == 0
+            (first,) = ex._nodes
+            cluster._start([f"--address={cluster.address}", "--num-cpus=2"])  # the new machine
+            doomed = [p for p in cluster.processes() if cluster.dirs[1] in " ".join(p.cmdline())]
+            for p in doomed:  # the first machine is taken back
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            deadline = time.monotonic() + 90
+            while any(n["NodeID"] == first and n["Alive"] for n in ray.nodes()):
+                assert time.monotonic() < deadline, "Ray did not notice the node's death"
+                time.sleep(0.5)
+            (second,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")]
+            got = _collect(ex, [_job(tmp_path, f"s{i}") for i in range(4)], limit=180)
+            ok = [r for r in got.values() if r.status == "ok"]
+            assert ok and {r.status for r in got.values()} <= {"ok", "infra"}, got
+            assert {r.host for r in ok} == {f"{os.uname().nodename}/ray-{second[:8]}"}
+            assert ex._nodes == [first, second]
+            got = _collect(ex, [_job(tmp_path, f"u{i}") for i in range(2)], limit=120)
+            assert {r.status for r in got.values()} == {"ok"}, got
+        finally:
+            ex.close()

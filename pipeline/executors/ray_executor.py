@@ -82,7 +82,7 @@ class _Slot:
     born: float = field(default_factory=time.monotonic)
     facts: dict[str, Any] | None = None  # what its node measures with (`environment.node_facts`), from `warm`
     fits: bool | None = None  # whether that is the driver's environment (`measure_in`); None: not asked yet
-    node: str | None = None  # the Ray node it runs on, from `warm`
+    node: str | None = None  # the Ray node it runs on, from `warm` (or the one it was placed on)
 
     def heard(self, ready: dict[str, Any]) -> None:
         """Its `warm`'s answer: its GPUs, its node's facts, its node."""
@@ -201,7 +201,8 @@ class RayExecutor:
         # `measure_in`: which nodes' slots get stages (None: all), the nodes found to measure so (a
         # replacement is placed on one of them), and how many slots on other nodes were given back
         self._accept: Callable[[dict[str, Any]], bool] | None = None
-        self._nodes: list[str] = []
+        self._nodes: list[str] = []  # ... learned from the slots' answers, first seen first
+        self._foreign: set[str] = set()  # nodes found to measure otherwise (or where a worker tried died warming)
         self._released = 0
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
             slots = [*([self._harness] if self._harness else []), *self._idle]
@@ -236,24 +237,33 @@ class RayExecutor:
     def _spawn(self, near: str | None = None, harness: bool = False) -> _Slot | None:
         """A fresh slot (the harness's share with `harness`), warming. Once `measure_in` chose the
         nodes, on one of them that is alive (`near`, the node of the slot it replaces, first; then
-        the one with the fewest of our slots), never elsewhere; None when none of them is alive."""
+        the one with the fewest of our slots), never on a node found to measure otherwise. When none
+        of them is alive (spot machines taken back, and the autoscaler's new ones in their place),
+        on a live node not tried yet, each in turn, to learn what it measures with; None when
+        there is none."""
         node = None
-        if self._accept is not None and self._nodes:
-            try:
-                alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
+        if self._accept is not None:
+            cpus, gpus = (0, self.harness_gpus) if harness else (self.cpus, self.gpus)
+            try:  # the live nodes that could hold it at all (a head node without CPUs cannot)
+                alive = [n["NodeID"] for n in self.ray.nodes() if n.get("Alive")
+                         and (n.get("Resources") or {}).get("CPU", 0) >= cpus
+                         and (n.get("Resources") or {}).get("GPU", 0) >= gpus - 1e-9]
             except Exception:  # the GCS did not answer: the nodes as they were
-                alive = set(self._nodes)
+                alive = list(self._nodes)
             live = [n for n in self._nodes if n in alive]
-            if not live:
-                return None
+            held = [s.node for s in (*self._idle, *self._lent, *(s for _, _, s in self._refs.values()))]
             if near in live:
                 node = near
-            else:
-                held = [s.node for s in (*self._idle, *self._lent, *(s for _, _, s in self._refs.values()))]
+            elif live:
                 node = min(live, key=held.count)
+            else:
+                untried = [n for n in alive if n not in self._foreign and n not in self._nodes]
+                if not untried:
+                    return None
+                node = min(untried, key=held.count)
         actor = (self._new_worker(gpus=self.harness_gpus, cpus=0, node=node) if harness
                  else self._new_worker(node=node))
-        return _Slot(actor, pending=actor.warm.remote())
+        return _Slot(actor, pending=actor.warm.remote(), node=node)
 
     @property
     def slots(self) -> int:
@@ -284,8 +294,7 @@ class RayExecutor:
             self._accept = accept
             before = self._released
             for slot in self._idle:
-                self._usable(slot)
-            self._nodes = list(dict.fromkeys(s.node for s in self._idle if s.fits and s.node))
+                self._usable(slot)  # each slot's node learned, in the slots' order
             self._sweep(replace=False)
             kept = [s.facts for s in self._idle if s.fits and isinstance(s.facts, dict)]
             if not kept:
@@ -305,6 +314,11 @@ class RayExecutor:
             return False
         if slot.fits is None:
             slot.fits = slot.facts is None or bool(self._accept(slot.facts))
+            if slot.node and slot.facts is not None:  # what its node measures with: learned
+                if not slot.fits:
+                    self._foreign.add(slot.node)
+                elif slot.node not in self._nodes:
+                    self._nodes.append(slot.node)
         return slot.fits
 
     def _sweep(self, replace: bool = True) -> None:
@@ -417,7 +431,8 @@ class RayExecutor:
             try:
                 slot.heard(self.ray.get(slot.pending))
             except self.ray.exceptions.RayError:  # it died warming: its first stage says so, as infra
-                pass
+                if slot.node and slot.node not in self._nodes:  # a node tried for it: not again
+                    self._foreign.add(slot.node)
             slot.pending = None
 
     def _unknown(self, slot: _Slot) -> bool:
