@@ -395,6 +395,7 @@ def test_a_database_a_newer_version_made_is_refused_in_one_line_and_left_alone(d
     engine.dispose()
 
 
+@pytest.mark.slow  # 4-14 s a database: the full suite runs it, `make test-fast` does not
 def test_a_years_reads_stay_within_the_databases_bounds_and_read_only_the_deepest_looks(store) -> None:
     """A year of a busy lab compares more commits than PostgreSQL binds in one statement (65,535;
     SQLite's usual build 32,766):

@@ -182,6 +182,7 @@ def test_the_two_sample_protocols_run_no_study(tmp_path: Path) -> None:
     store.dispose()
 
 
+@pytest.mark.slow  # the real loop, 12 s: the full suite runs it, `make test-fast` does not
 def test_through_the_loop_the_first_hypothesis_waits_for_the_study_and_decides_earlier(tmp_path: Path) -> None:
     """The real loop (CLI, sandboxed local executor, the simulated lab): a +4σ hypothesis, the lab's
     first, waits for the 5 baseline runs per task of the study, which all finish before its comparison
