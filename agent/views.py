@@ -189,7 +189,8 @@ def progress_line(pr: dict[str, Any], metric: str) -> str:
         hold = f"{p['holdout']:.4f}" if p["holdout"] is not None else "none"
         return (f"progress: no champion measured yet; the first baseline's mean {metric} on its own runs: "
                 f"gate split {p['gate']:.4f}, holdout {hold}")
-    n = max(n, pr.get("champions") or 0)  # `status` reads the latest champions only; the gains are the same
+    # `status` reads the latest champions only (the gains are the same): the others counted too
+    n += max(0, (pr.get("champions") or 0) - (pr.get("champions_read") or 0))
     line = f"progress over {n} champion(s), {metric} on their own runs: gate split {pr['gate_gain']:+.4f}"
     if pr["holdout_gain"] is None:
         return line + ", holdout: none (the harness has no holdout, or the champion's runs are not in yet)"

@@ -216,7 +216,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
         _lab, _store, rec = lab_store()
         q = request.query_params
         raw = q.get("page", "1")
-        if not raw.isdigit() or len(raw) > 9 or int(raw) < 1:
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 9 or int(raw) < 1:
             raise HTTPException(400, f"page must be a number from 1 ({raw[:40]!r})")
         number = int(raw)
         rows, total = rec.page_briefs(status=q.get("status") or None, decision=q.get("decision") or None,

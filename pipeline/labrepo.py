@@ -404,8 +404,18 @@ _FULL_SHA = re.compile(r"[0-9a-f]{40}")
 
 
 def resolve_commits(lab: Any, revs: list[str]) -> dict[str, str | UserError]:
-    """`resolve_commit` of many revisions, in one git call (`LabRepo.resolve_many`)."""
-    return LabRepo(lab.root).resolve_many(revs) if revs else {}
+    """`resolve_commit` of many revisions, in one git call (`LabRepo.resolve_many`); each maps to
+    its sha or to the `UserError` that names it (all of them, where the lab is no repository)."""
+    if not revs:
+        return {}
+    try:
+        repo = LabRepo(lab.root)
+    except UserError as e:
+        return {rev: e for rev in revs}
+    try:
+        return repo.resolve_many(revs)
+    finally:
+        repo.repo.close()
 
 
 def resolve_commit(lab: Any, rev: str) -> str:

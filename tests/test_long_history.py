@@ -293,7 +293,7 @@ def test_the_review_pages_list_is_paged_newest_first_with_its_filters_in_the_que
     assert len(ids(client.get("/hypotheses?decision=promote&page=2").text)) == 0
     page2 = client.get("/hypotheses?status=done&page=2")
     assert 'href="/hypotheses?status=done&amp;page=1"' in page2.text and 'href="/hypotheses?status=done&amp;page=3"' in page2.text
-    for bad in ("0", "x", "-1", "9" * 12):
+    for bad in ("0", "x", "-1", "9" * 12, "²"):
         assert client.get(f"/hypotheses?page={bad}").status_code == 400
     picked = client.get("/compare")
     assert picked.status_code == 200 and ids(picked.text)[:3] == every[:3]

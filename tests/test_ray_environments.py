@@ -252,9 +252,9 @@ def ray_executor_slot(actor):
 
 
 def test_when_the_environments_nodes_are_replaced_the_new_ones_are_tried_and_learned(tmp_path: Path) -> None:
-    """Spot machines taken back, the autoscaler's new ones in their place: with no node of the
-    driver's environment alive, a replacement is tried on a live node not tried yet; it measures
-    with the driver's environment, so it is learned and the stages go on there."""
+    """Spot machines taken back, the autoscaler's new ones minutes later: the slots lost while no
+    node can take them are asked for again until one can; a live node not tried yet is tried, it
+    measures with the driver's environment, so it is learned and the stages go on there."""
     import psutil
 
     from pipeline.executors.ray_executor import RayExecutor
@@ -265,10 +265,8 @@ def test_when_the_environments_nodes_are_replaced_the_new_ones_are_tried_and_lea
             assert ex.slots == 2
             assert ex.measure_in(lambda facts: facts["packages"].get("numpy") != OLD_NUMPY) == 0
             (first,) = ex._nodes
-            cluster._start([f"--address={cluster.address}", "--num-cpus=2"])  # the new machine
-            doomed = [p for p in cluster.processes() if cluster.dirs[1] in " ".join(p.cmdline())]
-            for p in doomed:  # the first machine is taken back
-                try:
+            for p in [p for p in cluster.processes() if cluster.dirs[1] in " ".join(p.cmdline())]:
+                try:  # the machine is taken back
                     p.kill()
                 except psutil.Error:
                     pass
@@ -276,13 +274,22 @@ def test_when_the_environments_nodes_are_replaced_the_new_ones_are_tried_and_lea
             while any(n["NodeID"] == first and n["Alive"] for n in ray.nodes()):
                 assert time.monotonic() < deadline, "Ray did not notice the node's death"
                 time.sleep(0.5)
+            # the stages sent to its slots are lost; no node can take their replacements yet
+            got = _collect(ex, [_job(tmp_path, f"s{i}") for i in range(2)], limit=60)
+            assert {r.status for r in got.values()} == {"infra"}, got
+            assert len(ex._lost) == 2 and not ex._idle
+            waiting = [_job(tmp_path, f"u{i}") for i in range(4)]
+            for j in waiting:
+                ex.submit(j)
+            ex.poll(1.0)  # they wait for a slot: not failed as stranded
+            cluster._start([f"--address={cluster.address}", "--num-cpus=2"])  # the new machine
             (second,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")]
-            got = _collect(ex, [_job(tmp_path, f"s{i}") for i in range(4)], limit=180)
-            ok = [r for r in got.values() if r.status == "ok"]
-            assert ok and {r.status for r in got.values()} <= {"ok", "infra"}, got
-            assert {r.host for r in ok} == {f"{os.uname().nodename}/ray-{second[:8]}"}
-            assert ex._nodes == [first, second]
-            got = _collect(ex, [_job(tmp_path, f"u{i}") for i in range(2)], limit=120)
-            assert {r.status for r in got.values()} == {"ok"}, got
+            got = {}
+            deadline = time.monotonic() + 180
+            while len(got) < len(waiting) and time.monotonic() < deadline:
+                got.update({r.job_id.split("-")[0]: r for r in ex.poll(0.3)})
+            assert {r.status for r in got.values()} == {"ok"} and len(got) == 4, got
+            assert {r.host for r in got.values()} == {f"{os.uname().nodename}/ray-{second[:8]}"}
+            assert ex._nodes == [first, second] and not ex._lost
         finally:
             ex.close()

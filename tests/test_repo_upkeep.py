@@ -83,6 +83,13 @@ def test_many_revisions_resolve_in_one_call_and_one_that_is_none_is_named(tmp_pa
     assert isinstance(got["no-such-tag"], UserError) and "no-such-tag" in str(got["no-such-tag"])
     assert isinstance(got["--all"], UserError)
     assert repo.resolve_many([]) == {}
+    from types import SimpleNamespace
+
+    from pipeline.labrepo import resolve_commits
+
+    assert resolve_commits(lab, ["exp/1", "no-such-tag"])["exp/1"] == other
+    gone = resolve_commits(SimpleNamespace(root=tmp_path / "not-a-repo"), ["exp/1"])  # each revision's error
+    assert isinstance(gone["exp/1"], UserError)
 
 
 def test_trees_of_many_commits_come_in_one_call_and_match_one_at_a_time(tmp_path: Path) -> None:

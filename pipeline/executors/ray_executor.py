@@ -61,6 +61,7 @@ from pipeline.executors.local import DEFAULT_PRELOAD
 MAX_PINNED_INPUTS = 256  # input folders kept in the object store for reuse by later stages
 USAGE_GIVE_UP_S = 60.0  # an actor that has not answered `take_usage` in this long is asked no more
 HARNESS_GRACE_S = 30.0  # past its timeout (or a stop), a harness call the node does not end is lost
+RESPAWN_EVERY_S = 5.0  # a slot lost with no node to replace it on is asked for again this often
 WARM_TIMEOUT_S = 300.0  # a node importing torch and peft takes seconds; a worker Ray cannot place, for ever
 AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
              "RAY_AUTH_MODE=disabled, or give both the same token")
@@ -204,6 +205,10 @@ class RayExecutor:
         self._nodes: list[str] = []  # ... learned from the slots' answers, first seen first
         self._foreign: set[str] = set()  # nodes found to measure otherwise (or where a worker tried died warming)
         self._released = 0
+        # slots lost when no node could take a replacement: (when, its node), asked for again every
+        # RESPAWN_EVERY_S (the autoscaler's new machine may come minutes after the old one went)
+        self._lost: list[tuple[float, str | None]] = []
+        self._respawned = 0.0
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
             slots = [*([self._harness] if self._harness else []), *self._idle]
             readies = ray.get([w.actor.warm.remote() for w in slots], timeout=WARM_TIMEOUT_S)
@@ -250,7 +255,7 @@ class RayExecutor:
                          and (n.get("Resources") or {}).get("GPU", 0) >= gpus - 1e-9]
             except Exception:  # the GCS did not answer: the nodes as they were
                 alive = list(self._nodes)
-            live = [n for n in self._nodes if n in alive]
+            live = [n for n in self._nodes if n in alive and n not in self._foreign]
             held = [s.node for s in (*self._idle, *self._lent, *(s for _, _, s in self._refs.values()))]
             if near in live:
                 node = near
@@ -315,15 +320,16 @@ class RayExecutor:
         if slot.fits is None:
             slot.fits = slot.facts is None or bool(self._accept(slot.facts))
             if slot.node and slot.facts is not None:  # what its node measures with: learned
-                if not slot.fits:
+                if not slot.fits:  # (a node of ours whose software changed in place: not ours any more)
                     self._foreign.add(slot.node)
-                elif slot.node not in self._nodes:
+                elif slot.node not in self._nodes and slot.node not in self._foreign:
                     self._nodes.append(slot.node)
         return slot.fits
 
     def _sweep(self, replace: bool = True) -> None:
         """End the idle slots on a node of another environment (`measure_in`), each with a fresh
-        worker asked for in its place, on a node of the driver's, when `replace` (under `_lock`)."""
+        worker asked for in its place, on a node of the driver's, when `replace`; and ask again, every
+        RESPAWN_EVERY_S, for the slots lost when no node could take them (`_lost`) (under `_lock`)."""
         if self._accept is None or self._closed:
             return
         for slot in list(self._idle):
@@ -336,6 +342,18 @@ class RayExecutor:
                 fresh = self._spawn()
                 if fresh is not None:
                     self._idle.append(fresh)
+                else:
+                    self._lost.append((time.monotonic(), slot.node))
+        now = time.monotonic()
+        if self._lost and replace and now - self._respawned >= RESPAWN_EVERY_S:
+            self._respawned = now
+            for item in list(self._lost):
+                fresh = self._spawn(near=item[1])
+                if fresh is None:
+                    break
+                self._lost.remove(item)
+                self._idle.append(fresh)
+                self._lock.notify_all()
 
     def _stranded(self) -> str | None:
         """Why the jobs waiting can never start (under `_lock`): `measure_in` chose nodes, and no slot
@@ -345,6 +363,8 @@ class RayExecutor:
             return None
         now = time.monotonic()
         if any(self._usable(s) or (s.pending is not None and now - s.born < WARM_TIMEOUT_S) for s in self._idle):
+            return None
+        if any(now - lost < WARM_TIMEOUT_S for lost, _ in self._lost):  # a node may still come for it
             return None
         other = f" ({self._released} given back on nodes of another environment)" if self._released else ""
         return (f"no slot of the cluster measures with the driver's environment any more{other}: the nodes it "
@@ -369,7 +389,6 @@ class RayExecutor:
             with self._lock:
                 if not self._usable(slot) and slot.pending is None and self._harness is slot:
                     self._kill(slot)
-                    self._released += 1
                     self._harness = self._spawn(harness=True)  # None: the next pass says so
                     self._harness_inputs.clear()
                     continue
@@ -644,9 +663,11 @@ class RayExecutor:
         with self._lock:
             self._lent.pop(slot, None)
             if not self._closed:
-                fresh = self._spawn(near=slot.node)  # None: no node of the driver's environment is left
+                fresh = self._spawn(near=slot.node)
                 if fresh is not None:
                     self._idle.append(fresh)
+                else:  # no node of the driver's environment is alive now: asked for again later
+                    self._lost.append((time.monotonic(), slot.node))
                 self._lock.notify_all()
 
     def run_harness(self, argv: list[str], *, cwd: Path, ro: list[Path | str], rw: list[Path | str],
@@ -671,7 +692,12 @@ class RayExecutor:
                 raise Interrupted(f"stopping: {Path(argv[0]).name} abandoned while it waited for the harness's share",
                                   started=False)
         try:
-            slot = self._harness_slot()
+            try:
+                slot = self._harness_slot()
+            except InfrastructureFailure:
+                if self._closed or (stop is not None and stop.is_set()):  # a stop is a stop, not a lost node
+                    raise Interrupted(f"stopping: {Path(argv[0]).name} abandoned", started=False) from None
+                raise
             if slot is None:
                 raise Interrupted(f"stopping: {Path(argv[0]).name} abandoned (the Ray executor is closed)",
                                   started=False)
