@@ -981,16 +981,21 @@ def measure(fn: Callable[[], Any], repeat: int, after: Callable[[Any], None] | N
 def cli_status(root: Path, url: str | None, repeat: int) -> Timing:
     """`autoresearch status --json` as a user runs it: a fresh process each time (wall, its own peak RSS)."""
     cmd = [str(CLI), "--repo", str(root), *(["--db", url] if url else []), "status", "--json"]
+    # started from a small launcher: a child forked from this process (hundreds of MB after the
+    # build) has this process's pages in its peak RSS until it execs, whatever it does itself
+    launcher = ("import json, resource, subprocess, sys, time\n"
+                "t = time.perf_counter()\n"
+                "p = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)\n"
+                "print(json.dumps([p.returncode, time.perf_counter() - t,"
+                " resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, p.stderr.decode()[-80:]]))\n")
     walls, peaks = [], []
     for _ in range(1 + repeat):
-        t = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _, status, ru = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        walls.append(time.perf_counter() - t)
-        peaks.append(ru.ru_maxrss / 1024)
-        if p.returncode:
-            return Timing(None, None, None, f"exit {p.returncode}: {p.stderr.read().decode()[-80:]}")
+        out = subprocess.run([sys.executable, "-c", launcher, *cmd], capture_output=True, text=True, check=True)
+        code, wall, peak, err = json.loads(out.stdout)
+        walls.append(wall)
+        peaks.append(peak)
+        if code:
+            return Timing(None, None, None, f"exit {code}: {err}")
         if walls[-1] > REPEAT_LIMIT_S:
             break
     return Timing(1000 * statistics.median(walls[1:] or walls), 1000 * walls[0], max(peaks))
