@@ -461,3 +461,39 @@ def test_check_names_the_environment_and_warns_of_a_pattern_that_matches_nothing
     assert f"numpy {metadata.version('numpy')}" in summary["environment"]
     assert warnings == ["[run] environment: 'torhc*' matches no distribution installed on this machine, so no version "
                         "of it is counted here"]
+
+
+@pytest.mark.unit
+def test_the_pairing_statistics_in_plain_python_equal_numpys() -> None:
+    """`lab_pairing` (every `status`) computes the seed-k statistics of 500 comparisons in plain
+    Python: the same correlation, paired sd and variance ratio as numpy's, and None where numpy's
+    are undefined (fewer than 2 or 3 pairs, a constant side)."""
+    import random
+
+    import numpy as np
+
+    from pipeline.variance import _pair_stats
+
+    rng = random.Random(7)
+    cases = [([1.0, 1.0, 1.0], [2.0, 2.0, 2.0]), ([], []), ([0.5], [0.7])]
+    cases += [([rng.gauss(0, 1) for _ in range(n)],) for n in (2, 3, 5, 10, 30) for _ in range(60)]
+    for case in cases:
+        b = case[0]
+        c = case[1] if len(case) > 1 else [v + rng.gauss(0, 0.5) for v in b]
+        got = _pair_stats(b, c)
+        x, y = np.array(b, dtype=float), np.array(c, dtype=float)
+        n = len(x)
+        assert got["pairs"] == n
+        want_sd = float(x.std(ddof=1)) if n > 1 else None
+        assert (got["sd"] is None) == (want_sd is None) and (want_sd is None or abs(got["sd"] - want_sd) < 1e-9)
+        if n < 2:
+            assert got["sd_paired_difference"] is None and got["variance_ratio"] is None
+            continue
+        assert abs(got["sd_paired_difference"] - float((y - x).std(ddof=1))) < 1e-9
+        unpaired = x.var(ddof=1) + y.var(ddof=1)
+        ratio = float((y - x).var(ddof=1) / unpaired) if unpaired > 0 else None
+        assert (got["variance_ratio"] is None) == (ratio is None)
+        assert ratio is None or abs(got["variance_ratio"] - ratio) < 1e-9
+        corr = float(np.corrcoef(x, y)[0, 1]) if n > 2 and x.std() > 0 and y.std() > 0 else None
+        assert (got["pair_correlation"] is None) == (corr is None)
+        assert corr is None or abs(got["pair_correlation"] - corr) < 1e-9
