@@ -295,5 +295,7 @@ def test_the_review_pages_list_is_paged_newest_first_with_its_filters_in_the_que
     assert 'href="/hypotheses?status=done&amp;page=1"' in page2.text and 'href="/hypotheses?status=done&amp;page=3"' in page2.text
     for bad in ("0", "x", "-1", "9" * 12, "²"):
         assert client.get(f"/hypotheses?page={bad}").status_code == 400
+    unknown = client.get("/hypotheses?status=bogus&decision=%3Cscript%3Ex1")  # no such value: none, escaped
+    assert unknown.status_code == 200 and ids(unknown.text) == [] and "<script>x1" not in unknown.text
     picked = client.get("/compare")
     assert picked.status_code == 200 and ids(picked.text)[:3] == every[:3]
