@@ -75,8 +75,10 @@ def _pair_stats(b: list[float], c: list[float]) -> dict[str, Any]:
     Plain Python: `status` computes it for every task of 500 comparisons, a few pairs each, where
     numpy's per-call overhead was 0.2 s."""
     x, y = [float(v) for v in b], [float(v) for v in c]
+    if len(x) != len(y):
+        raise ValueError(f"pairs need one challenger run per baseline run ({len(x)} and {len(y)})")
     n = len(x)
-    mx, my = (sum(x) / n, sum(y) / len(y)) if n and y else (0.0, 0.0)
+    mx, my = sum(x) / n if n else 0.0, sum(y) / len(y) if y else 0.0
     sxx = sum((v - mx) ** 2 for v in x)
     syy = sum((v - my) ** 2 for v in y)
     out: dict[str, Any] = {"pairs": n, "pair_correlation": None, "sd_paired_difference": None,
