@@ -31,14 +31,14 @@ run: venv
 TEST_WORKERS ?= 2
 
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # the tiers are pytest markers (pyproject.toml); every test module declares one in `pytestmark`.
 # langsmith's pytest plugin (it comes with langgraph; no test uses it) costs seconds per worker.
 FAST := (unit or integration) and not (system or slow)
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p no:langsmith_plugin -m "$(FAST)" --durations=10
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -p no:langsmith_plugin -m "$(FAST)" --durations=10
 
 bench: venv
 	$(BIN)/python benchmarks/pipeline_speed.py

@@ -201,8 +201,7 @@ def make_app(repo: Path, db: str | None, token: str, loopback: bool = True) -> A
                    for t in tags[-OVERVIEW_BASELINES:] for c in [ws.repo.commit(t)]]
         recent = [h for h in st["hypotheses"] if h["verdict"]][-10:][::-1]
         flying = []  # each hypothesis in flight: its challenger runs so far, done of queued
-        for hid in st["in_flight"]:
-            h = rec.get(hid)
+        for h in rec.briefs_of(list(st["in_flight"])):  # one query, without the hypotheses' texts
             runs = store.runs(commit=h.commit) if h.commit else []
             flying.append({"id": h.id, "title": h.title, "status": h.status, "look": h.look,
                            "done": sum(RunStatus(r.status).is_finished() for r in runs), "total": len(runs),

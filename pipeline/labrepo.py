@@ -403,36 +403,41 @@ _local = threading.local()  # per thread: a git.Repo's helper processes are not 
 _FULL_SHA = re.compile(r"[0-9a-f]{40}")
 
 
+def _thread_repo(root: Path) -> LabRepo:
+    """This thread's one `LabRepo` of the lab at `root` (not a new repository object and its helper
+    processes per call); a process that opens many labs (a test run) keeps helpers for 4."""
+    repos = _local.__dict__.setdefault("repos", {})
+    repo = repos.pop(str(root), None)
+    if repo is None:
+        repo = LabRepo(root)
+        while len(repos) >= 4:
+            repos.pop(next(iter(repos))).repo.close()
+    repos[str(root)] = repo  # most recently used last
+    return repo
+
+
 def resolve_commits(lab: Any, revs: list[str]) -> dict[str, str | UserError]:
-    """`resolve_commit` of many revisions, in one git call (`LabRepo.resolve_many`); each maps to
-    its sha or to the `UserError` that names it (all of them, where the lab is no repository)."""
+    """`resolve_commit` of many revisions, in one git call (`LabRepo.resolve_many`, by this thread's
+    one `LabRepo` of the lab); each maps to its sha or to the `UserError` that names it (all of them,
+    where the lab is no repository)."""
     if not revs:
         return {}
     try:
-        repo = LabRepo(lab.root)
+        repo = _thread_repo(lab.root)
     except UserError as e:
         return {rev: e for rev in revs}
-    try:
-        return repo.resolve_many(revs)
-    finally:
-        repo.repo.close()
+    return repo.resolve_many(revs)
 
 
 def resolve_commit(lab: Any, rev: str) -> str:
     """The full sha of `rev` in `lab`'s repository. A full sha once found there is known from then on
     (commits do not change); a branch or tag is resolved each time, by this thread's one `LabRepo`
-    of the lab (not a new repository object and its helper processes per call)."""
+    of the lab."""
     known = _local.__dict__.setdefault("shas", set())
     key = (str(lab.root), rev)
     if key in known:
         return rev
-    repos = _local.__dict__.setdefault("repos", {})
-    repo = repos.pop(key[0], None)
-    if repo is None:
-        repo = LabRepo(lab.root)
-        while len(repos) >= 4:  # a process that opens many labs (a test run) keeps helpers for 4
-            repos.pop(next(iter(repos))).repo.close()
-    repos[key[0]] = repo  # most recently used last
+    repo = _thread_repo(lab.root)
     sha = repo.resolve(rev)
     if sha == rev and _FULL_SHA.fullmatch(rev):
         known.add(key)

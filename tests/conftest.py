@@ -37,6 +37,10 @@ def _hermetic_git(tmp_path_factory: _pytest_llm.TempPathFactory):
     _restore_env(saved)
 # --- end hermetic host environment ------------------------------------------------------------------
 
+# the longest test modules go to the xdist workers first (tests/support/module_order.py)
+from support.module_order import (  # noqa: E402,F401
+    pytest_collection_modifyitems, pytest_runtest_logreport, pytest_sessionfinish)
+
 
 # --- fake OpenAI server fixture (owner: LLM client; see tests/support/fake_openai.py) ----------------------
 import pytest as _pytest_llm

@@ -61,6 +61,8 @@ from pipeline.executors.local import DEFAULT_PRELOAD
 MAX_PINNED_INPUTS = 256  # input folders kept in the object store for reuse by later stages
 USAGE_GIVE_UP_S = 60.0  # an actor that has not answered `take_usage` in this long is asked no more
 HARNESS_GRACE_S = 30.0  # past its timeout (or a stop), a harness call the node does not end is lost
+NODES_TTL_S = 1.0  # the cluster's node list is asked of the GCS no more often than this
+NODE_RETRY_S = 600.0  # a node where a worker died warming is tried again after this long
 RESPAWN_EVERY_S = 5.0  # a slot lost with no node to replace it on is asked for again this often
 WARM_TIMEOUT_S = 300.0  # a node importing torch and peft takes seconds; a worker Ray cannot place, for ever
 AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
@@ -203,12 +205,14 @@ class RayExecutor:
         # replacement is placed on one of them), and how many slots on other nodes were given back
         self._accept: Callable[[dict[str, Any]], bool] | None = None
         self._nodes: list[str] = []  # ... learned from the slots' answers, first seen first
-        self._foreign: set[str] = set()  # nodes found to measure otherwise (or where a worker tried died warming)
+        self._foreign: set[str] = set()  # nodes found to measure otherwise
+        self._failed: dict[str, float] = {}  # untried nodes where a worker died warming → when (retried later)
         self._released = 0
         # slots lost when no node could take a replacement: (when, its node), asked for again every
         # RESPAWN_EVERY_S (the autoscaler's new machine may come minutes after the old one went)
         self._lost: list[tuple[float, str | None]] = []
         self._respawned = 0.0
+        self._nodes_seen: tuple[float, list[dict[str, Any]]] | None = None  # (when, ray.nodes()), `_cluster_nodes`
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
             slots = [*([self._harness] if self._harness else []), *self._idle]
             readies = ray.get([w.actor.warm.remote() for w in slots], timeout=WARM_TIMEOUT_S)
@@ -244,16 +248,16 @@ class RayExecutor:
         nodes, on one of them that is alive (`near`, the node of the slot it replaces, first; then
         the one with the fewest of our slots), never on a node found to measure otherwise. When none
         of them is alive (spot machines taken back, and the autoscaler's new ones in their place),
-        on a live node not tried yet, each in turn, to learn what it measures with; None when
-        there is none."""
+        on a live node not tried yet, each in turn, to learn what it measures with (one where a worker
+        died warming: again after NODE_RETRY_S); None when there is none."""
         node = None
         if self._accept is not None:
             cpus, gpus = (0, self.harness_gpus) if harness else (self.cpus, self.gpus)
-            try:  # the live nodes that could hold it at all (a head node without CPUs cannot)
-                alive = [n["NodeID"] for n in self.ray.nodes() if n.get("Alive")
-                         and (n.get("Resources") or {}).get("CPU", 0) >= cpus
-                         and (n.get("Resources") or {}).get("GPU", 0) >= gpus - 1e-9]
-            except Exception:  # the GCS did not answer: the nodes as they were
+            # the live nodes that could hold it at all (a head node without CPUs cannot)
+            alive = [n["NodeID"] for n in self._cluster_nodes() if n.get("Alive")
+                     and (n.get("Resources") or {}).get("CPU", 0) >= cpus
+                     and (n.get("Resources") or {}).get("GPU", 0) >= gpus - 1e-9]
+            if self._nodes_seen is None:  # the GCS did not answer: the nodes as they were
                 alive = list(self._nodes)
             live = [n for n in self._nodes if n in alive and n not in self._foreign]
             held = [s.node for s in (*self._idle, *self._lent, *(s for _, _, s in self._refs.values()))]
@@ -262,13 +266,28 @@ class RayExecutor:
             elif live:
                 node = min(live, key=held.count)
             else:
-                untried = [n for n in alive if n not in self._foreign and n not in self._nodes]
+                now = time.monotonic()
+                untried = [n for n in alive if n not in self._foreign and n not in self._nodes
+                           and now - self._failed.get(n, -NODE_RETRY_S) >= NODE_RETRY_S]
                 if not untried:
                     return None
                 node = min(untried, key=held.count)
         actor = (self._new_worker(gpus=self.harness_gpus, cpus=0, node=node) if harness
                  else self._new_worker(node=node))
         return _Slot(actor, pending=actor.warm.remote(), node=node)
+
+    def _cluster_nodes(self) -> list[dict[str, Any]]:
+        """The cluster's nodes as the GCS last told them, asked again no more often than every
+        NODES_TTL_S (under `_lock`: several slots lost at once ask once, not once each); [] when the
+        GCS did not answer (then `_nodes_seen` is None)."""
+        now = time.monotonic()
+        if self._nodes_seen is None or now - self._nodes_seen[0] >= NODES_TTL_S:
+            try:
+                self._nodes_seen = (now, list(self.ray.nodes()))
+            except Exception:
+                self._nodes_seen = None
+                return []
+        return self._nodes_seen[1]
 
     @property
     def slots(self) -> int:
@@ -450,8 +469,8 @@ class RayExecutor:
             try:
                 slot.heard(self.ray.get(slot.pending))
             except self.ray.exceptions.RayError:  # it died warming: its first stage says so, as infra
-                if slot.node and slot.node not in self._nodes:  # a node tried for it: not again
-                    self._foreign.add(slot.node)
+                if slot.node and slot.node not in self._nodes:  # a node tried for it: not again for a while
+                    self._failed[slot.node] = time.monotonic()  # (a node out of memory then may have room later)
             slot.pending = None
 
     def _unknown(self, slot: _Slot) -> bool:
