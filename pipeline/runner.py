@@ -191,6 +191,13 @@ class Driver(Scoring, GpuAccounting):
         """How many stages the executor runs at once."""
         return self.executor.slots
 
+    def environment_gone(self) -> str | None:
+        """Why this driver's stages can no longer be measured in its environment, where the executor
+        can tell (`RayExecutor.environment_gone`: a cluster whose nodes of that environment are all
+        gone, others alive); None otherwise, and always for stages measured on this machine."""
+        gone = getattr(self.executor, "environment_gone", None)
+        return gone() if callable(gone) else None
+
     def start(self) -> None:
         """Reconcile the queue, repair worktrees and the cache, start the heartbeat (unless the process
         has one: `heartbeat`). Idempotent."""

@@ -293,3 +293,65 @@ def test_when_the_environments_nodes_are_replaced_the_new_ones_are_tried_and_lea
             assert ex._nodes == [first, second] and not ex._lost
         finally:
             ex.close()
+
+
+def test_when_every_node_of_the_environment_is_gone_and_others_live_the_loop_stops_to_measure_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster re-imaged under a running loop (another numpy, torch or driver), node by node: once no
+    node of the driver's environment has been alive for ENV_GONE_S while nodes of another live, the
+    driver says so and the loop stops as after an upgrade on its own machine (`environment changed`,
+    `run` exits with code 3; its next start measures in the cluster's environment). While no node that
+    could take a slot is alive, it is an outage, not a move: nothing is said."""
+    import psutil
+
+    from agent.loop import ENVIRONMENT_CHANGED, guards
+    from pipeline.executors import ray_executor
+    from pipeline.executors.ray_executor import RayExecutor
+    from support.lab import make_loop
+
+    from pipeline.harness import HARNESSES
+
+    monkeypatch.setattr(ray_executor, "ENV_GONE_S", 2.0)
+    monkeypatch.setattr(guards, "CLUSTER_ENV_CHECK_S", 0.0)
+    monkeypatch.setattr(HARNESSES, "_entries", {**HARNESSES._entries, "tiny": TinyHarness})  # the loop opens
+    # the lab, whose harness is named as a plugin's would be
+    lab = make_lab(tmp_path / "lab", timeout_s=60)
+    store = experiment.open_store(lab)
+    with ray_exclusive(), RayCluster(head_cpus=0, worker_cpus=2) as cluster, cluster.connected():
+        loop = make_loop(lab.root, offline=True, max_hypotheses=1)
+        try:
+            with runner.Driver(lab, store, RayExecutor(cpus=1, preload=()), harness=TinyHarness()) as d:
+                ex = d.executor
+                (first,) = ex._nodes
+                assert d.environment_gone() is None and not loop.environment_moved(d)
+                for p in [p for p in cluster.processes() if cluster.dirs[1] in " ".join(p.cmdline())]:
+                    try:  # the node is taken down to be re-imaged
+                        p.kill()
+                    except psutil.Error:
+                        pass
+                deadline = time.monotonic() + 90
+                while any(n["NodeID"] == first and n["Alive"] for n in ray.nodes()):
+                    assert time.monotonic() < deadline, "Ray did not notice the node's death"
+                    time.sleep(0.5)
+                got = _collect(ex, [_job(tmp_path, f"s{i}") for i in range(2)], limit=60)
+                assert {r.status for r in got.values()} == {"infra"}, got  # sent to the dead slots
+                time.sleep(2.5)  # past ENV_GONE_S with no node alive but the head (no CPU: no slot)
+                assert d.environment_gone() is None and not loop.environment_moved(d)
+                # the node comes back with another numpy: a lost slot is tried there, given back
+                cluster._start([f"--address={cluster.address}", "--num-cpus=2"], older_stack(tmp_path))
+                deadline = time.monotonic() + 120
+                while not ex._foreign:
+                    assert time.monotonic() < deadline, "the new node was never tried"
+                    ex.poll(0.3)
+                assert ex._nodes == [first]
+                why = d.environment_gone()  # the clock starts at the first look that sees it
+                assert why is None
+                time.sleep(2.5)
+                why = d.environment_gone()
+                assert why is not None and "no node of the measurement environment has been alive" in why, why
+                assert "1 live node(s) of the cluster measure with another environment" in why
+                assert loop.environment_moved(d) and loop.stop_reason == ENVIRONMENT_CHANGED and loop.stop.is_set()
+            [ev] = [e for e in loop.records.events(20) if e.kind == "environment"]
+            assert "the cluster's environment changed under the running loop" in ev.message
+        finally:
+            loop.close()

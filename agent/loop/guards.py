@@ -17,6 +17,7 @@ GUARD_STREAK = 3  # hypotheses in a row rejected or failing before the loop back
 GUARD_BACKOFF_S = 600.0
 LLM_BACKOFF_S = (5.0, 300.0)  # the first and the longest wait before asking an unreachable endpoint again
 ENV_CHECK_S = 60.0  # how often the loop looks whether the installed packages changed under it (0.1 s a look)
+CLUSTER_ENV_CHECK_S = 10.0  # how often it asks a cluster whether its environment's nodes are all gone
 ENVIRONMENT_CHANGED = "environment changed"  # the loop's stop reason then (`run` exits with code 3)
 
 
@@ -72,18 +73,33 @@ class Guards:
         old modules and import the new ones, so no run measured from now on would be one
         environment's: the loop stops (`stop_reason` "environment changed", an `environment` event;
         `run` exits with code 3) and its next start re-measures the baseline in the new one. Only
-        where the driver's stages run on this machine (on Ray the nodes report theirs per result)."""
+        where the driver's stages run on this machine (on Ray the nodes report theirs per result, and
+        the loop stops the same way when every node of the driver's environment is gone while nodes of
+        another live: `Driver.environment_gone`)."""
         from pipeline.api import environment_change, environment_facts
 
-        if not driver.measures_here or time.monotonic() - self._env_checked < ENV_CHECK_S:
+        if not driver.measures_here:  # on a cluster: its nodes of the driver's environment all gone, others live
+            if time.monotonic() - self._env_checked < CLUSTER_ENV_CHECK_S:
+                return False
+            self._env_checked = time.monotonic()
+            why = driver.environment_gone()
+            if why is None:
+                return False
+            msg = (f"the cluster's environment changed under the running loop ({why}): stopping; start it again to "
+                   "measure in the cluster's environment (the baseline is re-measured then)")
+            return self._environment_stop(msg)
+        if time.monotonic() - self._env_checked < ENV_CHECK_S:
             return False
         running = driver.environment
         self._env_checked = time.monotonic()
         now = self.lab.config.run.environment_of(environment_facts())
         if now.id == running.id:
             return False
-        msg = (f"the environment changed under the running loop ({environment_change(running, now)}): stopping; "
-               "start it again to measure in the new one (the baseline is re-measured then)")
+        return self._environment_stop(
+            f"the environment changed under the running loop ({environment_change(running, now)}): stopping; "
+            "start it again to measure in the new one (the baseline is re-measured then)")
+
+    def _environment_stop(self, msg: str) -> bool:
         self.records.event("environment", msg)
         self.say(msg)
         self.stop_reason = ENVIRONMENT_CHANGED

@@ -63,6 +63,7 @@ USAGE_GIVE_UP_S = 60.0  # an actor that has not answered `take_usage` in this lo
 HARNESS_GRACE_S = 30.0  # past its timeout (or a stop), a harness call the node does not end is lost
 NODES_TTL_S = 1.0  # the cluster's node list is asked of the GCS no more often than this
 NODE_RETRY_S = 600.0  # a node where a worker died warming is tried again after this long
+ENV_GONE_S = 240.0  # no node of the chosen environment alive this long, others alive: the environment moved
 RESPAWN_EVERY_S = 5.0  # a slot lost with no node to replace it on is asked for again this often
 WARM_TIMEOUT_S = 300.0  # a node importing torch and peft takes seconds; a worker Ray cannot place, for ever
 AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
@@ -213,6 +214,7 @@ class RayExecutor:
         self._lost: list[tuple[float, str | None]] = []
         self._respawned = 0.0
         self._nodes_seen: tuple[float, list[dict[str, Any]]] | None = None  # (when, ray.nodes()), `_cluster_nodes`
+        self._gone_since: float | None = None  # `environment_gone`: since when no node of ours was seen alive
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
             slots = [*([self._harness] if self._harness else []), *self._idle]
             readies = ray.get([w.actor.warm.remote() for w in slots], timeout=WARM_TIMEOUT_S)
@@ -288,6 +290,35 @@ class RayExecutor:
                 self._nodes_seen = None
                 return []
         return self._nodes_seen[1]
+
+    def environment_gone(self) -> str | None:
+        """Why the stages can no longer run where `measure_in` chose: for ENV_GONE_S (less than the
+        WARM_TIMEOUT_S after which the stages waiting fail) no node of the chosen environment has been
+        alive, while live nodes of the cluster measure with another (a cluster re-imaged with a new
+        torch or driver, node by node, under a running loop). The loop stops then, and its next start
+        measures in the cluster's environment (the baseline re-measured there). None otherwise: before
+        `measure_in`, while a node of ours is alive or none at all (an outage, not a move), or while
+        the GCS does not answer. Polled by the loop; its first call that sees the nodes gone starts
+        the clock."""
+        with self._lock:
+            if self._accept is None or self._closed:
+                return None
+            nodes = self._cluster_nodes()
+            if self._nodes_seen is None:
+                return None
+            alive = {n["NodeID"] for n in nodes if n.get("Alive")}
+            ours = [n for n in self._nodes if n in alive and n not in self._foreign]
+            others = sorted(alive & self._foreign)
+            if ours or not others:
+                self._gone_since = None
+                return None
+            now = time.monotonic()
+            if self._gone_since is None:
+                self._gone_since = now
+            if now - self._gone_since < ENV_GONE_S:
+                return None
+            return (f"no node of the measurement environment has been alive for {now - self._gone_since:.0f} s, and "
+                    f"{len(others)} live node(s) of the cluster measure with another environment")
 
     @property
     def slots(self) -> int:
