@@ -253,8 +253,9 @@ def ray_executor_slot(actor):
 
 def test_when_the_environments_nodes_are_replaced_the_new_ones_are_tried_and_learned(tmp_path: Path) -> None:
     """Spot machines taken back, the autoscaler's new ones minutes later: the slots lost while no
-    node can take them are asked for again until one can; a live node not tried yet is tried, it
-    measures with the driver's environment, so it is learned and the stages go on there."""
+    node can take them are asked of the cluster anyway and wait, pending (an autoscaler's demand);
+    the node that joins is tried, it measures with the driver's environment, so it is learned and
+    the stages go on there."""
     import psutil
 
     from pipeline.executors.ray_executor import RayExecutor
@@ -277,7 +278,8 @@ def test_when_the_environments_nodes_are_replaced_the_new_ones_are_tried_and_lea
             # the stages sent to its slots are lost; no node can take their replacements yet
             got = _collect(ex, [_job(tmp_path, f"s{i}") for i in range(2)], limit=60)
             assert {r.status for r in got.values()} == {"infra"}, got
-            assert len(ex._lost) == 2 and not ex._idle
+            # their replacements wait, pending, for a node to join (the demand an autoscaler scales up for)
+            assert len(ex._idle) == 2 and all(s.pending is not None and s.node is None for s in ex._idle)
             waiting = [_job(tmp_path, f"u{i}") for i in range(4)]
             for j in waiting:
                 ex.submit(j)
@@ -290,7 +292,7 @@ def test_when_the_environments_nodes_are_replaced_the_new_ones_are_tried_and_lea
                 got.update({r.job_id.split("-")[0]: r for r in ex.poll(0.3)})
             assert {r.status for r in got.values()} == {"ok"} and len(got) == 4, got
             assert {r.host for r in got.values()} == {f"{os.uname().nodename}/ray-{second[:8]}"}
-            assert ex._nodes == [first, second] and not ex._lost
+            assert ex._nodes == [first, second] and all(s.node == second for s in ex._idle), ex._idle
         finally:
             ex.close()
 

@@ -64,7 +64,6 @@ HARNESS_GRACE_S = 30.0  # past its timeout (or a stop), a harness call the node 
 NODES_TTL_S = 1.0  # the cluster's node list is asked of the GCS no more often than this
 NODE_RETRY_S = 600.0  # a node where a worker died warming is tried again after this long
 ENV_GONE_S = 240.0  # no node of the chosen environment alive this long, others alive: the environment moved
-RESPAWN_EVERY_S = 5.0  # a slot lost with no node to replace it on is asked for again this often
 WARM_TIMEOUT_S = 300.0  # a node importing torch and peft takes seconds; a worker Ray cannot place, for ever
 AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
              "RAY_AUTH_MODE=disabled, or give both the same token")
@@ -209,10 +208,6 @@ class RayExecutor:
         self._foreign: set[str] = set()  # nodes found to measure otherwise
         self._failed: dict[str, float] = {}  # untried nodes where a worker died warming → when (retried later)
         self._released = 0
-        # slots lost when no node could take a replacement: (when, its node), asked for again every
-        # RESPAWN_EVERY_S (the autoscaler's new machine may come minutes after the old one went)
-        self._lost: list[tuple[float, str | None]] = []
-        self._respawned = 0.0
         self._nodes_seen: tuple[float, list[dict[str, Any]]] | None = None  # (when, ray.nodes()), `_cluster_nodes`
         self._gone_since: float | None = None  # `environment_gone`: since when no node of ours was seen alive
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
@@ -229,10 +224,12 @@ class RayExecutor:
                 f"the cluster did not start {self._slots} warm worker(s) of {cpus} CPU / {gpus:g} GPU each in "
                 f"{WARM_TIMEOUT_S:.0f} s (resources: {dict(resources)}); lower --workers or [run] cpus/gpus") from None
 
-    def _new_worker(self, gpus: float | None = None, cpus: int | None = None, node: str | None = None) -> Any:
+    def _new_worker(self, gpus: float | None = None, cpus: int | None = None, node: str | None = None,
+                    avoid: list[str] | None = None) -> Any:
         """A warm worker actor: it holds `run.cpus` CPUs and `run.gpus` GPUs of a node (Ray sets the
         actor's CUDA_VISIBLE_DEVICES, which its stages inherit) for as long as the executor lives
-        (the harness's: `gpus` and `cpus` of its own); on `node` only, where given."""
+        (the harness's: `gpus` and `cpus` of its own); on `node` only, where given; never on the
+        nodes `avoid` names (Ray's default `ray.io/node-id` label)."""
         options: dict[str, Any] = {"num_cpus": self.cpus if cpus is None else cpus,
                                    "num_gpus": self.gpus if gpus is None else gpus, "max_restarts": 0,
                                    "max_concurrency": 3}  # a cancel, or `take_usage`, while a stage runs
@@ -242,17 +239,22 @@ class RayExecutor:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+        elif avoid:
+            options["label_selector"] = {"ray.io/node-id": f"!in({','.join(avoid)})"}
         return self._actor_cls.options(**options).remote(self._sources, self._preload, sorted(STAGE_ENV),
                                                           list(STAGE_ENV_PREFIXES))
 
-    def _spawn(self, near: str | None = None, harness: bool = False) -> _Slot | None:
+    def _spawn(self, near: str | None = None, harness: bool = False) -> _Slot:
         """A fresh slot (the harness's share with `harness`), warming. Once `measure_in` chose the
         nodes, on one of them that is alive (`near`, the node of the slot it replaces, first; then
         the one with the fewest of our slots), never on a node found to measure otherwise. When none
         of them is alive (spot machines taken back, and the autoscaler's new ones in their place),
         on a live node not tried yet, each in turn, to learn what it measures with (one where a worker
-        died warming: again after NODE_RETRY_S); None when there is none."""
-        node = None
+        died warming: again after NODE_RETRY_S). When there is none either, asked of the cluster as
+        it is, on any node but those: it waits, pending, for a node to join (the demand an autoscaler
+        starts one for, where the cluster has no worker left), and what that node measures with
+        decides whether it stays."""
+        node, avoid = None, None
         if self._accept is not None:
             cpus, gpus = (0, self.harness_gpus) if harness else (self.cpus, self.gpus)
             # the live nodes that could hold it at all (a head node without CPUs cannot)
@@ -271,11 +273,12 @@ class RayExecutor:
                 now = time.monotonic()
                 untried = [n for n in alive if n not in self._foreign and n not in self._nodes
                            and now - self._failed.get(n, -NODE_RETRY_S) >= NODE_RETRY_S]
-                if not untried:
-                    return None
-                node = min(untried, key=held.count)
-        actor = (self._new_worker(gpus=self.harness_gpus, cpus=0, node=node) if harness
-                 else self._new_worker(node=node))
+                if untried:
+                    node = min(untried, key=held.count)
+                else:
+                    avoid = sorted(self._foreign | {n for n, t in self._failed.items() if now - t < NODE_RETRY_S})
+        actor = (self._new_worker(gpus=self.harness_gpus, cpus=0, node=node, avoid=avoid) if harness
+                 else self._new_worker(node=node, avoid=avoid))
         return _Slot(actor, pending=actor.warm.remote(), node=node)
 
     def _cluster_nodes(self) -> list[dict[str, Any]]:
@@ -378,8 +381,7 @@ class RayExecutor:
 
     def _sweep(self, replace: bool = True) -> None:
         """End the idle slots on a node of another environment (`measure_in`), each with a fresh
-        worker asked for in its place, on a node of the driver's, when `replace`; and ask again, every
-        RESPAWN_EVERY_S, for the slots lost when no node could take them (`_lost`) (under `_lock`)."""
+        worker asked for in its place, on a node of the driver's, when `replace` (under `_lock`)."""
         if self._accept is None or self._closed:
             return
         for slot in list(self._idle):
@@ -389,21 +391,7 @@ class RayExecutor:
             self._kill(slot)
             self._released += 1
             if replace and not self._closed:
-                fresh = self._spawn()
-                if fresh is not None:
-                    self._idle.append(fresh)
-                else:
-                    self._lost.append((time.monotonic(), slot.node))
-        now = time.monotonic()
-        if self._lost and replace and now - self._respawned >= RESPAWN_EVERY_S:
-            self._respawned = now
-            for item in list(self._lost):
-                fresh = self._spawn(near=item[1])
-                if fresh is None:
-                    break
-                self._lost.remove(item)
-                self._idle.append(fresh)
-                self._lock.notify_all()
+                self._idle.append(self._spawn())
 
     def _stranded(self) -> str | None:
         """Why the jobs waiting can never start (under `_lock`): `measure_in` chose nodes, and no slot
@@ -413,8 +401,6 @@ class RayExecutor:
             return None
         now = time.monotonic()
         if any(self._usable(s) or (s.pending is not None and now - s.born < WARM_TIMEOUT_S) for s in self._idle):
-            return None
-        if any(now - lost < WARM_TIMEOUT_S for lost, _ in self._lost):  # a node may still come for it
             return None
         other = f" ({self._released} given back on nodes of another environment)" if self._released else ""
         return (f"no slot of the cluster measures with the driver's environment any more{other}: the nodes it "
@@ -428,9 +414,6 @@ class RayExecutor:
             with self._lock:
                 if self._harness is None and self.harness_gpus and not self._closed:  # lost, none in its place
                     self._harness = self._spawn(harness=True)
-                    if self._harness is None:
-                        raise InfrastructureFailure("no node that measures with the driver's environment is left "
-                                                    "for the GPU share of prepare/score")
                 slot = None if self._closed else self._harness
             if slot is None or self._accept is None:
                 return slot
@@ -439,7 +422,7 @@ class RayExecutor:
             with self._lock:
                 if not self._usable(slot) and slot.pending is None and self._harness is slot:
                     self._kill(slot)
-                    self._harness = self._spawn(harness=True)  # None: the next pass says so
+                    self._harness = self._spawn(harness=True)
                     self._harness_inputs.clear()
                     continue
             return slot
@@ -713,11 +696,7 @@ class RayExecutor:
         with self._lock:
             self._lent.pop(slot, None)
             if not self._closed:
-                fresh = self._spawn(near=slot.node)
-                if fresh is not None:
-                    self._idle.append(fresh)
-                else:  # no node of the driver's environment is alive now: asked for again later
-                    self._lost.append((time.monotonic(), slot.node))
+                self._idle.append(self._spawn(near=slot.node))
                 self._lock.notify_all()
 
     def run_harness(self, argv: list[str], *, cwd: Path, ro: list[Path | str], rw: list[Path | str],
@@ -857,7 +836,6 @@ class RayExecutor:
         self._harness_inputs.clear()  # refs that may have gone with it
         with self._lock:
             if self._harness is slot and not self._closed:
-                # None: no node of the driver's environment is left; the next call asks again, or says so
                 self._harness = self._spawn(near=slot.node, harness=True)
 
     def _kill(self, slot: _Slot) -> None:
