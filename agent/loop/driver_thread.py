@@ -16,8 +16,9 @@ class DriverThread:
     """The execution layer works the queue in a thread of its own: stages are submitted, polled,
     cached and scored while the loop's thread advances hypotheses (a gate, a summary and its
     pictures, a smoke run, an LLM request), so no slot waits for the graph. Only this thread
-    touches the driver and its executor, and it closes the driver when halted; the loop meets it
-    through the store (it queues runs and reads their status). An error of the driver's is
+    drives the driver and its executor, and it closes the driver when halted; the loop meets it
+    through the store (it queues runs and reads their status), and asks the driver only whether its
+    cluster's environment is gone (`Driver.environment_gone`, which reads the executor under its lock). An error of the driver's is
     re-raised in the loop's thread by `check`, as if the loop had driven the queue itself."""
 
     def __init__(self, driver: Any, stop: threading.Event):

@@ -208,7 +208,7 @@ class RayExecutor:
         self._foreign: set[str] = set()  # nodes found to measure otherwise
         self._failed: dict[str, float] = {}  # untried nodes where a worker died warming → when (retried later)
         self._released = 0
-        self._nodes_seen: tuple[float, list[dict[str, Any]]] | None = None  # (when, ray.nodes()), `_cluster_nodes`
+        self._nodes_seen: tuple[float, list[dict[str, Any]] | None] | None = None  # (when, ray.nodes()), `_cluster_nodes`
         self._gone_since: float | None = None  # `environment_gone`: since when no node of ours was seen alive
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
             slots = [*([self._harness] if self._harness else []), *self._idle]
@@ -256,13 +256,9 @@ class RayExecutor:
         decides whether it stays."""
         node, avoid = None, None
         if self._accept is not None:
-            cpus, gpus = (0, self.harness_gpus) if harness else (self.cpus, self.gpus)
-            # the live nodes that could hold it at all (a head node without CPUs cannot)
-            alive = [n["NodeID"] for n in self._cluster_nodes() if n.get("Alive")
-                     and (n.get("Resources") or {}).get("CPU", 0) >= cpus
-                     and (n.get("Resources") or {}).get("GPU", 0) >= gpus - 1e-9]
-            if self._nodes_seen is None:  # the GCS did not answer: the nodes as they were
-                alive = list(self._nodes)
+            nodes = self._cluster_nodes()
+            # the live nodes that could hold it at all; where the GCS did not answer, the nodes as they were
+            alive = self._could_hold(nodes, harness) if nodes is not None else list(self._nodes)
             live = [n for n in self._nodes if n in alive and n not in self._foreign]
             held = [s.node for s in (*self._idle, *self._lent, *(s for _, _, s in self._refs.values()))]
             if near in live:
@@ -272,7 +268,7 @@ class RayExecutor:
             else:
                 now = time.monotonic()
                 untried = [n for n in alive if n not in self._foreign and n not in self._nodes
-                           and now - self._failed.get(n, -NODE_RETRY_S) >= NODE_RETRY_S]
+                           and (n not in self._failed or now - self._failed[n] >= NODE_RETRY_S)]
                 if untried:
                     node = min(untried, key=held.count)
                 else:
@@ -281,38 +277,58 @@ class RayExecutor:
                  else self._new_worker(node=node, avoid=avoid))
         return _Slot(actor, pending=actor.warm.remote(), node=node)
 
-    def _cluster_nodes(self) -> list[dict[str, Any]]:
+    def _nodes_stale(self) -> bool:
+        return self._nodes_seen is None or time.monotonic() - self._nodes_seen[0] >= NODES_TTL_S
+
+    def _ask_nodes(self) -> tuple[float, list[dict[str, Any]] | None]:
+        """(now, the cluster's nodes) from the GCS; None for the nodes when it did not answer."""
+        try:
+            return time.monotonic(), list(self.ray.nodes())
+        except Exception:
+            return time.monotonic(), None
+
+    def _cluster_nodes(self) -> list[dict[str, Any]] | None:
         """The cluster's nodes as the GCS last told them, asked again no more often than every
-        NODES_TTL_S (under `_lock`: several slots lost at once ask once, not once each); [] when the
-        GCS did not answer (then `_nodes_seen` is None)."""
-        now = time.monotonic()
-        if self._nodes_seen is None or now - self._nodes_seen[0] >= NODES_TTL_S:
-            try:
-                self._nodes_seen = (now, list(self.ray.nodes()))
-            except Exception:
-                self._nodes_seen = None
-                return []
-        return self._nodes_seen[1]
+        NODES_TTL_S, an answer or its failure (under `_lock`: several slots lost at once ask once, not
+        once each); None when the GCS did not answer."""
+        if self._nodes_stale():
+            self._nodes_seen = self._ask_nodes()
+        return self._nodes_seen[1] if self._nodes_seen is not None else None
+
+    def _could_hold(self, nodes: list[dict[str, Any]], harness: bool = False) -> list[str]:
+        """The live nodes among `nodes` big enough for a stage's slot (the harness's share with
+        `harness`): a head node without CPUs is not."""
+        cpus, gpus = (0, self.harness_gpus) if harness else (self.cpus, self.gpus)
+        return [n["NodeID"] for n in nodes if n.get("Alive") and (n.get("Resources") or {}).get("CPU", 0) >= cpus
+                and (n.get("Resources") or {}).get("GPU", 0) >= gpus - 1e-9]
 
     def environment_gone(self) -> str | None:
         """Why the stages can no longer run where `measure_in` chose: for ENV_GONE_S (less than the
-        WARM_TIMEOUT_S after which the stages waiting fail) no node of the chosen environment has been
-        alive, while live nodes of the cluster measure with another (a cluster re-imaged with a new
+        WARM_TIMEOUT_S after which the stages waiting fail) every live node that could hold a slot
+        has been one found to measure with another environment (a cluster re-imaged with a new
         torch or driver, node by node, under a running loop). The loop stops then, and its next start
         measures in the cluster's environment (the baseline re-measured there). None otherwise: before
-        `measure_in`, while a node of ours is alive or none at all (an outage, not a move), or while
-        the GCS does not answer. Polled by the loop; its first call that sees the nodes gone starts
-        the clock."""
+        `measure_in`; while a live node that could hold a slot is ours, or not known to measure
+        otherwise (one that joined and was not tried yet: the autoscaler's replacement may be ours);
+        while no such node is alive at all (an outage, not a move); while the GCS does not answer.
+        Polled by the loop's thread (the node list is asked for outside `_lock`); the clock starts at
+        its first call that sees the nodes gone."""
+        if self._accept is None or self._closed:
+            return None
+        asked = self._ask_nodes() if self._nodes_stale() else None  # the GCS may be slow: not under the lock
         with self._lock:
             if self._accept is None or self._closed:
                 return None
+            if asked is not None:
+                self._nodes_seen = asked
+            for slot in self._idle:  # replacements that answered: their nodes learned
+                self._usable(slot)
             nodes = self._cluster_nodes()
-            if self._nodes_seen is None:
+            if nodes is None:
                 return None
-            alive = {n["NodeID"] for n in nodes if n.get("Alive")}
-            ours = [n for n in self._nodes if n in alive and n not in self._foreign]
-            others = sorted(alive & self._foreign)
-            if ours or not others:
+            fit = self._could_hold(nodes)
+            others = [n for n in fit if n in self._foreign]
+            if not others or len(others) < len(fit):  # a node of ours, or one that may be, or none at all
                 self._gone_since = None
                 return None
             now = time.monotonic()
@@ -320,8 +336,8 @@ class RayExecutor:
                 self._gone_since = now
             if now - self._gone_since < ENV_GONE_S:
                 return None
-            return (f"no node of the measurement environment has been alive for {now - self._gone_since:.0f} s, and "
-                    f"{len(others)} live node(s) of the cluster measure with another environment")
+            return (f"every live node of the cluster that could hold a slot ({len(others)}) has measured with another "
+                    f"environment for {now - self._gone_since:.0f} s: no node of the measurement environment is left")
 
     @property
     def slots(self) -> int:
@@ -420,6 +436,11 @@ class RayExecutor:
             if slot.pending is not None:
                 self.ray.wait([slot.pending], timeout=WARM_TIMEOUT_S)
             with self._lock:
+                self._learn(slot)
+                if slot.pending is not None:  # asked of the cluster and not placed: it stays asked for
+                    raise InfrastructureFailure(
+                        f"no node that measures with the driver's environment took the GPU share for prepare/score "
+                        f"in {WARM_TIMEOUT_S:.0f} s")
                 if not self._usable(slot) and slot.pending is None and self._harness is slot:
                     self._kill(slot)
                     self._harness = self._spawn(harness=True)

@@ -8,7 +8,9 @@ other sat idle. Longest first (the classic greedy schedule) ends both workers cl
 The weights are each module's seconds, summed over its tests' setup, call and teardown, in
 `tests/module_seconds.json`; a module not in it (a new one) counts as the median. Refresh them from a
 full run on the 2-core machine: `TEST_MODULE_SECONDS=tests/module_seconds.json make test` writes
-the measured sums there at the end (the controller's, which sees every worker's reports).
+the measured sums there at the end (the controller's, which sees every worker's reports), merged
+into the modules' weights already there. xdist hands a worker its next module once it has two tests
+or fewer left, so this is longest-first with a module of look-ahead.
 """
 
 from __future__ import annotations
@@ -49,4 +51,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     out = os.environ.get("TEST_MODULE_SECONDS")
     if not out or hasattr(session.config, "workerinput"):  # a worker sees only its own modules
         return
-    Path(out).write_text(json.dumps({k: round(v, 1) for k, v in sorted(_seconds.items())}, indent=1) + "\n")
+    try:  # merged into what is there: a run of some modules (make test-fast, -k) keeps the others' weights
+        merged = {str(k): float(v) for k, v in json.loads(Path(out).read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        merged = {}
+    merged.update({k: round(v, 1) for k, v in _seconds.items()})
+    Path(out).write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
