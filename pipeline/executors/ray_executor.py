@@ -63,7 +63,7 @@ USAGE_GIVE_UP_S = 60.0  # an actor that has not answered `take_usage` in this lo
 HARNESS_GRACE_S = 30.0  # past its timeout (or a stop), a harness call the node does not end is lost
 NODES_TTL_S = 1.0  # the cluster's node list is asked of the GCS no more often than this
 NODE_RETRY_S = 600.0  # a node where a worker died warming is tried again after this long
-ENV_GONE_S = 240.0  # no node of the chosen environment alive this long, others alive: the environment moved
+ENV_GONE_S = 240.0  # every live node found to measure otherwise this long: the cluster's environment moved
 WARM_TIMEOUT_S = 300.0  # a node importing torch and peft takes seconds; a worker Ray cannot place, for ever
 AUTH_HINT = ("Ray 2.60 turns token authentication on: start the cluster and run the loop with "
              "RAY_AUTH_MODE=disabled, or give both the same token")
@@ -209,7 +209,7 @@ class RayExecutor:
         self._failed: dict[str, float] = {}  # untried nodes where a worker died warming → when (retried later)
         self._released = 0
         self._nodes_seen: tuple[float, list[dict[str, Any]] | None] | None = None  # (when, ray.nodes()), `_cluster_nodes`
-        self._gone_since: float | None = None  # `environment_gone`: since when no node of ours was seen alive
+        self._gone_since: float | None = None  # `environment_gone`: since when only other environments' nodes were seen
         try:  # each imports torch and peft once, in parallel; an actor Ray cannot place never starts
             slots = [*([self._harness] if self._harness else []), *self._idle]
             readies = ray.get([w.actor.warm.remote() for w in slots], timeout=WARM_TIMEOUT_S)
