@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import runner
 from pipeline.executors import ExecutorOptions
 from pipeline.experiment import Experiment, ensure_runs, results
 from pipeline.labrepo import resolve_commit
@@ -33,7 +32,8 @@ def study(lab: Lab, store: Any, runs: int, executor: ExecutorOptions | None = No
     seeds = exp.baseline_seeds(sha, runs)  # the baseline's own seeds: its gate runs are reused
     store.mark_baseline(sha)
     ids = ensure_runs(store, lab, sha, tasks, seeds, label="variance study")
-    with runner.Driver(lab, store, runner.make_executor(executor or ExecutorOptions(), lab)) as driver:
+    # `Experiment.driver`: on a cluster whose nodes differ, in the baseline's environment (its gate runs are reused)
+    with exp.driver(executor) as driver:
         driver.drive(until=ids, stop=stop)
     values = results(store, lab, sha, tasks)
     gate = lab.config.gate
@@ -119,7 +119,8 @@ def pairing(lab: Lab, store: Any, rev: str, runs: int, executor: ExecutorOptions
     ids += ensure_runs(store, lab, sha, tasks, seeds, label=f"pairing {rev}")
     if sha != base_sha:
         store.mark_comparison(sha, base_sha)
-    with runner.Driver(lab, store, runner.make_executor(executor or ExecutorOptions(), lab)) as driver:
+    # `Experiment.driver`: on a cluster whose nodes differ, in the baseline's environment (its gate runs are reused)
+    with exp.driver(executor) as driver:
         driver.drive(until=ids, stop=stop)
     base, chal = results(store, lab, base_sha, tasks), results(store, lab, sha, tasks)
     per_task = {}
