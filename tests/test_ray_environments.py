@@ -245,6 +245,21 @@ def test_a_mixed_clusters_other_nodes_slots_are_given_back_and_a_stray_replaceme
         ex.close()
 
 
+def _take_down(cluster: RayCluster, node_id: str) -> None:
+    """Kill the processes of the cluster's second node (`node_id`) and wait until Ray sees it dead."""
+    import psutil
+
+    for p in [p for p in cluster.processes() if cluster.dirs[1] in " ".join(p.cmdline())]:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + 90
+    while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() < deadline, "Ray did not notice the node's death"
+        time.sleep(0.5)
+
+
 def ray_executor_slot(actor):
     from pipeline.executors.ray_executor import _Slot
 
@@ -256,8 +271,6 @@ def test_when_the_environments_nodes_are_replaced_the_new_ones_are_tried_and_lea
     node can take them are asked of the cluster anyway and wait, pending (an autoscaler's demand);
     the node that joins is tried, it measures with the driver's environment, so it is learned and
     the stages go on there."""
-    import psutil
-
     from pipeline.executors.ray_executor import RayExecutor
 
     with ray_exclusive(), RayCluster(head_cpus=0, worker_cpus=2) as cluster, cluster.connected():
@@ -266,15 +279,7 @@ def test_when_the_environments_nodes_are_replaced_the_new_ones_are_tried_and_lea
             assert ex.slots == 2
             assert ex.measure_in(lambda facts: facts["packages"].get("numpy") != OLD_NUMPY) == 0
             (first,) = ex._nodes
-            for p in [p for p in cluster.processes() if cluster.dirs[1] in " ".join(p.cmdline())]:
-                try:  # the machine is taken back
-                    p.kill()
-                except psutil.Error:
-                    pass
-            deadline = time.monotonic() + 90
-            while any(n["NodeID"] == first and n["Alive"] for n in ray.nodes()):
-                assert time.monotonic() < deadline, "Ray did not notice the node's death"
-                time.sleep(0.5)
+            _take_down(cluster, first)  # the machine is taken back
             # the stages sent to its slots are lost; no node can take their replacements yet
             got = _collect(ex, [_job(tmp_path, f"s{i}") for i in range(2)], limit=60)
             assert {r.status for r in got.values()} == {"infra"}, got
@@ -304,8 +309,6 @@ def test_when_every_node_of_the_environment_is_gone_and_others_live_the_loop_sto
     driver says so and the loop stops as after an upgrade on its own machine (`environment changed`,
     `run` exits with code 3; its next start measures in the cluster's environment). While no node that
     could take a slot is alive, it is an outage, not a move: nothing is said."""
-    import psutil
-
     from agent.loop import ENVIRONMENT_CHANGED, guards
     from pipeline.executors import ray_executor
     from pipeline.executors.ray_executor import RayExecutor
@@ -326,15 +329,7 @@ def test_when_every_node_of_the_environment_is_gone_and_others_live_the_loop_sto
                 ex = d.executor
                 (first,) = ex._nodes
                 assert d.environment_gone() is None and not loop.environment_moved(d)
-                for p in [p for p in cluster.processes() if cluster.dirs[1] in " ".join(p.cmdline())]:
-                    try:  # the node is taken down to be re-imaged
-                        p.kill()
-                    except psutil.Error:
-                        pass
-                deadline = time.monotonic() + 90
-                while any(n["NodeID"] == first and n["Alive"] for n in ray.nodes()):
-                    assert time.monotonic() < deadline, "Ray did not notice the node's death"
-                    time.sleep(0.5)
+                _take_down(cluster, first)  # the node is taken down to be re-imaged
                 got = _collect(ex, [_job(tmp_path, f"s{i}") for i in range(2)], limit=60)
                 assert {r.status for r in got.values()} == {"infra"}, got  # sent to the dead slots
                 time.sleep(2.5)  # past ENV_GONE_S with no node alive but the head (no CPU: no slot)
